@@ -1,0 +1,1 @@
+"""Triton kernels for paged and dp>1 KV layouts, each beside its plain-torch reference."""

@@ -1,0 +1,54 @@
+"""kvrt: move the KV cache of LLM requests from prefill (producer) to decode (consumer).
+
+    async with kvrt.Producer(bind="tcp://127.0.0.1:0") as producer:
+        await producer.insert(input_tokens, roi, key, value, hidden)
+
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        item = await consumer.drop_select(input_tokens, roi, timeout=0.0)
+
+Everything public is re-exported here; modules with a leading underscore are internal.
+"""
+
+from kvrt._consumer import Consumer
+from kvrt._errors import (
+    AuthError,
+    CapacityError,
+    ClosedError,
+    ErrorCode,
+    InvalidInputError,
+    KVRTError,
+    KVRTTimeoutError,
+    LocalProtocolError,
+    NotFoundError,
+    PeerLostError,
+    ProtocolError,
+    RemoteProtocolError,
+    VersionMismatchError,
+)
+from kvrt._item import KVItem
+from kvrt._messages import PROTOCOL_VERSION
+from kvrt._producer import Producer, ProducerStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AuthError",
+    "CapacityError",
+    "ClosedError",
+    "Consumer",
+    "ErrorCode",
+    "InvalidInputError",
+    "KVItem",
+    "KVRTError",
+    "KVRTTimeoutError",
+    "LocalProtocolError",
+    "NotFoundError",
+    "PeerLostError",
+    "Producer",
+    "ProducerStats",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "VersionMismatchError",
+    "__version__",
+]

@@ -1,0 +1,277 @@
+"""The producer's lookup buffer: buffered items, byte accounting, and the prefix index.
+
+Matching follows the seed (`SimpleBuffer._matches`) with DESIGN's selection rule:
+
+* each side's roi mask is applied to its tokens first;
+* an item matches a query when one masked sequence is a prefix of the other, and
+  `matched` is the shorter length; a match of length 0 is no match;
+* among matches the longest wins, then the oldest (smallest insertion sequence);
+* a query of None matches every item; the oldest wins, with `matched` its full length.
+
+The index is a radix tree over the masked tokens. A query walks one root-to-leaf path, so
+its cost is O(query length) whatever the number of buffered items:
+
+* items that are a prefix of the query end at nodes on the path (the deepest wins);
+* items that have the query as a prefix lie in the subtree where the path ends (the
+  oldest of that subtree wins; each node keeps a heap of its subtree for that).
+
+Heaps drop removed items lazily and are rebuilt when stale entries outnumber live ones,
+so memory stays proportional to the live items. Nothing here awaits or locks: the
+producer's event loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_COMPACT_SLACK = 16
+"""A heap is rebuilt once it holds more than twice its live entries plus this many."""
+
+
+@dataclass(eq=False, slots=True)
+class BufferedItem:
+    """One inserted item, owned by the buffer while buffered or in flight to a consumer."""
+
+    item_id: int
+    seq: int
+    masked_tokens: np.ndarray
+    input_tokens: torch.Tensor
+    roi: torch.Tensor | None
+    key: torch.Tensor
+    value: torch.Tensor
+    hidden: torch.Tensor | None
+    nbytes: int
+    generation: int = 0
+    buffered: bool = False
+    node: _Node | None = None
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""
+        return (self.input_tokens, self.roi, self.key, self.value, self.hidden)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    item: BufferedItem
+    matched: int
+
+
+_HeapEntry = tuple[int, int, BufferedItem]  # (seq, generation, item)
+
+
+def _alive(entry: _HeapEntry) -> bool:
+    _, generation, item = entry
+    return item.buffered and item.generation == generation
+
+
+class _Heap:
+    """Oldest-first heap of items with lazy removal and a live count."""
+
+    __slots__ = ("entries", "live")
+
+    def __init__(self, entries: list[_HeapEntry] | None = None, live: int = 0) -> None:
+        self.entries: list[_HeapEntry] = entries if entries is not None else []
+        self.live = live
+
+    def push(self, item: BufferedItem) -> None:
+        heapq.heappush(self.entries, (item.seq, item.generation, item))
+        self.live += 1
+
+    def discard(self) -> None:
+        """One of the entries is no longer alive (it is removed lazily)."""
+        self.live -= 1
+        if len(self.entries) > 2 * self.live + _COMPACT_SLACK:
+            self.entries = [entry for entry in self.entries if _alive(entry)]
+            heapq.heapify(self.entries)
+
+    def oldest(self) -> BufferedItem | None:
+        entries = self.entries
+        while entries and not _alive(entries[0]):
+            heapq.heappop(entries)
+        return entries[0][2] if entries else None
+
+    def copy(self) -> _Heap:
+        return _Heap(list(self.entries), self.live)
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    label: np.ndarray
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)
+    own: _Heap = field(default_factory=_Heap)
+    subtree: _Heap = field(default_factory=_Heap)
+
+
+def _common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differs = a[:n] != b[:n]
+    first = int(differs.argmax())
+    return first if differs[first] else n
+
+
+def prefix_match_length(item_tokens: np.ndarray, query: np.ndarray | None) -> int:
+    """`matched` of one item against one query (both masked): 0 when they do not match."""
+    if query is None:
+        return len(item_tokens)
+    n = min(len(item_tokens), len(query))
+    if n == 0 or _common_prefix_length(item_tokens[:n], query[:n]) < n:
+        return 0
+    return n
+
+
+class LookupBuffer:
+    """Buffered items by masked tokens, with the bytes they hold.
+
+    `nbytes` counts items in the index and items handed out but not yet confirmed
+    (`hold` / `release` / `forget`), because their memory is still held.
+    """
+
+    def __init__(self) -> None:
+        self._root = _Node(label=np.empty(0, dtype=np.int64), parent=None)
+        self._seq = itertools.count()
+        self.nbytes = 0
+        self.buffered = 0
+        self.held = 0
+
+    def __len__(self) -> int:
+        return self.buffered
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    # -- adding and removing ------------------------------------------------------------
+
+    def add(self, item: BufferedItem) -> None:
+        """Buffer a new item (its bytes start counting)."""
+        self.nbytes += item.nbytes
+        self._index(item)
+
+    def restore(self, item: BufferedItem) -> None:
+        """Buffer again an item that was held (handed out and given back); it keeps its age."""
+        self.held -= 1
+        self._index(item)
+
+    def take(self, item: BufferedItem) -> None:
+        """Remove a buffered item from the index; its bytes still count until `forget`."""
+        self._unindex(item)
+        self.held += 1
+
+    def forget(self, item: BufferedItem) -> None:
+        """A held item was delivered for good: its bytes stop counting."""
+        self.held -= 1
+        self.nbytes -= item.nbytes
+
+    def drop(self, item: BufferedItem) -> None:
+        """Remove a buffered item for good (evicted or expired)."""
+        self._unindex(item)
+        self.nbytes -= item.nbytes
+
+    def items(self) -> list[BufferedItem]:
+        """Every buffered item, oldest first (for listing; O(n log n))."""
+        return sorted(
+            (entry[2] for entry in self._root.subtree.entries if _alive(entry)),
+            key=lambda item: item.seq,
+        )
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def best_match(self, query: np.ndarray | None) -> Match | None:
+        """The item a drop-select with this (masked) query takes, without removing it."""
+        if query is None:
+            oldest = self._root.subtree.oldest()
+            return None if oldest is None else Match(oldest, len(oldest.masked_tokens))
+        length = len(query)
+        if length == 0:
+            return None
+        node, depth = self._root, 0
+        deepest_prefix: tuple[_Node, int] | None = None
+        while depth < length:
+            child = node.children.get(int(query[depth]))
+            if child is None:
+                break
+            common = _common_prefix_length(child.label, query[depth:])
+            if depth + common == length:
+                # The query ends on this edge: every item below has it as a prefix.
+                oldest = child.subtree.oldest()
+                return None if oldest is None else Match(oldest, length)
+            if common < len(child.label):
+                break
+            node, depth = child, depth + common
+            if node.own.live:
+                deepest_prefix = (node, depth)
+        if deepest_prefix is None:
+            return None
+        prefix_node, matched = deepest_prefix
+        oldest = prefix_node.own.oldest()
+        return None if oldest is None else Match(oldest, matched)
+
+    # -- the radix tree -------------------------------------------------------------------
+
+    def _index(self, item: BufferedItem) -> None:
+        item.generation += 1
+        item.buffered = True
+        tokens = item.masked_tokens
+        node, depth = self._root, 0
+        path = [node]
+        while depth < len(tokens):
+            first = int(tokens[depth])
+            child = node.children.get(first)
+            if child is None:
+                child = _Node(label=tokens[depth:], parent=node)
+                node.children[first] = child
+                node, depth = child, len(tokens)
+            else:
+                common = _common_prefix_length(child.label, tokens[depth:])
+                if common < len(child.label):
+                    child = self._split(child, common)
+                node, depth = child, depth + common
+            path.append(node)
+        item.node = node
+        node.own.push(item)
+        for ancestor in path:
+            ancestor.subtree.push(item)
+        self.buffered += 1
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut `child`'s edge after `at` tokens; return the new node standing at the cut."""
+        parent = child.parent
+        assert parent is not None  # the root has no edge and is never split
+        middle = _Node(label=child.label[:at], parent=parent, subtree=child.subtree.copy())
+        parent.children[int(middle.label[0])] = middle
+        child.label = child.label[at:]
+        child.parent = middle
+        middle.children[int(child.label[0])] = child
+        return middle
+
+    def _unindex(self, item: BufferedItem) -> None:
+        node = item.node
+        assert node is not None and item.buffered, "item is not buffered"
+        item.buffered = False
+        item.node = None
+        self.buffered -= 1
+        node.own.discard()
+        walker: _Node | None = node
+        while walker is not None:
+            walker.subtree.discard()
+            walker = walker.parent
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Drop empty nodes from `node` up, then merge a node left with one child and no items."""
+        while node.parent is not None and node.subtree.live == 0:
+            parent = node.parent
+            del parent.children[int(node.label[0])]
+            node = parent
+        if node.parent is not None and node.own.live == 0 and len(node.children) == 1:
+            (only_child,) = node.children.values()
+            only_child.label = np.concatenate((node.label, only_child.label))
+            only_child.parent = node.parent
+            node.parent.children[int(only_child.label[0])] = only_child

@@ -1,0 +1,329 @@
+"""The consumer (decode side): one link per producer, and `drop_select`.
+
+A `_Link` is a ZeroMQ DEALER around a `ConsumerCore`. One task per link, owned by the
+link, reads frames, feeds the core, resolves the futures of pending calls, pings, and
+sends the receipts that let the producer free delivered items. Many calls may be pending
+on one link at once; replies are matched to them by request id, in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import torch
+import zmq
+import zmq.asyncio
+
+from kvrt import _messages as m
+from kvrt._errors import (
+    ClosedError,
+    InvalidInputError,
+    KVRTError,
+    KVRTTimeoutError,
+    ProtocolError,
+    translate_zmq_error,
+)
+from kvrt._item import KVItem, check_tokens, masked_tokens
+from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Replied, Stray, Welcomed
+from kvrt.transports import TcpTransport, Transport
+
+log = logging.getLogger("kvrt.consumer")
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    message: m.Message
+    item: KVItem | None = None
+
+
+def _fresh(error: KVRTError) -> KVRTError:
+    """A new exception of the same kind, so that each failed call raises its own object."""
+    clone = type(error).__new__(type(error))
+    clone.__dict__.update(error.__dict__)
+    clone.args = error.args
+    return clone
+
+
+class _Link:
+    """One consumer's connection to one producer."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        context: zmq.asyncio.Context,
+        name: str,
+        heartbeat_s: float,
+        transport: Transport,
+    ) -> None:
+        self.endpoint = endpoint
+        self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s)
+        self._transport = transport
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._sync_socket = zmq.Socket.shadow(self._socket.underlying)
+        self._pending: dict[int, asyncio.Future[_Reply]] = {}
+        self._welcomed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, connect_timeout_s: float) -> None:
+        try:
+            self._socket.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            raise translate_zmq_error(exc, endpoint=self.endpoint) from None
+        self._send_nowait(self.core.connect(self._now()))
+        self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                await self._welcomed.wait()
+        except TimeoutError:
+            await self.aclose()
+            raise KVRTTimeoutError(
+                f"no producer answered at {self.endpoint} within {connect_timeout_s} s: "
+                "is it running, and is the address right?",
+                phase="connect",
+            ) from None
+
+    async def call(self, build: Callable[[int], m.Message]) -> _Reply:
+        """Send a request and wait for its answer (or for the link to fail)."""
+        if self._task is not None and self._task.done():
+            raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
+        request_id, message = self.core.start_request(build)
+        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self._socket.send_multipart([m.encode(message)])
+            return await future
+        except asyncio.CancelledError:
+            cancel = self.core.abandon(request_id)
+            if cancel is not None:
+                self._send_nowait(cancel)
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+
+    async def aclose(self) -> None:
+        if self.core.state is not LinkState.CLOSED:
+            was_ready = self.core.state is LinkState.READY
+            self._fail_all(self.core.close())
+            if was_ready:
+                self._send_nowait(m.Bye(reason="consumer closed"))
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._socket.close(linger=0)
+
+    # -- the link's task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        core = self.core
+        while True:
+            try:
+                async with asyncio.timeout_at(core.next_deadline()):
+                    frames = await self._socket.recv_multipart(copy=False)
+            except TimeoutError:
+                frames = None
+            now = self._now()
+            if frames:
+                try:
+                    event = core.receive(frames[0].buffer, now)
+                except ProtocolError as exc:
+                    log.warning("ignoring a message from producer at %s: %s", self.endpoint, exc)
+                    event = None
+                if event is not None:
+                    await self._handle(event, frames[1:])
+            due, lost = core.expire(now)
+            if lost is not None:
+                log.warning("%s", lost.error)
+                self._fail_all(lost)
+            for message in due:
+                self._send_nowait(message)
+
+    async def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
+        match event:
+            case Welcomed():
+                self._welcomed.set()
+            case Replied(request_id=request_id, message=m.Deliver() as deliver):
+                await self._on_deliver(self._pending.get(request_id), deliver, payload)
+            case Replied(request_id=request_id, message=message):
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_result(_Reply(message))
+            case Failed(request_id=request_id, error=error):
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+            case Stray(message=deliver):
+                self._send_nowait(m.Release(item_id=deliver.item_id))
+            case Lost():
+                self._fail_all(event)
+
+    async def _on_deliver(
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, payload: Sequence[zmq.Frame]
+    ) -> None:
+        try:
+            tensors = await self._transport.receive(deliver, payload)
+        except ProtocolError as exc:
+            self._send_nowait(m.Release(item_id=deliver.item_id))
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        if future is None or future.done():
+            self._send_nowait(m.Release(item_id=deliver.item_id))
+            return
+        input_tokens, roi, key, value, hidden = tensors
+        item = KVItem(input_tokens, roi, key, value, hidden, deliver.matched)
+        self._send_nowait(m.Received(item_id=deliver.item_id))
+        future.set_result(_Reply(deliver, item))
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _send_nowait(self, message: m.Message) -> None:
+        """Queue a small message without awaiting (receipts, cancels, pings, bye)."""
+        try:
+            self._sync_socket.send(m.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # Queue full or socket closed: the producer's heartbeat timeout returns
+            # anything this message would have released.
+            log.debug("could not send %s to %s: %s", type(message).__name__, self.endpoint, exc)
+
+    def _fail_all(self, lost: Lost) -> None:
+        for request_id in lost.request_ids:
+            future = self._pending.get(request_id)
+            if future is not None and not future.done():
+                future.set_exception(_fresh(lost.error))
+
+    def _task_failure(self) -> BaseException | None:
+        if self._task is None or self._task.cancelled():
+            return None
+        return self._task.exception()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+class Consumer:
+    """Takes buffered KV from a producer (decode side).
+
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            item = await consumer.drop_select(input_tokens, roi, timeout=0.0)
+
+    Items arrive on `device`. Many `drop_select` calls may be in flight at once. Closing
+    ends every pending call with `ClosedError`.
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        device: torch.device | str = "cpu",
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(connect, str) or not connect:
+            raise InvalidInputError(f"connect must be a ZeroMQ address such as 'tcp://host:port', got {connect!r}")
+        if not heartbeat_s > 0:
+            raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
+        self._endpoints = [connect]
+        self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._heartbeat_s = heartbeat_s
+        self._connect_timeout_s = connect_timeout_s
+        self._context: zmq.asyncio.Context | None = None
+        self._links: list[_Link] = []
+        self._closed = False
+
+    async def start(self) -> Self:
+        """Connect and handshake with the producer; returns once it answered."""
+        if self._context is not None or self._closed:
+            raise ClosedError("a consumer starts once; create a new one")
+        self._context = zmq.asyncio.Context()
+        try:
+            for endpoint in self._endpoints:
+                link = _Link(
+                    endpoint,
+                    context=self._context,
+                    name=self._name,
+                    heartbeat_s=self._heartbeat_s,
+                    transport=TcpTransport(self.device),
+                )
+                self._links.append(link)
+                await link.start(self._connect_timeout_s)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """End every pending call with `ClosedError`, say Bye, and stop."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links:
+            await link.aclose()
+        if self._context is not None:
+            self._context.term()
+
+    async def drop_select(
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+    ) -> KVItem | None:
+        """Take the buffered item that best matches `input_tokens` (masked by `roi`).
+
+        The best match is the longest common prefix of the masked sequences, then the
+        oldest item; `input_tokens` None takes the oldest item. `timeout` is how long to
+        wait for a match to be inserted: 0 answers at once, None waits until one is, or
+        until either side closes. Returns None on a miss.
+        """
+        self._check_open()
+        if input_tokens is None:
+            if roi is not None:
+                raise InvalidInputError("drop_select: roi was given without input_tokens")
+            query: list[int] | None = None
+        else:
+            check_tokens(input_tokens, roi, what="drop_select")
+            query = masked_tokens(input_tokens, roi).tolist()
+        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+            raise InvalidInputError(f"drop_select: timeout must be None or a finite number >= 0, got {timeout!r}")
+        if query is not None and len(query) > m.MAX_TOKENS:
+            raise InvalidInputError(f"drop_select: {len(query)} masked tokens is over the limit of {m.MAX_TOKENS}")
+        link = self._links[0]
+        reply = await link.call(
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
+        )
+        return reply.item
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the consumer is closed")
+        if self._context is None:
+            raise ClosedError("the consumer is not started: use `async with` or `await start()`")

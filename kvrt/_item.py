@@ -1,0 +1,97 @@
+"""What an item is: the five tensors of the seed, checked once at the API boundary.
+
+Shapes (token axis in capitals):
+    input_tokens  [TOKENS]                        integer dtype
+    roi           [TOKENS] or None                bool mask; None means every token
+    key, value    [layers, TOKENS, heads, head_dim]
+    hidden        [TOKENS, hidden] or None
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvrt._errors import InvalidInputError
+
+_INTEGER_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVItem:
+    """One request's KV as `drop_select` returns it; the consumer owns the tensors.
+
+    `matched` is the number of roi-masked tokens the query and the item share (the shorter
+    of the two masked lengths). Tensors are on the consumer's device.
+    """
+
+    input_tokens: torch.Tensor
+    roi: torch.Tensor | None
+    key: torch.Tensor
+    value: torch.Tensor
+    hidden: torch.Tensor | None
+    matched: int
+
+
+def _describe(tensor: object) -> str:
+    if isinstance(tensor, torch.Tensor):
+        return f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+    return type(tensor).__name__
+
+
+def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
+    """Check a token sequence and its roi; returns the number of tokens."""
+    if not isinstance(input_tokens, torch.Tensor) or input_tokens.dim() != 1 or input_tokens.dtype not in _INTEGER_DTYPES:
+        raise InvalidInputError(f"{what}: input_tokens must be a 1-D integer tensor, got {_describe(input_tokens)}")
+    length = input_tokens.shape[0]
+    if roi is not None:
+        if not isinstance(roi, torch.Tensor) or roi.dtype != torch.bool or roi.dim() != 1:
+            raise InvalidInputError(
+                f"{what}: roi must be None or a 1-D bool mask, got {_describe(roi)} (convert with `roi > 0.5`)"
+            )
+        if roi.shape[0] != length:
+            raise InvalidInputError(f"{what}: roi has {roi.shape[0]} entries for {length} input tokens")
+    return int(length)
+
+
+def check_item(
+    input_tokens: object, roi: object, key: object, value: object, hidden: object
+) -> None:
+    """Refuse an item whose tensors disagree with each other, saying which one and why."""
+    tokens = check_tokens(input_tokens, roi, what="insert")
+    for name, tensor in (("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            raise InvalidInputError(
+                f"insert: {name} must be a 4-D tensor [layers, tokens, heads, head_dim], got {_describe(tensor)}"
+            )
+        if tensor.shape[1] != tokens:
+            raise InvalidInputError(
+                f"insert: {name} has {tensor.shape[1]} tokens on axis 1, input_tokens has {tokens}"
+            )
+    assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+    if key.shape[0] != value.shape[0]:
+        raise InvalidInputError(f"insert: key has {key.shape[0]} layers, value has {value.shape[0]}")
+    if hidden is not None:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+            raise InvalidInputError(f"insert: hidden must be None or a 2-D tensor [tokens, hidden], got {_describe(hidden)}")
+        if hidden.shape[0] != tokens:
+            raise InvalidInputError(f"insert: hidden has {hidden.shape[0]} tokens on axis 0, input_tokens has {tokens}")
+
+
+def masked_tokens(input_tokens: torch.Tensor, roi: torch.Tensor | None) -> np.ndarray:
+    """The tokens the roi selects, as int64 on the host (the lookup key)."""
+    tokens = input_tokens.detach()
+    if roi is not None:
+        tokens = tokens[roi.to(tokens.device)]
+    return tokens.to(device="cpu", dtype=torch.int64).numpy()
+
+
+def owned_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous copy on `device` that nothing else references."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    copy.copy_(tensor.detach())
+    return copy

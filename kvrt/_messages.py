@@ -1,0 +1,225 @@
+"""Every control message of kvrt, in one tagged union, with the one encoder and decoder.
+
+A control message travels as the first ZeroMQ frame of a multipart message:
+msgpack `[version, message]`, where `message` is a map tagged by its `type` field.
+Frames after the first carry tensor bytes (TCP transport) and are described by the
+`TensorMeta` entries of the message they follow. `docs/protocol.md` is the reference
+for clients in other languages.
+
+Evolution rules (msgspec's schema-evolution rules, kept here so nobody has to look them up):
+1. A new field gets a default and goes last in its struct.
+2. A tag is never reused, never renamed; a retired message keeps its tag reserved.
+3. An incompatible change bumps `PROTOCOL_VERSION`; peers refuse a version they do not speak.
+4. Unknown fields are ignored on decode, so an older peer reads a newer peer's messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta
+
+from kvrt._errors import ErrorCode, RemoteProtocolError, VersionMismatchError
+
+PROTOCOL_VERSION: Final = 1
+
+MAX_TOKENS: Final = 1 << 20
+"""Most tokens a request may name (1M): bounds decode memory for a query."""
+
+MAX_TENSOR_DIMS: Final = 8
+MAX_HEADER_BYTES: Final = 16 << 20
+"""Largest first frame (the control message) a peer accepts; a larger one is refused unread."""
+
+MAX_NAME_CHARS: Final = 256
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+ItemId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Token = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenList = Annotated[list[Token], Meta(max_length=MAX_TOKENS)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+
+
+class Capability(enum.StrEnum):
+    """What a peer can do beyond the base protocol; exchanged in the handshake."""
+
+    TCP = "tcp"
+    PROBE = "probe"
+    STATS = "stats"
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """dtype (torch's name without the `torch.` prefix) and shape of one tensor on the wire."""
+
+    dtype: Annotated[str, Meta(max_length=32)]
+    shape: Annotated[list[Annotated[int, Meta(ge=0, le=2**62)]], Meta(max_length=MAX_TENSOR_DIMS)]
+
+
+class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=False):
+    """Base of every control message; the subclass's tag is its `type` on the wire."""
+
+
+class Hello(Message, tag="hello"):
+    """Consumer → producer, first message on a connection (and again after a reconnect)."""
+
+    version: int
+    name: Name = ""
+    capabilities: list[Capability] = []
+
+
+class Welcome(Message, tag="welcome"):
+    """Producer → consumer, the answer to Hello: who the producer is and how often to ping."""
+
+    version: int
+    producer_id: Name
+    heartbeat_s: Seconds
+    transport: Name = "tcp"
+    capabilities: list[Capability] = []
+
+
+class Ping(Message, tag="ping"):
+    """Consumer → producer, at least every `heartbeat_s`; the producer answers Pong."""
+
+    nonce: int = 0
+
+
+class Pong(Message, tag="pong"):
+    nonce: int = 0
+
+
+class Bye(Message, tag="bye"):
+    """Either side, when it closes: the peer fails or returns what it held for us at once."""
+
+    reason: Name = ""
+
+
+class DropSelect(Message, tag="drop_select"):
+    """Consumer → producer: take the best item matching `tokens` (already roi-masked).
+
+    `tokens` None takes the oldest item. `timeout_s` 0 answers at once; None waits until
+    a match is inserted, the consumer cancels, or either side closes. The answer is
+    `Deliver`, `Miss` or `ErrorReply` with the same `request_id`.
+    """
+
+    request_id: RequestId
+    tokens: TokenList | None
+    timeout_s: Seconds | None = 0.0
+
+
+class Cancel(Message, tag="cancel"):
+    """Consumer → producer: forget a waiting request. A Deliver already sent is Released."""
+
+    request_id: RequestId
+
+
+class Deliver(Message, tag="deliver"):
+    """Producer → consumer: the item for `request_id`. Tensor frames follow, in field order,
+    one per tensor that is not None. The consumer answers `Received` once it holds the
+    tensors (the producer frees the item then), or `Release` to hand it back."""
+
+    request_id: RequestId
+    item_id: ItemId
+    matched: Annotated[int, Meta(ge=0)]
+    input_tokens: TensorMeta
+    roi: TensorMeta | None
+    key: TensorMeta
+    value: TensorMeta
+    hidden: TensorMeta | None
+
+
+class Miss(Message, tag="miss"):
+    """Producer → consumer: no item matched before the request's timeout."""
+
+    request_id: RequestId
+
+
+class Received(Message, tag="received"):
+    """Consumer → producer: the item's tensors arrived; the producer may free it."""
+
+    item_id: ItemId
+
+
+class Release(Message, tag="release"):
+    """Consumer → producer: the item was not taken (its request was cancelled); buffer it again."""
+
+    item_id: ItemId
+
+
+class ErrorReply(Message, tag="error"):
+    """Either way: `request_id` failed (None: the message had no readable request id)."""
+
+    request_id: RequestId | None
+    code: ErrorCode
+    message: str
+
+
+AnyMessage = (
+    Hello
+    | Welcome
+    | Ping
+    | Pong
+    | Bye
+    | DropSelect
+    | Cancel
+    | Deliver
+    | Miss
+    | Received
+    | Release
+    | ErrorReply
+)
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    version: int
+    message: msgspec.Raw
+
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_envelope_decoder: Final = msgspec.msgpack.Decoder(_Envelope)
+_message_decoder: Final = msgspec.msgpack.Decoder(AnyMessage)  # type: ignore[arg-type]
+
+
+def encode(message: Message) -> bytes:
+    """The first frame for `message`."""
+    return _encoder.encode((PROTOCOL_VERSION, message))
+
+
+def decode(frame: bytes | memoryview) -> AnyMessage:
+    """The message in a first frame, validated.
+
+    Raises `RemoteProtocolError` for a frame that is too large, not msgpack, an unknown
+    tag, or a field of the wrong type or size (the message says which field), and
+    `VersionMismatchError` for a version this side does not speak.
+    """
+    if len(frame) > MAX_HEADER_BYTES:
+        raise RemoteProtocolError(
+            f"control frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}"
+        )
+    try:
+        envelope = _envelope_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"unreadable control frame: {exc}") from None
+    if envelope.version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"peer speaks protocol version {envelope.version}, this side speaks "
+            f"{PROTOCOL_VERSION}: run the same kvrt release on both sides"
+        )
+    try:
+        return _message_decoder.decode(envelope.message)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"invalid control message: {exc}") from None
+
+
+def peek_request_id(frame: bytes | memoryview) -> int | None:
+    """The request id of a frame that failed to decode, if one can be read, for the error reply."""
+    try:
+        envelope = _envelope_decoder.decode(frame)
+        fields = msgspec.msgpack.decode(envelope.message, type=dict[str, object])
+    except (msgspec.DecodeError, TypeError):
+        return None
+    request_id = fields.get("request_id")
+    if isinstance(request_id, int) and 0 <= request_id < 2**63:
+        return request_id
+    return None

@@ -1,0 +1,301 @@
+"""The producer (prefill side): a ZeroMQ ROUTER around `ProducerCore`, and `insert`.
+
+One task, owned by the producer, reads control frames, hands them to the core, and sends
+what the core answers; it wakes for a frame or for the core's next deadline, nothing else.
+`insert` runs in the caller's task: it waits (on an event, never a poll) while the buffer
+holds more than `buffer_bytes`, copies the tensors, and gives the item to the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import torch
+import zmq
+import zmq.asyncio
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem
+from kvrt._errors import (
+    ClosedError,
+    InvalidInputError,
+    KVRTError,
+    KVRTTimeoutError,
+    PeerLostError,
+    translate_zmq_error,
+)
+from kvrt._item import check_item, masked_tokens, owned_copy
+from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
+from kvrt.transports import TcpTransport, Transport
+
+DEFAULT_HEARTBEAT_S = 1.0
+"""Consumers ping at least this often; one silent for 4 periods is dropped."""
+
+_BYE_LINGER_MS = 200
+"""How long closing waits for its Bye messages to leave."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """A snapshot of what the producer holds and has done."""
+
+    endpoint: str
+    items: int
+    buffer_bytes: int
+    in_flight: int
+    waiting_requests: int
+    peers: int
+    totals: ProducerCounters
+
+
+def _check_device(device: torch.device | str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
+
+
+class Producer:
+    """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
+
+    Use it as an async context manager (or `await start()` ... `await aclose()`):
+
+        async with kvrt.Producer(bind="tcp://127.0.0.1:0") as producer:
+            await producer.insert(input_tokens, roi, key, value, hidden)
+
+    `bind` is a ZeroMQ address (port 0 picks a free one; `endpoint` tells which). Tensors
+    are copied to `device` at insert. `insert` waits while the buffer holds more than
+    `buffer_bytes` (items handed to a consumer count until it confirms receipt).
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        device: torch.device | str = "cpu",
+        buffer_bytes: int = 1 << 30,
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
+            raise InvalidInputError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
+        if not heartbeat_s > 0:
+            raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
+        self.device = _check_device(device)
+        self.buffer_bytes = buffer_bytes
+        self._bind = bind
+        self._transport = transport or TcpTransport(self.device)
+        self._core = ProducerCore(
+            producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            heartbeat_s=heartbeat_s,
+            transport=self._transport.name,
+        )
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._endpoint: str | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> Self:
+        """Bind the endpoint and start serving; returns once `endpoint` is known."""
+        if self._socket is not None or self._closed:
+            raise ClosedError("a producer starts once; create a new one")
+        self._context = zmq.asyncio.Context()
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            socket.bind(self._bind)
+        except zmq.ZMQError as exc:
+            socket.close()
+            self._context.term()
+            raise translate_zmq_error(exc, endpoint=self._bind) from None
+        self._socket = socket
+        self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._update_room()
+        self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
+        self._serve_task.add_done_callback(self._serve_ended)
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Say Bye to every consumer, fail every pending insert with `ClosedError`, and stop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._room.set()  # wake waiting inserts: they see `_closed` and fail
+        if self._socket is not None:
+            for out in self._core.close("producer closed"):
+                try:
+                    await asyncio.wait_for(self._socket.send_multipart([out.peer, m.encode(out.message)]), _BYE_LINGER_MS / 1000)
+                except (zmq.ZMQError, TimeoutError):
+                    pass  # a consumer already gone needs no Bye
+        if self._serve_task is not None:
+            self._serve_task.cancel()
+            try:
+                await self._serve_task
+            except asyncio.CancelledError:
+                pass
+        if self._socket is not None:
+            self._socket.close(linger=_BYE_LINGER_MS)
+        if self._context is not None:
+            self._context.term()
+
+    # -- API ------------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The address actually bound (with the real port when `bind` asked for port 0)."""
+        if self._endpoint is None:
+            raise ClosedError("the producer is not started: use `async with` or `await start()`")
+        return self._endpoint
+
+    async def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
+
+        Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
+        room appears or the producer closes). Raises `InvalidInputError` for tensors that
+        disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
+        """
+        self._check_open()
+        check_item(input_tokens, roi, key, value, hidden)
+        if timeout is not None and not timeout >= 0:
+            raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        await self._wait_for_room(timeout)
+        device = self.device
+        item_tokens = owned_copy(input_tokens, device)
+        item_roi = None if roi is None else owned_copy(roi, device)
+        item_key = owned_copy(key, device)
+        item_value = owned_copy(value, device)
+        item_hidden = None if hidden is None else owned_copy(hidden, device)
+        nbytes = sum(
+            tensor.nbytes for tensor in (item_tokens, item_roi, item_key, item_value, item_hidden) if tensor is not None
+        )
+        item = BufferedItem(
+            item_id=self._core.new_item_id(),
+            seq=self._core.buffer.next_seq(),
+            masked_tokens=masked_tokens(item_tokens, item_roi),
+            input_tokens=item_tokens,
+            roi=item_roi,
+            key=item_key,
+            value=item_value,
+            hidden=item_hidden,
+            nbytes=nbytes,
+        )
+        await self._perform(self._core.insert(item, self._now()))
+
+    def stats(self) -> ProducerStats:
+        buffer = self._core.buffer
+        return ProducerStats(
+            endpoint=self._endpoint or self._bind,
+            items=len(buffer),
+            buffer_bytes=buffer.nbytes,
+            in_flight=buffer.held,
+            waiting_requests=self._core.waiting_count,
+            peers=self._core.peer_count,
+            totals=self._core.counters,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _check_open(self) -> None:
+        if self._closed or self._socket is None:
+            reason = "closed" if self._closed else "not started: use `async with` or `await start()`"
+            raise ClosedError(f"the producer is {reason}") from self._failure
+
+    def _update_room(self) -> None:
+        if self._core.buffer.nbytes <= self.buffer_bytes:
+            self._room.set()
+        else:
+            self._room.clear()
+
+    async def _wait_for_room(self, timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                while self._core.buffer.nbytes > self.buffer_bytes and not self._closed:
+                    await self._room.wait()
+        except TimeoutError:
+            raise KVRTTimeoutError(
+                f"the buffer stayed over {self.buffer_bytes} bytes for {timeout} s: "
+                "no consumer is taking items; check that decode instances are connected",
+                phase="insert",
+            ) from None
+        self._check_open()
+
+    async def _serve(self) -> None:
+        socket = self._socket
+        assert socket is not None
+        core = self._core
+        while True:
+            try:
+                async with asyncio.timeout_at(core.next_deadline()):
+                    frames = await socket.recv_multipart(copy=False)
+            except TimeoutError:
+                frames = None
+            now = self._now()
+            out: list[Outgoing] = []
+            if frames is not None and len(frames) >= 2:
+                out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+            out += core.expire(now)
+            await self._perform(out)
+
+    async def _perform(self, out: list[Outgoing]) -> None:
+        """Send what the core answered; a peer found unreachable is forgotten (its items return)."""
+        socket = self._socket
+        assert socket is not None
+        while out:
+            send = out.pop(0)
+            frames: list[bytes | memoryview] = [send.peer, m.encode(send.message)]
+            if send.item is not None:
+                frames += self._transport.payload(send.peer, send.item)
+            try:
+                await socket.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:
+                error = translate_zmq_error(exc, endpoint=self.endpoint)
+                if not isinstance(error, PeerLostError):
+                    raise error from exc
+                out += self._core.peer_unreachable(send.peer, self._now())
+        self._update_room()
+
+    def _serve_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            # The serve loop owns the protocol; without it nothing can be served. Close,
+            # so that every later call says so instead of waiting for ever.
+            self._failure = failure
+            self._closed = True
+            self._room.set()
+
+
+__all__ = ["DEFAULT_HEARTBEAT_S", "KVRTError", "Producer", "ProducerStats"]

@@ -1,0 +1,565 @@
+"""The control protocol as two state machines without sockets (h11's sans-io design).
+
+`ProducerCore` is the producer's side: control frames and inserts in, messages to send out.
+`ConsumerCore` is one consumer's side of one producer link: frames in, events out.
+Neither reads a clock, sleeps or touches a socket: the caller passes `now` (seconds on a
+monotonic clock), asks `next_deadline()` when it should call `expire(now)` again, and moves
+the messages. The ZeroMQ drivers (`_producer.py`, `_consumer.py`) do exactly that, and the
+tests wire two cores together in memory.
+
+Per peer the producer knows one state; the table `_PRODUCER_ACCEPTS` says which messages a
+peer may send in it. A consumer link's states and their transitions are in
+`_CONSUMER_TRANSITIONS`. Everything else a peer sends is answered with an `ErrorReply`.
+
+Ownership of items: a Deliver hands an item to a consumer, but the producer keeps it (and
+counts its bytes) until the consumer answers `Received`. `Release`, `Bye`, or the
+consumer going silent for `heartbeat_s * HEARTBEAT_MISSES` puts it back in the buffer,
+with its original age. So an item is never lost and never freed while a peer may read it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem, LookupBuffer, prefix_match_length
+from kvrt._errors import (
+    ClosedError,
+    ErrorCode,
+    KVRTError,
+    PeerLostError,
+    ProtocolError,
+    RemoteProtocolError,
+    error_from_code,
+)
+from kvrt._tensors import tensor_meta
+
+HEARTBEAT_MISSES: Final = 4
+"""A peer is lost after this many heartbeat periods of silence."""
+
+MAX_WAITING_REQUESTS: Final = 65536
+"""Most drop-selects one producer keeps waiting for an insert, over all consumers."""
+
+
+# --------------------------------------------------------------------------------------
+# Producer side
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A message for the driver to send to `peer`; for a Deliver, `item` holds the tensors."""
+
+    peer: bytes
+    message: m.Message
+    item: BufferedItem | None = None
+
+
+class PeerState(enum.Enum):
+    UNKNOWN = "unknown"
+    READY = "ready"
+
+
+_PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
+    PeerState.UNKNOWN: (m.Hello, m.Bye),
+    PeerState.READY: (
+        m.Hello,
+        m.Ping,
+        m.Bye,
+        m.DropSelect,
+        m.Cancel,
+        m.Received,
+        m.Release,
+    ),
+}
+
+
+@dataclass(slots=True)
+class _Waiter:
+    peer: bytes
+    request_id: int
+    query: np.ndarray | None
+    deadline: float | None
+
+
+@dataclass(slots=True)
+class _Peer:
+    identity: bytes
+    name: str
+    last_seen: float
+    in_flight: dict[int, BufferedItem] = field(default_factory=dict)
+    waiting: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class ProducerCounters:
+    """Totals since start, for stats and metrics."""
+
+    inserted_items: int = 0
+    inserted_bytes: int = 0
+    delivered_items: int = 0
+    delivered_bytes: int = 0
+    returned_items: int = 0
+    misses: int = 0
+    errors: int = 0
+
+
+class _TimerKind(enum.IntEnum):
+    PEER = 0
+    WAITER = 1
+
+
+def _query_array(tokens: list[int] | None) -> np.ndarray | None:
+    return None if tokens is None else np.asarray(tokens, dtype=np.int64)
+
+
+class ProducerCore:
+    """The producer's protocol state: peers, waiting requests, items in flight, the buffer."""
+
+    def __init__(
+        self,
+        *,
+        producer_id: str,
+        heartbeat_s: float,
+        transport: str,
+        max_waiting: int = MAX_WAITING_REQUESTS,
+    ) -> None:
+        self.producer_id = producer_id
+        self.heartbeat_s = heartbeat_s
+        self.transport = transport
+        self.buffer = LookupBuffer()
+        self.counters = ProducerCounters()
+        self._max_waiting = max_waiting
+        self._peers: dict[bytes, _Peer] = {}
+        self._waiters: dict[tuple[bytes, int], _Waiter] = {}
+        self._timers: list[tuple[float, _TimerKind, int, object]] = []
+        self._timer_order = itertools.count()
+        self._item_ids = itertools.count(1)
+        self._closed = False
+
+    # -- what the driver reads ----------------------------------------------------------
+
+    @property
+    def peer_timeout_s(self) -> float:
+        return self.heartbeat_s * HEARTBEAT_MISSES
+
+    @property
+    def peer_count(self) -> int:
+        return len(self._peers)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiters)
+
+    def next_deadline(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
+    def new_item_id(self) -> int:
+        return next(self._item_ids)
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def receive(self, peer: bytes, frame: bytes | memoryview, extra_frames: int, now: float) -> list[Outgoing]:
+        """One control frame from `peer` (with `extra_frames` payload frames after it)."""
+        try:
+            message = m.decode(frame)
+        except ProtocolError as exc:
+            return [self._refuse(peer, m.peek_request_id(frame), exc.code, str(exc))]
+        request_id = getattr(message, "request_id", None)
+        state = PeerState.READY if peer in self._peers else PeerState.UNKNOWN
+        if not isinstance(message, _PRODUCER_ACCEPTS[state]):
+            if state is PeerState.UNKNOWN:
+                text = "this producer does not know you (it restarted, or you were silent too long): send hello"
+                return [self._refuse(peer, request_id, ErrorCode.UNKNOWN_PEER, text)]
+            text = f"a producer never accepts {type(message).__name__}"
+            return [self._refuse(peer, request_id, ErrorCode.PROTOCOL, text)]
+        if extra_frames:
+            text = f"{type(message).__name__} carries no payload frames, got {extra_frames}"
+            return [self._refuse(peer, request_id, ErrorCode.PROTOCOL, text)]
+        state_peer = self._peers.get(peer)
+        if state_peer is not None:
+            state_peer.last_seen = now
+        match message:
+            case m.Hello():
+                return self._on_hello(peer, message, now)
+            case m.Ping(nonce=nonce):
+                return [Outgoing(peer, m.Pong(nonce=nonce))]
+            case m.Bye():
+                return self._forget_peer(peer, now)
+            case m.DropSelect():
+                return self._on_drop_select(peer, message, now)
+            case m.Cancel(request_id=request_id):
+                self._drop_waiter(peer, request_id)
+                return []
+            case m.Received(item_id=item_id):
+                return self._on_received(peer, item_id)
+            case m.Release(item_id=item_id):
+                return self._on_release(peer, item_id, now)
+        raise AssertionError(f"unhandled {message!r}")  # the accept table and the match disagree
+
+    def insert(self, item: BufferedItem, now: float) -> list[Outgoing]:
+        """Buffer a new item; a waiting request it matches gets it at once."""
+        self.counters.inserted_items += 1
+        self.counters.inserted_bytes += item.nbytes
+        self.buffer.add(item)
+        return self._serve_waiters(item, now)
+
+    def drop(self, item: BufferedItem) -> None:
+        """Evict a buffered item (operator's request or its TTL)."""
+        self.buffer.drop(item)
+
+    def peer_unreachable(self, peer: bytes, now: float) -> list[Outgoing]:
+        """The driver could not send to `peer`: treat it as gone."""
+        return self._forget_peer(peer, now)
+
+    def expire(self, now: float) -> list[Outgoing]:
+        """Answer waiting requests whose timeout passed; forget peers silent for too long."""
+        out: list[Outgoing] = []
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, kind, _, key = heapq.heappop(timers)
+            if kind is _TimerKind.PEER:
+                assert isinstance(key, bytes)
+                peer = self._peers.get(key)
+                if peer is None:
+                    continue
+                expires = peer.last_seen + self.peer_timeout_s
+                if expires <= now:
+                    out += self._forget_peer(key, now)
+                else:
+                    self._add_timer(expires, _TimerKind.PEER, key)
+            else:
+                assert isinstance(key, tuple)
+                waiter = self._waiters.get(key)
+                if waiter is not None and waiter.deadline is not None and waiter.deadline <= now:
+                    self._drop_waiter(waiter.peer, waiter.request_id)
+                    self.counters.misses += 1
+                    out.append(Outgoing(waiter.peer, m.Miss(request_id=waiter.request_id)))
+        return out
+
+    def close(self, reason: str) -> list[Outgoing]:
+        """Say Bye to every peer. Items in flight return to the buffer (which closes with us)."""
+        self._closed = True
+        out = [Outgoing(peer, m.Bye(reason=reason)) for peer in self._peers]
+        for identity in list(self._peers):
+            self._forget_peer(identity, now=0.0)
+        self._timers.clear()
+        return out
+
+    # -- message handlers ---------------------------------------------------------------
+
+    def _on_hello(self, peer: bytes, hello: m.Hello, now: float) -> list[Outgoing]:
+        if hello.version != m.PROTOCOL_VERSION:
+            text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
+            return [self._refuse(peer, None, ErrorCode.VERSION, text)]
+        out: list[Outgoing] = []
+        if peer in self._peers:
+            # A second hello starts a new session: what the old one held goes back.
+            out += self._forget_peer(peer, now)
+        self._peers[peer] = _Peer(identity=peer, name=hello.name, last_seen=now)
+        self._add_timer(now + self.peer_timeout_s, _TimerKind.PEER, peer)
+        welcome = m.Welcome(
+            version=m.PROTOCOL_VERSION,
+            producer_id=self.producer_id,
+            heartbeat_s=self.heartbeat_s,
+            transport=self.transport,
+            capabilities=[m.Capability.TCP],
+        )
+        out.append(Outgoing(peer, welcome))
+        return out
+
+    def _on_drop_select(self, peer: bytes, request: m.DropSelect, now: float) -> list[Outgoing]:
+        query = _query_array(request.tokens)
+        found = self.buffer.best_match(query)
+        if found is not None:
+            return [self._deliver(peer, request.request_id, found.item, found.matched)]
+        if request.timeout_s == 0.0:
+            self.counters.misses += 1
+            return [Outgoing(peer, m.Miss(request_id=request.request_id))]
+        key = (peer, request.request_id)
+        if key in self._waiters:
+            text = f"request id {request.request_id} is already waiting"
+            return [self._refuse(peer, request.request_id, ErrorCode.PROTOCOL, text)]
+        if len(self._waiters) >= self._max_waiting:
+            text = f"{len(self._waiters)} requests already wait on this producer; retry with timeout=0"
+            return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
+        deadline = None if request.timeout_s is None else now + request.timeout_s
+        self._waiters[key] = _Waiter(peer, request.request_id, query, deadline)
+        self._peers[peer].waiting.add(request.request_id)
+        if deadline is not None:
+            self._add_timer(deadline, _TimerKind.WAITER, key)
+        return []
+
+    def _on_received(self, peer: bytes, item_id: int) -> list[Outgoing]:
+        item = self._peers[peer].in_flight.pop(item_id, None)
+        if item is None:
+            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
+        self.buffer.forget(item)
+        self.counters.delivered_items += 1
+        self.counters.delivered_bytes += item.nbytes
+        return []
+
+    def _on_release(self, peer: bytes, item_id: int, now: float) -> list[Outgoing]:
+        item = self._peers[peer].in_flight.pop(item_id, None)
+        if item is None:
+            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
+        return self._restore(item, now)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _refuse(self, peer: bytes, request_id: int | None, code: ErrorCode, text: str) -> Outgoing:
+        self.counters.errors += 1
+        return Outgoing(peer, m.ErrorReply(request_id=request_id, code=code, message=text))
+
+    def _deliver(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> Outgoing:
+        self.buffer.take(item)
+        self._peers[peer].in_flight[item.item_id] = item
+        return Outgoing(peer, _deliver_message(request_id, item, matched), item)
+
+    def _restore(self, item: BufferedItem, now: float) -> list[Outgoing]:
+        self.counters.returned_items += 1
+        self.buffer.restore(item)
+        return self._serve_waiters(item, now)
+
+    def _serve_waiters(self, item: BufferedItem, now: float) -> list[Outgoing]:
+        """Give `item` to the oldest waiting request it matches, if any."""
+        if self._closed:
+            return []
+        for key, waiter in self._waiters.items():
+            matched = prefix_match_length(item.masked_tokens, waiter.query)
+            if matched:
+                self._drop_waiter(*key)
+                return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
+        return []
+
+    def _drop_waiter(self, peer: bytes, request_id: int) -> None:
+        if self._waiters.pop((peer, request_id), None) is not None:
+            self._peers[peer].waiting.discard(request_id)
+
+    def _forget_peer(self, identity: bytes, now: float) -> list[Outgoing]:
+        peer = self._peers.pop(identity, None)
+        if peer is None:
+            return []
+        for request_id in peer.waiting:
+            self._waiters.pop((identity, request_id), None)
+        out: list[Outgoing] = []
+        for item in peer.in_flight.values():
+            out += self._restore(item, now)
+        return out
+
+    def _add_timer(self, when: float, kind: _TimerKind, key: object) -> None:
+        heapq.heappush(self._timers, (when, kind, next(self._timer_order), key))
+
+
+def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deliver:
+    return m.Deliver(
+        request_id=request_id,
+        item_id=item.item_id,
+        matched=matched,
+        input_tokens=tensor_meta(item.input_tokens),
+        roi=None if item.roi is None else tensor_meta(item.roi),
+        key=tensor_meta(item.key),
+        value=tensor_meta(item.value),
+        hidden=None if item.hidden is None else tensor_meta(item.hidden),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Consumer side
+# --------------------------------------------------------------------------------------
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    LOST = "lost"
+    CLOSED = "closed"
+
+
+_CONSUMER_TRANSITIONS: Final[dict[tuple[LinkState, str], LinkState]] = {
+    (LinkState.CONNECTING, "welcome"): LinkState.READY,
+    (LinkState.READY, "welcome"): LinkState.READY,
+    (LinkState.LOST, "welcome"): LinkState.READY,
+    (LinkState.CONNECTING, "silence"): LinkState.LOST,
+    (LinkState.READY, "silence"): LinkState.LOST,
+    (LinkState.READY, "bye"): LinkState.LOST,
+    (LinkState.READY, "unknown_peer"): LinkState.LOST,
+    (LinkState.LOST, "retry"): LinkState.CONNECTING,
+    (LinkState.CONNECTING, "close"): LinkState.CLOSED,
+    (LinkState.READY, "close"): LinkState.CLOSED,
+    (LinkState.LOST, "close"): LinkState.CLOSED,
+}
+"""(state, what happened) → next state. Pairs not listed leave the state as it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Welcomed:
+    welcome: m.Welcome
+
+
+@dataclass(frozen=True, slots=True)
+class Replied:
+    """The answer to a pending request: Deliver, Miss, or a reply of another operation."""
+
+    request_id: int
+    message: m.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    request_id: int
+    error: KVRTError
+
+
+@dataclass(frozen=True, slots=True)
+class Stray:
+    """A Deliver for a request that is no longer pending: release the item."""
+
+    message: m.Deliver
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The producer is gone; every pending request failed with `error`."""
+
+    error: KVRTError
+    request_ids: tuple[int, ...]
+
+
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost
+
+
+class ConsumerCore:
+    """One consumer's link to one producer: handshake, heartbeats, pending request ids."""
+
+    def __init__(self, *, endpoint: str, name: str, heartbeat_s: float) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.heartbeat_s = heartbeat_s
+        self.state = LinkState.CONNECTING
+        self.producer_id: str | None = None
+        self.transport: str | None = None
+        self._request_ids = itertools.count(1)
+        self._pending: set[int] = set()
+        self._last_heard = 0.0
+        self._next_ping = 0.0
+        self._outbox: list[m.Message] = []
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.heartbeat_s * HEARTBEAT_MISSES
+
+    def _move(self, event: str) -> None:
+        self.state = _CONSUMER_TRANSITIONS.get((self.state, event), self.state)
+
+    def connect(self, now: float) -> m.Hello:
+        """The hello to send now (at start, and on each retry while the producer is lost)."""
+        self._last_heard = now
+        self._next_ping = now + self.heartbeat_s
+        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=[m.Capability.TCP])
+
+    def start_request(self, build: Callable[[int], m.Message]) -> tuple[int, m.Message]:
+        """Reserve a request id and build the message carrying it; fails if not connected."""
+        if self.state is not LinkState.READY:
+            raise self._not_ready_error()
+        request_id = next(self._request_ids)
+        self._pending.add(request_id)
+        return request_id, build(request_id)
+
+    def abandon(self, request_id: int) -> m.Cancel | None:
+        """The caller stopped waiting (cancelled): the Cancel to send, if still pending."""
+        if request_id in self._pending:
+            self._pending.discard(request_id)
+            return m.Cancel(request_id=request_id) if self.state is LinkState.READY else None
+        return None
+
+    def receive(self, frame: bytes | memoryview, now: float) -> ConsumerEvent | None:
+        message = m.decode(frame)  # a producer that sends garbage is broken: let it raise
+        self._last_heard = now
+        match message:
+            case m.Welcome():
+                if self.producer_id is not None and message.producer_id != self.producer_id:
+                    lost = self._lose(PeerLostError(f"producer at {self.endpoint} restarted"))
+                    self._accept_welcome(message)
+                    return lost
+                self._accept_welcome(message)
+                return Welcomed(message)
+            case m.Pong():
+                return None
+            case m.Bye(reason=reason):
+                return self._lose(PeerLostError(f"producer at {self.endpoint} closed ({reason})"), "bye")
+            case m.Deliver(request_id=request_id):
+                if request_id in self._pending:
+                    self._pending.discard(request_id)
+                    return Replied(request_id, message)
+                return Stray(message)
+            case m.ErrorReply(request_id=request_id, code=code, message=text):
+                if code is ErrorCode.UNKNOWN_PEER:
+                    return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")
+                if request_id is not None and request_id in self._pending:
+                    self._pending.discard(request_id)
+                    return Failed(request_id, error_from_code(code, f"producer at {self.endpoint}: {text}"))
+                raise error_from_code(code, f"producer at {self.endpoint} refused a message: {text}")
+            case _:
+                request_id = getattr(message, "request_id", None)
+                if isinstance(request_id, int) and request_id in self._pending:
+                    self._pending.discard(request_id)
+                    return Replied(request_id, message)
+                raise RemoteProtocolError(f"unexpected {type(message).__name__} from producer at {self.endpoint}")
+
+    def next_deadline(self) -> float | None:
+        if self.state is LinkState.CLOSED:
+            return None
+        return min(self._next_ping, self._last_heard + self.timeout_s)
+
+    def expire(self, now: float) -> tuple[list[m.Message], Lost | None]:
+        """Messages due now (ping, or hello while lost) and a Lost event if the producer went silent."""
+        lost: Lost | None = None
+        if self.state in (LinkState.READY, LinkState.CONNECTING) and now >= self._last_heard + self.timeout_s:
+            lost = self._lose(
+                PeerLostError(
+                    f"producer at {self.endpoint} did not answer for {self.timeout_s:.1f} s; "
+                    "is it running and reachable?"
+                ),
+                "silence",
+            )
+        out: list[m.Message] = []
+        if now >= self._next_ping:
+            self._next_ping = now + self.heartbeat_s
+            if self.state is LinkState.LOST:
+                self._move("retry")
+                out.append(self.connect(now))
+            elif self.state is LinkState.READY:
+                out.append(m.Ping())
+        return out, lost
+
+    def close(self) -> Lost:
+        return self._lose(ClosedError("the consumer was closed while the call was pending"), "close")
+
+    def _accept_welcome(self, welcome: m.Welcome) -> None:
+        self.producer_id = welcome.producer_id
+        self.transport = welcome.transport
+        self.heartbeat_s = min(self.heartbeat_s, welcome.heartbeat_s)
+        self._move("welcome")
+
+    def _lose(self, error: KVRTError, event: str = "silence") -> Lost:
+        pending = tuple(self._pending)
+        self._pending.clear()
+        self._move(event)
+        return Lost(error, pending)
+
+    def _not_ready_error(self) -> KVRTError:
+        if self.state is LinkState.CLOSED:
+            return ClosedError("the consumer is closed")
+        return PeerLostError(f"producer at {self.endpoint} is not connected ({self.state.value}); retry later")
