@@ -23,7 +23,7 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy
+	$(PY) tools/typecheck.py
 
 bench-buffer: $(STAMP)
 	$(PY) -m kvrt bench buffer

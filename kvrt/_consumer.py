@@ -9,6 +9,7 @@ on one link at once; replies are matched to them by request id, in any order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from kvrt._errors import (
 from kvrt._item import KVItem, check_tokens, masked_tokens
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Replied, Stray, Welcomed
+from kvrt._zmqio import FrameReader
 from kvrt.transports import TcpTransport, Transport
 
 log = logging.getLogger("kvrt.consumer")
@@ -72,7 +74,7 @@ class _Link:
         self._transport = transport
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._sync_socket = zmq.Socket.shadow(self._socket.underlying)
+        self._sync_socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -122,37 +124,35 @@ class _Link:
                 self._send_nowait(m.Bye(reason="consumer closed"))
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self._socket.close(linger=0)
 
     # -- the link's task ------------------------------------------------------------------
 
     async def _run(self) -> None:
         core = self.core
-        while True:
-            try:
-                async with asyncio.timeout_at(core.next_deadline()):
-                    frames = await self._socket.recv_multipart(copy=False)
-            except TimeoutError:
-                frames = None
-            now = self._now()
-            if frames:
-                try:
-                    event = core.receive(frames[0].buffer, now)
-                except ProtocolError as exc:
-                    log.warning("ignoring a message from producer at %s: %s", self.endpoint, exc)
-                    event = None
-                if event is not None:
-                    await self._handle(event, frames[1:])
-            due, lost = core.expire(now)
-            if lost is not None:
-                log.warning("%s", lost.error)
-                self._fail_all(lost)
-            for message in due:
-                self._send_nowait(message)
+        reader = FrameReader(self._socket)
+        try:
+            while True:
+                frames = await reader.next(core.next_deadline())
+                now = self._now()
+                if frames:
+                    try:
+                        event = core.receive(frames[0].buffer, now)
+                    except ProtocolError as exc:
+                        log.warning("ignoring a message from producer at %s: %s", self.endpoint, exc)
+                        event = None
+                    if event is not None:
+                        await self._handle(event, frames[1:])
+                due, lost = core.expire(now)
+                if lost is not None:
+                    log.warning("%s", lost.error)
+                    self._fail_all(lost)
+                for message in due:
+                    self._send_nowait(message)
+        finally:
+            reader.close()
 
     async def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
         match event:
@@ -317,9 +317,7 @@ class Consumer:
         if query is not None and len(query) > m.MAX_TOKENS:
             raise InvalidInputError(f"drop_select: {len(query)} masked tokens is over the limit of {m.MAX_TOKENS}")
         link = self._links[0]
-        reply = await link.call(
-            lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
-        )
+        reply = await link.call(lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout))
         return reply.item
 
     def _check_open(self) -> None:

@@ -45,7 +45,11 @@ def _describe(tensor: object) -> str:
 
 def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
     """Check a token sequence and its roi; returns the number of tokens."""
-    if not isinstance(input_tokens, torch.Tensor) or input_tokens.dim() != 1 or input_tokens.dtype not in _INTEGER_DTYPES:
+    if (
+        not isinstance(input_tokens, torch.Tensor)
+        or input_tokens.dim() != 1
+        or input_tokens.dtype not in _INTEGER_DTYPES
+    ):
         raise InvalidInputError(f"{what}: input_tokens must be a 1-D integer tensor, got {_describe(input_tokens)}")
     length = input_tokens.shape[0]
     if roi is not None:
@@ -58,9 +62,7 @@ def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
     return int(length)
 
 
-def check_item(
-    input_tokens: object, roi: object, key: object, value: object, hidden: object
-) -> None:
+def check_item(input_tokens: object, roi: object, key: object, value: object, hidden: object) -> None:
     """Refuse an item whose tensors disagree with each other, saying which one and why."""
     tokens = check_tokens(input_tokens, roi, what="insert")
     for name, tensor in (("key", key), ("value", value)):
@@ -69,15 +71,15 @@ def check_item(
                 f"insert: {name} must be a 4-D tensor [layers, tokens, heads, head_dim], got {_describe(tensor)}"
             )
         if tensor.shape[1] != tokens:
-            raise InvalidInputError(
-                f"insert: {name} has {tensor.shape[1]} tokens on axis 1, input_tokens has {tokens}"
-            )
+            raise InvalidInputError(f"insert: {name} has {tensor.shape[1]} tokens on axis 1, input_tokens has {tokens}")
     assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
     if key.shape[0] != value.shape[0]:
         raise InvalidInputError(f"insert: key has {key.shape[0]} layers, value has {value.shape[0]}")
     if hidden is not None:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
-            raise InvalidInputError(f"insert: hidden must be None or a 2-D tensor [tokens, hidden], got {_describe(hidden)}")
+            raise InvalidInputError(
+                f"insert: hidden must be None or a 2-D tensor [tokens, hidden], got {_describe(hidden)}"
+            )
         if hidden.shape[0] != tokens:
             raise InvalidInputError(f"insert: hidden has {hidden.shape[0]} tokens on axis 0, input_tokens has {tokens}")
 

@@ -61,7 +61,7 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fiel
     """Base of every control message; the subclass's tag is its `type` on the wire."""
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, frozen=True, tag="hello"):
     """Consumer → producer, first message on a connection (and again after a reconnect)."""
 
     version: int
@@ -69,7 +69,7 @@ class Hello(Message, tag="hello"):
     capabilities: list[Capability] = []
 
 
-class Welcome(Message, tag="welcome"):
+class Welcome(Message, frozen=True, tag="welcome"):
     """Producer → consumer, the answer to Hello: who the producer is and how often to ping."""
 
     version: int
@@ -79,23 +79,23 @@ class Welcome(Message, tag="welcome"):
     capabilities: list[Capability] = []
 
 
-class Ping(Message, tag="ping"):
+class Ping(Message, frozen=True, tag="ping"):
     """Consumer → producer, at least every `heartbeat_s`; the producer answers Pong."""
 
     nonce: int = 0
 
 
-class Pong(Message, tag="pong"):
+class Pong(Message, frozen=True, tag="pong"):
     nonce: int = 0
 
 
-class Bye(Message, tag="bye"):
+class Bye(Message, frozen=True, tag="bye"):
     """Either side, when it closes: the peer fails or returns what it held for us at once."""
 
     reason: Name = ""
 
 
-class DropSelect(Message, tag="drop_select"):
+class DropSelect(Message, frozen=True, tag="drop_select"):
     """Consumer → producer: take the best item matching `tokens` (already roi-masked).
 
     `tokens` None takes the oldest item. `timeout_s` 0 answers at once; None waits until
@@ -108,13 +108,13 @@ class DropSelect(Message, tag="drop_select"):
     timeout_s: Seconds | None = 0.0
 
 
-class Cancel(Message, tag="cancel"):
+class Cancel(Message, frozen=True, tag="cancel"):
     """Consumer → producer: forget a waiting request. A Deliver already sent is Released."""
 
     request_id: RequestId
 
 
-class Deliver(Message, tag="deliver"):
+class Deliver(Message, frozen=True, tag="deliver"):
     """Producer → consumer: the item for `request_id`. Tensor frames follow, in field order,
     one per tensor that is not None. The consumer answers `Received` once it holds the
     tensors (the producer frees the item then), or `Release` to hand it back."""
@@ -129,25 +129,25 @@ class Deliver(Message, tag="deliver"):
     hidden: TensorMeta | None
 
 
-class Miss(Message, tag="miss"):
+class Miss(Message, frozen=True, tag="miss"):
     """Producer → consumer: no item matched before the request's timeout."""
 
     request_id: RequestId
 
 
-class Received(Message, tag="received"):
+class Received(Message, frozen=True, tag="received"):
     """Consumer → producer: the item's tensors arrived; the producer may free it."""
 
     item_id: ItemId
 
 
-class Release(Message, tag="release"):
+class Release(Message, frozen=True, tag="release"):
     """Consumer → producer: the item was not taken (its request was cancelled); buffer it again."""
 
     item_id: ItemId
 
 
-class ErrorReply(Message, tag="error"):
+class ErrorReply(Message, frozen=True, tag="error"):
     """Either way: `request_id` failed (None: the message had no readable request id)."""
 
     request_id: RequestId | None
@@ -156,18 +156,7 @@ class ErrorReply(Message, tag="error"):
 
 
 AnyMessage = (
-    Hello
-    | Welcome
-    | Ping
-    | Pong
-    | Bye
-    | DropSelect
-    | Cancel
-    | Deliver
-    | Miss
-    | Received
-    | Release
-    | ErrorReply
+    Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
 )
 
 
@@ -178,7 +167,7 @@ class _Envelope(msgspec.Struct, array_like=True):
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _envelope_decoder: Final = msgspec.msgpack.Decoder(_Envelope)
-_message_decoder: Final = msgspec.msgpack.Decoder(AnyMessage)  # type: ignore[arg-type]
+_message_decoder: Final = msgspec.msgpack.Decoder(AnyMessage)
 
 
 def encode(message: Message) -> bytes:
@@ -194,9 +183,7 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
     `VersionMismatchError` for a version this side does not speak.
     """
     if len(frame) > MAX_HEADER_BYTES:
-        raise RemoteProtocolError(
-            f"control frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}"
-        )
+        raise RemoteProtocolError(f"control frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}")
     try:
         envelope = _envelope_decoder.decode(frame)
     except msgspec.DecodeError as exc:

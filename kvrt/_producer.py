@@ -9,6 +9,7 @@ holds more than `buffer_bytes`, copies the tensors, and gives the item to the co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from kvrt._errors import (
 )
 from kvrt._item import check_item, masked_tokens, owned_copy
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
+from kvrt._zmqio import FrameReader
 from kvrt.transports import TcpTransport, Transport
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -142,17 +144,14 @@ class Producer:
         self._closed = True
         self._room.set()  # wake waiting inserts: they see `_closed` and fail
         if self._socket is not None:
+            sync_socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
             for out in self._core.close("producer closed"):
-                try:
-                    await asyncio.wait_for(self._socket.send_multipart([out.peer, m.encode(out.message)]), _BYE_LINGER_MS / 1000)
-                except (zmq.ZMQError, TimeoutError):
-                    pass  # a consumer already gone needs no Bye
+                with contextlib.suppress(zmq.ZMQError):  # a consumer already gone needs no Bye
+                    sync_socket.send_multipart([out.peer, m.encode(out.message)], zmq.NOBLOCK)
         if self._serve_task is not None:
             self._serve_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._serve_task
-            except asyncio.CancelledError:
-                pass
         if self._socket is not None:
             self._socket.close(linger=_BYE_LINGER_MS)
         if self._context is not None:
@@ -255,18 +254,18 @@ class Producer:
         socket = self._socket
         assert socket is not None
         core = self._core
-        while True:
-            try:
-                async with asyncio.timeout_at(core.next_deadline()):
-                    frames = await socket.recv_multipart(copy=False)
-            except TimeoutError:
-                frames = None
-            now = self._now()
-            out: list[Outgoing] = []
-            if frames is not None and len(frames) >= 2:
-                out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
-            out += core.expire(now)
-            await self._perform(out)
+        reader = FrameReader(socket)
+        try:
+            while True:
+                frames = await reader.next(core.next_deadline())
+                now = self._now()
+                out: list[Outgoing] = []
+                if frames is not None and len(frames) >= 2:
+                    out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+                out += core.expire(now)
+                await self._perform(out)
+        finally:
+            reader.close()
 
     async def _perform(self, out: list[Outgoing]) -> None:
         """Send what the core answered; a peer found unreachable is forgotten (its items return)."""

@@ -16,7 +16,6 @@ import torch
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import TensorMeta
 
-
 _WIRE_DTYPE_NAMES: Final = (
     "bool",
     "uint8",
@@ -73,7 +72,7 @@ def meta_nbytes(meta: TensorMeta) -> int:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy when it is a contiguous CPU tensor."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def tensor_from_buffer(meta: TensorMeta, buffer: memoryview) -> torch.Tensor:

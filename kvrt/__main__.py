@@ -1,0 +1,60 @@
+"""The `kvrt` command (also `python -m kvrt`).
+
+Exit codes: 0 success, 1 the operation failed (a benchmark missed nothing: it only
+reports), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvrt._demo import DemoShape, run_demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return run_demo(DemoShape(requests=args.requests, in_flight=args.in_flight))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvrt._bench import run_bench
+
+    return run_bench(args.name, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrt",
+        description="Move the KV cache of LLM requests from prefill to decode instances.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="a prefill and a decode process exchanging KV on loopback",
+        description="Start a prefill and a decode process, move synthetic requests, print a table.",
+    )
+    demo.add_argument("--requests", type=int, default=300, help="requests to move (default 300)")
+    demo.add_argument("--in-flight", type=int, default=8, help="decode requests in flight (default 8)")
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks, each beside its reference measured in the same run",
+        description="Run one benchmark; it prints its table and the ratio against its reference.",
+    )
+    bench.add_argument("name", choices=["buffer"], help="which benchmark")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
