@@ -8,6 +8,7 @@ byte, and reports progress to this process, which draws the bar and the final ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.queues
@@ -81,19 +82,27 @@ def _same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def _prefill_process(shape: DemoShape, endpoint_out: multiprocessing.connection.Connection, done: Any) -> None:
+def _wait_for_stop(control: multiprocessing.connection.Connection) -> None:
+    try:
+        control.recv()
+    except EOFError:
+        pass  # the parent went away: stop too
+
+
+def _prefill_process(shape: DemoShape, control: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)  # two processes and two ZeroMQ I/O threads share the host's cores
 
     async def run() -> None:
         source = _KVSource(shape)
         async with Producer(buffer_bytes=shape.buffer_bytes) as producer:
-            endpoint_out.send(producer.endpoint)
+            control.send(producer.endpoint)
             for request in range(shape.requests):
                 tokens = _tokens_of(request, shape)
                 key, value, hidden = source.kv_of(request, len(tokens))
                 await producer.insert(tokens, None, key, value, hidden, timeout=_RESULT_TIMEOUT_S)
-            # Stay up until decode has taken everything (it says so through `done`).
-            await asyncio.get_running_loop().run_in_executor(None, done.wait, _RESULT_TIMEOUT_S)
+            # Stay up until the parent says decode has taken everything. (A pipe, not an
+            # Event: an Event whose waiter was killed can block its setter for ever.)
+            await asyncio.to_thread(_wait_for_stop, control)
 
     asyncio.run(run())
 
@@ -151,17 +160,16 @@ def _percentile(values: list[float], fraction: float) -> float:
 def run_demo(shape: DemoShape) -> int:
     """Run the two processes; print the bar and the table. Returns the exit code."""
     spawn = multiprocessing.get_context("spawn")
-    endpoint_in, endpoint_out = spawn.Pipe(duplex=False)
-    done = spawn.Event()
+    control, child_control = spawn.Pipe()
     progress: multiprocessing.queues.Queue[Any] = spawn.Queue()
-    prefill = spawn.Process(target=_prefill_process, args=(shape, endpoint_out, done), name="kvrt-prefill")
+    prefill = spawn.Process(target=_prefill_process, args=(shape, child_control), name="kvrt-prefill")
     prefill.start()
     decode = None
     try:
-        if not endpoint_in.poll(60):
+        if not control.poll(60):
             print("prefill process did not start within 60 s", file=sys.stderr)
             return 1
-        endpoint = endpoint_in.recv()
+        endpoint = control.recv()
         print(f"kvrt demo: prefill at {endpoint}, TCP transport, {shape.requests} requests")
         decode = spawn.Process(target=_decode_process, args=(shape, endpoint, progress), name="kvrt-decode")
         decode.start()
@@ -181,7 +189,6 @@ def run_demo(shape: DemoShape) -> int:
                 break
         if tty:
             print(file=sys.stderr)
-        done.set()
         latencies = result["latencies_s"]
         rows = [
             ("requests", f"{shape.requests}"),
@@ -198,7 +205,8 @@ def run_demo(shape: DemoShape) -> int:
         print("+" + "-" * (width + 2) + "+" + "-" * 24 + "+")
         return 0
     finally:
-        done.set()
+        with contextlib.suppress(OSError):
+            control.send("stop")
         for process in (decode, prefill):
             if process is not None:
                 process.join(timeout=30)

@@ -489,11 +489,10 @@ class ConsumerCore:
         self._last_heard = now
         match message:
             case m.Welcome():
-                if self.producer_id is not None and message.producer_id != self.producer_id:
-                    lost = self._lose(PeerLostError(f"producer at {self.endpoint} restarted"))
-                    self._accept_welcome(message)
-                    return lost
+                restarted = self.producer_id is not None and message.producer_id != self.producer_id
                 self._accept_welcome(message)
+                if restarted and self._pending:
+                    return self._lose(PeerLostError(f"producer at {self.endpoint} restarted"), "welcome")
                 return Welcomed(message)
             case m.Pong():
                 return None
@@ -524,25 +523,25 @@ class ConsumerCore:
         return min(self._next_ping, self._last_heard + self.timeout_s)
 
     def expire(self, now: float) -> tuple[list[m.Message], Lost | None]:
-        """Messages due now (ping, or hello while lost) and a Lost event if the producer went silent."""
-        lost: Lost | None = None
+        """Messages due now (a ping, or a hello while lost) and a Lost event if the producer went silent.
+
+        A link found lost here says hello again one heartbeat later, and every heartbeat after.
+        """
         if self.state in (LinkState.READY, LinkState.CONNECTING) and now >= self._last_heard + self.timeout_s:
-            lost = self._lose(
-                PeerLostError(
-                    f"producer at {self.endpoint} did not answer for {self.timeout_s:.1f} s; "
-                    "is it running and reachable?"
-                ),
-                "silence",
-            )
-        out: list[m.Message] = []
-        if now >= self._next_ping:
             self._next_ping = now + self.heartbeat_s
-            if self.state is LinkState.LOST:
-                self._move("retry")
-                out.append(self.connect(now))
-            elif self.state is LinkState.READY:
-                out.append(m.Ping())
-        return out, lost
+            error = PeerLostError(
+                f"producer at {self.endpoint} did not answer for {self.timeout_s:.1f} s; is it running and reachable?"
+            )
+            return [], self._lose(error, "silence")
+        if now < self._next_ping:
+            return [], None
+        self._next_ping = now + self.heartbeat_s
+        if self.state is LinkState.LOST:
+            self._move("retry")
+            return [self.connect(now)], None
+        if self.state is LinkState.READY:
+            return [m.Ping()], None
+        return [], None
 
     def close(self) -> Lost:
         return self._lose(ClosedError("the consumer was closed while the call was pending"), "close")

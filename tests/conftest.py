@@ -1,0 +1,106 @@
+"""Shared fixtures: every test fails if it leaks a ZeroMQ socket; every async test fails if it
+blocks its event loop; and a few builders for items."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import weakref
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+import zmq
+import zmq.sugar.context
+import zmq.utils.garbage as zmq_garbage
+
+import kvrt
+
+SLOW_CALLBACK_S = 0.5
+"""A callback or task step holding the loop longer than this fails the test (2-core CI)."""
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sockets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    created: list[weakref.ref[zmq.Socket[bytes]]] = []
+    original = zmq.sugar.context.Context.socket
+
+    def tracking_socket(self: zmq.Context[zmq.Socket[bytes]], *args: object, **kwargs: object) -> zmq.Socket[bytes]:
+        socket = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        if self is not zmq_garbage.gc._context:  # pyzmq's own zero-copy bookkeeping, not ours
+            created.append(weakref.ref(socket))
+        return socket
+
+    monkeypatch.setattr(zmq.sugar.context.Context, "socket", tracking_socket)
+    yield
+    leaked = [socket for ref in created if (socket := ref()) is not None and not socket.closed]
+    assert not leaked, f"test left {len(leaked)} ZeroMQ socket(s) open: close producers and consumers"
+
+
+class _SlowCallbacks(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "took" in message and "Executing" in message:
+            self.messages.append(message)
+
+
+@pytest.fixture
+async def loop_guard() -> AsyncIterator[None]:
+    loop = asyncio.get_running_loop()
+    loop.set_debug(True)
+    loop.slow_callback_duration = SLOW_CALLBACK_S
+    handler = _SlowCallbacks()
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert not handler.messages, "the event loop was blocked: " + "; ".join(handler.messages)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and inspect.iscoroutinefunction(function):
+            item.fixturenames.insert(0, "loop_guard")  # type: ignore[attr-defined]
+
+
+def make_kv(
+    tokens: torch.Tensor,
+    *,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 4,
+    dtype: torch.dtype = torch.float16,
+    hidden_size: int | None = 8,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random key, value and hidden for `tokens`, in kvrt's shapes."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (layers, len(tokens), heads, head_dim)
+    key = torch.randn(shape, generator=generator).to(dtype)
+    value = torch.randn(shape, generator=generator).to(dtype)
+    hidden = None if hidden_size is None else torch.randn((len(tokens), hidden_size), generator=generator).to(dtype)
+    return key, value, hidden
+
+
+async def insert_tokens(producer: kvrt.Producer, tokens: torch.Tensor, *, seed: int = 0) -> None:
+    key, value, hidden = make_kv(tokens, seed=seed)
+    await producer.insert(tokens, None, key, value, hidden)
+
+
+@pytest.fixture
+async def producer() -> AsyncIterator[kvrt.Producer]:
+    async with kvrt.Producer(bind="tcp://127.0.0.1:0") as started:
+        yield started
+
+
+@pytest.fixture
+async def consumer(producer: kvrt.Producer) -> AsyncIterator[kvrt.Consumer]:
+    async with kvrt.Consumer(connect=producer.endpoint) as started:
+        yield started

@@ -1,0 +1,126 @@
+"""The control messages: one union, validated on decode, with typed refusals."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrt import _messages as m
+from kvrt._errors import ErrorCode, RemoteProtocolError, VersionMismatchError
+
+EXAMPLES: list[m.Message] = [
+    m.Hello(version=m.PROTOCOL_VERSION, name="decode-0", capabilities=[m.Capability.TCP]),
+    m.Welcome(version=m.PROTOCOL_VERSION, producer_id="p", heartbeat_s=1.0),
+    m.Ping(nonce=3),
+    m.Pong(nonce=3),
+    m.Bye(reason="closing"),
+    m.DropSelect(request_id=7, tokens=[1, 2, 3], timeout_s=None),
+    m.DropSelect(request_id=8, tokens=None, timeout_s=0.0),
+    m.Cancel(request_id=7),
+    m.Deliver(
+        request_id=7,
+        item_id=1,
+        matched=3,
+        input_tokens=m.TensorMeta("int64", [3]),
+        roi=None,
+        key=m.TensorMeta("float16", [2, 3, 4, 8]),
+        value=m.TensorMeta("float16", [2, 3, 4, 8]),
+        hidden=m.TensorMeta("bfloat16", [3, 16]),
+    ),
+    m.Miss(request_id=7),
+    m.Received(item_id=1),
+    m.Release(item_id=1),
+    m.ErrorReply(request_id=None, code=ErrorCode.PROTOCOL, message="bad"),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda message: type(message).__name__)
+def test_every_message_survives_encode_then_decode(message: m.Message) -> None:
+    assert m.decode(m.encode(message)) == message
+
+
+def test_an_unknown_tag_is_a_remote_protocol_error() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "launch_missiles"}])
+    with pytest.raises(RemoteProtocolError, match="launch_missiles"):
+        m.decode(frame)
+
+
+def test_another_protocol_version_is_refused_with_both_versions_named() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION + 1, {"type": "ping", "nonce": 0}])
+    with pytest.raises(VersionMismatchError, match=rf"version {m.PROTOCOL_VERSION + 1}.*speaks {m.PROTOCOL_VERSION}"):
+        m.decode(frame)
+
+
+def test_a_field_of_the_wrong_type_is_refused_naming_the_field() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "drop_select", "request_id": 1, "tokens": "abc"}])
+    with pytest.raises(RemoteProtocolError, match="tokens"):
+        m.decode(frame)
+
+
+def test_a_negative_request_id_is_refused() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "miss", "request_id": -1}])
+    with pytest.raises(RemoteProtocolError, match="request_id"):
+        m.decode(frame)
+
+
+def test_a_control_frame_over_the_limit_is_refused_before_it_is_parsed() -> None:
+    with pytest.raises(RemoteProtocolError, match="over the limit"):
+        m.decode(b"\x00" * (m.MAX_HEADER_BYTES + 1))
+
+
+def test_tensor_shapes_are_bounded_in_rank() -> None:
+    meta = {"dtype": "float16", "shape": [1] * (m.MAX_TENSOR_DIMS + 1)}
+    message = {"type": "deliver", "request_id": 1, "item_id": 1, "matched": 1, "input_tokens": meta,
+               "roi": None, "key": meta, "value": meta, "hidden": None}  # fmt: skip
+    with pytest.raises(RemoteProtocolError):
+        m.decode(msgspec.msgpack.encode([m.PROTOCOL_VERSION, message]))
+
+
+def test_unknown_fields_are_ignored_so_newer_peers_can_add_fields() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "ping", "nonce": 5, "added_later": [1, 2]}])
+    assert m.decode(frame) == m.Ping(nonce=5)
+
+
+def test_the_request_id_of_an_invalid_message_can_still_be_read_for_the_reply() -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "drop_select", "request_id": 42, "tokens": "x"}])
+    assert m.peek_request_id(frame) == 42
+    assert m.peek_request_id(b"\xc1garbage") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_decode_to_a_message_or_a_protocol_error(frame: bytes) -> None:
+    try:
+        m.decode(frame)
+    except RemoteProtocolError:
+        pass
+
+
+_msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tag=st.sampled_from(["hello", "drop_select", "deliver", "received", "error", "nope"]),
+    fields=st.dictionaries(
+        st.sampled_from(["request_id", "tokens", "item_id", "matched", "key", "code", "version", "x"]),
+        _msgpack_values,
+        max_size=6,
+    ),
+)
+def test_structured_garbage_decodes_to_a_message_or_a_protocol_error(tag: str, fields: dict[str, object]) -> None:
+    frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": tag, **fields}])
+    try:
+        m.decode(frame)
+    except RemoteProtocolError:
+        pass

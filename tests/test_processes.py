@@ -1,0 +1,64 @@
+"""Producer and consumer in two real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+
+import kvrt
+from tests._processes import item_tensors, run_producer
+
+spawn = multiprocessing.get_context("spawn")
+
+
+@asynccontextmanager
+async def producer_process(
+    items: int, heartbeat_s: float = 1.0
+) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess]]:
+    """A producer in its own process; starting and joining it happen off the event loop."""
+    control, child_control = spawn.Pipe()
+    process = spawn.Process(target=run_producer, args=(items, heartbeat_s, child_control), daemon=True)
+    await asyncio.to_thread(process.start)
+    try:
+        assert await asyncio.to_thread(control.poll, 60), "producer process did not start"
+        yield control.recv(), process
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        await asyncio.to_thread(process.join, 10)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join)
+
+
+async def test_items_from_a_producer_process_arrive_intact_in_this_one() -> None:
+    async with producer_process(items=20) as (endpoint, _), kvrt.Consumer(connect=endpoint) as consumer:
+        for index in reversed(range(20)):
+            tokens, key, value, hidden = item_tensors(index)
+            item = await consumer.drop_select(tokens)
+            assert item is not None and item.matched == 32
+            assert torch.equal(item.key, key) and torch.equal(item.value, value)
+            assert item.hidden is not None and torch.equal(item.hidden, hidden)
+        assert await consumer.drop_select(None) is None
+
+
+async def test_a_killed_producer_fails_pending_calls_within_the_heartbeat_timeout() -> None:
+    heartbeat_s = 0.2
+    async with producer_process(items=0, heartbeat_s=heartbeat_s) as (endpoint, process):
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            assert await consumer.drop_select(torch.arange(4), None, timeout=0.0) is None  # connected and served
+            killed_at = time.monotonic()
+            assert process.pid is not None
+            os.kill(process.pid, signal.SIGKILL)
+            with pytest.raises(kvrt.PeerLostError, match="did not answer"):
+                await consumer.drop_select(torch.arange(4), None, timeout=None)
+            assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0

@@ -1,0 +1,312 @@
+"""The protocol cores, wired together in memory: no sockets, no clock but the one we pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem
+from kvrt._errors import ErrorCode, PeerLostError
+from kvrt._item import masked_tokens
+from kvrt._protocol import (
+    HEARTBEAT_MISSES,
+    ConsumerCore,
+    ConsumerEvent,
+    Failed,
+    LinkState,
+    Lost,
+    Outgoing,
+    ProducerCore,
+    Replied,
+    Stray,
+    Welcomed,
+)
+
+HEARTBEAT_S = 1.0
+PEER = b"consumer-1"
+
+
+class Pair:
+    """A producer core and one consumer core, with the wire between them in memory."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.producer = ProducerCore(producer_id="producer-A", heartbeat_s=HEARTBEAT_S, transport="tcp")
+        self.consumer = ConsumerCore(endpoint="mem://producer", name="decode", heartbeat_s=HEARTBEAT_S)
+
+    def send(self, message: m.Message, peer: bytes = PEER) -> list[Outgoing]:
+        return self.producer.receive(peer, m.encode(message), 0, self.now)
+
+    def deliver(self, outgoing: list[Outgoing]) -> list[ConsumerEvent]:
+        events = [self.consumer.receive(m.encode(out.message), self.now) for out in outgoing if out.peer == PEER]
+        return [event for event in events if event is not None]
+
+    def connect(self) -> None:
+        events = self.deliver(self.send(self.consumer.connect(self.now)))
+        assert events == [Welcomed(events[0].welcome)]  # type: ignore[union-attr]
+        assert self.consumer.state is LinkState.READY
+
+    def drop_select(self, tokens: list[int] | None, timeout_s: float | None = 0.0) -> tuple[int, list[Outgoing]]:
+        request_id, message = self.consumer.start_request(
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s)
+        )
+        return request_id, self.send(message)
+
+    def insert(self, tokens: list[int]) -> tuple[BufferedItem, list[Outgoing]]:
+        item = make_item(self.producer, tokens)
+        return item, self.producer.insert(item, self.now)
+
+
+def make_item(core: ProducerCore, tokens: list[int]) -> BufferedItem:
+    input_tokens = torch.tensor(tokens, dtype=torch.int64)
+    key = torch.zeros((1, len(tokens), 1, 2), dtype=torch.float16)
+    return BufferedItem(
+        item_id=core.new_item_id(),
+        seq=core.buffer.next_seq(),
+        masked_tokens=masked_tokens(input_tokens, None),
+        input_tokens=input_tokens,
+        roi=None,
+        key=key,
+        value=key.clone(),
+        hidden=None,
+        nbytes=input_tokens.nbytes + 2 * key.nbytes,
+    )
+
+
+@pytest.fixture
+def pair() -> Pair:
+    pair = Pair()
+    pair.connect()
+    return pair
+
+
+def only(outgoing: list[Outgoing]) -> m.Message:
+    assert len(outgoing) == 1, outgoing
+    return outgoing[0].message
+
+
+def test_hello_is_answered_with_welcome_naming_producer_and_heartbeat(pair: Pair) -> None:
+    assert pair.consumer.producer_id == "producer-A"
+    assert pair.consumer.transport == "tcp"
+    assert pair.producer.peer_count == 1
+
+
+def test_a_match_is_delivered_and_its_bytes_count_until_received(pair: Pair) -> None:
+    item, _ = pair.insert([1, 2, 3, 4])
+    request_id, outgoing = pair.drop_select([1, 2])
+    deliver = only(outgoing)
+    assert isinstance(deliver, m.Deliver)
+    assert (deliver.request_id, deliver.item_id, deliver.matched) == (request_id, item.item_id, 2)
+    assert outgoing[0].item is item
+    assert pair.deliver(outgoing) == [Replied(request_id, deliver)]
+    assert pair.producer.buffer.nbytes == item.nbytes
+    assert pair.send(m.Received(item_id=item.item_id)) == []
+    assert pair.producer.buffer.nbytes == 0
+    assert pair.producer.counters.delivered_items == 1
+
+
+def test_no_match_with_timeout_zero_is_a_miss_at_once(pair: Pair) -> None:
+    pair.insert([1, 2])
+    request_id, outgoing = pair.drop_select([9])
+    assert only(outgoing) == m.Miss(request_id=request_id)
+    assert pair.deliver(outgoing) == [Replied(request_id, m.Miss(request_id=request_id))]
+
+
+def test_a_waiting_request_is_served_by_a_later_matching_insert(pair: Pair) -> None:
+    request_id, outgoing = pair.drop_select([7, 8], timeout_s=5.0)
+    assert outgoing == []
+    _, outgoing = pair.insert([1])
+    assert outgoing == []
+    _item, outgoing = pair.insert([7, 8, 9])
+    deliver = only(outgoing)
+    assert isinstance(deliver, m.Deliver) and deliver.request_id == request_id and deliver.matched == 2
+    assert pair.producer.waiting_count == 0
+
+
+def test_a_waiting_request_misses_when_its_timeout_passes(pair: Pair) -> None:
+    request_id, _ = pair.drop_select([7], timeout_s=2.5)
+    assert pair.producer.next_deadline() == 2.5
+    assert pair.producer.expire(2.4) == []
+    assert [out.message for out in pair.producer.expire(2.5)] == [m.Miss(request_id=request_id)]
+    assert pair.producer.waiting_count == 0
+
+
+def test_a_waiting_request_with_no_timeout_has_no_deadline(pair: Pair) -> None:
+    pair.drop_select([7], timeout_s=None)
+    assert pair.producer.expire(1e6) == []  # the peer is forgotten (silent), not the request answered
+    assert pair.producer.waiting_count == 0 and pair.producer.peer_count == 0
+
+
+def test_cancel_forgets_a_waiting_request(pair: Pair) -> None:
+    request_id, _ = pair.drop_select([7], timeout_s=None)
+    assert pair.send(m.Cancel(request_id=request_id)) == []
+    _, outgoing = pair.insert([7])
+    assert outgoing == [] and len(pair.producer.buffer) == 1
+
+
+def test_release_puts_the_item_back_with_its_age(pair: Pair) -> None:
+    old, _ = pair.insert([4, 4])
+    pair.insert([4, 4])
+    _, outgoing = pair.drop_select([4, 4])
+    assert outgoing[0].item is old
+    pair.send(m.Release(item_id=old.item_id))
+    _, outgoing = pair.drop_select([4, 4])
+    assert outgoing[0].item is old
+
+
+def test_a_silent_consumer_is_forgotten_and_its_items_return(pair: Pair) -> None:
+    _item, _ = pair.insert([1, 2])
+    pair.drop_select([1, 2])
+    assert len(pair.producer.buffer) == 0
+    silence = HEARTBEAT_S * HEARTBEAT_MISSES
+    assert pair.producer.expire(silence - 0.01) == []
+    pair.producer.expire(silence)
+    assert pair.producer.peer_count == 0
+    assert len(pair.producer.buffer) == 1 and pair.producer.counters.returned_items == 1
+
+
+def test_pings_keep_a_consumer_known(pair: Pair) -> None:
+    for second in range(1, 20):
+        pair.now = float(second)
+        assert only(pair.send(m.Ping(nonce=second))) == m.Pong(nonce=second)
+        pair.producer.expire(pair.now)
+    assert pair.producer.peer_count == 1
+
+
+def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
+    pair = Pair()
+    pair.connect()
+    other = b"consumer-2"
+    pair.send(m.Hello(version=m.PROTOCOL_VERSION), peer=other)
+    item, _ = pair.insert([3])
+    pair.drop_select([3])
+    pair.send(m.DropSelect(request_id=1, tokens=[3], timeout_s=None), peer=other)
+    outgoing = pair.send(m.Bye(reason="bye"))
+    assert [(out.peer, type(out.message)) for out in outgoing] == [(other, m.Deliver)]
+    assert outgoing[0].item is item
+
+
+def test_a_second_hello_starts_over_and_returns_what_the_first_session_held(pair: Pair) -> None:
+    pair.insert([1])
+    pair.drop_select([1])
+    outgoing = pair.send(m.Hello(version=m.PROTOCOL_VERSION))
+    assert [type(out.message) for out in outgoing] == [m.Welcome]
+    assert len(pair.producer.buffer) == 1
+
+
+def test_a_request_before_hello_is_refused_as_unknown_peer() -> None:
+    pair = Pair()
+    error = only(pair.send(m.DropSelect(request_id=5, tokens=[1])))
+    assert isinstance(error, m.ErrorReply)
+    assert (error.request_id, error.code) == (5, ErrorCode.UNKNOWN_PEER)
+
+
+def test_a_message_only_producers_send_is_refused_with_its_request_id(pair: Pair) -> None:
+    error = only(pair.send(m.Miss(request_id=9)))
+    assert isinstance(error, m.ErrorReply) and (error.request_id, error.code) == (9, ErrorCode.PROTOCOL)
+
+
+def test_garbage_gets_a_protocol_error_and_the_peer_stays_connected(pair: Pair) -> None:
+    error = only(pair.producer.receive(PEER, b"\x93garbage", 0, pair.now))
+    assert isinstance(error, m.ErrorReply) and error.code is ErrorCode.PROTOCOL
+    assert pair.producer.peer_count == 1
+    pair.insert([1])
+    _, outgoing = pair.drop_select([1])
+    assert isinstance(only(outgoing), m.Deliver)
+
+
+def test_payload_frames_on_a_control_message_are_refused(pair: Pair) -> None:
+    error = only(pair.producer.receive(PEER, m.encode(m.Ping()), 2, pair.now))
+    assert isinstance(error, m.ErrorReply) and "payload" in error.message
+
+
+def test_a_hello_for_another_version_is_refused() -> None:
+    pair = Pair()
+    error = only(pair.send(m.Hello(version=m.PROTOCOL_VERSION + 1)))
+    assert isinstance(error, m.ErrorReply) and error.code is ErrorCode.VERSION
+
+
+def test_too_many_waiting_requests_is_a_capacity_error() -> None:
+    pair = Pair()
+    pair.producer = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S, transport="tcp", max_waiting=2)
+    pair.connect()
+    pair.drop_select([1], timeout_s=None)
+    pair.drop_select([2], timeout_s=None)
+    request_id, outgoing = pair.drop_select([3], timeout_s=None)
+    events = pair.deliver(outgoing)
+    assert len(events) == 1 and isinstance(events[0], Failed) and events[0].request_id == request_id
+    assert "already wait" in str(events[0].error)
+
+
+def test_receipt_for_an_item_not_in_flight_is_refused(pair: Pair) -> None:
+    error = only(pair.send(m.Received(item_id=12345)))
+    assert isinstance(error, m.ErrorReply) and error.code is ErrorCode.NOT_FOUND
+
+
+def test_the_consumer_pings_every_heartbeat_and_loses_a_silent_producer(pair: Pair) -> None:
+    assert pair.consumer.next_deadline() == HEARTBEAT_S
+    due, lost = pair.consumer.expire(HEARTBEAT_S)
+    assert due == [m.Ping()] and lost is None
+    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
+    due, lost = pair.consumer.expire(HEARTBEAT_S * HEARTBEAT_MISSES)
+    assert isinstance(lost, Lost) and lost.request_ids == (request_id,)
+    assert isinstance(lost.error, PeerLostError) and "did not answer" in str(lost.error)
+    assert pair.consumer.state is LinkState.LOST
+
+
+def test_a_lost_link_says_hello_again_and_recovers(pair: Pair) -> None:
+    pair.consumer.expire(HEARTBEAT_S * HEARTBEAT_MISSES)
+    assert pair.consumer.state is LinkState.LOST
+    with pytest.raises(PeerLostError, match="not connected"):
+        pair.consumer.start_request(lambda rid: m.Ping())
+    pair.now = 10.0
+    due, _ = pair.consumer.expire(pair.now)
+    assert [type(message) for message in due] == [m.Hello]
+    pair.deliver(pair.send(due[0]))
+    assert pair.consumer.state is LinkState.READY
+
+
+def test_a_restarted_producer_fails_pending_calls_and_the_link_reconnects(pair: Pair) -> None:
+    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
+    restarted = ProducerCore(producer_id="producer-B", heartbeat_s=HEARTBEAT_S, transport="tcp")
+    refusal = restarted.receive(PEER, m.encode(m.Ping()), 0, pair.now)
+    events = pair.deliver(refusal)
+    assert isinstance(events[0], Lost) and events[0].request_ids == (request_id,)
+    due, _ = pair.consumer.expire(HEARTBEAT_S)
+    assert [type(message) for message in due] == [m.Hello]
+    events = pair.deliver(restarted.receive(PEER, m.encode(due[0]), 0, pair.now))
+    assert isinstance(events[0], Welcomed) and pair.consumer.producer_id == "producer-B"
+
+
+def test_bye_from_the_producer_fails_pending_calls(pair: Pair) -> None:
+    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
+    events = pair.deliver(pair.producer.close("shutting down"))
+    assert isinstance(events[0], Lost) and events[0].request_ids == (request_id,)
+    assert "shutting down" in str(events[0].error)
+
+
+def test_a_deliver_for_an_abandoned_request_is_a_stray_to_release(pair: Pair) -> None:
+    pair.insert([5])
+    request_id, outgoing = pair.drop_select([5])
+    assert pair.consumer.abandon(request_id) == m.Cancel(request_id=request_id)
+    events = pair.deliver(outgoing)
+    assert len(events) == 1 and isinstance(events[0], Stray)
+
+
+def test_replies_may_arrive_in_any_order(pair: Pair) -> None:
+    first, _ = pair.drop_select([1], timeout_s=None)
+    second, _ = pair.drop_select([2], timeout_s=None)
+    _, to_second = pair.insert([2])
+    _, to_first = pair.insert([1])
+    events = pair.deliver(to_second + to_first)
+    assert [event.request_id for event in events] == [second, first]  # type: ignore[union-attr]
+
+
+def test_query_arrays_match_what_the_buffer_indexes() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0, transport="tcp")
+    item = make_item(core, [2**62, -5])
+    core.buffer.add(item)
+    found = core.buffer.best_match(np.array([2**62], dtype=np.int64))
+    assert found is not None and found.item is item

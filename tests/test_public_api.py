@@ -1,0 +1,80 @@
+"""The embedded API is a contract (DESIGN.md): these tests pin its names and signatures."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import kvrt
+
+
+def test_design_names_are_exported_from_the_package() -> None:
+    required = {
+        "Producer",
+        "Consumer",
+        "KVItem",
+        "KVRTError",
+        "KVRTTimeoutError",
+        "PeerLostError",
+        "ProtocolError",
+        "LocalProtocolError",
+        "RemoteProtocolError",
+        "CapacityError",
+        "AuthError",
+        "ClosedError",
+        "InvalidInputError",
+    }
+    assert required <= set(kvrt.__all__)
+    for name in kvrt.__all__:
+        assert hasattr(kvrt, name), name
+
+
+def test_producer_constructor_takes_bind_device_and_buffer_bytes() -> None:
+    parameters = inspect.signature(kvrt.Producer).parameters
+    assert list(parameters)[:3] == ["bind", "device", "buffer_bytes"]
+    assert parameters["bind"].default == "tcp://127.0.0.1:0"
+    assert parameters["device"].default == "cpu"
+    assert parameters["buffer_bytes"].default == 1 << 30
+
+
+def test_insert_takes_the_five_tensors_of_the_seed_in_order() -> None:
+    parameters = list(inspect.signature(kvrt.Producer.insert).parameters)
+    assert parameters[:6] == ["self", "input_tokens", "roi", "key", "value", "hidden"]
+    assert inspect.iscoroutinefunction(kvrt.Producer.insert)
+
+
+def test_consumer_constructor_takes_connect_and_device() -> None:
+    parameters = inspect.signature(kvrt.Consumer).parameters
+    assert list(parameters)[:2] == ["connect", "device"]
+    assert parameters["device"].default == "cpu"
+
+
+def test_drop_select_takes_tokens_roi_and_a_timeout_of_zero_by_default() -> None:
+    parameters = inspect.signature(kvrt.Consumer.drop_select).parameters
+    assert list(parameters)[:4] == ["self", "input_tokens", "roi", "timeout"]
+    assert parameters["timeout"].default == 0.0
+    assert inspect.iscoroutinefunction(kvrt.Consumer.drop_select)
+
+
+def test_kv_item_has_the_fields_of_the_design() -> None:
+    fields = [field.name for field in dataclasses.fields(kvrt.KVItem)]
+    assert fields == ["input_tokens", "roi", "key", "value", "hidden", "matched"]
+
+
+def test_every_error_is_a_kvrt_error_and_the_standard_kind_it_resembles() -> None:
+    for name in kvrt.__all__:
+        value = getattr(kvrt, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, kvrt.KVRTError), name
+    assert issubclass(kvrt.KVRTTimeoutError, TimeoutError)
+    assert issubclass(kvrt.PeerLostError, ConnectionError)
+    assert issubclass(kvrt.InvalidInputError, ValueError)
+    assert issubclass(kvrt.LocalProtocolError, kvrt.ProtocolError)
+    assert issubclass(kvrt.RemoteProtocolError, kvrt.ProtocolError)
+
+
+def test_both_sides_are_async_context_managers_with_aclose() -> None:
+    for cls in (kvrt.Producer, kvrt.Consumer):
+        assert inspect.iscoroutinefunction(cls.__aenter__)
+        assert inspect.iscoroutinefunction(cls.__aexit__)
+        assert inspect.iscoroutinefunction(cls.aclose)
