@@ -46,6 +46,8 @@ class BufferedItem:
     value: torch.Tensor
     hidden: torch.Tensor | None
     nbytes: int
+    frames: list[memoryview] | None = None
+    """What the transport prepared at insert to send this item (TCP: its tensors' bytes)."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None

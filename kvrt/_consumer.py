@@ -21,7 +21,6 @@ from typing import Self
 
 import torch
 import zmq
-import zmq.asyncio
 
 from kvrt import _messages as m
 from kvrt._errors import (
@@ -35,7 +34,7 @@ from kvrt._errors import (
 from kvrt._item import KVItem, check_tokens, masked_tokens
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Replied, Stray, Welcomed
-from kvrt._zmqio import FrameReader
+from kvrt._zmqio import SocketIO
 from kvrt.transports import TcpTransport, Transport
 
 log = logging.getLogger("kvrt.consumer")
@@ -64,7 +63,7 @@ class _Link:
         self,
         endpoint: str,
         *,
-        context: zmq.asyncio.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         name: str,
         heartbeat_s: float,
         transport: Transport,
@@ -72,9 +71,10 @@ class _Link:
         self.endpoint = endpoint
         self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s)
         self._transport = transport
-        self._socket = context.socket(zmq.DEALER)
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._sync_socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
+        self._io = SocketIO(self._socket)
+        self._receipts: list[int] = []
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -83,6 +83,7 @@ class _Link:
         try:
             self._socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
+            self._io.close()
             self._socket.close()
             raise translate_zmq_error(exc, endpoint=self.endpoint) from None
         self._send_nowait(self.core.connect(self._now()))
@@ -106,7 +107,7 @@ class _Link:
         future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            await self._socket.send_multipart([m.encode(message)])
+            await self._io.send([m.encode(message)])
             return await future
         except asyncio.CancelledError:
             cancel = self.core.abandon(request_id)
@@ -126,33 +127,33 @@ class _Link:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._io.close()
         self._socket.close(linger=0)
 
     # -- the link's task ------------------------------------------------------------------
 
     async def _run(self) -> None:
         core = self.core
-        reader = FrameReader(self._socket)
-        try:
-            while True:
-                frames = await reader.next(core.next_deadline())
-                now = self._now()
-                if frames:
+        io = self._io
+        while True:
+            first = await io.next(core.next_deadline())
+            now = self._now()
+            if first is not None:
+                for frames in [first, *io.drain()]:
                     try:
                         event = core.receive(frames[0].buffer, now)
                     except ProtocolError as exc:
                         log.warning("ignoring a message from producer at %s: %s", self.endpoint, exc)
-                        event = None
+                        continue
                     if event is not None:
                         await self._handle(event, frames[1:])
-                due, lost = core.expire(now)
-                if lost is not None:
-                    log.warning("%s", lost.error)
-                    self._fail_all(lost)
-                for message in due:
-                    self._send_nowait(message)
-        finally:
-            reader.close()
+                self._send_receipts()
+            due, lost = core.expire(now)
+            if lost is not None:
+                log.warning("%s", lost.error)
+                self._fail_all(lost)
+            for message in due:
+                self._send_nowait(message)
 
     async def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
         match event:
@@ -188,19 +189,29 @@ class _Link:
             return
         input_tokens, roi, key, value, hidden = tensors
         item = KVItem(input_tokens, roi, key, value, hidden, deliver.matched)
-        self._send_nowait(m.Received(item_id=deliver.item_id))
+        self._receipts.append(deliver.item_id)  # one Received for the whole batch, see _run
         future.set_result(_Reply(deliver, item))
 
     # -- helpers --------------------------------------------------------------------------
 
+    def _send_receipts(self) -> None:
+        while self._receipts:
+            batch, self._receipts = self._receipts[: m.MAX_RECEIPTS], self._receipts[m.MAX_RECEIPTS :]
+            self._send_nowait(m.Received(item_ids=batch))
+
     def _send_nowait(self, message: m.Message) -> None:
-        """Queue a small message without awaiting (receipts, cancels, pings, bye)."""
+        """Queue a small message without awaiting (receipts, cancels, pings, bye).
+
+        If the queue is full or the socket closed, the message is dropped: the producer's
+        heartbeat timeout then returns whatever it would have released or confirmed.
+        """
         try:
-            self._sync_socket.send(m.encode(message), zmq.NOBLOCK)
+            sent = self._io.send_nowait([m.encode(message)])
         except zmq.ZMQError as exc:
-            # Queue full or socket closed: the producer's heartbeat timeout returns
-            # anything this message would have released.
+            sent = False
             log.debug("could not send %s to %s: %s", type(message).__name__, self.endpoint, exc)
+        if not sent:
+            log.debug("dropped %s to %s: send queue full", type(message).__name__, self.endpoint)
 
     def _fail_all(self, lost: Lost) -> None:
         for request_id in lost.request_ids:
@@ -248,7 +259,7 @@ class Consumer:
         self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
-        self._context: zmq.asyncio.Context | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._links: list[_Link] = []
         self._closed = False
 
@@ -256,7 +267,7 @@ class Consumer:
         """Connect and handshake with the producer; returns once it answered."""
         if self._context is not None or self._closed:
             raise ClosedError("a consumer starts once; create a new one")
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         try:
             for endpoint in self._endpoints:
                 link = _Link(
@@ -308,14 +319,16 @@ class Consumer:
         if input_tokens is None:
             if roi is not None:
                 raise InvalidInputError("drop_select: roi was given without input_tokens")
-            query: list[int] | None = None
+            query: bytes | None = None
         else:
             check_tokens(input_tokens, roi, what="drop_select")
-            query = masked_tokens(input_tokens, roi).tolist()
+            query = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
         if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidInputError(f"drop_select: timeout must be None or a finite number >= 0, got {timeout!r}")
-        if query is not None and len(query) > m.MAX_TOKENS:
-            raise InvalidInputError(f"drop_select: {len(query)} masked tokens is over the limit of {m.MAX_TOKENS}")
+        if query is not None and len(query) > m.MAX_TOKENS * m.TOKEN_BYTES:
+            raise InvalidInputError(
+                f"drop_select: {len(query) // m.TOKEN_BYTES} masked tokens is over the limit of {m.MAX_TOKENS}"
+            )
         link = self._links[0]
         reply = await link.call(lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout))
         return reply.item

@@ -19,6 +19,7 @@ import enum
 from typing import Annotated, Final
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from kvrt._errors import ErrorCode, RemoteProtocolError, VersionMismatchError
@@ -36,8 +37,9 @@ MAX_NAME_CHARS: Final = 256
 
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 ItemId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Token = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-TokenList = Annotated[list[Token], Meta(max_length=MAX_TOKENS)]
+TOKEN_BYTES: Final = 8
+TokenBytes = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_BYTES)]
+"""Token ids as consecutive little-endian int64 (numpy's `<i8`): compact, and cheap for any language."""
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 
@@ -96,7 +98,8 @@ class Bye(Message, frozen=True, tag="bye"):
 
 
 class DropSelect(Message, frozen=True, tag="drop_select"):
-    """Consumer → producer: take the best item matching `tokens` (already roi-masked).
+    """Consumer → producer: take the best item matching `tokens` (already roi-masked, as
+    little-endian int64 bytes; a length that is not a multiple of 8 is refused).
 
     `tokens` None takes the oldest item. `timeout_s` 0 answers at once; None waits until
     a match is inserted, the consumer cancels, or either side closes. The answer is
@@ -104,7 +107,7 @@ class DropSelect(Message, frozen=True, tag="drop_select"):
     """
 
     request_id: RequestId
-    tokens: TokenList | None
+    tokens: TokenBytes | None
     timeout_s: Seconds | None = 0.0
 
 
@@ -135,10 +138,13 @@ class Miss(Message, frozen=True, tag="miss"):
     request_id: RequestId
 
 
-class Received(Message, frozen=True, tag="received"):
-    """Consumer → producer: the item's tensors arrived; the producer may free it."""
+MAX_RECEIPTS: Final = 4096
 
-    item_id: ItemId
+
+class Received(Message, frozen=True, tag="received"):
+    """Consumer → producer: these items' tensors arrived; the producer may free them."""
+
+    item_ids: Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
 
 
 class Release(Message, frozen=True, tag="release"):
@@ -173,6 +179,18 @@ _message_decoder: Final = msgspec.msgpack.Decoder(AnyMessage)
 def encode(message: Message) -> bytes:
     """The first frame for `message`."""
     return _encoder.encode((PROTOCOL_VERSION, message))
+
+
+def tokens_to_bytes(tokens: np.ndarray) -> bytes:
+    """The wire form of a token sequence."""
+    return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+
+
+def tokens_from_bytes(data: bytes) -> np.ndarray:
+    """Token ids from their wire form; refuses a length that is not whole tokens."""
+    if len(data) % TOKEN_BYTES:
+        raise RemoteProtocolError(f"tokens: {len(data)} bytes is not a whole number of int64 tokens")
+    return np.frombuffer(data, dtype="<i8")
 
 
 def decode(frame: bytes | memoryview) -> AnyMessage:

@@ -18,7 +18,6 @@ from typing import Self
 
 import torch
 import zmq
-import zmq.asyncio
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
@@ -32,7 +31,7 @@ from kvrt._errors import (
 )
 from kvrt._item import check_item, masked_tokens, owned_copy
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
-from kvrt._zmqio import FrameReader
+from kvrt._zmqio import SocketIO
 from kvrt.transports import TcpTransport, Transport
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -98,8 +97,9 @@ class Producer:
             heartbeat_s=heartbeat_s,
             transport=self._transport.name,
         )
-        self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._io: SocketIO | None = None
         self._endpoint: str | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
@@ -112,7 +112,7 @@ class Producer:
         """Bind the endpoint and start serving; returns once `endpoint` is known."""
         if self._socket is not None or self._closed:
             raise ClosedError("a producer starts once; create a new one")
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -123,6 +123,7 @@ class Producer:
             self._context.term()
             raise translate_zmq_error(exc, endpoint=self._bind) from None
         self._socket = socket
+        self._io = SocketIO(socket)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._update_room()
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
@@ -143,15 +144,16 @@ class Producer:
             return
         self._closed = True
         self._room.set()  # wake waiting inserts: they see `_closed` and fail
-        if self._socket is not None:
-            sync_socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
+        if self._io is not None:
             for out in self._core.close("producer closed"):
                 with contextlib.suppress(zmq.ZMQError):  # a consumer already gone needs no Bye
-                    sync_socket.send_multipart([out.peer, m.encode(out.message)], zmq.NOBLOCK)
+                    self._io.send_nowait([out.peer, m.encode(out.message)])
         if self._serve_task is not None:
             self._serve_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._serve_task
+        if self._io is not None:
+            self._io.close()
         if self._socket is not None:
             self._socket.close(linger=_BYE_LINGER_MS)
         if self._context is not None:
@@ -207,6 +209,7 @@ class Producer:
             hidden=item_hidden,
             nbytes=nbytes,
         )
+        self._transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
     def stats(self) -> ProducerStats:
@@ -251,33 +254,31 @@ class Producer:
         self._check_open()
 
     async def _serve(self) -> None:
-        socket = self._socket
-        assert socket is not None
+        io = self._io
+        assert io is not None
         core = self._core
-        reader = FrameReader(socket)
-        try:
-            while True:
-                frames = await reader.next(core.next_deadline())
-                now = self._now()
-                out: list[Outgoing] = []
-                if frames is not None and len(frames) >= 2:
-                    out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
-                out += core.expire(now)
-                await self._perform(out)
-        finally:
-            reader.close()
+        while True:
+            first = await io.next(core.next_deadline())
+            now = self._now()
+            out: list[Outgoing] = []
+            if first is not None:
+                for frames in [first, *io.drain()]:
+                    if len(frames) >= 2:
+                        out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+            out += core.expire(now)
+            await self._perform(out)
 
     async def _perform(self, out: list[Outgoing]) -> None:
         """Send what the core answered; a peer found unreachable is forgotten (its items return)."""
-        socket = self._socket
-        assert socket is not None
+        io = self._io
+        assert io is not None
         while out:
             send = out.pop(0)
             frames: list[bytes | memoryview] = [send.peer, m.encode(send.message)]
             if send.item is not None:
                 frames += self._transport.payload(send.peer, send.item)
             try:
-                await socket.send_multipart(frames, copy=False)
+                await io.send(frames)
             except zmq.ZMQError as exc:
                 error = translate_zmq_error(exc, endpoint=self.endpoint)
                 if not isinstance(error, PeerLostError):

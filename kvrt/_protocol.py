@@ -116,10 +116,6 @@ class _TimerKind(enum.IntEnum):
     WAITER = 1
 
 
-def _query_array(tokens: list[int] | None) -> np.ndarray | None:
-    return None if tokens is None else np.asarray(tokens, dtype=np.int64)
-
-
 class ProducerCore:
     """The producer's protocol state: peers, waiting requests, items in flight, the buffer."""
 
@@ -198,8 +194,8 @@ class ProducerCore:
             case m.Cancel(request_id=request_id):
                 self._drop_waiter(peer, request_id)
                 return []
-            case m.Received(item_id=item_id):
-                return self._on_received(peer, item_id)
+            case m.Received(item_ids=item_ids):
+                return self._on_received(peer, item_ids)
             case m.Release(item_id=item_id):
                 return self._on_release(peer, item_id, now)
         raise AssertionError(f"unhandled {message!r}")  # the accept table and the match disagree
@@ -276,7 +272,10 @@ class ProducerCore:
         return out
 
     def _on_drop_select(self, peer: bytes, request: m.DropSelect, now: float) -> list[Outgoing]:
-        query = _query_array(request.tokens)
+        try:
+            query = None if request.tokens is None else m.tokens_from_bytes(request.tokens)
+        except ProtocolError as exc:
+            return [self._refuse(peer, request.request_id, exc.code, str(exc))]
         found = self.buffer.best_match(query)
         if found is not None:
             return [self._deliver(peer, request.request_id, found.item, found.matched)]
@@ -297,13 +296,19 @@ class ProducerCore:
             self._add_timer(deadline, _TimerKind.WAITER, key)
         return []
 
-    def _on_received(self, peer: bytes, item_id: int) -> list[Outgoing]:
-        item = self._peers[peer].in_flight.pop(item_id, None)
-        if item is None:
-            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
-        self.buffer.forget(item)
-        self.counters.delivered_items += 1
-        self.counters.delivered_bytes += item.nbytes
+    def _on_received(self, peer: bytes, item_ids: list[int]) -> list[Outgoing]:
+        in_flight = self._peers[peer].in_flight
+        unknown = []
+        for item_id in item_ids:
+            item = in_flight.pop(item_id, None)
+            if item is None:
+                unknown.append(item_id)
+                continue
+            self.buffer.forget(item)
+            self.counters.delivered_items += 1
+            self.counters.delivered_bytes += item.nbytes
+        if unknown:
+            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"items {unknown} are not in flight to you")]
         return []
 
     def _on_release(self, peer: bytes, item_id: int, now: float) -> list[Outgoing]:

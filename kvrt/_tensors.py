@@ -85,10 +85,10 @@ def tensor_from_buffer(meta: TensorMeta, buffer: memoryview) -> torch.Tensor:
         )
     if expected == 0:
         return torch.empty(meta.shape, dtype=dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8)
-    if raw.data_ptr() % dtype.itemsize:
-        raw = raw.clone()  # small frames may sit unaligned inside a shared receive buffer
-    return raw.view(dtype).view(meta.shape)
+    flat = torch.frombuffer(buffer, dtype=dtype)
+    if flat.data_ptr() % dtype.itemsize:
+        flat = flat.clone()  # small frames may sit unaligned inside a shared receive buffer
+    return flat if len(meta.shape) == 1 else flat.view(meta.shape)
 
 
 def _dtype_of(meta: TensorMeta) -> torch.dtype:

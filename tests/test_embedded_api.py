@@ -225,7 +225,7 @@ async def raw_exchange(endpoint: str, frames: list[bytes]) -> m.ErrorReply:
         ([b"\xff\x00garbage"], ErrorCode.PROTOCOL),
         ([msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "no_such_message"}])], ErrorCode.PROTOCOL),
         ([msgspec.msgpack.encode([99, {"type": "ping"}])], ErrorCode.VERSION),
-        ([m.encode(m.DropSelect(request_id=1, tokens=[1]))], ErrorCode.UNKNOWN_PEER),
+        ([m.encode(m.DropSelect(request_id=1, tokens=bytes(8)))], ErrorCode.UNKNOWN_PEER),
         ([m.encode(m.Hello(version=m.PROTOCOL_VERSION)), b"unexpected payload"], ErrorCode.PROTOCOL),
     ],
     ids=["not-msgpack", "unknown-tag", "wrong-version", "no-hello", "payload-on-control"],

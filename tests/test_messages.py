@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ EXAMPLES: list[m.Message] = [
     m.Ping(nonce=3),
     m.Pong(nonce=3),
     m.Bye(reason="closing"),
-    m.DropSelect(request_id=7, tokens=[1, 2, 3], timeout_s=None),
+    m.DropSelect(request_id=7, tokens=m.tokens_to_bytes(np.array([1, 2, 3])), timeout_s=None),
     m.DropSelect(request_id=8, tokens=None, timeout_s=0.0),
     m.Cancel(request_id=7),
     m.Deliver(
@@ -30,7 +31,7 @@ EXAMPLES: list[m.Message] = [
         hidden=m.TensorMeta("bfloat16", [3, 16]),
     ),
     m.Miss(request_id=7),
-    m.Received(item_id=1),
+    m.Received(item_ids=[1, 2]),
     m.Release(item_id=1),
     m.ErrorReply(request_id=None, code=ErrorCode.PROTOCOL, message="bad"),
 ]
@@ -57,6 +58,12 @@ def test_a_field_of_the_wrong_type_is_refused_naming_the_field() -> None:
     frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "drop_select", "request_id": 1, "tokens": "abc"}])
     with pytest.raises(RemoteProtocolError, match="tokens"):
         m.decode(frame)
+
+
+def test_tokens_travel_as_little_endian_int64() -> None:
+    tokens = np.array([1, -2, 2**62], dtype=np.int64)
+    assert m.tokens_to_bytes(tokens) == b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+    assert m.tokens_from_bytes(m.tokens_to_bytes(tokens)).tolist() == tokens.tolist()
 
 
 def test_a_negative_request_id_is_refused() -> None:

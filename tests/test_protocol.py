@@ -49,8 +49,9 @@ class Pair:
         assert self.consumer.state is LinkState.READY
 
     def drop_select(self, tokens: list[int] | None, timeout_s: float | None = 0.0) -> tuple[int, list[Outgoing]]:
+        wire = None if tokens is None else m.tokens_to_bytes(np.array(tokens))
         request_id, message = self.consumer.start_request(
-            lambda request_id: m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s)
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=wire, timeout_s=timeout_s)
         )
         return request_id, self.send(message)
 
@@ -102,7 +103,7 @@ def test_a_match_is_delivered_and_its_bytes_count_until_received(pair: Pair) -> 
     assert outgoing[0].item is item
     assert pair.deliver(outgoing) == [Replied(request_id, deliver)]
     assert pair.producer.buffer.nbytes == item.nbytes
-    assert pair.send(m.Received(item_id=item.item_id)) == []
+    assert pair.send(m.Received(item_ids=[item.item_id])) == []
     assert pair.producer.buffer.nbytes == 0
     assert pair.producer.counters.delivered_items == 1
 
@@ -182,7 +183,7 @@ def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
     pair.send(m.Hello(version=m.PROTOCOL_VERSION), peer=other)
     item, _ = pair.insert([3])
     pair.drop_select([3])
-    pair.send(m.DropSelect(request_id=1, tokens=[3], timeout_s=None), peer=other)
+    pair.send(m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(np.array([3])), timeout_s=None), peer=other)
     outgoing = pair.send(m.Bye(reason="bye"))
     assert [(out.peer, type(out.message)) for out in outgoing] == [(other, m.Deliver)]
     assert outgoing[0].item is item
@@ -198,7 +199,7 @@ def test_a_second_hello_starts_over_and_returns_what_the_first_session_held(pair
 
 def test_a_request_before_hello_is_refused_as_unknown_peer() -> None:
     pair = Pair()
-    error = only(pair.send(m.DropSelect(request_id=5, tokens=[1])))
+    error = only(pair.send(m.DropSelect(request_id=5, tokens=m.tokens_to_bytes(np.array([1])))))
     assert isinstance(error, m.ErrorReply)
     assert (error.request_id, error.code) == (5, ErrorCode.UNKNOWN_PEER)
 
@@ -241,7 +242,7 @@ def test_too_many_waiting_requests_is_a_capacity_error() -> None:
 
 
 def test_receipt_for_an_item_not_in_flight_is_refused(pair: Pair) -> None:
-    error = only(pair.send(m.Received(item_id=12345)))
+    error = only(pair.send(m.Received(item_ids=[12345])))
     assert isinstance(error, m.ErrorReply) and error.code is ErrorCode.NOT_FOUND
 
 
@@ -302,6 +303,11 @@ def test_replies_may_arrive_in_any_order(pair: Pair) -> None:
     _, to_first = pair.insert([1])
     events = pair.deliver(to_second + to_first)
     assert [event.request_id for event in events] == [second, first]  # type: ignore[union-attr]
+
+
+def test_tokens_that_are_not_whole_int64s_are_refused(pair: Pair) -> None:
+    error = only(pair.send(m.DropSelect(request_id=4, tokens=b"\x01\x02\x03")))
+    assert isinstance(error, m.ErrorReply) and error.request_id == 4 and "whole number" in error.message
 
 
 def test_query_arrays_match_what_the_buffer_indexes() -> None:

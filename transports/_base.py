@@ -3,6 +3,8 @@
 The control plane decides what moves (a `Deliver` message names the item and describes its
 tensors); a transport moves the bytes. Who calls what:
 
+* `prepare`: `Producer.insert`, once per item, in the inserting task, right after the
+  tensors were copied; it may store what `payload` will need on `item.frames`.
 * `payload`: the producer's serve loop, once per Deliver, on the producer's event loop,
   right before it sends the Deliver header. It returns the frames that travel with the
   header (TCP: the tensors' bytes, zero-copy) and starts any out-of-band send. The
@@ -31,6 +33,9 @@ ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tenso
 
 class Transport(abc.ABC):
     name: ClassVar[str]
+
+    def prepare(self, item: BufferedItem) -> None:
+        """Producer side: get ready to send `item` (nothing by default)."""
 
     @abc.abstractmethod
     def payload(self, peer: bytes, item: BufferedItem) -> list[memoryview]:

@@ -27,8 +27,14 @@ class TcpTransport(Transport):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
+    def prepare(self, item: BufferedItem) -> None:
+        item.frames = [tensor_bytes(tensor) for tensor in item.tensors() if tensor is not None]
+
     def payload(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        return [tensor_bytes(tensor) for tensor in item.tensors() if tensor is not None]
+        if item.frames is None:
+            self.prepare(item)
+        assert item.frames is not None
+        return item.frames
 
     async def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> ItemTensors:
         metas: list[TensorMeta | None] = [deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden]
