@@ -29,28 +29,39 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvrt._messages import TensorMeta
+
 _COMPACT_SLACK = 16
 """A heap is rebuilt once it holds more than twice its live entries plus this many."""
 
 
 @dataclass(eq=False, slots=True)
 class BufferedItem:
-    """One inserted item, owned by the buffer while buffered or in flight to a consumer."""
+    """One inserted item, owned by the buffer while buffered or in flight to a consumer.
+
+    Its five tensors are views into `storage`, one packed buffer that `metas` describes
+    (see `kvrt._tensors.pack`); `nbytes` is the size of that buffer.
+    """
 
     item_id: int
     seq: int
     masked_tokens: np.ndarray
+    storage: torch.Tensor
+    metas: tuple[TensorMeta | None, ...]
     input_tokens: torch.Tensor
     roi: torch.Tensor | None
     key: torch.Tensor
     value: torch.Tensor
     hidden: torch.Tensor | None
-    nbytes: int
     frames: list[memoryview] | None = None
-    """What the transport prepared at insert to send this item (TCP: its tensors' bytes)."""
+    """What the transport prepared at insert to send this item (TCP: the storage's bytes)."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.storage.nbytes)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""

@@ -90,10 +90,3 @@ def masked_tokens(input_tokens: torch.Tensor, roi: torch.Tensor | None) -> np.nd
     if roi is not None:
         tokens = tokens[roi.to(tokens.device)]
     return tokens.to(device="cpu", dtype=torch.int64).numpy()
-
-
-def owned_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous copy on `device` that nothing else references."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    copy.copy_(tensor.detach())
-    return copy

@@ -53,10 +53,12 @@ class Capability(enum.StrEnum):
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
-    """dtype (torch's name without the `torch.` prefix) and shape of one tensor on the wire."""
+    """One tensor inside an item's packed payload: dtype (torch's name without `torch.`),
+    shape, and the byte offset where its contiguous bytes start (a multiple of its item size)."""
 
     dtype: Annotated[str, Meta(max_length=32)]
     shape: Annotated[list[Annotated[int, Meta(ge=0, le=2**62)]], Meta(max_length=MAX_TENSOR_DIMS)]
+    offset: Annotated[int, Meta(ge=0, le=2**62)] = 0
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=False):
@@ -118,9 +120,10 @@ class Cancel(Message, frozen=True, tag="cancel"):
 
 
 class Deliver(Message, frozen=True, tag="deliver"):
-    """Producer → consumer: the item for `request_id`. Tensor frames follow, in field order,
-    one per tensor that is not None. The consumer answers `Received` once it holds the
-    tensors (the producer frees the item then), or `Release` to hand it back."""
+    """Producer → consumer: the item for `request_id`. Its tensors travel packed in one
+    payload of `payload_bytes` (TCP: the one frame after this header), each at its meta's
+    offset. The consumer answers `Received` once it holds the tensors (the producer frees
+    the item then), or `Release` to hand it back."""
 
     request_id: RequestId
     item_id: ItemId
@@ -130,6 +133,7 @@ class Deliver(Message, frozen=True, tag="deliver"):
     key: TensorMeta
     value: TensorMeta
     hidden: TensorMeta | None
+    payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
 
 
 class Miss(Message, frozen=True, tag="miss"):

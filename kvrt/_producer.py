@@ -29,8 +29,9 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import check_item, masked_tokens, owned_copy
+from kvrt._item import check_item, masked_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
+from kvrt._tensors import pack
 from kvrt._zmqio import SocketIO
 from kvrt.transports import TcpTransport, Transport
 
@@ -189,25 +190,20 @@ class Producer:
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
-        device = self.device
-        item_tokens = owned_copy(input_tokens, device)
-        item_roi = None if roi is None else owned_copy(roi, device)
-        item_key = owned_copy(key, device)
-        item_value = owned_copy(value, device)
-        item_hidden = None if hidden is None else owned_copy(hidden, device)
-        nbytes = sum(
-            tensor.nbytes for tensor in (item_tokens, item_roi, item_key, item_value, item_hidden) if tensor is not None
-        )
+        packed = pack((input_tokens, roi, key, value, hidden), self.device)
+        item_tokens, item_roi, item_key, item_value, item_hidden = packed.tensors
+        assert item_tokens is not None and item_key is not None and item_value is not None
         item = BufferedItem(
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
             masked_tokens=masked_tokens(item_tokens, item_roi),
+            storage=packed.storage,
+            metas=packed.metas,
             input_tokens=item_tokens,
             roi=item_roi,
             key=item_key,
             value=item_value,
             hidden=item_hidden,
-            nbytes=nbytes,
         )
         self._transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))

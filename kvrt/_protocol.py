@@ -39,7 +39,6 @@ from kvrt._errors import (
     RemoteProtocolError,
     error_from_code,
 )
-from kvrt._tensors import tensor_meta
 
 HEARTBEAT_MISSES: Final = 4
 """A peer is lost after this many heartbeat periods of silence."""
@@ -364,15 +363,18 @@ class ProducerCore:
 
 
 def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deliver:
+    input_tokens, roi, key, value, hidden = item.metas
+    assert input_tokens is not None and key is not None and value is not None
     return m.Deliver(
         request_id=request_id,
         item_id=item.item_id,
         matched=matched,
-        input_tokens=tensor_meta(item.input_tokens),
-        roi=None if item.roi is None else tensor_meta(item.roi),
-        key=tensor_meta(item.key),
-        value=tensor_meta(item.value),
-        hidden=None if item.hidden is None else tensor_meta(item.hidden),
+        input_tokens=input_tokens,
+        roi=roi,
+        key=key,
+        value=value,
+        hidden=hidden,
+        payload_bytes=item.nbytes,
     )
 
 

@@ -1,14 +1,18 @@
 """Tensors on the wire: dtype names, metadata, and raw bytes in and out of frames.
 
 Every dtype whose elements can be viewed as bytes travels (bool, bfloat16 and the fp8
-types too): a tensor is sent as its contiguous bytes with `TensorMeta(dtype, shape)`
-beside it, and rebuilt on the other side over the received buffer, without a copy.
-Metadata that disagrees with the bytes is refused before any tensor is built.
+types too). An item's tensors are packed into one buffer at insert (`pack`: the one copy
+insert makes anyway), travel as that one buffer with a `TensorMeta(dtype, shape, offset)`
+per tensor, and are rebuilt on the other side as views over the received bytes
+(`unpack`), without a copy. Metadata that disagrees with the bytes is refused before any
+tensor is built.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import torch
@@ -56,39 +60,92 @@ DTYPES: Final[dict[str, torch.dtype]] = _wire_dtypes()
 """Wire name → dtype, for every dtype that can travel."""
 
 
+PACK_ALIGN_BYTES: Final = 64
+"""Each tensor of a packed item starts at a multiple of this (a cache line) from the start."""
+
+
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
-def meta_nbytes(meta: TensorMeta) -> int:
-    """Bytes the tensor described by `meta` occupies; refuses an unknown dtype."""
-    return math.prod(meta.shape) * _dtype_of(meta).itemsize
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Tensors copied into one contiguous byte buffer, and views of them into it."""
+
+    storage: torch.Tensor
+    tensors: tuple[torch.Tensor | None, ...]
+    metas: tuple[TensorMeta | None, ...]
+
+
+def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
+    """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each."""
+    metas: list[TensorMeta | None] = []
+    end = 0
+    for tensor in tensors:
+        if tensor is None:
+            metas.append(None)
+            continue
+        offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
+        metas.append(TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset))
+        end = offset + _nbytes(tensor.shape, tensor.dtype)
+    storage = torch.empty(end, dtype=torch.uint8, device=device)
+    views: list[torch.Tensor | None] = []
+    for tensor, meta in zip(tensors, metas, strict=True):
+        if tensor is None or meta is None:
+            views.append(None)
+            continue
+        view = _view(storage, meta, tensor.dtype)
+        view.copy_(tensor.detach())
+        views.append(view)
+    return Packed(storage, tuple(views), tuple(metas))
+
+
+def unpack(metas: Sequence[TensorMeta | None], buffer: memoryview) -> list[torch.Tensor | None]:
+    """Views of the tensors `metas` describe inside the received `buffer`.
+
+    No copy, unless the buffer starts misaligned for one of the dtypes (libzmq's messages
+    start 8 bytes into a 16-byte block: fine for all but 16-byte complex types). Refuses
+    metadata that does not fit the buffer, names an unknown dtype, or is misaligned.
+    """
+    dtypes = [None if meta is None else _dtype_of(meta) for meta in metas]
+    for meta, dtype in zip(metas, dtypes, strict=True):
+        if meta is None or dtype is None:
+            continue
+        end = meta.offset + _nbytes(meta.shape, dtype)
+        if end > buffer.nbytes:
+            raise RemoteProtocolError(
+                f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
+                f"the payload has {buffer.nbytes}"
+            )
+        if meta.offset % dtype.itemsize:
+            raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
+    if buffer.nbytes == 0:
+        payload = torch.empty(0, dtype=torch.uint8)
+    else:
+        payload = torch.frombuffer(buffer, dtype=torch.uint8)
+        alignment = max((dtype.itemsize for dtype in dtypes if dtype is not None), default=1)
+        if payload.data_ptr() % alignment:
+            payload = payload.clone()
+    return [
+        None if meta is None or dtype is None else _view(payload, meta, dtype)
+        for meta, dtype in zip(metas, dtypes, strict=True)
+    ]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes, without a copy when it is a contiguous CPU tensor."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
-def tensor_from_buffer(meta: TensorMeta, buffer: memoryview) -> torch.Tensor:
-    """The tensor described by `meta` over `buffer` (no copy unless misaligned for its dtype)."""
-    dtype = _dtype_of(meta)
-    expected = math.prod(meta.shape) * dtype.itemsize
-    if buffer.nbytes != expected:
-        raise RemoteProtocolError(
-            f"tensor {meta.dtype}{list(meta.shape)} needs {expected} bytes, its frame has {buffer.nbytes}"
-        )
-    if expected == 0:
-        return torch.empty(meta.shape, dtype=dtype)
-    flat = torch.frombuffer(buffer, dtype=dtype)
-    if flat.data_ptr() % dtype.itemsize:
-        flat = flat.clone()  # small frames may sit unaligned inside a shared receive buffer
-    return flat if len(meta.shape) == 1 else flat.view(meta.shape)
+def _view(storage: torch.Tensor, meta: TensorMeta, dtype: torch.dtype) -> torch.Tensor:
+    flat = storage[meta.offset : meta.offset + _nbytes(meta.shape, dtype)].view(dtype)
+    return flat.view(meta.shape)
 
 
 def _dtype_of(meta: TensorMeta) -> torch.dtype:

@@ -27,6 +27,7 @@ def seed_matched(tokens: torch.Tensor, roi: torch.Tensor, query: torch.Tensor | 
 
 
 def make_item(buffer: LookupBuffer, tokens: list[int], roi: list[bool] | None = None, nbytes: int = 10) -> BufferedItem:
+    """An item whose tensors are the tokens and roi alone, held in `nbytes` of storage."""
     input_tokens = torch.tensor(tokens, dtype=torch.int64)
     roi_tensor = None if roi is None else torch.tensor(roi, dtype=torch.bool)
     empty = torch.empty(0)
@@ -34,12 +35,13 @@ def make_item(buffer: LookupBuffer, tokens: list[int], roi: list[bool] | None = 
         item_id=buffer.next_seq(),
         seq=buffer.next_seq(),
         masked_tokens=masked_tokens(input_tokens, roi_tensor),
+        storage=torch.empty(nbytes, dtype=torch.uint8),
+        metas=(),
         input_tokens=input_tokens,
         roi=roi_tensor,
         key=empty,
         value=empty,
         hidden=None,
-        nbytes=nbytes,
     )
 
 

@@ -23,6 +23,7 @@ from kvrt._protocol import (
     Stray,
     Welcomed,
 )
+from kvrt._tensors import pack
 
 HEARTBEAT_S = 1.0
 PEER = b"consumer-1"
@@ -61,18 +62,21 @@ class Pair:
 
 
 def make_item(core: ProducerCore, tokens: list[int]) -> BufferedItem:
-    input_tokens = torch.tensor(tokens, dtype=torch.int64)
     key = torch.zeros((1, len(tokens), 1, 2), dtype=torch.float16)
+    packed = pack((torch.tensor(tokens, dtype=torch.int64), None, key, key, None), torch.device("cpu"))
+    input_tokens, _, key, value, _ = packed.tensors
+    assert input_tokens is not None and key is not None and value is not None
     return BufferedItem(
         item_id=core.new_item_id(),
         seq=core.buffer.next_seq(),
         masked_tokens=masked_tokens(input_tokens, None),
+        storage=packed.storage,
+        metas=packed.metas,
         input_tokens=input_tokens,
         roi=None,
         key=key,
-        value=key.clone(),
+        value=value,
         hidden=None,
-        nbytes=input_tokens.nbytes + 2 * key.nbytes,
     )
 
 

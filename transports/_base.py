@@ -34,7 +34,7 @@ ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tenso
 class Transport(abc.ABC):
     name: ClassVar[str]
 
-    def prepare(self, item: BufferedItem) -> None:
+    def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""
 
     @abc.abstractmethod

@@ -1,9 +1,9 @@
-"""TCP transport: tensors ride as extra ZeroMQ frames of the Deliver message.
+"""TCP transport: an item's packed tensors ride as one extra ZeroMQ frame of its Deliver.
 
-Frames are sent zero-copy (pyzmq copies only frames under its 64 KiB threshold) and
-rebuilt on the consumer over the received buffers, so a tensor is copied by the kernel's
-socket path alone. The producer's tensors stay alive until the consumer's `Received`,
-and pyzmq holds a reference to each frame until libzmq has sent it.
+The frame is sent zero-copy (pyzmq copies only frames under its 64 KiB threshold) and the
+tensors are rebuilt on the consumer as views over the received buffer, so the bytes are
+copied by the kernel's socket path alone. The producer's storage stays alive until the
+consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sent it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import Deliver, TensorMeta
-from kvrt._tensors import tensor_bytes, tensor_from_buffer
+from kvrt._messages import Deliver
+from kvrt._tensors import tensor_bytes, unpack
 from kvrt.transports._base import ItemTensors, Transport
 
 
@@ -28,7 +28,7 @@ class TcpTransport(Transport):
         self.device = torch.device(device)
 
     def prepare(self, item: BufferedItem) -> None:
-        item.frames = [tensor_bytes(tensor) for tensor in item.tensors() if tensor is not None]
+        item.frames = [tensor_bytes(item.storage)]
 
     def payload(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         if item.frames is None:
@@ -37,20 +37,15 @@ class TcpTransport(Transport):
         return item.frames
 
     async def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> ItemTensors:
-        metas: list[TensorMeta | None] = [deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden]
-        present = sum(meta is not None for meta in metas)
-        if present != len(frames):
-            raise RemoteProtocolError(f"deliver describes {present} tensors but {len(frames)} frames followed")
-        tensors: list[torch.Tensor | None] = []
-        frame_iter = iter(frames)
-        for meta in metas:
-            if meta is None:
-                tensors.append(None)
-                continue
-            tensor = tensor_from_buffer(meta, next(frame_iter).buffer)
-            if self.device.type != "cpu":
-                tensor = tensor.to(self.device, non_blocking=False)
-            tensors.append(tensor)
+        if len(frames) != 1:
+            raise RemoteProtocolError(f"deliver needs one payload frame, {len(frames)} followed")
+        buffer = frames[0].buffer
+        if buffer.nbytes != deliver.payload_bytes:
+            raise RemoteProtocolError(f"deliver announced {deliver.payload_bytes} payload bytes, {buffer.nbytes} came")
+        metas = (deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden)
+        tensors = unpack(metas, buffer)
+        if self.device.type != "cpu":
+            tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]
         input_tokens, roi, key, value, hidden = tensors
         assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
         return input_tokens, roi, key, value, hidden

@@ -341,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
     kvrt_p50s = [p50 for _, p50 in growth.values()]
     flatness = max(kvrt_p50s) / min(kvrt_p50s)
 
-    print(f"\nkvrt bench buffer — {items} items of {size / 1024:.0f} KiB (256 tokens; 2×4×64 fp16 KV; hidden 96)")
+    print(f"\nkvrt bench buffer — {items} items of {size / 1024:.0f} KiB (256 tokens; 2x4x64 fp16 KV; hidden 96)")
     print(
         _table(
             ["scenario", "seed SimpleBuffer", "kvrt", "kvrt / seed", "goal"],
@@ -350,18 +350,18 @@ def main(args: argparse.Namespace) -> int:
                     f"{items} newest-first, 1 in flight",
                     _describe(seed_newest),
                     _describe(kvrt_newest),
-                    f"{newest_ratio:.1f}× req/s",
-                    "≥ 10×",
+                    f"{newest_ratio:.1f}x req/s",
+                    "≥ 10x",
                 ],
                 [
                     f"{items} in insertion order",
                     _describe(seed_ordered) + " (1 in flight)",
                     _describe(kvrt_ordered) + f" ({IN_FLIGHT} in flight)",
-                    f"{ordered_ratio:.1f}× req/s",
-                    "≥ 3×",
+                    f"{ordered_ratio:.1f}x req/s",
+                    "≥ 3x",
                 ],
             ],
-        )  # fmt: skip
+        )
     )
     print(
         _table(
@@ -375,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
                     "≥ 50%",
                 ]
             ],
-        )  # fmt: skip
+        )
     )
     print(
         _table(
@@ -383,7 +383,7 @@ def main(args: argparse.Namespace) -> int:
             [[f"{count:,}", f"{seed:.2f} ms", f"{kvrt:.2f} ms"] for count, (seed, kvrt) in growth.items()],
         )
     )
-    print(f"kvrt p50 largest / smallest over {sizes[0]:,} → {sizes[-1]:,} items: {flatness:.2f}× (goal: flat)")
+    print(f"kvrt p50 largest / smallest over {sizes[0]:,} → {sizes[-1]:,} items: {flatness:.2f}x (goal: flat)")
 
     if args.json:
         results: dict[str, Any] = {
