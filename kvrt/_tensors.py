@@ -64,8 +64,6 @@ PACK_ALIGN_BYTES: Final = 64
 """Each tensor of a packed item starts at a multiple of this (a cache line) from the start."""
 
 
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
