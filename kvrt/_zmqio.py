@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, cast
 
 import zmq
 
@@ -36,7 +36,7 @@ class SocketIO:
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
         self._loop = asyncio.get_running_loop()
-        self._fd = socket.getsockopt(zmq.FD)
+        self._fd = cast(int, socket.getsockopt(zmq.FD))
         self._ready = asyncio.Event()
         self._loop.add_reader(self._fd, self._ready.set)
         self._blocked_senders = 0
@@ -84,13 +84,13 @@ class SocketIO:
             return False
         finally:
             # The send may have swallowed the FD's signal for a message that arrived.
-            if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._events() & zmq.POLLIN:
                 self._ready.set()
 
     async def _wait(self, event: int, deadline: float | None) -> bool:
         """Wait until the socket may have `event`; False once `deadline` has passed."""
         self._ready.clear()
-        if self.socket.getsockopt(zmq.EVENTS) & event:
+        if self._events() & event:
             return True
         loop = self._loop
         if deadline is not None and deadline <= loop.time():
@@ -101,7 +101,10 @@ class SocketIO:
         finally:
             if timer is not None:
                 timer.cancel()
-        return deadline is None or loop.time() < deadline or bool(self.socket.getsockopt(zmq.EVENTS) & event)
+        return deadline is None or loop.time() < deadline or bool(self._events() & event)
+
+    def _events(self) -> int:
+        return cast(int, self.socket.getsockopt(zmq.EVENTS))
 
     def close(self) -> None:
         """Stop watching the FD (before the socket is closed)."""

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa
-# type: ignore
 """vLLM's v0 `SimpleBuffer`, the design kvrt replaces, kept verbatim as the reference that
 kvrt's benchmarks and parity tests measure against (vllm/distributed/kv_transfer/
 kv_lookup_buffer/simple_buffer.py; Apache-2.0, the vLLM authors). Only its three vLLM
