@@ -20,9 +20,11 @@ from types import TracebackType
 from typing import Self
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from kvrt import _messages as m
+from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -31,7 +33,7 @@ from kvrt._errors import (
     ProtocolError,
     translate_zmq_error,
 )
-from kvrt._item import KVItem, check_tokens, masked_tokens
+from kvrt._item import KVItem, check_tokens, masked_tokens, truncate
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Replied, Stray, Welcomed
 from kvrt._zmqio import SocketIO
@@ -75,6 +77,7 @@ class _Link:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._io = SocketIO(self._socket)
         self._receipts: list[int] = []
+        self._flush_scheduled = False
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -99,8 +102,13 @@ class _Link:
                 phase="connect",
             ) from None
 
-    async def call(self, build: Callable[[int], m.Message]) -> _Reply:
-        """Send a request and wait for its answer (or for the link to fail)."""
+    async def call(self, build: Callable[[int], m.Message], *, confirm: bool = True) -> _Reply:
+        """Send a request and wait for its answer (or for the link to fail).
+
+        A delivered item is confirmed to the producer when this returns it (unless `confirm`
+        is False: then the caller must `settle` it), and given back if the caller is
+        cancelled first, so an item is never freed without reaching someone.
+        """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
         request_id, message = self.core.start_request(build)
@@ -108,14 +116,37 @@ class _Link:
         self._pending[request_id] = future
         try:
             await self._io.send([m.encode(message)])
-            return await future
+            reply = await future
         except asyncio.CancelledError:
-            cancel = self.core.abandon(request_id)
-            if cancel is not None:
-                self._send_nowait(cancel)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                delivered = future.result().message
+                if isinstance(delivered, m.Deliver):
+                    self.settle(delivered.item_id, keep=False)
+            else:
+                cancel = self.core.abandon(request_id)
+                if cancel is not None:
+                    self._send_nowait(cancel)
             raise
         finally:
             self._pending.pop(request_id, None)
+        if confirm and isinstance(reply.message, m.Deliver):
+            self.settle(reply.message.item_id, keep=True)
+        return reply
+
+    def settle(self, item_id: int, *, keep: bool) -> None:
+        """Confirm (keep) or give back an item delivered to a call made with confirm=False."""
+        if keep:
+            self._receipts.append(item_id)
+            if not self._flush_scheduled:
+                # Confirmations made in this loop iteration leave together, in one message.
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_receipts)
+        else:
+            self._send_nowait(m.Release(item_id=item_id))
+
+    def _flush_receipts(self) -> None:
+        self._flush_scheduled = False
+        self._send_receipts()
 
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
@@ -147,7 +178,6 @@ class _Link:
                         continue
                     if event is not None:
                         await self._handle(event, frames[1:])
-                self._send_receipts()
             due, lost = core.expire(now)
             if lost is not None:
                 log.warning("%s", lost.error)
@@ -188,13 +218,12 @@ class _Link:
             self._send_nowait(m.Release(item_id=deliver.item_id))
             return
         input_tokens, roi, key, value, hidden = tensors
-        item = KVItem(input_tokens, roi, key, value, hidden, deliver.matched)
-        self._receipts.append(deliver.item_id)  # one Received for the whole batch, see _run
-        future.set_result(_Reply(deliver, item))
+        future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
 
     # -- helpers --------------------------------------------------------------------------
 
     def _send_receipts(self) -> None:
+        """One Received for every item confirmed since the last one."""
         while self._receipts:
             batch, self._receipts = self._receipts[: m.MAX_RECEIPTS], self._receipts[m.MAX_RECEIPTS :]
             self._send_nowait(m.Received(item_ids=batch))
@@ -236,6 +265,11 @@ class Consumer:
 
     Items arrive on `device`. Many `drop_select` calls may be in flight at once. Closing
     ends every pending call with `ClosedError`.
+
+    `group`: the torch.distributed process group of a decode TP group, one consumer per
+    rank. Every rank then returns the same outcome for each lookup (the shortest match,
+    the worst status), agreed by one all_reduce; lookups must be made in the same order on
+    every rank. An item that the group does not take goes back to its producer.
     """
 
     def __init__(
@@ -243,6 +277,7 @@ class Consumer:
         connect: str,
         device: torch.device | str = "cpu",
         *,
+        group: dist.ProcessGroup | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         name: str | None = None,
@@ -261,6 +296,8 @@ class Consumer:
         self._connect_timeout_s = connect_timeout_s
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._links: list[_Link] = []
+        self._group = group
+        self._consensus: GroupConsensus | None = None
         self._closed = False
 
     async def start(self) -> Self:
@@ -269,6 +306,9 @@ class Consumer:
             raise ClosedError("a consumer starts once; create a new one")
         self._context = zmq.Context()
         try:
+            if self._group is not None:
+                self._consensus = GroupConsensus(self._group)
+                self._consensus.start()
             for endpoint in self._endpoints:
                 link = _Link(
                     endpoint,
@@ -297,6 +337,8 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
+        if self._consensus is not None:
+            await self._consensus.aclose()
         for link in self._links:
             await link.aclose()
         if self._context is not None:
@@ -330,8 +372,52 @@ class Consumer:
                 f"drop_select: {len(query) // m.TOKEN_BYTES} masked tokens is over the limit of {m.MAX_TOKENS}"
             )
         link = self._links[0]
-        reply = await link.call(lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout))
-        return reply.item
+
+        def build(request_id: int) -> m.Message:
+            return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
+
+        if self._consensus is None:
+            return (await link.call(build)).item
+        return await self._agreed_drop_select(link, build, self._consensus)
+
+    async def _agreed_drop_select(
+        self, link: _Link, build: Callable[[int], m.Message], consensus: GroupConsensus
+    ) -> KVItem | None:
+        """drop_select for a TP group: look up locally, agree with the group, then keep the
+        item cut to the agreed length, or give it back to the producer."""
+        sequence = consensus.register()
+        item: KVItem | None = None
+        item_id: int | None = None
+        error: BaseException | None = None
+        try:
+            reply = await link.call(build, confirm=False)
+        except asyncio.CancelledError as cancelled:
+            consensus.abandon(sequence, Outcome(status_of(cancelled)))
+            raise
+        except KVRTError as failure:
+            error = failure
+            outcome = Outcome(status_of(failure))
+        else:
+            item = reply.item
+            if item is None:
+                outcome = Outcome(Status.MISS)
+            else:
+                assert isinstance(reply.message, m.Deliver)
+                item_id = reply.message.item_id
+                outcome = Outcome(Status.OK, item.matched)
+        keep = False
+        try:
+            decision = await consensus.decide(sequence, outcome)
+            if decision.status is Status.OK:
+                assert item is not None
+                keep = True
+                return truncate(item, decision.matched_tokens)
+            if decision.status is Status.MISS:
+                return None
+            raise error_for(decision, outcome, error)
+        finally:
+            if item_id is not None:
+                link.settle(item_id, keep=keep)
 
     def _check_open(self) -> None:
         if self._closed:

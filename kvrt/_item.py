@@ -90,3 +90,22 @@ def masked_tokens(input_tokens: torch.Tensor, roi: torch.Tensor | None) -> np.nd
     if roi is not None:
         tokens = tokens[roi.to(tokens.device)]
     return tokens.to(device="cpu", dtype=torch.int64).numpy()
+
+
+def truncate(item: KVItem, matched_tokens: int) -> KVItem:
+    """`item` cut along its token axis to its first `matched_tokens` masked tokens."""
+    if item.roi is None:
+        length = matched_tokens
+    elif matched_tokens == 0:
+        length = 0
+    else:
+        selected = torch.nonzero(item.roi).flatten()
+        length = int(selected[matched_tokens - 1]) + 1
+    return KVItem(
+        input_tokens=item.input_tokens[:length],
+        roi=None if item.roi is None else item.roi[:length],
+        key=item.key[:, :length],
+        value=item.value[:, :length],
+        hidden=None if item.hidden is None else item.hidden[:length],
+        matched=matched_tokens,
+    )

@@ -455,6 +455,7 @@ class ConsumerCore:
         self.transport: str | None = None
         self._request_ids = itertools.count(1)
         self._pending: set[int] = set()
+        self._lost_because = ""
         self._last_heard = 0.0
         self._next_ping = 0.0
         self._outbox: list[m.Message] = []
@@ -560,6 +561,7 @@ class ConsumerCore:
         self._move("welcome")
 
     def _lose(self, error: KVRTError, event: str = "silence") -> Lost:
+        self._lost_because = str(error)
         pending = tuple(self._pending)
         self._pending.clear()
         self._move(event)
@@ -568,4 +570,7 @@ class ConsumerCore:
     def _not_ready_error(self) -> KVRTError:
         if self.state is LinkState.CLOSED:
             return ClosedError("the consumer is closed")
-        return PeerLostError(f"producer at {self.endpoint} is not connected ({self.state.value}); retry later")
+        because = f": {self._lost_because}" if self._lost_because else ""
+        return PeerLostError(
+            f"producer at {self.endpoint} is not connected ({self.state.value}){because}; the link retries by itself"
+        )

@@ -1,0 +1,101 @@
+"""One rank of a 4-process decode TP group, for tests/test_consensus_group.py (spawned).
+
+Each rank has its own producer and a consumer with group=WORLD, runs the same scenarios in
+the same order, and reports what it saw to the parent through `results`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import kvrt
+
+RANDOM_ROUNDS = 200
+IN_FLIGHT = 8
+
+
+def tokens(base: int, length: int) -> torch.Tensor:
+    return torch.arange(base, base + length, dtype=torch.int64)
+
+
+async def insert(producer: kvrt.Producer, input_tokens: torch.Tensor, rank: int) -> None:
+    n = len(input_tokens)
+    key = torch.full((2, n, 2, 4), float(rank), dtype=torch.float16)
+    await producer.insert(input_tokens, None, key, key.clone(), torch.zeros(n, 3))
+
+
+def summary(outcome: kvrt.KVItem | BaseException | None) -> tuple[Any, ...]:
+    if outcome is None:
+        return ("miss",)
+    if isinstance(outcome, BaseException):
+        return ("error", type(outcome).__name__, str(outcome))
+    return ("item", outcome.matched, len(outcome.input_tokens), outcome.key.shape[1], outcome.value.shape[1])
+
+
+async def settle(consumer: kvrt.Consumer) -> None:
+    """A round trip after which the producer has handled every earlier message of this rank.
+    (It also takes part in consensus, as every rank does it at the same point.)"""
+    assert await consumer.drop_select(tokens(-10_000, 4)) is None
+
+
+async def scenarios(rank: int, world: int, results: Any) -> None:
+    async with kvrt.Producer(heartbeat_s=0.5) as producer:
+        async with kvrt.Consumer(connect=producer.endpoint, group=dist.group.WORLD, heartbeat_s=0.5) as consumer:
+            # Different prefix lengths: rank r holds 8 + 8r tokens of the query's 32.
+            await insert(producer, tokens(0, 8 + 8 * rank), rank)
+            item = await consumer.drop_select(tokens(0, 32))
+            results.put((rank, "different_prefix", summary(item)))
+
+            # One rank has no item: a miss everywhere, and the others' items go back.
+            if rank != 2:
+                await insert(producer, tokens(1000, 16), rank)
+            item = await consumer.drop_select(tokens(1000, 16))
+            await settle(consumer)
+            results.put((rank, "one_missing", (summary(item), producer.stats().items)))
+
+            # Random rounds, several lookups in flight on every rank.
+            rng = random.Random(99)
+            expected: list[int] = []
+            for round_index in range(RANDOM_ROUNDS):
+                lengths = [rng.randrange(1, 20) for _ in range(world)]
+                base = 10_000 + 100 * round_index
+                await insert(producer, tokens(base, lengths[rank]), rank)
+                expected.append(min(lengths))
+            outcomes: list[Any] = []
+            for start in range(0, RANDOM_ROUNDS, IN_FLIGHT):
+                batch = range(start, min(RANDOM_ROUNDS, start + IN_FLIGHT))
+                queries = [consumer.drop_select(tokens(10_000 + 100 * i, 20)) for i in batch]
+                outcomes += await asyncio.gather(*queries)
+            matched = [None if item is None else item.matched for item in outcomes]
+            results.put((rank, "random_rounds", (matched, expected)))
+
+            # One rank's producer fails: that error, on every rank.
+            if rank == 1:
+                await producer.aclose()
+            else:
+                await insert(producer, tokens(5000, 8), rank)
+            try:
+                item = await consumer.drop_select(tokens(5000, 8))
+                results.put((rank, "producer_failing", summary(item)))
+            except kvrt.KVRTError as error:
+                results.put((rank, "producer_failing", summary(error)))
+
+
+def run_rank(rank: int, world: int, port: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        asyncio.run(scenarios(rank, world, results))
+    except BaseException as error:
+        results.put((rank, "crashed", repr(error)))
+        raise
+    finally:
+        dist.destroy_process_group()
