@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvrt._bench import BENCHMARKS
 from kvrt._demo import DemoShape, run_demo
 
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks, each beside its reference measured in the same run",
         description="Run one benchmark; it prints its table and the ratio against its reference.",
     )
-    bench.add_argument("name", choices=["buffer"], help="which benchmark")
+    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     bench.set_defaults(run=_bench)

@@ -2,31 +2,38 @@
 
 Each rank runs its own consumer against its own producer and may see a different result
 for the same request (a shorter prefix, a miss, a lost producer). Before any rank uses
-its result, the group agrees with one `all_reduce(MIN)` over a small int64 tensor:
+its result, the group agrees with one `all_reduce(MIN)` over a small int64 tensor, two
+values per lookup:
 
-    row = [ready, matched_tokens, -(status * world_size + rank)]
+    matched_i = matched tokens (0 unless OK), or -1 while this rank has no result yet
+    worst_i   = -((status * world_size + rank) << 16 | backlog)
 
-MIN over `ready` says whether every rank has its result; MIN over `matched_tokens` is the
-shortest match (tokens, never blocks); MIN over the last column is the worst status (the
-largest code) and, among ranks with it, the highest rank, so the message can name one.
+MIN over `matched_i` is -1 unless every rank has its result, else the shortest match
+(tokens, never blocks). MIN over `worst_i` is the worst status (the largest code) and,
+among ranks with it, the highest rank, so the message can name one. In the first row the
+low bits carry the sender's backlog (lookups it has waiting), and MIN hands every rank the
+same one: it sizes the next round.
 
 Lookups are numbered in call order, which is the same on every rank (TP ranks run the
-same schedule). A round covers the window of `ROWS` lookups from the oldest undecided
-one; a rank enters a round only once its own oldest undecided lookup has a result, so
-every rank eventually enters, and that row is decided in the round. Lookups in flight
-together are decided together: never more than one collective per lookup, fewer as
-concurrency rises. Which lookups a round decided follows from the reduced tensor alone,
-so the window moves identically on every rank.
+same schedule). A round covers a window of lookups from the oldest undecided one; a rank
+enters a round only once its own oldest undecided lookup has a result, so every rank
+eventually enters, and that lookup is decided in the round. Lookups in flight together
+are decided together: never more than one collective per lookup, fewer as concurrency
+rises. The window moves and resizes from the reduced tensor alone, so identically on every
+rank. One lookup at a time costs a 2-value collective: gloo takes several times longer
+once a tensor has 3 values or more (measured on 4 ranks: 0.5 ms against 3 ms).
 
 `ConsensusWindow` is that bookkeeping without any collective (tested on its own);
-`GroupConsensus` drives it with a process group, running each blocking collective in a
-thread kvrt owns so the event loop never waits on it.
+`GroupConsensus` drives it with a process group. It issues each collective from the event
+loop with `async_op=True` (so the issue order is the loop's, the same on every rank) and
+learns of its completion from the work's future, whose callback wakes the loop: the loop
+never blocks on a collective, and no extra thread is needed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import enum
 from dataclasses import dataclass
 from typing import Final
@@ -42,9 +49,16 @@ from kvrt._errors import (
 )
 
 ROWS: Final = 64
-"""Lookups one round can decide."""
+"""Most lookups one round can decide."""
+
+_BACKLOG_BITS: Final = 16
+_BACKLOG_MASK: Final = (1 << _BACKLOG_BITS) - 1
+
+_BACKLOG_MEMORY_ROUNDS: Final = 4
+"""Rounds over which the largest reported backlog sizes the window."""
 
 _NOT_MATCHED: Final = 0
+_NOT_READY: Final = -1
 
 
 class Status(enum.IntEnum):
@@ -110,15 +124,18 @@ def error_for(decision: Decision, own: Outcome, own_error: BaseException | None)
 class ConsensusWindow:
     """Which lookups are registered, which have a local outcome, which the group decided."""
 
-    def __init__(self, *, rank: int, world_size: int, rows: int = ROWS) -> None:
+    def __init__(self, *, rank: int, world_size: int, max_rows: int = ROWS) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.rows = rows
+        self.max_rows = max_rows
+        self.rows = 1
+        """Lookups the next round covers; every rank has the same."""
         self.start = 0
         """The oldest undecided lookup; every rank has the same."""
         self._registered = 0
         self._outcomes: dict[int, Outcome] = {}
         self._decided: set[int] = set()
+        self._recent_backlogs: collections.deque[int] = collections.deque(maxlen=_BACKLOG_MEMORY_ROUNDS)
 
     def register(self) -> int:
         """Number the next lookup (call order)."""
@@ -134,34 +151,44 @@ class ConsensusWindow:
         """Whether this rank can enter the next round (its oldest undecided lookup has a result)."""
         return self.start in self._outcomes
 
-    def rows_to_reduce(self) -> list[list[int]]:
-        """This rank's rows for the round over [start, start + rows)."""
-        rows = []
+    def values_to_reduce(self) -> list[int]:
+        """This rank's contribution to the round over [start, start + rows)."""
+        values: list[int] = []
+        backlog = min(self._registered - self.start, _BACKLOG_MASK)
         for sequence in range(self.start, self.start + self.rows):
             outcome = self._outcomes.get(sequence)
             if outcome is None or sequence in self._decided:
-                # Not ready here (or already decided: row ignored). Neutral in the other columns.
-                rows.append([0, 2**62, 0])
-            else:
-                worst = outcome.status * self.world_size + self.rank
-                rows.append([1, outcome.matched_tokens, -worst])
-        return rows
-
-    def apply(self, reduced: list[list[int]]) -> dict[int, Decision]:
-        """Decisions of a round, from the reduced rows; moves the window."""
-        decisions: dict[int, Decision] = {}
-        for offset, (ready, matched, negative_worst) in enumerate(reduced):
-            sequence = self.start + offset
-            if not ready or sequence in self._decided:
+                values += [_NOT_READY, 0]  # 0: neutral for MIN among values <= 0
                 continue
-            status_code, rank = divmod(-negative_worst, self.world_size)
+            matched = outcome.matched_tokens if outcome.status is Status.OK else _NOT_MATCHED
+            worst = (outcome.status * self.world_size + self.rank) << _BACKLOG_BITS
+            if sequence == self.start:
+                worst |= backlog
+            values += [matched, -worst]
+        return values
+
+    def apply(self, reduced: list[int]) -> dict[int, Decision]:
+        """Decisions of a round, from the reduced values; moves and resizes the window."""
+        decisions: dict[int, Decision] = {}
+        backlog = (-reduced[1]) & _BACKLOG_MASK  # the start row is ready on every rank
+        for offset in range(self.rows):
+            sequence = self.start + offset
+            matched, negative_worst = reduced[2 * offset], reduced[2 * offset + 1]
+            if matched == _NOT_READY or sequence in self._decided:
+                continue
+            status_code, rank = divmod(-negative_worst >> _BACKLOG_BITS, self.world_size)
             status = Status(status_code)
-            decisions[sequence] = Decision(status, matched if status is Status.OK else 0, rank)
+            decisions[sequence] = Decision(status, matched if status is Status.OK else _NOT_MATCHED, rank)
             self._decided.add(sequence)
             self._outcomes.pop(sequence, None)
         while self.start in self._decided:
             self._decided.discard(self.start)
             self.start += 1
+        # The next window covers the largest backlog reported in the last few rounds: waves
+        # of concurrent lookups then take one round each (a wave's tail round reports a
+        # small backlog, which must not shrink the window for the next wave).
+        self._recent_backlogs.append(backlog)
+        self.rows = min(self.max_rows, max(1, *self._recent_backlogs))
         return decisions
 
 
@@ -176,16 +203,17 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 class GroupConsensus:
     """Agreement on lookups inside one process group, one owned task driving the rounds."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, rows: int = ROWS) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, *, max_rows: int = ROWS) -> None:
         if not dist.is_initialized():
             raise KVRTError("group= needs torch.distributed to be initialized (init_process_group) first")
         self.group = group
         self.device = group_device(group)
-        self.window = ConsensusWindow(rank=dist.get_rank(group), world_size=dist.get_world_size(group), rows=rows)
+        self.window = ConsensusWindow(
+            rank=dist.get_rank(group), world_size=dist.get_world_size(group), max_rows=max_rows
+        )
         self.rounds = 0
         self._waiting: dict[int, asyncio.Future[Decision]] = {}
         self._start_ready = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -216,8 +244,8 @@ class GroupConsensus:
             self._start_ready.set()
 
     async def aclose(self) -> None:
-        """Fail every lookup waiting for a decision. A collective already running stays in its
-        thread until the other ranks join it or the group's timeout ends it."""
+        """Fail every lookup waiting for a decision. A collective already issued completes
+        when the other ranks join it, or fails at the process group's timeout."""
         if self._closed:
             return
         self._closed = True
@@ -231,14 +259,11 @@ class GroupConsensus:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _run_rounds(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._start_ready.wait()
-            rows = self.window.rows_to_reduce()
-            reduced = await loop.run_in_executor(self._executor, self._all_reduce_min, rows)
+            reduced = await self._all_reduce_min(self.window.values_to_reduce())
             self.rounds += 1
             for sequence, decision in self.window.apply(reduced).items():
                 future = self._waiting.pop(sequence, None)
@@ -247,11 +272,24 @@ class GroupConsensus:
             if not self.window.start_is_ready:
                 self._start_ready.clear()
 
-    def _all_reduce_min(self, rows: list[list[int]]) -> list[list[int]]:
-        """In the consensus thread: one collective, and one read back to the host."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
-        tensor = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        reduced: list[list[int]] = tensor.tolist()
+    async def _all_reduce_min(self, values: list[int]) -> list[int]:
+        """One collective, issued now from the loop, awaited without blocking it; one read back."""
+        loop = asyncio.get_running_loop()
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        assert work is not None
+        done: asyncio.Future[None] = loop.create_future()
+
+        def completed(_: torch.futures.Future[object]) -> None:  # runs on the backend's thread
+            loop.call_soon_threadsafe(_resolve, done)
+
+        work.get_future().add_done_callback(completed)
+        await asyncio.shield(done)  # a cancelled round must still let the collective finish
+        work.wait()  # completed already: raises the backend's error, if it had one
+        reduced: list[int] = tensor.tolist()
         return reduced
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -13,9 +13,9 @@ from kvrt._item import KVItem, truncate
 
 
 def all_reduce_min(windows: list[ConsensusWindow]) -> list[dict[int, Decision]]:
-    """One round: every rank's rows, reduced by MIN, applied on every rank."""
-    rows = [window.rows_to_reduce() for window in windows]
-    reduced = [[min(column) for column in zip(*per_rank, strict=True)] for per_rank in zip(*rows, strict=True)]
+    """One round: every rank's values, reduced elementwise by MIN, applied on every rank."""
+    contributions = [window.values_to_reduce() for window in windows]
+    reduced = [min(values) for values in zip(*contributions, strict=True)]
     return [window.apply(reduced) for window in windows]
 
 
@@ -61,14 +61,40 @@ def test_a_round_decides_only_lookups_every_rank_has_finished() -> None:
     assert [d[1].matched_tokens for d in all_reduce_min(windows)] == [4, 4]
 
 
-def test_lookups_in_flight_together_share_one_round() -> None:
+def test_lookups_in_flight_together_share_one_round_once_the_window_has_grown() -> None:
     windows = group(4)
     for window in windows:
-        for sequence in range(16):
+        for sequence in range(17):
             window.register()
             window.record(sequence, Outcome(Status.OK, 1 + sequence))
-    decisions = all_reduce_min(windows)
-    assert all(sorted(d) == list(range(16)) for d in decisions)
+    first = all_reduce_min(windows)
+    assert all(sorted(d) == [0] for d in first)  # the first round is one lookup wide...
+    assert [window.rows for window in windows] == [17] * 4  # ...and learns that 17 are waiting
+    assert all(sorted(d) == list(range(1, 17)) for d in all_reduce_min(windows))
+
+
+def test_waves_of_concurrent_lookups_take_one_round_each_once_the_window_knows_them() -> None:
+    windows = group(4)
+    rounds_per_wave = []
+    for wave in range(6):
+        for window in windows:
+            for _ in range(16):
+                window.record(window.register(), Outcome(Status.OK, 3))
+        rounds = 0
+        while windows[0].start < 16 * (wave + 1):
+            all_reduce_min(windows)
+            rounds += 1
+        rounds_per_wave.append(rounds)
+    assert rounds_per_wave[2:] == [1, 1, 1, 1]
+
+
+def test_one_lookup_at_a_time_costs_a_two_value_collective() -> None:
+    windows = group(4)
+    for _ in range(3):
+        for window in windows:
+            window.record(window.register(), Outcome(Status.OK, 5))
+        assert all(len(window.values_to_reduce()) == 2 for window in windows)
+        all_reduce_min(windows)
 
 
 def test_random_finishing_orders_give_every_rank_the_same_decisions() -> None:
@@ -106,8 +132,12 @@ def test_random_finishing_orders_give_every_rank_the_same_decisions() -> None:
 
 
 def test_the_window_is_bounded_in_rows() -> None:
-    window = ConsensusWindow(rank=0, world_size=1)
-    assert len(window.rows_to_reduce()) == ROWS
+    windows = group(2)
+    for window in windows:
+        for _ in range(10 * ROWS):
+            window.record(window.register(), Outcome(Status.MISS))
+    all_reduce_min(windows)
+    assert all(window.rows == ROWS and len(window.values_to_reduce()) == 2 * ROWS for window in windows)
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+
+BENCHMARKS = ("buffer", "consensus")
+"""Each is a module of this package with `main(args) -> int`."""
 
 
 def run_bench(name: str, args: argparse.Namespace) -> int:
-    if name == "buffer":
-        from kvrt._bench.buffer import main as buffer_main
-
-        return buffer_main(args)
-    raise ValueError(f"unknown benchmark {name!r}")
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}")
+    module = importlib.import_module(f"kvrt._bench.{name}")
+    code: int = module.main(args)
+    return code
