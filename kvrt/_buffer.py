@@ -54,7 +54,9 @@ class BufferedItem:
     value: torch.Tensor
     hidden: torch.Tensor | None
     frames: list[memoryview] | None = None
-    """What the transport prepared at insert to send this item (TCP: the storage's bytes)."""
+    """What the TCP transport prepared at insert: the storage's bytes."""
+    ready_event: torch.cuda.Event | None = None
+    """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -30,14 +30,19 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTError,
     KVRTTimeoutError,
+    PeerLostError,
     ProtocolError,
+    RemoteProtocolError,
+    translate_torch_error,
     translate_zmq_error,
 )
 from kvrt._item import KVItem, check_tokens, masked_tokens, truncate
 from kvrt._producer import DEFAULT_HEARTBEAT_S
-from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Replied, Stray, Welcomed
+from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Refused, Replied, Stray, Welcomed
 from kvrt._zmqio import SocketIO
-from kvrt.transports import TcpTransport, Transport
+from kvrt.transports import Transport
+from kvrt.transports._base import ItemTensors
+from kvrt.transports.select import make_transports, transport_preference
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -58,6 +63,10 @@ def _fresh(error: KVRTError) -> KVRTError:
     return clone
 
 
+async def _raise(error: BaseException) -> None:
+    raise error
+
+
 class _Link:
     """One consumer's connection to one producer."""
 
@@ -68,11 +77,16 @@ class _Link:
         context: zmq.Context[zmq.Socket[bytes]],
         name: str,
         heartbeat_s: float,
-        transport: Transport,
+        transports: dict[str, Transport],
+        connect_timeout_s: float,
     ) -> None:
         self.endpoint = endpoint
-        self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s)
-        self._transport = transport
+        self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports))
+        self._transports = transports
+        self._transport: Transport | None = None
+        self._connect_timeout_s = connect_timeout_s
+        self._join_task: asyncio.Task[None] | None = None
+        self._receives: set[asyncio.Task[None]] = set()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._io = SocketIO(self._socket)
@@ -80,9 +94,11 @@ class _Link:
         self._flush_scheduled = False
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
+        self._refused: KVRTError | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, connect_timeout_s: float) -> None:
+    async def start(self) -> None:
+        connect_timeout_s = self._connect_timeout_s
         try:
             self._socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
@@ -94,6 +110,12 @@ class _Link:
         try:
             async with asyncio.timeout(connect_timeout_s):
                 await self._welcomed.wait()
+                if self._refused is not None:
+                    raise self._refused
+                await self._joined()
+        except KVRTError:
+            await self.aclose()
+            raise
         except TimeoutError:
             await self.aclose()
             raise KVRTTimeoutError(
@@ -111,6 +133,7 @@ class _Link:
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
+        await self._joined()
         request_id, message = self.core.start_request(build)
         future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
@@ -154,10 +177,14 @@ class _Link:
             self._fail_all(self.core.close())
             if was_ready:
                 self._send_nowait(m.Bye(reason="consumer closed"))
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        owned = [task for task in (self._task, self._join_task, *self._receives) if task is not None]
+        for task in owned:
+            task.cancel()
+        for task in owned:
+            with contextlib.suppress(asyncio.CancelledError, KVRTError):
+                await task
+        for transport in self._transports.values():
+            await transport.aclose()
         self._io.close()
         self._socket.close(linger=0)
 
@@ -187,10 +214,11 @@ class _Link:
 
     async def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
         match event:
-            case Welcomed():
+            case Welcomed(welcome=welcome):
+                self._start_join(welcome)
                 self._welcomed.set()
             case Replied(request_id=request_id, message=m.Deliver() as deliver):
-                await self._on_deliver(self._pending.get(request_id), deliver, payload)
+                self._on_deliver(self._pending.get(request_id), deliver, payload)
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
@@ -203,22 +231,77 @@ class _Link:
                 self._send_nowait(m.Release(item_id=deliver.item_id))
             case Lost():
                 self._fail_all(event)
+            case Refused(error=error):
+                if self._welcomed.is_set():
+                    log.warning("%s", error)
+                else:  # the hello itself was refused: start() raises it
+                    self._refused = error
+                    self._welcomed.set()
 
-    async def _on_deliver(
+    def _on_deliver(
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, payload: Sequence[zmq.Frame]
     ) -> None:
-        try:
-            tensors = await self._transport.receive(deliver, payload)
-        except ProtocolError as exc:
+        """Post the item's receive now (arrival order); complete the call when it lands."""
+        if self._transport is None:
             self._send_nowait(m.Release(item_id=deliver.item_id))
-            if future is not None and not future.done():
-                future.set_exception(exc)
             return
+        try:
+            arriving = self._transport.receive(deliver, payload)
+        except ProtocolError as exc:
+            self._give_back(future, deliver, exc)
+            return
+        if isinstance(arriving, asyncio.Future) and arriving.done():
+            self._complete(future, deliver, arriving.result())  # TCP: already here
+            return
+        task = asyncio.create_task(
+            self._await_receive(future, deliver, arriving), name=f"kvrt-receive-{deliver.item_id}"
+        )
+        self._receives.add(task)
+        task.add_done_callback(self._receives.discard)
+
+    async def _await_receive(
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, arriving: Awaitable[ItemTensors]
+    ) -> None:
+        try:
+            tensors = await arriving
+        except (ProtocolError, RuntimeError) as exc:
+            self._give_back(future, deliver, translate_torch_error(exc, what=f"receiving item {deliver.item_id}"))
+            return
+        self._complete(future, deliver, tensors)
+
+    def _complete(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, tensors: ItemTensors) -> None:
         if future is None or future.done():
             self._send_nowait(m.Release(item_id=deliver.item_id))
             return
         input_tokens, roi, key, value, hidden = tensors
         future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
+
+    def _give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
+        self._send_nowait(m.Release(item_id=deliver.item_id))
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+    def _start_join(self, welcome: m.Welcome) -> None:
+        """Join the transport the producer chose, in a task the link owns (the link keeps
+        answering heartbeats meanwhile); requests wait for it in `_joined`."""
+        transport = self._transports.get(welcome.transport)
+        if self._join_task is not None:
+            self._join_task.cancel()
+        self._transport = transport
+        if transport is None:
+            error = RemoteProtocolError(f"producer chose transport {welcome.transport!r}, which was not offered")
+            self._join_task = asyncio.create_task(_raise(error))
+        else:
+            self._join_task = asyncio.create_task(transport.join(welcome.rendezvous, self._connect_timeout_s))
+
+    async def _joined(self) -> None:
+        task = self._join_task
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except KVRTError as exc:
+            raise PeerLostError(f"could not join the producer's {self.core.transport} transport: {exc}") from exc
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -278,6 +361,7 @@ class Consumer:
         device: torch.device | str = "cpu",
         *,
         group: dist.ProcessGroup | None = None,
+        transport: str | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         name: str | None = None,
@@ -291,6 +375,7 @@ class Consumer:
         except (RuntimeError, TypeError) as exc:
             raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
         self._endpoints = [connect]
+        self._transport_names = transport_preference(transport, self.device)
         self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
@@ -315,10 +400,11 @@ class Consumer:
                     context=self._context,
                     name=self._name,
                     heartbeat_s=self._heartbeat_s,
-                    transport=TcpTransport(self.device),
+                    transports=make_transports(self._transport_names, self.device, store_host=""),
+                    connect_timeout_s=self._connect_timeout_s,
                 )
                 self._links.append(link)
-                await link.start(self._connect_timeout_s)
+                await link.start()
         except BaseException:
             await self.aclose()
             raise

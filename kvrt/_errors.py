@@ -24,6 +24,8 @@ from __future__ import annotations
 import enum
 import errno
 
+import torch
+import torch.distributed as dist
 import zmq
 
 
@@ -147,3 +149,14 @@ def translate_zmq_error(exc: zmq.ZMQError, *, endpoint: str) -> KVRTError:
     if exc.errno in (errno.EINVAL, errno.EPROTONOSUPPORT, errno.ENODEV):
         return InvalidInputError(f"cannot use address {endpoint!r}: {exc.strerror}")
     return KVRTError(f"ZeroMQ error on {endpoint}: {exc.strerror} (errno {exc.errno})")
+
+
+def translate_torch_error(exc: BaseException, *, what: str) -> KVRTError:
+    """The one translation of torch, NCCL and CUDA errors into kvrt's family, by type."""
+    if isinstance(exc, KVRTError):
+        return exc
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return CapacityError(f"{what}: the GPU is out of memory ({exc})")
+    if isinstance(exc, dist.DistBackendError | dist.DistNetworkError):
+        return PeerLostError(f"{what}: the transfer with the peer failed ({exc})")
+    return KVRTError(f"{what}: {type(exc).__name__}: {exc}")

@@ -45,9 +45,12 @@ Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 
 
 class Capability(enum.StrEnum):
-    """What a peer can do beyond the base protocol; exchanged in the handshake."""
+    """Names a peer lists in `capabilities`: data transports it can use, in preference order,
+    and operations beyond the base protocol. Unknown names are ignored, not refused."""
 
     TCP = "tcp"
+    NCCL = "nccl"
+    GLOO = "gloo"
     PROBE = "probe"
     STATS = "stats"
 
@@ -65,22 +68,28 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fiel
     """Base of every control message; the subclass's tag is its `type` on the wire."""
 
 
+Names = Annotated[list[Name], Meta(max_length=64)]
+
+
 class Hello(Message, frozen=True, tag="hello"):
-    """Consumer → producer, first message on a connection (and again after a reconnect)."""
+    """Consumer → producer, first message on a connection (and again after a reconnect).
+    `capabilities` lists the transports the consumer can receive on, preferred first."""
 
     version: int
     name: Name = ""
-    capabilities: list[Capability] = []
+    capabilities: Names = []
 
 
 class Welcome(Message, frozen=True, tag="welcome"):
-    """Producer → consumer, the answer to Hello: who the producer is and how often to ping."""
+    """Producer → consumer, the answer to Hello: who the producer is, how often to ping, and
+    the transport chosen for this consumer with what it needs to join it (`rendezvous`)."""
 
     version: int
     producer_id: Name
     heartbeat_s: Seconds
     transport: Name = "tcp"
-    capabilities: list[Capability] = []
+    capabilities: Names = []
+    rendezvous: Annotated[dict[Name, Name], Meta(max_length=16)] = {}
 
 
 class Ping(Message, frozen=True, tag="ping"):

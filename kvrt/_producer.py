@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
+import msgspec
 import torch
 import zmq
 
@@ -33,7 +36,8 @@ from kvrt._item import check_item, masked_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._tensors import pack
 from kvrt._zmqio import SocketIO
-from kvrt.transports import TcpTransport, Transport
+from kvrt.transports import Transport
+from kvrt.transports.select import make_transports, transport_preference
 
 DEFAULT_HEARTBEAT_S = 1.0
 """Consumers ping at least this often; one silent for 4 periods is dropped."""
@@ -53,6 +57,14 @@ class ProducerStats:
     waiting_requests: int
     peers: int
     totals: ProducerCounters
+
+
+def _host_of(endpoint: str) -> str:
+    """The host part of a bound tcp:// endpoint, as peers can reach it."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def _check_device(device: torch.device | str) -> torch.device:
@@ -83,7 +95,7 @@ class Producer:
         *,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         name: str | None = None,
-        transport: Transport | None = None,
+        transport: str | None = None,
     ) -> None:
         if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
             raise InvalidInputError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
@@ -92,12 +104,14 @@ class Producer:
         self.device = _check_device(device)
         self.buffer_bytes = buffer_bytes
         self._bind = bind
-        self._transport = transport or TcpTransport(self.device)
+        self._transport_names = transport_preference(transport, self.device)
+        self._transports: dict[str, Transport] = {}
         self._core = ProducerCore(
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             heartbeat_s=heartbeat_s,
-            transport=self._transport.name,
+            transports=self._transport_names,
         )
+        self._send_lock = asyncio.Lock()
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._io: SocketIO | None = None
@@ -126,6 +140,7 @@ class Producer:
         self._socket = socket
         self._io = SocketIO(socket)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._transports = make_transports(self._transport_names, self.device, store_host=_host_of(self._endpoint))
         self._update_room()
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serve_ended)
@@ -149,6 +164,9 @@ class Producer:
             for out in self._core.close("producer closed"):
                 with contextlib.suppress(zmq.ZMQError):  # a consumer already gone needs no Bye
                     self._io.send_nowait([out.peer, m.encode(out.message)])
+        self._release_departed()
+        for transport in self._transports.values():
+            await transport.aclose()
         if self._serve_task is not None:
             self._serve_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -205,7 +223,8 @@ class Producer:
             value=item_value,
             hidden=item_hidden,
         )
-        self._transport.prepare(item)
+        for transport in self._transports.values():
+            transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
     def stats(self) -> ProducerStats:
@@ -265,22 +284,42 @@ class Producer:
             await self._perform(out)
 
     async def _perform(self, out: list[Outgoing]) -> None:
-        """Send what the core answered; a peer found unreachable is forgotten (its items return)."""
+        """Send what the core answered; a peer found unreachable is forgotten (its items return).
+
+        Under one lock: an out-of-band transport's sends must be issued in the order their
+        Deliver headers leave, and `insert` and the serve loop both come here.
+        """
         io = self._io
         assert io is not None
-        while out:
-            send = out.pop(0)
-            frames: list[bytes | memoryview] = [send.peer, m.encode(send.message)]
-            if send.item is not None:
-                frames += self._transport.payload(send.peer, send.item)
-            try:
-                await io.send(frames)
-            except zmq.ZMQError as exc:
-                error = translate_zmq_error(exc, endpoint=self.endpoint)
-                if not isinstance(error, PeerLostError):
-                    raise error from exc
-                out += self._core.peer_unreachable(send.peer, self._now())
+        async with self._send_lock:
+            while out:
+                send = out.pop(0)
+                message = send.message
+                frames: Sequence[bytes | memoryview] = ()
+                try:
+                    if isinstance(message, m.Welcome):
+                        rendezvous = self._transports[message.transport].offer(send.peer)
+                        if rendezvous:
+                            message = msgspec.structs.replace(message, rendezvous=rendezvous)
+                    if send.item is not None:
+                        transport_name = self._core.transport_of(send.peer)
+                        if transport_name is None:
+                            continue  # the peer left meanwhile; the core took the item back
+                        frames = await self._transports[transport_name].send(send.peer, send.item)
+                    await io.send([send.peer, m.encode(message), *frames])
+                except zmq.ZMQError as exc:
+                    error = translate_zmq_error(exc, endpoint=self.endpoint)
+                    if not isinstance(error, PeerLostError):
+                        raise error from exc
+                    out += self._core.peer_unreachable(send.peer, self._now())
+                except PeerLostError:
+                    out += self._core.peer_unreachable(send.peer, self._now())
+            self._release_departed()
         self._update_room()
+
+    def _release_departed(self) -> None:
+        for peer, transport_name in self._core.take_departed():
+            self._transports[transport_name].forget(peer)
 
     def _serve_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

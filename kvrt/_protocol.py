@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -92,6 +92,7 @@ class _Waiter:
 class _Peer:
     identity: bytes
     name: str
+    transport: str
     last_seen: float
     in_flight: dict[int, BufferedItem] = field(default_factory=dict)
     waiting: set[int] = field(default_factory=set)
@@ -123,12 +124,13 @@ class ProducerCore:
         *,
         producer_id: str,
         heartbeat_s: float,
-        transport: str,
+        transports: Sequence[str] = ("tcp",),
         max_waiting: int = MAX_WAITING_REQUESTS,
     ) -> None:
         self.producer_id = producer_id
         self.heartbeat_s = heartbeat_s
-        self.transport = transport
+        self.transports = tuple(transports)
+        """What this producer can send with, preferred first."""
         self.buffer = LookupBuffer()
         self.counters = ProducerCounters()
         self._max_waiting = max_waiting
@@ -137,6 +139,7 @@ class ProducerCore:
         self._timers: list[tuple[float, _TimerKind, int, object]] = []
         self._timer_order = itertools.count()
         self._item_ids = itertools.count(1)
+        self._departed: list[tuple[bytes, str]] = []
         self._closed = False
 
     # -- what the driver reads ----------------------------------------------------------
@@ -158,6 +161,16 @@ class ProducerCore:
 
     def new_item_id(self) -> int:
         return next(self._item_ids)
+
+    def transport_of(self, peer: bytes) -> str | None:
+        """The transport chosen at `peer`'s hello (None once it left)."""
+        state = self._peers.get(peer)
+        return None if state is None else state.transport
+
+    def take_departed(self) -> list[tuple[bytes, str]]:
+        """Peers that left since the last call, with their transport: the driver releases them."""
+        departed, self._departed = self._departed, []
+        return departed
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -254,18 +267,23 @@ class ProducerCore:
         if hello.version != m.PROTOCOL_VERSION:
             text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
             return [self._refuse(peer, None, ErrorCode.VERSION, text)]
+        offered = hello.capabilities or [m.Capability.TCP.value]
+        transport = next((name for name in self.transports if name in offered), None)
+        if transport is None:
+            text = f"no common transport: you receive with {offered}, this producer sends with {list(self.transports)}"
+            return [self._refuse(peer, None, ErrorCode.INVALID, text)]
         out: list[Outgoing] = []
         if peer in self._peers:
             # A second hello starts a new session: what the old one held goes back.
             out += self._forget_peer(peer, now)
-        self._peers[peer] = _Peer(identity=peer, name=hello.name, last_seen=now)
+        self._peers[peer] = _Peer(identity=peer, name=hello.name, transport=transport, last_seen=now)
         self._add_timer(now + self.peer_timeout_s, _TimerKind.PEER, peer)
         welcome = m.Welcome(
             version=m.PROTOCOL_VERSION,
             producer_id=self.producer_id,
             heartbeat_s=self.heartbeat_s,
-            transport=self.transport,
-            capabilities=[m.Capability.TCP],
+            transport=transport,
+            capabilities=list(self.transports),
         )
         out.append(Outgoing(peer, welcome))
         return out
@@ -351,6 +369,7 @@ class ProducerCore:
         peer = self._peers.pop(identity, None)
         if peer is None:
             return []
+        self._departed.append((identity, peer.transport))
         for request_id in peer.waiting:
             self._waiters.pop((identity, request_id), None)
         out: list[Outgoing] = []
@@ -433,6 +452,13 @@ class Stray:
 
 
 @dataclass(frozen=True, slots=True)
+class Refused:
+    """The producer refused a message that had no request id (a hello, a receipt)."""
+
+    error: KVRTError
+
+
+@dataclass(frozen=True, slots=True)
 class Lost:
     """The producer is gone; every pending request failed with `error`."""
 
@@ -440,15 +466,17 @@ class Lost:
     request_ids: tuple[int, ...]
 
 
-ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused
 
 
 class ConsumerCore:
     """One consumer's link to one producer: handshake, heartbeats, pending request ids."""
 
-    def __init__(self, *, endpoint: str, name: str, heartbeat_s: float) -> None:
+    def __init__(self, *, endpoint: str, name: str, heartbeat_s: float, transports: Sequence[str] = ("tcp",)) -> None:
         self.endpoint = endpoint
         self.name = name
+        self.transports = tuple(transports)
+        """What this consumer can receive with, preferred first (sent in hello)."""
         self.heartbeat_s = heartbeat_s
         self.state = LinkState.CONNECTING
         self.producer_id: str | None = None
@@ -475,7 +503,7 @@ class ConsumerCore:
         """The hello to send now (at start, and on each retry while the producer is lost)."""
         self._last_heard = now
         self._next_ping = now + self.heartbeat_s
-        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=[m.Capability.TCP])
+        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports))
 
     def start_request(self, build: Callable[[int], m.Message]) -> tuple[int, m.Message]:
         """Reserve a request id and build the message carrying it; fails if not connected."""
@@ -517,7 +545,7 @@ class ConsumerCore:
                 if request_id is not None and request_id in self._pending:
                     self._pending.discard(request_id)
                     return Failed(request_id, error_from_code(code, f"producer at {self.endpoint}: {text}"))
-                raise error_from_code(code, f"producer at {self.endpoint} refused a message: {text}")
+                return Refused(error_from_code(code, f"producer at {self.endpoint} refused: {text}"))
             case _:
                 request_id = getattr(message, "request_id", None)
                 if isinstance(request_id, int) and request_id in self._pending:

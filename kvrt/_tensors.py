@@ -104,6 +104,32 @@ def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed
     return Packed(storage, tuple(views), tuple(metas))
 
 
+def unpack_tensor(metas: Sequence[TensorMeta | None], payload: torch.Tensor) -> list[torch.Tensor | None]:
+    """Views of the tensors `metas` describe inside `payload`, a 1-D uint8 tensor on any device
+    (an aligned allocation); refuses metadata that does not fit or is misaligned."""
+    dtypes = _checked_dtypes(metas, payload.numel())
+    return [
+        None if meta is None or dtype is None else _view(payload, meta, dtype)
+        for meta, dtype in zip(metas, dtypes, strict=True)
+    ]
+
+
+def _checked_dtypes(metas: Sequence[TensorMeta | None], available: int) -> list[torch.dtype | None]:
+    dtypes = [None if meta is None else _dtype_of(meta) for meta in metas]
+    for meta, dtype in zip(metas, dtypes, strict=True):
+        if meta is None or dtype is None:
+            continue
+        end = meta.offset + _nbytes(meta.shape, dtype)
+        if end > available:
+            raise RemoteProtocolError(
+                f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
+                f"the payload has {available}"
+            )
+        if meta.offset % dtype.itemsize:
+            raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
+    return dtypes
+
+
 def unpack(metas: Sequence[TensorMeta | None], buffer: memoryview) -> list[torch.Tensor | None]:
     """Views of the tensors `metas` describe inside the received `buffer`.
 
@@ -111,18 +137,7 @@ def unpack(metas: Sequence[TensorMeta | None], buffer: memoryview) -> list[torch
     start 8 bytes into a 16-byte block: fine for all but 16-byte complex types). Refuses
     metadata that does not fit the buffer, names an unknown dtype, or is misaligned.
     """
-    dtypes = [None if meta is None else _dtype_of(meta) for meta in metas]
-    for meta, dtype in zip(metas, dtypes, strict=True):
-        if meta is None or dtype is None:
-            continue
-        end = meta.offset + _nbytes(meta.shape, dtype)
-        if end > buffer.nbytes:
-            raise RemoteProtocolError(
-                f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
-                f"the payload has {buffer.nbytes}"
-            )
-        if meta.offset % dtype.itemsize:
-            raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
+    dtypes = _checked_dtypes(metas, buffer.nbytes)
     if buffer.nbytes == 0:
         payload = torch.empty(0, dtype=torch.uint8)
     else:

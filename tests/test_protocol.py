@@ -34,7 +34,7 @@ class Pair:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.producer = ProducerCore(producer_id="producer-A", heartbeat_s=HEARTBEAT_S, transport="tcp")
+        self.producer = ProducerCore(producer_id="producer-A", heartbeat_s=HEARTBEAT_S)
         self.consumer = ConsumerCore(endpoint="mem://producer", name="decode", heartbeat_s=HEARTBEAT_S)
 
     def send(self, message: m.Message, peer: bytes = PEER) -> list[Outgoing]:
@@ -235,7 +235,7 @@ def test_a_hello_for_another_version_is_refused() -> None:
 
 def test_too_many_waiting_requests_is_a_capacity_error() -> None:
     pair = Pair()
-    pair.producer = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S, transport="tcp", max_waiting=2)
+    pair.producer = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S, max_waiting=2)
     pair.connect()
     pair.drop_select([1], timeout_s=None)
     pair.drop_select([2], timeout_s=None)
@@ -275,7 +275,7 @@ def test_a_lost_link_says_hello_again_and_recovers(pair: Pair) -> None:
 
 def test_a_restarted_producer_fails_pending_calls_and_the_link_reconnects(pair: Pair) -> None:
     request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
-    restarted = ProducerCore(producer_id="producer-B", heartbeat_s=HEARTBEAT_S, transport="tcp")
+    restarted = ProducerCore(producer_id="producer-B", heartbeat_s=HEARTBEAT_S)
     refusal = restarted.receive(PEER, m.encode(m.Ping()), 0, pair.now)
     events = pair.deliver(refusal)
     assert isinstance(events[0], Lost) and events[0].request_ids == (request_id,)
@@ -309,13 +309,37 @@ def test_replies_may_arrive_in_any_order(pair: Pair) -> None:
     assert [event.request_id for event in events] == [second, first]  # type: ignore[union-attr]
 
 
+def test_the_producer_picks_its_preferred_transport_among_those_the_consumer_offers() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0, transports=("nccl", "tcp"))
+    welcome = only(
+        core.receive(PEER, m.encode(m.Hello(version=m.PROTOCOL_VERSION, capabilities=["gloo", "tcp"])), 0, 0.0)
+    )
+    assert isinstance(welcome, m.Welcome) and welcome.transport == "tcp" and core.transport_of(PEER) == "tcp"
+    welcome = only(core.receive(b"gpu", m.encode(m.Hello(version=m.PROTOCOL_VERSION, capabilities=["nccl"])), 0, 0.0))
+    assert isinstance(welcome, m.Welcome) and welcome.transport == "nccl"
+
+
+def test_no_common_transport_is_refused_saying_what_each_side_has() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0, transports=("nccl",))
+    error = only(core.receive(PEER, m.encode(m.Hello(version=m.PROTOCOL_VERSION, capabilities=["tcp"])), 0, 0.0))
+    assert (
+        isinstance(error, m.ErrorReply) and error.code is ErrorCode.INVALID and "no common transport" in error.message
+    )
+
+
+def test_departed_peers_are_reported_once_with_their_transport(pair: Pair) -> None:
+    pair.send(m.Bye())
+    assert pair.producer.take_departed() == [(PEER, "tcp")]
+    assert pair.producer.take_departed() == []
+
+
 def test_tokens_that_are_not_whole_int64s_are_refused(pair: Pair) -> None:
     error = only(pair.send(m.DropSelect(request_id=4, tokens=b"\x01\x02\x03")))
     assert isinstance(error, m.ErrorReply) and error.request_id == 4 and "whole number" in error.message
 
 
 def test_query_arrays_match_what_the_buffer_indexes() -> None:
-    core = ProducerCore(producer_id="p", heartbeat_s=1.0, transport="tcp")
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0)
     item = make_item(core, [2**62, -5])
     core.buffer.add(item)
     found = core.buffer.best_match(np.array([2**62], dtype=np.int64))

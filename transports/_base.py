@@ -1,25 +1,34 @@
 """The transport interface: how one delivered item's tensors get from producer to consumer.
 
 The control plane decides what moves (a `Deliver` message names the item and describes its
-tensors); a transport moves the bytes. Who calls what:
+packed tensors); a transport moves the bytes. Who calls what:
 
-* `prepare`: `Producer.insert`, once per item, in the inserting task, right after the
-  tensors were copied; it may store what `payload` will need on `item.frames`.
-* `payload`: the producer's serve loop, once per Deliver, on the producer's event loop,
-  right before it sends the Deliver header. It returns the frames that travel with the
-  header (TCP: the tensors' bytes, zero-copy) and starts any out-of-band send. The
-  producer keeps the item, and so its tensors, until the consumer answers `Received`,
-  so a transport may read them until then without copying.
-* `receive`: the consumer's link loop, once per Deliver, in arrival order (the order an
-  out-of-band transport must post its receives in). It returns the five tensors on the
-  consumer's device; from then on the consumer owns them.
+Producer side, all on the producer's event loop:
+* `prepare`: `Producer.insert`, once per item, right after the tensors were packed, in the
+  inserting task (so on the caller's current CUDA stream). TCP keeps the frame to send;
+  NCCL records the event its send will wait for.
+* `offer`: once per consumer that chose this transport in its hello; returns what the
+  consumer needs to join (sent in the welcome). Transports without pairs return {}.
+* `send`: the producer's send path, once per Deliver, under the producer's send lock and
+  right before the Deliver header leaves. Returns the frames that travel with the header
+  (TCP: the packed bytes, zero-copy); out-of-band transports issue their send and return
+  none. The producer keeps the item, so its storage, until the consumer answers
+  `Received`: a transport may read it until then without copying.
+* `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
+
+Consumer side, on the consumer's event loop:
+* `join`: once per welcome, before any request: join the producer's rendezvous.
+* `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
+  out-of-band transport must post its receives in. Posts now; the returned awaitable gives
+  the five tensors on the consumer's device, which the consumer then owns.
+
+Both: `aclose` when the producer or consumer closes.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Awaitable, Sequence
 
 import torch
 import zmq
@@ -32,15 +41,29 @@ ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tenso
 
 
 class Transport(abc.ABC):
-    name: ClassVar[str]
+    name: str
+    """What the handshake calls it: "tcp", "nccl", "gloo"."""
 
     def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""
 
-    @abc.abstractmethod
-    def payload(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        """Producer side: frames to send after the Deliver header for `item`."""
+    def offer(self, peer: bytes) -> dict[str, str]:
+        """Producer side: the rendezvous a consumer needs to join (none by default)."""
+        return {}
 
     @abc.abstractmethod
-    async def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> ItemTensors:
-        """Consumer side: the item's tensors, from the frames that followed its Deliver header."""
+    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+        """Producer side: start moving `item`; frames to send after its Deliver header."""
+
+    def forget(self, peer: bytes) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Producer side: `peer` left; release what its pair held (nothing by default)."""
+
+    async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
+        """Consumer side: join the producer's rendezvous (nothing by default)."""
+
+    @abc.abstractmethod
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
+        """Consumer side: post the receive of one item now; await its tensors."""
+
+    async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Release threads, streams and pairs."""

@@ -8,8 +8,8 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+import asyncio
+from collections.abc import Awaitable, Sequence
 
 import torch
 import zmq
@@ -22,21 +22,20 @@ from kvrt.transports._base import ItemTensors, Transport
 
 
 class TcpTransport(Transport):
-    name: ClassVar[str] = "tcp"
-
     def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.name = "tcp"
         self.device = torch.device(device)
 
     def prepare(self, item: BufferedItem) -> None:
-        item.frames = [tensor_bytes(item.storage)]
+        if item.storage.device.type == "cpu":
+            item.frames = [tensor_bytes(item.storage)]
 
-    def payload(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        if item.frames is None:
-            self.prepare(item)
-        assert item.frames is not None
+    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+        if item.frames is None:  # a GPU item for a consumer without a GPU transport
+            item.frames = [tensor_bytes(item.storage.cpu())]
         return item.frames
 
-    async def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> ItemTensors:
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
         if len(frames) != 1:
             raise RemoteProtocolError(f"deliver needs one payload frame, {len(frames)} followed")
         buffer = frames[0].buffer
@@ -48,4 +47,6 @@ class TcpTransport(Transport):
             tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]
         input_tokens, roi, key, value, hidden = tensors
         assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
-        return input_tokens, roi, key, value, hidden
+        done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
+        done.set_result((input_tokens, roi, key, value, hidden))
+        return done

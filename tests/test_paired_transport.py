@@ -1,0 +1,83 @@
+"""The paired (process-group) transport, run on CPU with gloo: the machinery NCCL uses on GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import kvrt
+from tests.conftest import make_kv
+
+
+async def test_items_move_over_a_pair_built_on_demand_and_arrive_equal() -> None:
+    async with kvrt.Producer(transport="gloo") as producer:
+        tokens = torch.arange(12)
+        key, value, hidden = make_kv(tokens, dtype=torch.bfloat16)
+        await producer.insert(tokens, None, key, value, hidden)
+        async with kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer:
+            item = await consumer.drop_select(tokens[:5])
+            assert item is not None and item.matched == 5
+            assert torch.equal(item.key, key) and torch.equal(item.value, value) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
+
+
+async def test_many_items_in_flight_arrive_in_the_right_calls() -> None:
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        for index in range(32):
+            await producer.insert(torch.tensor([index, 7]), None, *make_kv(torch.tensor([index, 7]), seed=index))
+        items = await asyncio.gather(*(consumer.drop_select(torch.tensor([index, 7])) for index in range(32)))
+        for index, item in enumerate(items):
+            assert item is not None and torch.equal(item.key, make_kv(item.input_tokens, seed=index)[0])
+
+
+async def test_a_producer_serves_several_consumers_each_with_its_own_pair() -> None:
+    async with kvrt.Producer(transport="gloo") as producer:
+        consumers = [await kvrt.Consumer(connect=producer.endpoint, transport="gloo").start() for _ in range(3)]
+        try:
+            for index in range(3):
+                await producer.insert(torch.tensor([index]), None, *make_kv(torch.tensor([index]), seed=index))
+            for index, consumer in enumerate(consumers):
+                item = await consumer.drop_select(torch.tensor([index]))
+                assert item is not None and torch.equal(item.key, make_kv(torch.tensor([index]), seed=index)[0])
+            assert len(producer._transports["gloo"]._pairs) == 3  # type: ignore[attr-defined]
+        finally:
+            for consumer in consumers:
+                await consumer.aclose()
+
+
+async def test_a_consumer_that_leaves_has_its_pair_released_and_a_new_one_gets_a_fresh_pair() -> None:
+    async with kvrt.Producer(transport="gloo") as producer:
+        pairs = producer._transports["gloo"]._pairs  # type: ignore[attr-defined]
+        async with kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer:
+            await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
+            assert await consumer.drop_select(torch.arange(3)) is not None
+            (first_pair,) = [pair.pair_id for pair in pairs.values()]
+        async with kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer:
+            await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
+            assert await consumer.drop_select(torch.arange(3)) is not None
+            assert [pair.pair_id for pair in pairs.values()] == [pair.pair_id for pair in pairs.values()]
+            assert first_pair not in [pair.pair_id for pair in pairs.values()]
+            assert len(pairs) == 1  # the first consumer's pair was released when it said bye
+
+
+async def test_a_consumer_offering_only_tcp_gets_tcp_from_a_producer_that_prefers_a_pair() -> None:
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint, transport="tcp") as consumer:
+        await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
+        assert await consumer.drop_select(torch.arange(3)) is not None
+
+
+async def test_no_common_transport_fails_the_connect_with_a_clear_error() -> None:
+    async with kvrt.Producer(transport="gloo") as producer:
+        with pytest.raises(kvrt.KVRTError, match="no common transport"):
+            await kvrt.Consumer(connect=producer.endpoint, transport="tcp", connect_timeout_s=5).start()
+
+
+def test_transport_names_are_checked_against_the_device() -> None:
+    with pytest.raises(kvrt.InvalidInputError, match="transport must be one of"):
+        kvrt.Producer(transport="carrier-pigeon")
+    with pytest.raises(kvrt.InvalidInputError, match="needs a CUDA device"):
+        kvrt.Consumer(connect="tcp://127.0.0.1:1", transport="nccl")

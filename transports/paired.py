@@ -1,0 +1,252 @@
+"""Paired transports: a 2-rank torch.distributed process group per producer/consumer pair.
+
+`nccl` moves GPU tensors (NVLink or IB/RoCE, whatever NCCL finds); `gloo` is the same
+machinery on CPU tensors, so that pairing, ordering and failure handling are tested in CI
+on hosts without a GPU.
+
+Pairing on demand, through the control plane: when a consumer's hello picks this
+transport, the producer `offer`s a rendezvous (the address of a `TCPStore` the producer
+hosts and a fresh pair id) that travels in the welcome; both sides then build the process
+group (producer rank 0, consumer rank 1) and exchange one small tensor to bring the
+communicator up. That blocking set-up runs in a thread kvrt owns, never on the loop. A
+peer that leaves (bye, silence) has its group aborted, which also ends a transfer stuck
+on a dead peer; a consumer that comes back gets a new pair.
+
+Ordering: point-to-point operations of a pair must match in order. The producer issues
+each item's send and sends its Deliver header under one lock, and the consumer posts
+receives in the order headers arrive, which ZeroMQ keeps.
+
+GPU streams (nccl): the item was packed on the inserting caller's stream, and an event
+recorded there (`prepare`); sends run on a dedicated stream that waits on that event, so
+a transfer never reads KV before it is written, and the caller's stream never waits for a
+transfer. Receives run on another dedicated stream; their completion is an event that a
+kvrt-owned thread waits for, waking the loop, so neither the loop nor any compute stream
+blocks on a transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from kvrt._buffer import BufferedItem
+from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
+from kvrt._messages import Deliver
+from kvrt._tensors import unpack_tensor
+from kvrt.transports._base import ItemTensors, Transport
+
+_PRODUCER_RANK = 0
+_CONSUMER_RANK = 1
+_TAG = 0
+_STORE_TIMEOUT = datetime.timedelta(seconds=60)
+_MAX_PAYLOAD_BYTES = 1 << 40
+"""A Deliver announcing more than this (1 TiB) is refused before anything is allocated."""
+
+
+def _process_group(backend: str, store: Store, rank: int, timeout: datetime.timedelta) -> Any:
+    """A 2-rank process group on `store`, outside any global torch.distributed world."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def _abort(group: Any) -> None:
+    """Abort a pair's group: ends operations stuck on a dead peer and frees its resources.
+    (`abort` is the method's name across the torch versions kvrt supports; `shutdown`
+    is the fallback some builds have.)"""
+    for method in ("abort", "shutdown"):
+        stop = getattr(group, method, None)
+        if stop is not None:
+            try:
+                stop()
+            except RuntimeError:
+                pass  # already broken: nothing more to free
+            return
+
+
+@dataclass
+class _Pair:
+    """One producer/consumer pair: its group once established, and the sends in flight."""
+
+    pair_id: str
+    established: concurrent.futures.Future[Any]
+    sends: deque[Any] = field(default_factory=deque)
+
+
+class PairedTransport(Transport):
+    """One instance per producer or consumer; `backend` is "nccl" (GPU) or "gloo" (CPU)."""
+
+    def __init__(self, backend: str, device: torch.device, *, store_host: str = "127.0.0.1") -> None:
+        if backend not in ("nccl", "gloo"):
+            raise InvalidInputError(f"paired transport backend must be nccl or gloo, got {backend!r}")
+        if backend == "nccl" and device.type != "cuda":
+            raise InvalidInputError(f"the nccl transport needs a CUDA device, got {device}")
+        if backend == "gloo" and device.type != "cpu":
+            raise InvalidInputError(f"the gloo transport moves CPU tensors, got {device}")
+        self.name = backend
+        self.backend = backend
+        self.device = device
+        self._store_host = store_host
+        self._store: TCPStore | None = None
+        self._pairs: dict[bytes, _Pair] = {}
+        self._pair: _Pair | None = None
+        self._setup = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvrt-pair")
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-transfer")
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        if backend == "nccl":
+            with torch.cuda.device(device):
+                self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    # -- producer side --------------------------------------------------------------------
+
+    def prepare(self, item: BufferedItem) -> None:
+        if self.backend == "nccl":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))  # where insert packed the item
+            item.ready_event = event
+
+    def offer(self, peer: bytes) -> dict[str, str]:
+        store = self._host_store()
+        pair_id = uuid.uuid4().hex
+        established = self._setup.submit(self._establish, store, pair_id, _PRODUCER_RANK)
+        old = self._pairs.pop(peer, None)
+        if old is not None:
+            self._release(old)
+        self._pairs[peer] = _Pair(pair_id, established)
+        return {"store": f"{self._store_host}:{store.port}", "pair": pair_id, "backend": self.backend}
+
+    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+        pair = self._pairs.get(peer)
+        if pair is None:
+            raise PeerLostError("the consumer left before its item could be sent")
+        group = await asyncio.wrap_future(pair.established)
+        if item.nbytes == 0:
+            return []
+        while pair.sends and pair.sends[0].is_completed():
+            pair.sends.popleft()  # a gloo send must stay referenced until it ran
+        if self._streams is not None:
+            send_stream = self._streams[0]
+            with torch.cuda.device(self.device), torch.cuda.stream(send_stream):
+                if item.ready_event is not None:
+                    send_stream.wait_event(item.ready_event)
+                item.storage.record_stream(send_stream)
+                pair.sends.append(group.send([item.storage], _CONSUMER_RANK, _TAG))
+        else:
+            pair.sends.append(group.send([item.storage], _CONSUMER_RANK, _TAG))
+        return []
+
+    def forget(self, peer: bytes) -> None:
+        pair = self._pairs.pop(peer, None)
+        if pair is not None:
+            self._release(pair)
+
+    # -- consumer side --------------------------------------------------------------------
+
+    async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
+        try:
+            host, port = rendezvous["store"].rsplit(":", 1)
+            pair_id = rendezvous["pair"]
+        except (KeyError, ValueError):
+            raise RemoteProtocolError(f"welcome has no usable {self.backend} rendezvous: {rendezvous}") from None
+        store = TCPStore(host, int(port), is_master=False, timeout=_STORE_TIMEOUT)
+        established = self._setup.submit(self._establish, store, pair_id, _CONSUMER_RANK)
+        if self._pair is not None:
+            self._release(self._pair)
+        self._pair = _Pair(pair_id, established)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(established)), timeout_s)
+        except TimeoutError:
+            raise KVRTTimeoutError(
+                f"the {self.backend} pair with the producer did not come up within {timeout_s} s",
+                phase="connect",
+            ) from None
+
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
+        if frames:
+            raise RemoteProtocolError(f"a {self.backend} deliver carries no payload frames, {len(frames)} came")
+        if deliver.payload_bytes > _MAX_PAYLOAD_BYTES:
+            raise RemoteProtocolError(f"deliver announces {deliver.payload_bytes} bytes, over {_MAX_PAYLOAD_BYTES}")
+        pair = self._pair
+        if pair is None or not pair.established.done():
+            raise RemoteProtocolError(f"deliver arrived before the {self.backend} pair was established")
+        group = pair.established.result()
+        payload = torch.empty(deliver.payload_bytes, dtype=torch.uint8, device=self.device)
+        metas = (deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden)
+        if deliver.payload_bytes == 0:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return self._unpacked(done, metas, payload)
+        wait: Callable[[], None]
+        if self._streams is not None:
+            receive_stream = self._streams[1]
+            with torch.cuda.device(self.device), torch.cuda.stream(receive_stream):
+                payload.record_stream(receive_stream)
+                work = group.recv([payload], _PRODUCER_RANK, _TAG)
+                work.wait()  # the receive stream waits for NCCL's; the host does not
+                event = torch.cuda.Event()
+                event.record(receive_stream)
+            wait = event.synchronize
+        else:
+            work = group.recv([payload], _PRODUCER_RANK, _TAG)
+            wait = work.wait
+        # Receives complete in the order they were posted, so one waiting thread suffices.
+        completed = asyncio.wrap_future(self._waiter.submit(wait))
+        return self._unpacked(completed, metas, payload)
+
+    async def _unpacked(self, completed: Awaitable[None], metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
+        await completed
+        input_tokens, roi, key, value, hidden = unpack_tensor(metas, payload)
+        assert input_tokens is not None and key is not None and value is not None
+        return input_tokens, roi, key, value, hidden
+
+    async def aclose(self) -> None:
+        for pair in self._pairs.values():
+            self._release(pair)
+        self._pairs.clear()
+        if self._pair is not None:
+            self._release(self._pair)
+            self._pair = None
+        self._setup.shutdown(wait=False, cancel_futures=True)
+        self._waiter.shutdown(wait=False, cancel_futures=True)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _host_store(self) -> TCPStore:
+        if self._store is None:
+            self._store = TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+        return self._store
+
+    def _establish(self, store: Store, pair_id: str, rank: int) -> Any:
+        """In a set-up thread: build the pair's group, and bring its communicator up with one
+        small exchange (NCCL creates it lazily, at the first operation of both ranks)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        group = _process_group(self.backend, PrefixStore(f"kvrt/{pair_id}", store), rank, _STORE_TIMEOUT)
+        probe = torch.ones(1, device=self.device)
+        work = group.send([probe], 1 - rank, _TAG) if rank == _PRODUCER_RANK else group.recv([probe], 1 - rank, _TAG)
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return group
+
+    def _release(self, pair: _Pair) -> None:
+        """Abort the pair's group now, or as soon as it is established."""
+        pair.established.add_done_callback(_abort_if_established)
+
+
+def _abort_if_established(established: concurrent.futures.Future[Any]) -> None:
+    if not established.cancelled() and established.exception() is None:
+        _abort(established.result())
