@@ -112,6 +112,8 @@ class Producer:
             transports=self._transport_names,
         )
         self._send_lock = asyncio.Lock()
+        self._peer_left = asyncio.Event()
+        """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._io: SocketIO | None = None
@@ -320,6 +322,7 @@ class Producer:
     def _release_departed(self) -> None:
         for peer, transport_name in self._core.take_departed():
             self._transports[transport_name].forget(peer)
+            self._peer_left.set()
 
     def _serve_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -64,7 +64,13 @@ async def loop_guard() -> AsyncIterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            needed = int(marker.kwargs.get("count", 1))
+            if gpus < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s), {gpus} visible"))
         function = getattr(item, "function", None)
         if function is not None and inspect.iscoroutinefunction(function):
             item.fixturenames.insert(0, "loop_guard")  # type: ignore[attr-defined]

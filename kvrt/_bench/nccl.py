@@ -1,0 +1,203 @@
+"""`kvrt bench nccl`: kvrt's NCCL transport beside raw torch NCCL send/recv, same pair, same run.
+
+Two processes, the producer on cuda:0 and the consumer on cuda:1. For each size, first the
+reference: a 2-rank NCCL group made the same way kvrt makes its pairs, and `count` back-to-
+back send/recv of that many bytes, timed on the receiver from a barrier to the last
+completion. Then kvrt: the producer buffers `count` items of that size (key and value
+[1, tokens, 8, 128] bf16; 4 KiB a token), and the consumer drop-selects them all with
+`in_flight` requests outstanding, timed the same way. GB/s counts payload bytes once.
+Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import multiprocessing
+import multiprocessing.connection
+import statistics
+import sys
+import time
+from typing import Any, Final
+
+import torch
+
+MIB: Final = 1 << 20
+SIZES_MIB: Final = (1, 4, 16, 64, 256, 1024)
+BYTES_PER_TOKEN: Final = 4096
+SMALL_TOKENS: Final = 16
+LATENCY_REQUESTS: Final = 300
+PRODUCER_DEVICE: Final = "cuda:0"
+CONSUMER_DEVICE: Final = "cuda:1"
+_TIMEOUT = datetime.timedelta(seconds=120)
+
+spawn = multiprocessing.get_context("spawn")
+
+
+def _count(size_mib: int) -> int:
+    return max(8, min(256, (4096 // size_mib)))
+
+
+def _tokens(size_mib: int) -> int:
+    return size_mib * MIB // BYTES_PER_TOKEN
+
+
+def _item(index: int, tokens: int, device: str) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None]:
+    input_tokens = torch.arange(tokens, device=device) + (index << 32)
+    key = torch.full((1, tokens, 8, 128), float(index % 7), dtype=torch.bfloat16, device=device)
+    return input_tokens, None, key, key.clone(), None
+
+
+def _query(index: int) -> torch.Tensor:
+    return torch.arange(4) + (index << 32)
+
+
+def _raw_group(store_address: str, rank: int, device: str) -> Any:
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    from kvrt.transports.paired import _process_group
+
+    torch.cuda.set_device(device)
+    host, port = store_address.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT)  # the consumer's process hosts it
+    return store, _process_group("nccl", PrefixStore("raw", store), rank, _TIMEOUT)
+
+
+def _barrier(group: Any, device: str) -> None:
+    flag = torch.ones(1, device=device)
+    group.allreduce([flag]).wait()
+    torch.cuda.synchronize(device)
+
+
+def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._producer import Producer
+
+    _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
+
+    async def main() -> None:
+        async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
+            control.send(producer.endpoint)
+            for size_mib in SIZES_MIB:
+                count, nbytes = _count(size_mib), size_mib * MIB
+                buffers = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
+                _barrier(group, PRODUCER_DEVICE)
+                works = [group.send([buffer], 1, 0) for buffer in buffers]
+                for work in works:
+                    work.wait()
+                torch.cuda.synchronize(PRODUCER_DEVICE)
+                del buffers, works
+                for index in range(count):
+                    await producer.insert(*_item(index, _tokens(size_mib), PRODUCER_DEVICE))
+                torch.cuda.synchronize(PRODUCER_DEVICE)
+                control.send(("ready", size_mib))
+                await asyncio.to_thread(control.recv)  # consumer took them
+            for index in range(LATENCY_REQUESTS):
+                await producer.insert(*_item(index, SMALL_TOKENS, PRODUCER_DEVICE))
+            control.send(("ready", 0))
+            await asyncio.to_thread(control.recv)
+
+    asyncio.run(main())
+
+
+async def _consume(consumer: Any, count: int, in_flight: int) -> float:
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(index: int) -> None:
+        async with slots:
+            item = await consumer.drop_select(_query(index))
+            if item is None:
+                raise RuntimeError(f"item {index} missing")
+
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for index in range(count):
+            group.create_task(one(index))
+    torch.cuda.synchronize(CONSUMER_DEVICE)
+    return time.perf_counter() - started
+
+
+def main(args: argparse.Namespace) -> int:
+    from torch._C._distributed_c10d import TCPStore
+
+    from kvrt._consumer import Consumer
+
+    if torch.cuda.device_count() < 2:
+        print("kvrt bench nccl needs two CUDA devices", file=sys.stderr)
+        return 1
+    in_flight = int(getattr(args, "in_flight", None) or 8)
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    host_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT)
+    control, child = spawn.Pipe()
+    producer = spawn.Process(target=_producer, args=(host_store.port, child), name="kvrt-bench-producer")
+    producer.start()
+    rows: list[dict[str, float]] = []
+    latency: dict[str, float] = {}
+    try:
+        _, group = _raw_group(f"127.0.0.1:{host_store.port}", 1, CONSUMER_DEVICE)
+        endpoint = control.recv()
+
+        async def run() -> None:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+                for size_mib in SIZES_MIB:
+                    count, nbytes = _count(size_mib), size_mib * MIB
+                    buffers = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
+                    _barrier(group, CONSUMER_DEVICE)
+                    started = time.perf_counter()
+                    works = [group.recv([buffer], 0, 0) for buffer in buffers]
+                    for work in works:
+                        work.wait()
+                    torch.cuda.synchronize(CONSUMER_DEVICE)
+                    raw_s = time.perf_counter() - started
+                    del buffers, works
+                    message = await asyncio.to_thread(control.recv)
+                    assert message == ("ready", size_mib)
+                    kvrt_s = await _consume(consumer, count, in_flight)
+                    control.send("next")
+                    item_bytes = _tokens(size_mib) * (BYTES_PER_TOKEN + 8)
+                    row = {
+                        "size_mib": size_mib,
+                        "count": count,
+                        "raw_gbps": count * nbytes / raw_s / 1e9,
+                        "kvrt_gbps": count * item_bytes / kvrt_s / 1e9,
+                    }
+                    row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
+                    rows.append(row)
+                    print(f"  {size_mib:5d} MiB x {count:3d}: raw {row['raw_gbps']:7.1f} GB/s, "
+                          f"kvrt {row['kvrt_gbps']:7.1f} GB/s ({100 * row['ratio']:.0f}%)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                assert await asyncio.to_thread(control.recv) == ("ready", 0)
+                latencies = []
+                for index in range(LATENCY_REQUESTS):
+                    started = time.perf_counter()
+                    item = await consumer.drop_select(_query(index))
+                    latencies.append(time.perf_counter() - started)
+                    assert item is not None
+                control.send("done")
+                ordered = sorted(latencies[20:])
+                latency["p50_ms"] = 1e3 * statistics.median(ordered)
+                latency["p99_ms"] = 1e3 * ordered[int(0.99 * (len(ordered) - 1))]
+
+        asyncio.run(run())
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        producer.join(60)
+        if producer.is_alive():
+            producer.kill()
+    print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}, {in_flight} in flight")
+    print(f"{'size':>9} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | {'kvrt/raw':>8} | goal")
+    print("-" * 62)
+    goals = {16: ">= 90%", 1024: ">= 95%"}
+    for row in rows:
+        print(f"{int(row['size_mib']):>5} MiB | {int(row['count']):>5} | {row['raw_gbps']:>5.1f} GB/s | "
+              f"{row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | {goals.get(int(row['size_mib']), '')}")  # fmt: skip
+    print(
+        f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms"
+    )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "latency": latency, "in_flight": in_flight}, out, indent=2)
+    return 0

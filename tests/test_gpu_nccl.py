@@ -1,0 +1,175 @@
+"""The NCCL transport between two processes on two GPUs (producer on cuda:0, consumer on cuda:1).
+
+Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import kvrt
+from tests._gpu_processes import kv_item, run_gpu_consumer_that_dies, run_gpu_producer
+
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(300)]
+
+spawn = multiprocessing.get_context("spawn")
+PRODUCER_DEVICE = "cuda:0"
+CONSUMER_DEVICE = "cuda:1"
+GIB_TOKENS = 1 << 17
+"""Tokens of an item of about 1 GiB: key and value [2, T, 8, 128] bf16 are 512 MiB each."""
+
+
+@asynccontextmanager
+async def producer_process(
+    items: list[tuple[int, int, str]], heartbeat_s: float = 1.0
+) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess, Any]]:
+    control, child = spawn.Pipe()
+    process = spawn.Process(
+        target=run_gpu_producer, args=(PRODUCER_DEVICE, None, heartbeat_s, items, child), daemon=True
+    )
+    await asyncio.to_thread(process.start)
+    try:
+        assert await asyncio.to_thread(control.poll, 180), "GPU producer did not start"
+        yield control.recv(), process, control
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        await asyncio.to_thread(process.join, 30)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "bool", "int64"]
+
+
+async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu_over_nccl() -> None:
+    items = [(index, 64 + index, dtype) for index, dtype in enumerate(DTYPES)]
+    async with (
+        producer_process(items) as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        assert consumer._links[0].core.transport == "nccl"
+        for index, tokens, dtype in items:
+            input_tokens, key, value, hidden = kv_item(index, tokens, getattr(torch, dtype), CONSUMER_DEVICE)
+            item = await consumer.drop_select(input_tokens, None)
+            assert item is not None and item.key.device == torch.device(CONSUMER_DEVICE)
+            assert same_bits(item.key, key) and same_bits(item.value, value), dtype
+            assert item.hidden is not None and same_bits(item.hidden, hidden)
+            assert torch.equal(item.input_tokens, input_tokens)
+
+
+def matmuls(count: int) -> None:
+    a = torch.randn(8192, 8192, device=CONSUMER_DEVICE, dtype=torch.bfloat16)
+    for _ in range(count):
+        a = (a @ a).clamp_(-1, 1)
+
+
+async def test_compute_on_the_default_stream_overlaps_transfers() -> None:
+    items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
+    async with (
+        producer_process(items) as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        queries = [kv_item(index, GIB_TOKENS, torch.bfloat16, "cpu")[0] for index in range(8)]
+        matmuls(2)
+        torch.cuda.synchronize(CONSUMER_DEVICE)
+
+        started = time.perf_counter()
+        matmuls(20)
+        torch.cuda.synchronize(CONSUMER_DEVICE)
+        compute_alone = time.perf_counter() - started
+
+        started = time.perf_counter()
+        assert all(await asyncio.gather(*(consumer.drop_select(q) for q in queries[:4])))
+        transfer_alone = time.perf_counter() - started
+
+        started = time.perf_counter()
+        pending = asyncio.gather(*(consumer.drop_select(q) for q in queries[4:]))
+        await asyncio.sleep(0)
+        matmuls(20)
+        assert all(await pending)
+        torch.cuda.synchronize(CONSUMER_DEVICE)
+        together = time.perf_counter() - started
+        print(f"compute {compute_alone * 1e3:.1f} ms, 4 GiB transfer {transfer_alone * 1e3:.1f} ms, "
+              f"both {together * 1e3:.1f} ms")  # fmt: skip
+        assert together < compute_alone + 0.7 * transfer_alone  # serialized would be the sum
+
+
+async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
+    items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
+    async with (
+        producer_process(items) as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        queries = [kv_item(index, GIB_TOKENS, torch.bfloat16, "cpu")[0] for index in range(8)]
+        assert await consumer.drop_select(torch.tensor([-5])) is None  # warm
+        transfers = [asyncio.create_task(consumer.drop_select(q)) for q in queries]
+        await asyncio.sleep(0)
+        started = time.perf_counter()
+        assert await consumer.drop_select(torch.tensor([-5])) is None
+        round_trip = time.perf_counter() - started
+        still_moving = sum(not task.done() for task in transfers)
+        assert all(await asyncio.gather(*transfers))
+        print(f"control round trip {round_trip * 1e3:.2f} ms with {still_moving} of 8 GiB transfers still moving")
+        assert still_moving > 0 and round_trip < 0.010
+
+
+async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_the_item() -> None:
+    heartbeat_s = 0.25
+    tokens, key, value, hidden = kv_item(0, GIB_TOKENS, torch.bfloat16, PRODUCER_DEVICE)
+    async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+        await producer.insert(tokens, None, key, value, hidden)
+        query = tokens[:16].tolist()
+        for attempt in ("killed", "served"):
+            control, child = spawn.Pipe()
+            process = spawn.Process(
+                target=run_gpu_consumer_that_dies,
+                args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, query, child),
+                daemon=True,
+            )
+            await asyncio.to_thread(process.start)
+            assert await asyncio.to_thread(control.poll, 180)
+            assert control.recv() == "asked"
+            if attempt == "served":
+                assert await asyncio.to_thread(control.poll, 60) and control.recv() == "arrived"
+            assert process.pid is not None
+            producer._peer_left.clear()
+            os.kill(process.pid, signal.SIGKILL)
+            await asyncio.to_thread(process.join)
+            await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+            stats = producer.stats()
+            assert (stats.peers, stats.items, stats.in_flight) == (0, 1, 0), attempt
+            assert producer._transports["nccl"]._pairs == {}  # type: ignore[attr-defined]
+
+
+async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_heartbeat_timeout() -> None:
+    heartbeat_s = 0.25
+    async with (
+        producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
+    ):
+        assert await consumer.drop_select(kv_item(0, 64, torch.bfloat16, "cpu")[0]) is not None
+        waiting = asyncio.create_task(consumer.drop_select(torch.tensor([-1]), None, timeout=None))
+        await asyncio.sleep(0)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(kvrt.PeerLostError):
+            await waiting
+        assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0

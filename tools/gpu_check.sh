@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of kvrt, in one call on a host with two GPUs; a short table last.
+# Run from the repo root on the GPU host, with the wheels from ../shared/gpu/fetch-wheels in .whl/:
+#   bash tools/gpu_check.sh            (results and logs under $OUT, or /tmp/kvrt-gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvrt-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } > "$OUT/gpus.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())' | tee "$OUT/versions.txt"
+
+only=${1:-all}
+if [ "$only" = all ] || [ "$only" = tests ]; then
+  timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -rs --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+fi
+if [ "$only" = all ] || [ "$only" = bench ]; then
+  timeout 600 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
+fi
+python3 tools/gpu_summary.py "$OUT"

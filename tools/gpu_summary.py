@@ -1,0 +1,39 @@
+"""The short table `tools/gpu_check.sh` prints last: GPU tests, then each benchmark's ratios."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+
+def main(out: Path) -> int:
+    print("\n==== kvrt GPU check ====")
+    versions = out / "versions.txt"
+    if versions.exists():
+        print(versions.read_text().strip())
+    report = out / "gpu-tests.xml"
+    if report.exists():
+        suite = ElementTree.parse(report).getroot().find("testsuite")
+        if suite is not None:
+            print(f"gpu tests: {suite.get('tests')} run, {suite.get('failures')} failed, "
+                  f"{suite.get('errors')} errors, {suite.get('skipped')} skipped")  # fmt: skip
+            for case in suite.iter("testcase"):
+                problem = case.find("failure") or case.find("error")
+                if problem is not None:
+                    print(f"  FAILED {case.get('name')}: {(problem.get('message') or '')[:160]}")
+    nccl = out / "nccl.json"
+    if nccl.exists():
+        data = json.loads(nccl.read_text())
+        print("nccl: size MiB | raw GB/s | kvrt GB/s | kvrt/raw")
+        for row in data["rows"]:
+            print(
+                f"  {int(row['size_mib']):>6} | {row['raw_gbps']:8.1f} | {row['kvrt_gbps']:9.1f} | {100 * row['ratio']:6.0f}%"
+            )
+        print(f"  small items p50 {data['latency']['p50_ms']:.3f} ms, p99 {data['latency']['p99_ms']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
