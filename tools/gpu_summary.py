@@ -28,10 +28,10 @@ def main(out: Path) -> int:
         data = json.loads(nccl.read_text())
         print("nccl: size MiB | raw GB/s | kvrt GB/s | kvrt/raw")
         for row in data["rows"]:
-            print(
-                f"  {int(row['size_mib']):>6} | {row['raw_gbps']:8.1f} | {row['kvrt_gbps']:9.1f} | {100 * row['ratio']:6.0f}%"
-            )
-        print(f"  small items p50 {data['latency']['p50_ms']:.3f} ms, p99 {data['latency']['p99_ms']:.3f} ms")
+            size, raw, kvrt = int(row["size_mib"]), row["raw_gbps"], row["kvrt_gbps"]
+            print(f"  {size:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}%")
+        latency = data["latency"]
+        print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
     return 0
 
 

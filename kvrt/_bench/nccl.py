@@ -192,11 +192,13 @@ def main(args: argparse.Namespace) -> int:
     print("-" * 62)
     goals = {16: ">= 90%", 1024: ">= 95%"}
     for row in rows:
-        print(f"{int(row['size_mib']):>5} MiB | {int(row['count']):>5} | {row['raw_gbps']:>5.1f} GB/s | "
-              f"{row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | {goals.get(int(row['size_mib']), '')}")  # fmt: skip
-    print(
-        f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms"
-    )
+        size = int(row["size_mib"])
+        print(
+            f"{size:>5} MiB | {int(row['count']):>5} | {row['raw_gbps']:>5.1f} GB/s | "
+            f"{row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | {goals.get(size, '')}"
+        )
+    p50, p99 = latency["p50_ms"], latency["p99_ms"]
+    print(f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "latency": latency, "in_flight": in_flight}, out, indent=2)
