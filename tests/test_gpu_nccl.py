@@ -21,7 +21,7 @@ import torch
 import kvrt
 from tests._gpu_processes import kv_item, run_gpu_consumer_that_dies, run_gpu_producer
 
-pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120)]
 
 spawn = multiprocessing.get_context("spawn")
 PRODUCER_DEVICE = "cuda:0"
