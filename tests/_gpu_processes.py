@@ -12,10 +12,15 @@ import torch
 import kvrt
 
 
+def kv_tokens(index: int, tokens: int, device: str = "cpu") -> torch.Tensor:
+    """The tokens of item `index` (cheap: no KV generated)."""
+    return torch.arange(tokens, device=device) + 1_000_000 * index
+
+
 def kv_item(index: int, tokens: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
     """Tokens, key, value, hidden of item `index`, generated on `device` from a seed."""
     generator = torch.Generator(device=device).manual_seed(index)
-    input_tokens = torch.arange(tokens, device=device) + 1_000_000 * index
+    input_tokens = kv_tokens(index, tokens, device)
     shape = (2, tokens, 8, 128)
     if dtype.is_floating_point and dtype.itemsize > 1:
         key = torch.randn(shape, generator=generator, device=device).to(dtype)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import kv_item, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 
-pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 
 spawn = multiprocessing.get_context("spawn")
 PRODUCER_DEVICE = "cuda:0"
@@ -86,7 +86,7 @@ async def test_compute_on_the_default_stream_overlaps_transfers() -> None:
         producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):
-        queries = [kv_item(index, GIB_TOKENS, torch.bfloat16, "cpu")[0] for index in range(8)]
+        queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
         matmuls(2)
         torch.cuda.synchronize(CONSUMER_DEVICE)
 
@@ -117,7 +117,7 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
         producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):
-        queries = [kv_item(index, GIB_TOKENS, torch.bfloat16, "cpu")[0] for index in range(8)]
+        queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
         assert await consumer.drop_select(torch.tensor([-5])) is None  # warm
         transfers = [asyncio.create_task(consumer.drop_select(q)) for q in queries]
         await asyncio.sleep(0)
@@ -164,7 +164,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
     ):
-        assert await consumer.drop_select(kv_item(0, 64, torch.bfloat16, "cpu")[0]) is not None
+        assert await consumer.drop_select(kv_tokens(0, 64)) is not None
         waiting = asyncio.create_task(consumer.drop_select(torch.tensor([-1]), None, timeout=None))
         await asyncio.sleep(0)
         assert process.pid is not None

@@ -17,7 +17,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
-  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -rs --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+  timeout 330 python3 -m pytest -v -m gpu -p no:cacheprovider tests/ -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
 if [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"

@@ -219,7 +219,7 @@ class PairedTransport(Transport):
         if self._pair is not None:
             self._release(self._pair)
             self._pair = None
-        self._setup.shutdown(wait=False, cancel_futures=True)
+        self._setup.shutdown(wait=False)  # queued aborts still run
         self._waiter.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers --------------------------------------------------------------------------
@@ -243,8 +243,15 @@ class PairedTransport(Transport):
         return group
 
     def _release(self, pair: _Pair) -> None:
-        """Abort the pair's group now, or as soon as it is established."""
-        pair.established.add_done_callback(_abort_if_established)
+        """Abort the pair's group in a set-up thread (an abort can wait on the dead peer's
+        kernels; the loop must not), as soon as it is established."""
+        pair.established.add_done_callback(self._abort_in_setup_thread)
+
+    def _abort_in_setup_thread(self, established: concurrent.futures.Future[Any]) -> None:
+        try:
+            self._setup.submit(_abort_if_established, established)
+        except RuntimeError:  # closing: the set-up threads are gone, abort here
+            _abort_if_established(established)
 
 
 def _abort_if_established(established: concurrent.futures.Future[Any]) -> None:

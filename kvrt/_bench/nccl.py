@@ -72,24 +72,44 @@ def _barrier(group: Any, device: str) -> None:
     torch.cuda.synchronize(device)
 
 
+def _raw_sends(group: Any) -> None:
+    for size_mib in SIZES_MIB:
+        count, nbytes = _count(size_mib), size_mib * MIB
+        buffers = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
+        _barrier(group, PRODUCER_DEVICE)
+        works = [group.send([buffer], 1, 0) for buffer in buffers]
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+
+
+def _raw_receives(group: Any) -> dict[int, float]:
+    seconds = {}
+    for size_mib in SIZES_MIB:
+        count, nbytes = _count(size_mib), size_mib * MIB
+        buffers = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
+        _barrier(group, CONSUMER_DEVICE)
+        started = time.perf_counter()
+        works = [group.recv([buffer], 0, 0) for buffer in buffers]
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize(CONSUMER_DEVICE)
+        seconds[size_mib] = time.perf_counter() - started
+    return seconds
+
+
 def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    """The reference first (plain code, no event loop), then kvrt's producer."""
     from kvrt._producer import Producer
 
     _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
+    _raw_sends(group)
 
     async def main() -> None:
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
             control.send(producer.endpoint)
             for size_mib in SIZES_MIB:
-                count, nbytes = _count(size_mib), size_mib * MIB
-                buffers = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
-                _barrier(group, PRODUCER_DEVICE)
-                works = [group.send([buffer], 1, 0) for buffer in buffers]
-                for work in works:
-                    work.wait()
-                torch.cuda.synchronize(PRODUCER_DEVICE)
-                del buffers, works
-                for index in range(count):
+                for index in range(_count(size_mib)):
                     await producer.insert(*_item(index, _tokens(size_mib), PRODUCER_DEVICE))
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 control.send(("ready", size_mib))
@@ -137,21 +157,13 @@ def main(args: argparse.Namespace) -> int:
     latency: dict[str, float] = {}
     try:
         _, group = _raw_group(f"127.0.0.1:{host_store.port}", 1, CONSUMER_DEVICE)
+        raw_seconds = _raw_receives(group)
         endpoint = control.recv()
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 for size_mib in SIZES_MIB:
                     count, nbytes = _count(size_mib), size_mib * MIB
-                    buffers = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
-                    _barrier(group, CONSUMER_DEVICE)
-                    started = time.perf_counter()
-                    works = [group.recv([buffer], 0, 0) for buffer in buffers]
-                    for work in works:
-                        work.wait()
-                    torch.cuda.synchronize(CONSUMER_DEVICE)
-                    raw_s = time.perf_counter() - started
-                    del buffers, works
                     message = await asyncio.to_thread(control.recv)
                     assert message == ("ready", size_mib)
                     kvrt_s = await _consume(consumer, count, in_flight)
@@ -160,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
                     row = {
                         "size_mib": size_mib,
                         "count": count,
-                        "raw_gbps": count * nbytes / raw_s / 1e9,
+                        "raw_gbps": count * nbytes / raw_seconds[size_mib] / 1e9,
                         "kvrt_gbps": count * item_bytes / kvrt_s / 1e9,
                     }
                     row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
