@@ -39,7 +39,9 @@ def run_gpu_producer(
     """Insert `items` (index, tokens, dtype name) on `device`, send the endpoint, serve until told to stop."""
 
     async def main() -> None:
-        async with kvrt.Producer(device=device, transport=transport, heartbeat_s=heartbeat_s) as producer:
+        async with kvrt.Producer(
+            device=device, transport=transport, heartbeat_s=heartbeat_s, buffer_bytes=1 << 40
+        ) as producer:
             for index, tokens, dtype_name in items:
                 input_tokens, key, value, hidden = kv_item(index, tokens, getattr(torch, dtype_name), device)
                 await producer.insert(input_tokens, None, key, value, hidden)
