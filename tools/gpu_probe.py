@@ -54,7 +54,7 @@ def producer(out: str, control: Any) -> None:
             profile.enable()
             await asyncio.to_thread(control.recv)
             profile.disable()
-            with open(f"{out}/producer-profile.txt", "w") as f:
+            with open(f"{out}/producer-profile.txt", "w") as f:  # noqa: ASYNC230 (a diagnostic, after timing)
                 pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(30)
             control.send(spent)
 
@@ -101,7 +101,7 @@ async def consume(endpoint: str, out: str) -> dict[str, float]:
         torch.cuda.synchronize()
         result["big_16mib_x64_gbps"] = 64 * 16 * 2**20 / (time.perf_counter() - started) / 1e9
         profile.disable()
-        with open(f"{out}/consumer-profile.txt", "w") as f:
+        with open(f"{out}/consumer-profile.txt", "w") as f:  # noqa: ASYNC230 (a diagnostic, after timing)
             pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(30)
     return result
 
