@@ -28,7 +28,7 @@ def item(index: int, tokens: int, device: str) -> tuple[Any, ...]:
 
 def producer(out: str, control: Any) -> None:
     import kvrt
-    from transports.paired import PairedTransport
+    from kvrt.transports.paired import PairedTransport
 
     spent: list[float] = []
     original = PairedTransport.send
