@@ -1,0 +1,306 @@
+"""Gather a request's KV out of paged pools into one staging buffer, and scatter it back.
+
+Serving engines keep KV in paged pools, one per layer, and with data parallelism one set of
+pools per replica (`seeds/004`): a request's tokens may sit in any replica, at any slots.
+`gather` copies them, for every layer at once, into a contiguous staging buffer
+
+    staging[layer, token, kv, head, dim]      kv: 0 = K, 1 = V (MLA: K only)
+
+ready for one transfer; `scatter` writes a staging buffer into the replica and slots the
+receiving side chose. Pool layouts, per layer:
+
+    token-major  [slots, 2*H, D]             K heads, then V heads (LightLLM)
+    block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
+    mla          [slots, D]                  one latent per token, the same on every card
+
+Both go through one kernel and one code path for dp == 1 and dp > 1 (the seed PR broke its
+dp == 1 path with a name defined on one branch only): a table holds the base address of
+every (replica, copy, layer) pool, and each token names its replica and slot. A head range
+[h0, h1) moves only those heads (a decode TP that shards heads differently from prefill).
+For MLA a scatter writes every copy of a replica (every card of its group).
+
+The kernel moves bytes, not numbers: the host wrapper views everything as the widest word
+(8, 4, 2 or 1 bytes) that the layout's strides allow, so fp16, bf16, fp32 and fp8 stored as
+uint8 share one compiled path per word size. Each has a plain-torch reference below, which
+the tests compare bit for bit under `TRITON_INTERPRET=1` on CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrt._errors import InvalidInputError
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_MAX_BLOCK_WORDS = 1024
+
+
+class Layout(enum.Enum):
+    TOKEN_MAJOR = "token_major"
+    BLOCK = "block"
+    MLA = "mla"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """Where a slot's K and V rows sit in one layer's pool, in elements of the pool's dtype."""
+
+    layout: Layout
+    slots: int
+    heads: int
+    head_dim: int
+    token_stride: int
+    v_offset: int
+    """From a slot's K row to its V row (0 for MLA, which has no V)."""
+
+    @property
+    def kv(self) -> int:
+        return 1 if self.layout is Layout.MLA else 2
+
+
+def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
+    """The geometry of one layer's pool, checking its shape against `layout`."""
+    if not pool.is_contiguous():
+        raise InvalidInputError("KV pools must be contiguous")
+    if layout is Layout.TOKEN_MAJOR:
+        if pool.dim() != 3 or pool.shape[1] % 2:
+            raise InvalidInputError(f"a token-major pool is [slots, 2*heads, head_dim], got {tuple(pool.shape)}")
+        slots, two_heads, dim = pool.shape
+        return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
+    if layout is Layout.BLOCK:
+        if pool.dim() != 5 or pool.shape[0] != 2:
+            raise InvalidInputError(
+                f"a block pool is [2, blocks, block_size, heads, head_dim], got {tuple(pool.shape)}"
+            )
+        _, blocks, block_size, heads, dim = pool.shape
+        return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+    if pool.dim() != 2:
+        raise InvalidInputError(f"an MLA pool is [slots, latent_dim], got {tuple(pool.shape)}")
+    slots, dim = pool.shape
+    return PoolGeometry(layout, slots, 1, dim, dim, 0)
+
+
+class PoolTable:
+    """Every pool of a node: `pools[replica][copy][layer]`, all alike; registered once.
+
+    `copy` is for MLA, where every card of a replica's group holds the same latents (one
+    copy per card); other layouts have one copy per replica.
+    """
+
+    def __init__(self, pools: Sequence[Sequence[Sequence[torch.Tensor]]], layout: Layout) -> None:
+        if not pools or not pools[0] or not pools[0][0]:
+            raise InvalidInputError("pools must name at least one replica, copy and layer")
+        first = pools[0][0][0]
+        self.layout = layout
+        self.geometry = geometry(first, layout)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.replicas = len(pools)
+        self.copies = len(pools[0])
+        self.layers = len(pools[0][0])
+        addresses = []
+        for replica, copies in enumerate(pools):
+            if len(copies) != self.copies or any(len(layers) != self.layers for layers in copies):
+                raise InvalidInputError(f"replica {replica} has a different number of copies or layers")
+            for layers in copies:
+                for pool in layers:
+                    if pool.shape != first.shape or pool.dtype != first.dtype or pool.device != first.device:
+                        raise InvalidInputError(
+                            f"every pool must match the first: {tuple(first.shape)} {first.dtype} on {first.device}"
+                        )
+                    if not pool.is_contiguous():
+                        raise InvalidInputError("KV pools must be contiguous")
+                    addresses.append(pool.data_ptr())
+        self.pools = [[list(layers) for layers in copies] for copies in pools]
+        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=self.device).view(
+            self.replicas, self.copies, self.layers
+        )
+
+    def staging_shape(self, tokens: int, heads: tuple[int, int]) -> tuple[int, ...]:
+        return (self.layers, tokens, self.geometry.kv, heads[1] - heads[0], self.geometry.head_dim)
+
+
+def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, int]:
+    if heads is None:
+        return 0, table.geometry.heads
+    first, end = heads
+    if not 0 <= first < end <= table.geometry.heads:
+        raise InvalidInputError(f"head range [{first}, {end}) is outside the pools' {table.geometry.heads} heads")
+    if table.layout is Layout.MLA and (first, end) != (0, 1):
+        raise InvalidInputError("an MLA latent has no heads to select")
+    return first, end
+
+
+def _check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
+    for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
+        if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
+            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
+        if index.numel() and bool(((index < 0) | (index >= bound)).any()):
+            bad = index[(index < 0) | (index >= bound)][0].item()
+            raise InvalidInputError(f"{name} index {bad} is out of range [0, {bound})")
+    if replica.shape != slots.shape:
+        raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
+
+
+def _word(table: PoolTable, heads: tuple[int, int]) -> tuple[torch.dtype, int]:
+    """The widest word that divides every offset and address the kernel uses, and its size."""
+    itemsize = table.dtype.itemsize
+    g = table.geometry
+    offsets = [g.token_stride, g.v_offset, heads[0] * g.head_dim, (heads[1] - heads[0]) * g.head_dim]
+    byte_offsets = [offset * itemsize for offset in offsets]
+    addresses = [pool.data_ptr() for copies in table.pools for layers in copies for pool in layers]
+    for word in _WORDS:
+        size = word.itemsize
+        if all(value % size == 0 for value in byte_offsets) and all(address % size == 0 for address in addresses):
+            return word, size
+    raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _move_kv(  # type: ignore[no-untyped-def]  (Triton reads its own annotations: constexpr only)
+    addresses,  # int64 [replicas, copies, layers]: base address of each pool
+    replica,  # int64 [tokens]
+    slots,  # int64 [tokens]
+    staging,  # words [layers, tokens, KV, ROW]
+    tokens,
+    layers,
+    token_stride,  # words between consecutive slots
+    v_offset,  # words from a slot's K row to its V row
+    head_offset,  # words from a slot's row start to head h0
+    ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
+    KV: tl.constexpr,  # 2, or 1 for MLA
+    COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
+    BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
+):
+    token = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    r = tl.load(replica + token)
+    slot = tl.load(slots + token)
+    row_start = slot * token_stride + head_offset
+    stage = staging + (layer * tokens + token) * (KV * ROW)
+    for copy in tl.static_range(1 if GATHER else COPIES):
+        base = tl.load(addresses + (r * COPIES + copy) * layers + layer).to(tl.pointer_type(staging.dtype.element_ty))
+        for kv in tl.static_range(KV):
+            pool_row = base + row_start + kv * v_offset
+            stage_row = stage + kv * ROW
+            for start in tl.static_range(0, ROW, BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                mask = offsets < ROW
+                if GATHER:
+                    tl.store(stage_row + offsets, tl.load(pool_row + offsets, mask=mask), mask=mask)
+                else:
+                    tl.store(pool_row + offsets, tl.load(stage_row + offsets, mask=mask), mask=mask)
+
+
+def _launch(
+    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
+    gather: bool,
+) -> None:  # fmt: skip
+    tokens = slots.numel()
+    if tokens == 0:
+        return
+    word, word_size = _word(table, heads)
+    g = table.geometry
+
+    def to_words(elements: int) -> int:
+        return elements * table.dtype.itemsize // word_size  # exact: _word divides every offset
+
+    row = to_words((heads[1] - heads[0]) * g.head_dim)
+    block = min(_MAX_BLOCK_WORDS, triton.next_power_of_2(row))
+    launch: Any = _move_kv[(tokens, table.layers)]  # Triton's launcher is untyped
+    launch(
+        table.addresses,
+        replica,
+        slots,
+        staging.view(-1).view(word),
+        tokens,
+        table.layers,
+        to_words(g.token_stride),
+        to_words(g.v_offset),
+        to_words(heads[0] * g.head_dim),
+        ROW=row,
+        KV=g.kv,
+        COPIES=table.copies,
+        BLOCK=block,
+        GATHER=gather,
+    )
+
+
+def gather(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A request's KV from the pools into a new (or the given) staging buffer
+    [layers, tokens, kv, heads, head_dim]: token i from replica[i], slot slots[i]."""
+    head_range = _head_range(table, heads)
+    _check_indices(table, replica, slots)
+    shape = table.staging_shape(slots.numel(), head_range)
+    if out is None:
+        out = torch.empty(shape, dtype=table.dtype, device=table.device)
+    elif out.shape != shape or out.dtype != table.dtype or not out.is_contiguous():
+        raise InvalidInputError(f"out must be a contiguous {table.dtype} tensor of shape {shape}")
+    _launch(table, out, replica, slots, head_range, gather=True)
+    return out
+
+
+def scatter(
+    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
+    heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    """Write a staging buffer into the pools: token i into replica[i], slot slots[i] (every
+    copy of that replica for MLA)."""
+    head_range = _head_range(table, heads)
+    _check_indices(table, replica, slots)
+    shape = table.staging_shape(slots.numel(), head_range)
+    if staging.shape != shape or staging.dtype != table.dtype or not staging.is_contiguous():
+        raise InvalidInputError(f"staging must be a contiguous {table.dtype} tensor of shape {shape}")
+    _launch(table, staging, replica, slots, head_range, gather=False)
+
+
+# -- plain-torch references -----------------------------------------------------------------
+
+
+def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
+    """One layer's pool as [slots, heads, head_dim] for K (kv=0) or V (kv=1)."""
+    g = table.geometry
+    if table.layout is Layout.TOKEN_MAJOR:
+        return pool[:, kv * g.heads : (kv + 1) * g.heads]
+    if table.layout is Layout.BLOCK:
+        return pool[kv].reshape(g.slots, g.heads, g.head_dim)
+    return pool.view(g.slots, 1, g.head_dim)
+
+
+def gather_reference(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None
+) -> torch.Tensor:
+    first, end = _head_range(table, heads)
+    out = torch.empty(table.staging_shape(slots.numel(), (first, end)), dtype=table.dtype, device=table.device)
+    for layer in range(table.layers):
+        for kv in range(table.geometry.kv):
+            for r in range(table.replicas):
+                chosen = (replica == r).nonzero().flatten()
+                rows = _rows(table, table.pools[r][0][layer], kv)
+                out[layer, chosen, kv] = rows[slots[chosen], first:end]
+    return out
+
+
+def scatter_reference(
+    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
+    heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    first, end = _head_range(table, heads)
+    for layer in range(table.layers):
+        for kv in range(table.geometry.kv):
+            for r in range(table.replicas):
+                chosen = (replica == r).nonzero().flatten()
+                for copy in range(table.copies):
+                    rows = _rows(table, table.pools[r][copy][layer], kv)
+                    rows[slots[chosen], first:end] = staging[layer, chosen, kv]

@@ -1,0 +1,168 @@
+"""The paged-KV gather and scatter kernels against their torch references, bit for bit.
+
+On CPU these run under TRITON_INTERPRET=1 (`make test` sets it); outputs are poisoned first
+so that an element the kernel forgets to write shows up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrt._errors import InvalidInputError
+from kvrt.kernels.paged_kv import Layout, PoolTable, gather, gather_reference, scatter, scatter_reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]  # uint8: fp8 stored as bytes
+POISON = 0xA5
+
+
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).view(shape).to(DEVICE)
+
+
+def pool_shape(layout: Layout, slots: int, heads: int, head_dim: int, block_size: int) -> tuple[int, ...]:
+    if layout is Layout.TOKEN_MAJOR:
+        return (slots, 2 * heads, head_dim)
+    if layout is Layout.BLOCK:
+        return (2, slots // block_size, block_size, heads, head_dim)
+    return (slots, head_dim)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, object]:
+    layout = draw(st.sampled_from(list(Layout)))
+    heads = 1 if layout is Layout.MLA else draw(st.integers(1, 4))
+    head_dim = draw(st.sampled_from([2, 4, 8, 12]))
+    block_size = draw(st.sampled_from([2, 4]))
+    slots = block_size * draw(st.integers(2, 6))
+    replicas = draw(st.integers(1, 4))
+    copies = draw(st.integers(1, 2)) if layout is Layout.MLA else 1
+    layers = draw(st.integers(1, 3))
+    tokens = draw(st.integers(0, min(slots, 10)))
+    first = draw(st.integers(0, heads - 1))
+    end = draw(st.integers(first + 1, heads))
+    return {
+        "layout": layout, "heads": heads, "head_dim": head_dim, "block_size": block_size, "slots": slots,
+        "replicas": replicas, "copies": copies, "layers": layers, "tokens": tokens,
+        "head_range": (first, end), "dtype": draw(st.sampled_from(DTYPES)), "seed": draw(st.integers(0, 2**16)),
+    }  # fmt: skip
+
+
+def build(case: dict[str, object]) -> tuple[PoolTable, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(case["seed"])  # type: ignore[arg-type]
+    layout: Layout = case["layout"]  # type: ignore[assignment]
+    shape = pool_shape(layout, case["slots"], case["heads"], case["head_dim"], case["block_size"])  # type: ignore[arg-type]
+    pools = [
+        [[random_pool(shape, case["dtype"], generator) for _ in range(case["layers"])] for _ in range(case["copies"])]  # type: ignore[arg-type, call-overload]
+        for _ in range(case["replicas"])  # type: ignore[call-overload]
+    ]
+    table = PoolTable(pools, layout)
+    tokens: int = case["tokens"]  # type: ignore[assignment]
+    replica = torch.randint(0, table.replicas, (tokens,), generator=generator)
+    slots = torch.empty(tokens, dtype=torch.int64)
+    for r in range(table.replicas):  # distinct slots within a replica, so scatter order cannot matter
+        chosen = (replica == r).nonzero().flatten()
+        slots[chosen] = torch.randperm(table.geometry.slots, generator=generator)[: len(chosen)]
+    return table, replica.to(DEVICE), slots.to(DEVICE)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_gather_equals_its_reference_and_writes_every_element(case: dict[str, object]) -> None:
+    table, replica, slots = build(case)
+    heads = case["head_range"]
+    shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
+    out = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    result = gather(table, replica, slots, heads=heads, out=out.view(table.dtype).view(shape))  # type: ignore[arg-type]
+    assert same_bits(result, gather_reference(table, replica, slots, heads=heads))  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_scatter_equals_its_reference_and_touches_nothing_else(case: dict[str, object]) -> None:
+    table, replica, slots = build(case)
+    expected_table, _, _ = build(case)  # the same pools, built again from the seed
+    heads = case["head_range"]
+    shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(1 + case["seed"])  # type: ignore[operator]
+    staging = random_pool(shape, table.dtype, generator)
+    scatter(table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
+    scatter_reference(expected_table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
+    for got, want in zip(table.pools, expected_table.pools, strict=True):
+        for got_copy, want_copy in zip(got, want, strict=True):
+            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
+                assert same_bits(got_layer, want_layer)
+
+
+@pytest.mark.parametrize("replicas", [1, 4], ids=["dp1", "dp4"])
+def test_a_request_spread_over_replicas_lands_in_one_replica_bit_for_bit(replicas: int) -> None:
+    generator = torch.Generator().manual_seed(replicas)
+    shape = (32, 2 * 2, 8)
+    source_pools = [[[random_pool(shape, torch.bfloat16, generator) for _ in range(2)]] for _ in range(replicas)]
+    target_pools = [[[torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]] for _ in range(3)]
+    source = PoolTable(source_pools, Layout.TOKEN_MAJOR)
+    target = PoolTable(target_pools, Layout.TOKEN_MAJOR)
+    replica = (torch.arange(12) % replicas).to(DEVICE)
+    slots = torch.randperm(32, generator=generator)[:12].to(DEVICE)
+    staging = gather(source, replica, slots)
+    into = torch.full((12,), 2, dtype=torch.int64, device=DEVICE)
+    into_slots = torch.arange(20, 32, dtype=torch.int64, device=DEVICE)
+    scatter(target, staging, into, into_slots)
+    for layer in range(2):
+        for token in range(12):
+            got = target.pools[2][0][layer][20 + token]
+            want = source.pools[int(replica[token])][0][layer][int(slots[token])]
+            assert same_bits(got, want)
+    assert not target.pools[0][0][0].any() and not target.pools[1][0][0].any()
+
+
+@pytest.fixture
+def small_table() -> PoolTable:
+    return PoolTable(
+        [[[torch.zeros(8, 4, 2, device=DEVICE)]], [[torch.zeros(8, 4, 2, device=DEVICE)]]], Layout.TOKEN_MAJOR
+    )
+
+
+@pytest.mark.parametrize(
+    ("replica", "slots", "message"),
+    [
+        ([0, 1], [3, 8], "slot index 8 is out of range"),
+        ([0, 2], [3, 4], "replica index 2 is out of range"),
+        ([0, -1], [3, 4], "replica index -1 is out of range"),
+        ([0], [3, 4], "1 replica indexes for 2 slots"),
+    ],
+)
+def test_indexes_out_of_range_are_refused_before_launch(
+    small_table: PoolTable, replica: list[int], slots: list[int], message: str
+) -> None:
+    replica_tensor = torch.tensor(replica, dtype=torch.int64, device=DEVICE)
+    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(InvalidInputError, match=message):
+        gather(small_table, replica_tensor, slot_tensor)
+
+
+def test_a_head_range_outside_the_pools_is_refused(small_table: PoolTable) -> None:
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(InvalidInputError, match=r"head range \[1, 3\)"):
+        gather(small_table, index, index, heads=(1, 3))
+
+
+def test_pools_that_differ_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="every pool must match"):
+        PoolTable([[[torch.zeros(8, 4, 2)]], [[torch.zeros(8, 4, 3)]]], Layout.TOKEN_MAJOR)
+    with pytest.raises(InvalidInputError, match="token-major pool is"):
+        PoolTable([[[torch.zeros(8, 3, 2)]]], Layout.TOKEN_MAJOR)
