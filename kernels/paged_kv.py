@@ -164,7 +164,7 @@ def _word(table: PoolTable, heads: tuple[int, int]) -> tuple[torch.dtype, int]:
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _move_kv(  # type: ignore[no-untyped-def]  (Triton reads its own annotations: constexpr only)
+def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
     replica,  # int64 [tokens]
     slots,  # int64 [tokens]
