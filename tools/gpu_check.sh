@@ -26,5 +26,6 @@ if [ "$only" = probe ]; then
 fi
 if [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
+  timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
 fi
 python3 tools/gpu_summary.py "$OUT"

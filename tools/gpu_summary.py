@@ -32,6 +32,13 @@ def main(out: Path) -> int:
             print(f"  {size:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}%")
         latency = data["latency"]
         print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
+    kernels = out / "kernels.json"
+    if kernels.exists():
+        rows = json.loads(kernels.read_text())["rows"]
+        ceiling = rows[0]["gbps"]
+        print("kernels: variant | GB/s | of copy")
+        for row in rows:
+            print(f"  {row['variant']:<42} | {row['gbps']:6.0f} | {100 * row['gbps'] / ceiling:5.1f}%")
     return 0
 
 

@@ -1,0 +1,90 @@
+"""`kvrt bench kernels`: the paged-KV gather and scatter beside a device copy of the same bytes.
+
+One GPU. A request of 4096 tokens × 32 layers, 8 KV heads of 128 in bf16 (token-major pools
+[slots, 16, 128], 8192 slots a replica): 512 MiB of KV. Its tokens are spread at random over
+4 replicas (dp=4) or sit in one (dp=1). References, in the same run: `dst.copy_(src)` of
+512 MiB (the ceiling), and torch's `index_select` / `index_copy_` per layer (dp=1: torch has
+no pointer-table form). GB/s count bytes read plus bytes written. Median of
+`triton.testing.do_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Final
+
+import torch
+
+LAYERS: Final = 32
+TOKENS: Final = 4096
+HEADS: Final = 8
+HEAD_DIM: Final = 128
+SLOTS: Final = 8192
+REPLICAS: Final = 4
+
+
+def _gbps(moved_bytes: int, milliseconds: float) -> float:
+    return moved_bytes / (milliseconds * 1e-3) / 1e9
+
+
+def main(args: argparse.Namespace) -> int:
+    import triton.testing
+
+    from kvrt.kernels.paged_kv import Layout, PoolTable, gather, scatter
+
+    if not torch.cuda.is_available():
+        print("kvrt bench kernels needs a CUDA device", file=sys.stderr)
+        return 1
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def pool() -> torch.Tensor:
+        return torch.randn((SLOTS, 2 * HEADS, HEAD_DIM), generator=generator, device=device).to(torch.bfloat16)
+
+    pools = [[[pool() for _ in range(LAYERS)]] for _ in range(REPLICAS)]
+    table = PoolTable(pools, Layout.TOKEN_MAJOR)
+    one = PoolTable(pools[:1], Layout.TOKEN_MAJOR)
+    replica = torch.randint(0, REPLICAS, (TOKENS,), device=device)
+    slots = torch.randperm(SLOTS, device=device)[:TOKENS]
+    local = torch.zeros(TOKENS, dtype=torch.int64, device=device)
+    staging = torch.empty(table.staging_shape(TOKENS, (0, HEADS)), dtype=torch.bfloat16, device=device)
+    moved = 2 * staging.nbytes  # read once, written once
+    source = torch.empty_like(staging)
+
+    def index_select() -> None:
+        for layer in range(LAYERS):
+            torch.index_select(pools[0][0][layer], 0, slots, out=staging[layer].view(TOKENS, 2 * HEADS, HEAD_DIM))
+
+    def index_copy() -> None:
+        for layer in range(LAYERS):
+            pools[0][0][layer].index_copy_(0, slots, staging[layer].view(TOKENS, 2 * HEADS, HEAD_DIM))
+
+    variants: list[tuple[str, Callable[[], object], str]] = [
+        ("device copy of the same bytes (ceiling)", lambda: staging.copy_(source), ""),
+        ("torch index_select per layer, dp=1", index_select, ""),
+        ("kvrt gather, dp=1", lambda: gather(one, local, slots, out=staging), ">= 95% of copy"),
+        ("kvrt gather, dp=4", lambda: gather(table, replica, slots, out=staging), ">= 95% of copy"),
+        ("torch index_copy_ per layer, dp=1", index_copy, ""),
+        ("kvrt scatter, dp=1", lambda: scatter(one, staging, local, slots), ">= 95% of copy"),
+        ("kvrt scatter, dp=4", lambda: scatter(table, staging, replica, slots), ">= 95% of copy"),
+    ]
+    results = []
+    for name, run, goal in variants:
+        milliseconds = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+        results.append({"variant": name, "ms": milliseconds, "gbps": _gbps(moved, milliseconds), "goal": goal})
+    ceiling = results[0]["gbps"]
+    print(f"\nkvrt bench kernels — {torch.cuda.get_device_name(device)}, {staging.nbytes >> 20} MiB of KV "
+          f"({TOKENS} tokens x {LAYERS} layers x {HEADS} heads x {HEAD_DIM}, bf16), read + write")  # fmt: skip
+    width = max(len(str(row["variant"])) for row in results)
+    print(f"{'variant':<{width}} | {'ms':>7} | {'GB/s':>7} | {'of copy':>7} | goal")
+    for row in results:
+        share = 100 * float(row["gbps"]) / float(ceiling)
+        print(f"{row['variant']!s:<{width}} | {row['ms']:7.3f} | {row['gbps']:7.0f} | {share:6.1f}% | {row['goal']}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": results, "staging_bytes": staging.nbytes}, out, indent=2)
+    return 0
