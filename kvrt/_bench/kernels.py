@@ -1,6 +1,6 @@
 """`kvrt bench kernels`: the paged-KV gather and scatter beside a device copy of the same bytes.
 
-One GPU. A request of 4096 tokens × 32 layers, 8 KV heads of 128 in bf16 (token-major pools
+One GPU. A request of 4096 tokens x 32 layers, 8 KV heads of 128 in bf16 (token-major pools
 [slots, 16, 128], 8192 slots a replica): 512 MiB of KV. Its tokens are spread at random over
 4 replicas (dp=4) or sit in one (dp=1). References, in the same run: `dst.copy_(src)` of
 512 MiB (the ceiling), and torch's `index_select` / `index_copy_` per layer (dp=1: torch has
