@@ -26,14 +26,17 @@ once a tensor has 3 values or more (measured on 4 ranks: 0.5 ms against 3 ms).
 `ConsensusWindow` is that bookkeeping without any collective (tested on its own);
 `GroupConsensus` drives it with a process group. It issues each collective from the event
 loop with `async_op=True` (so the issue order is the loop's, the same on every rank) and
-learns of its completion from the work's future, whose callback wakes the loop: the loop
-never blocks on a collective, and no extra thread is needed.
+learns of its completion without blocking the loop: from gloo's work future, whose
+callback wakes the loop, or for NCCL from an event on a stream of its own that one kvrt
+thread waits for (NCCL's work future completes at enqueue, and the engine's compute
+stream must not wait for the group).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import enum
 from dataclasses import dataclass
 from typing import Final
@@ -214,6 +217,12 @@ class GroupConsensus:
         self.rounds = 0
         self._waiting: dict[int, asyncio.Future[Decision]] = {}
         self._start_ready = asyncio.Event()
+        self._stream: torch.cuda.Stream | None = None
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.device.type == "cuda":
+            # A stream of its own: the engine's compute stream never waits for the group.
+            self._stream = torch.cuda.Stream(self.device)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -259,6 +268,8 @@ class GroupConsensus:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False, cancel_futures=True)
 
     async def _run_rounds(self) -> None:
         while True:
@@ -274,13 +285,27 @@ class GroupConsensus:
 
     async def _all_reduce_min(self, values: list[int]) -> list[int]:
         """One collective, issued now from the loop, awaited without blocking it; one read back."""
+        if self._stream is not None and self._waiter is not None:
+            # NCCL: a work's future completes at enqueue, not at completion. So the collective
+            # runs on the consensus stream, an event marks its end, and a kvrt thread waits.
+            with torch.cuda.stream(self._stream):
+                tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+                work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+                assert work is not None
+                work.wait()  # the consensus stream waits for NCCL's; the host does not
+                finished = torch.cuda.Event()
+                finished.record(self._stream)
+            await asyncio.shield(asyncio.wrap_future(self._waiter.submit(finished.synchronize)))
+            with torch.cuda.stream(self._stream):
+                on_device: list[int] = tensor.tolist()
+            return on_device
         loop = asyncio.get_running_loop()
         tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         assert work is not None
         done: asyncio.Future[None] = loop.create_future()
 
-        def completed(_: torch.futures.Future[object]) -> None:  # runs on the backend's thread
+        def completed(_: torch.futures.Future[object]) -> None:  # runs on gloo's thread, when done
             loop.call_soon_threadsafe(_resolve, done)
 
         work.get_future().add_done_callback(completed)

@@ -18,6 +18,11 @@ import kvrt
 
 RANDOM_ROUNDS = 200
 IN_FLIGHT = 8
+FAILING_RANK = 1
+
+
+def missing_rank(world: int) -> int:
+    return min(2, world - 1)
 
 
 def tokens(base: int, length: int) -> torch.Tensor:
@@ -53,7 +58,7 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             results.put((rank, "different_prefix", summary(item)))
 
             # One rank has no item: a miss everywhere, and the others' items go back.
-            if rank != 2:
+            if rank != missing_rank(world):
                 await insert(producer, tokens(1000, 16), rank)
             item = await consumer.drop_select(tokens(1000, 16))
             await settle(consumer)
@@ -76,7 +81,7 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             results.put((rank, "random_rounds", (matched, expected)))
 
             # One rank's producer fails: that error, on every rank.
-            if rank == 1:
+            if rank == FAILING_RANK:
                 await producer.aclose()
             else:
                 await insert(producer, tokens(5000, 8), rank)
@@ -87,11 +92,13 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
                 results.put((rank, "producer_failing", summary(error)))
 
 
-def run_rank(rank: int, world: int, port: int, results: Any) -> None:
+def run_rank(rank: int, world: int, port: int, results: Any, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # the group's collectives run on this rank's GPU
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         asyncio.run(scenarios(rank, world, results))
     except BaseException as error:

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from tests._consensus_ranks import RANDOM_ROUNDS, run_rank
+from tests._consensus_ranks import FAILING_RANK, RANDOM_ROUNDS, missing_rank, run_rank
 
 WORLD = 4
+SCENARIOS = 4
 
 
 def free_port() -> int:
@@ -22,19 +23,17 @@ def free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def seen() -> dict[str, dict[int, Any]]:
-    """scenario → rank → what that rank reported, from one run of the 4-process group."""
+def run_group(world: int, backend: str) -> dict[str, dict[int, Any]]:
+    """scenario → rank → what that rank reported, from one run of a `world`-process group."""
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     port = free_port()
-    ranks = [spawn.Process(target=run_rank, args=(rank, WORLD, port, results)) for rank in range(WORLD)]
+    ranks = [spawn.Process(target=run_rank, args=(rank, world, port, results, backend)) for rank in range(world)]
     for process in ranks:
         process.start()
     reports: dict[str, dict[int, Any]] = defaultdict(dict)
     try:
-        expected = WORLD * 4
-        for _ in range(expected):
+        for _ in range(world * SCENARIOS):
             rank, scenario, report = results.get(timeout=180)
             assert scenario != "crashed", f"rank {rank} crashed: {report}"
             reports[scenario][rank] = report
@@ -48,36 +47,62 @@ def seen() -> dict[str, dict[int, Any]]:
     return reports
 
 
+@pytest.fixture(scope="module")
+def seen() -> dict[str, dict[int, Any]]:
+    return run_group(WORLD, "gloo")
+
+
+def check_different_prefixes(seen: dict[str, dict[int, Any]]) -> None:
+    assert set(seen["different_prefix"].values()) == {("item", 8, 8, 8, 8)}
+
+
+def check_one_missing(seen: dict[str, dict[int, Any]], world: int) -> None:
+    for rank, (outcome, items_left) in seen["one_missing"].items():
+        assert outcome == ("miss",)
+        assert items_left == (0 if rank == missing_rank(world) else 1)  # the others' items went back
+
+
+def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
+    for matched, expected in seen["random_rounds"].values():
+        assert len(matched) == RANDOM_ROUNDS
+        assert matched == expected
+
+
+def check_producer_failing(seen: dict[str, dict[int, Any]]) -> None:
+    for rank, (kind, error_type, message) in seen["producer_failing"].items():
+        assert (kind, error_type) == ("error", "PeerLostError")
+        assert ("closed" if rank == FAILING_RANK else f"rank {FAILING_RANK}") in message
+
+
 @pytest.mark.timeout(240)
 def test_ranks_with_different_prefixes_agree_on_the_shortest_and_cut_their_items(
     seen: dict[str, dict[int, Any]],
 ) -> None:
-    assert set(seen["different_prefix"].values()) == {("item", 8, 8, 8, 8)}
+    check_different_prefixes(seen)
 
 
 @pytest.mark.timeout(240)
 def test_a_rank_missing_the_item_makes_it_a_miss_everywhere_and_nothing_is_lost(
     seen: dict[str, dict[int, Any]],
 ) -> None:
-    for rank, (outcome, items_left) in seen["one_missing"].items():
-        assert outcome == ("miss",)
-        assert items_left == (0 if rank == 2 else 1)  # the others' items went back to their producers
+    check_one_missing(seen, WORLD)
 
 
 @pytest.mark.timeout(240)
 def test_random_rounds_with_lookups_in_flight_agree_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
-    reports = seen["random_rounds"]
-    for matched, expected in reports.values():
-        assert len(matched) == RANDOM_ROUNDS
-        assert matched == expected
+    check_random_rounds(seen)
 
 
 @pytest.mark.timeout(240)
 def test_a_failing_producer_on_one_rank_is_that_error_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
-    reports = seen["producer_failing"]
-    for rank, (kind, error_type, message) in reports.items():
-        assert (kind, error_type) == ("error", "PeerLostError")
-        if rank == 1:
-            assert "closed" in message
-        else:
-            assert "rank 1" in message
+    check_producer_failing(seen)
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.timeout(240)
+def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
+    seen = run_group(2, "nccl")
+    check_different_prefixes(seen)
+    check_one_missing(seen, 2)
+    check_random_rounds(seen)
+    check_producer_failing(seen)
