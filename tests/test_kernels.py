@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import Layout, PoolTable, gather, gather_reference, scatter, scatter_reference
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+    ),
+]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]  # uint8: fp8 stored as bytes
 POISON = 0xA5

@@ -17,7 +17,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
-  timeout 330 python3 -m pytest -v -m gpu -p no:cacheprovider tests/ -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+  timeout 330 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
 if [ "$only" = probe ]; then
   timeout 200 python3 tools/gpu_probe.py "$OUT" 2>&1 | tail -20
