@@ -39,7 +39,6 @@ import triton.language as tl
 from kvrt._errors import InvalidInputError
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-_MAX_BLOCK_WORDS = 1024
 
 
 class Layout(enum.Enum):
@@ -177,32 +176,47 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
     KV: tl.constexpr,  # 2, or 1 for MLA
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # words of a row moved per step
+    TOKENS: tl.constexpr,  # tokens per program: more bytes in flight per program
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     layer = tl.program_id(1).to(tl.int64)
-    r = tl.load(replica + token)
-    slot = tl.load(slots + token)
+    present = token < tokens
+    r = tl.load(replica + token, mask=present, other=0)
+    slot = tl.load(slots + token, mask=present, other=0)
     row_start = slot * token_stride + head_offset
     stage = staging + (layer * tokens + token) * (KV * ROW)
     for copy in tl.static_range(1 if GATHER else COPIES):
-        base = tl.load(addresses + (r * COPIES + copy) * layers + layer).to(tl.pointer_type(staging.dtype.element_ty))
+        base = tl.load(addresses + (r * COPIES + copy) * layers + layer, mask=present, other=0)
+        pool = base.to(tl.pointer_type(staging.dtype.element_ty))
         for kv in tl.static_range(KV):
-            pool_row = base + row_start + kv * v_offset
-            stage_row = stage + kv * ROW
+            pool_row = (pool + row_start + kv * v_offset)[:, None]
+            stage_row = (stage + kv * ROW)[:, None]
             for start in tl.static_range(0, ROW, BLOCK):
-                offsets = start + tl.arange(0, BLOCK)
-                mask = offsets < ROW
+                offsets = start + tl.arange(0, BLOCK)[None, :]
+                mask = present[:, None] & (offsets < ROW)
                 if GATHER:
                     tl.store(stage_row + offsets, tl.load(pool_row + offsets, mask=mask), mask=mask)
                 else:
                     tl.store(pool_row + offsets, tl.load(stage_row + offsets, mask=mask), mask=mask)
 
 
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Launch shape: tokens per program, words per step, warps (see `kvrt bench kernels`)."""
+
+    tokens: int = 4
+    block_words: int = 512
+    warps: int = 8
+
+
+DEFAULT_TUNING = Tuning()
+
+
 def _launch(
     table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
-    gather: bool,
+    gather: bool, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     tokens = slots.numel()
     if tokens == 0:
@@ -214,8 +228,9 @@ def _launch(
         return elements * table.dtype.itemsize // word_size  # exact: _word divides every offset
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
-    block = min(_MAX_BLOCK_WORDS, triton.next_power_of_2(row))
-    launch: Any = _move_kv[(tokens, table.layers)]  # Triton's launcher is untyped
+    block = min(tuning.block_words, triton.next_power_of_2(row))
+    grid = (triton.cdiv(tokens, tuning.tokens), table.layers)
+    launch: Any = _move_kv[grid]  # Triton's launcher is untyped
     launch(
         table.addresses,
         replica,
@@ -230,13 +245,15 @@ def _launch(
         KV=g.kv,
         COPIES=table.copies,
         BLOCK=block,
+        TOKENS=tuning.tokens,
         GATHER=gather,
+        num_warps=tuning.warps,
     )
 
 
 def gather(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:  # fmt: skip
     """A request's KV from the pools into a new (or the given) staging buffer
     [layers, tokens, kv, heads, head_dim]: token i from replica[i], slot slots[i]."""
@@ -247,13 +264,13 @@ def gather(
         out = torch.empty(shape, dtype=table.dtype, device=table.device)
     elif out.shape != shape or out.dtype != table.dtype or not out.is_contiguous():
         raise InvalidInputError(f"out must be a contiguous {table.dtype} tensor of shape {shape}")
-    _launch(table, out, replica, slots, head_range, gather=True)
+    _launch(table, out, replica, slots, head_range, gather=True, tuning=tuning)
     return out
 
 
 def scatter(
     table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None,
+    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Write a staging buffer into the pools: token i into replica[i], slot slots[i] (every
     copy of that replica for MLA)."""
@@ -262,7 +279,7 @@ def scatter(
     shape = table.staging_shape(slots.numel(), head_range)
     if staging.shape != shape or staging.dtype != table.dtype or not staging.is_contiguous():
         raise InvalidInputError(f"staging must be a contiguous {table.dtype} tensor of shape {shape}")
-    _launch(table, staging, replica, slots, head_range, gather=False)
+    _launch(table, staging, replica, slots, head_range, gather=False, tuning=tuning)
 
 
 # -- plain-torch references -----------------------------------------------------------------

@@ -19,6 +19,10 @@ only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
   timeout 330 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
+if [ "$only" = kernels ]; then
+  timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
+  exit 0
+fi
 if [ "$only" = probe ]; then
   timeout 200 python3 tools/gpu_probe.py "$OUT" 2>&1 | tail -20
   tail -n 45 "$OUT/consumer-profile.txt" "$OUT/producer-profile.txt"
