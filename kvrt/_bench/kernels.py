@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     for row in results:
         share = 100 * float(row["gbps"]) / float(ceiling)
         print(f"{row['variant']!s:<{width}} | {row['ms']:7.3f} | {row['gbps']:7.0f} | {share:6.1f}% | {row['goal']}")
-    sweep = []
+    sweep: list[dict[str, Any]] = []
     for tokens in (1, 2, 4, 8, 16):
         for block_words in (256, 512):
             for warps in (4, 8):
