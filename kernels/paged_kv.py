@@ -206,7 +206,7 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
         for kv in tl.static_range(KV):
             # The cast from an address hides the alignment from Triton; without the hint it
             # moves 8-byte words one at a time instead of 16-byte vectors.
-            pool_row = tl.multiple_of(pool + row_start + kv * v_offset, ALIGN)[:, None]
+            pool_row = tl.multiple_of((pool + row_start + kv * v_offset)[:, None], ALIGN)
             stage_row = (stage + kv * ROW)[:, None]
             for start in tl.static_range(0, ROW, BLOCK):
                 offsets = start + tl.arange(0, BLOCK)[None, :]
