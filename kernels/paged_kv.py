@@ -148,18 +148,6 @@ def _check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor)
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
 
 
-def _row_alignment(table: PoolTable, heads: tuple[int, int]) -> int:
-    """The largest power of two up to 16 bytes that every pool row start is a multiple of."""
-    g = table.geometry
-    itemsize = table.dtype.itemsize
-    values = [g.token_stride * itemsize, g.v_offset * itemsize, heads[0] * g.head_dim * itemsize]
-    values += [pool.data_ptr() for copies in table.pools for layers in copies for pool in layers]
-    alignment = 16
-    while alignment > 1 and any(value % alignment for value in values):
-        alignment //= 2
-    return alignment
-
-
 def _word(table: PoolTable, heads: tuple[int, int]) -> tuple[torch.dtype, int]:
     """The widest word that divides every offset and address the kernel uses, and its size."""
     itemsize = table.dtype.itemsize
@@ -190,7 +178,6 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
     BLOCK: tl.constexpr,  # words of a row moved per step
     TOKENS: tl.constexpr,  # tokens per program: more bytes in flight per program
-    ALIGN: tl.constexpr,  # bytes every pool row start is a multiple of (the host checked)
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
     token = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
@@ -204,9 +191,7 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
         base = tl.load(addresses + (r * COPIES + copy) * layers + layer, mask=present, other=0)
         pool = base.to(tl.pointer_type(staging.dtype.element_ty))
         for kv in tl.static_range(KV):
-            # The cast from an address hides the alignment from Triton; without the hint it
-            # moves 8-byte words one at a time instead of 16-byte vectors.
-            pool_row = tl.multiple_of((pool + row_start + kv * v_offset)[:, None], ALIGN)
+            pool_row = (pool + row_start + kv * v_offset)[:, None]
             stage_row = (stage + kv * ROW)[:, None]
             for start in tl.static_range(0, ROW, BLOCK):
                 offsets = start + tl.arange(0, BLOCK)[None, :]
@@ -261,7 +246,6 @@ def _launch(
         COPIES=table.copies,
         BLOCK=block,
         TOKENS=tuning.tokens,
-        ALIGN=_row_alignment(table, heads),
         GATHER=gather,
         num_warps=tuning.warps,
     )
