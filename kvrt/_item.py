@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
+from kvrt._tensors import pack
 
 _INTEGER_DTYPES = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
@@ -108,4 +110,27 @@ def truncate(item: KVItem, matched_tokens: int) -> KVItem:
         value=item.value[:, :length],
         hidden=None if item.hidden is None else item.hidden[:length],
         matched=matched_tokens,
+    )
+
+
+def buffered_item(
+    tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    device: torch.device, *, item_id: int, seq: int,
+) -> BufferedItem:  # fmt: skip
+    """An item for the buffer: the five tensors (already checked) packed into one new buffer
+    on `device` (the one copy insert makes), with its lookup key."""
+    packed = pack(tensors, device)
+    input_tokens, roi, key, value, hidden = packed.tensors
+    assert input_tokens is not None and key is not None and value is not None  # packed from tensors
+    return BufferedItem(
+        item_id=item_id,
+        seq=seq,
+        masked_tokens=masked_tokens(input_tokens, roi),
+        storage=packed.storage,
+        metas=packed.metas,
+        input_tokens=input_tokens,
+        roi=roi,
+        key=key,
+        value=value,
+        hidden=hidden,
     )

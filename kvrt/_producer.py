@@ -23,7 +23,6 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -32,9 +31,8 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import check_item, masked_tokens
+from kvrt._item import buffered_item, check_item
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
-from kvrt._tensors import pack
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -210,20 +208,11 @@ class Producer:
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
-        packed = pack((input_tokens, roi, key, value, hidden), self.device)
-        item_tokens, item_roi, item_key, item_value, item_hidden = packed.tensors
-        assert item_tokens is not None and item_key is not None and item_value is not None
-        item = BufferedItem(
+        item = buffered_item(
+            (input_tokens, roi, key, value, hidden),
+            self.device,
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
-            masked_tokens=masked_tokens(item_tokens, item_roi),
-            storage=packed.storage,
-            metas=packed.metas,
-            input_tokens=item_tokens,
-            roi=item_roi,
-            key=item_key,
-            value=item_value,
-            hidden=item_hidden,
         )
         for transport in self._transports.values():
             transport.prepare(item)

@@ -9,7 +9,7 @@ import torch
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode, PeerLostError
-from kvrt._item import masked_tokens
+from kvrt._item import buffered_item
 from kvrt._protocol import (
     HEARTBEAT_MISSES,
     ConsumerCore,
@@ -23,7 +23,6 @@ from kvrt._protocol import (
     Stray,
     Welcomed,
 )
-from kvrt._tensors import pack
 
 HEARTBEAT_S = 1.0
 PEER = b"consumer-1"
@@ -63,20 +62,11 @@ class Pair:
 
 def make_item(core: ProducerCore, tokens: list[int]) -> BufferedItem:
     key = torch.zeros((1, len(tokens), 1, 2), dtype=torch.float16)
-    packed = pack((torch.tensor(tokens, dtype=torch.int64), None, key, key, None), torch.device("cpu"))
-    input_tokens, _, key, value, _ = packed.tensors
-    assert input_tokens is not None and key is not None and value is not None
-    return BufferedItem(
+    return buffered_item(
+        (torch.tensor(tokens, dtype=torch.int64), None, key, key, None),
+        torch.device("cpu"),
         item_id=core.new_item_id(),
         seq=core.buffer.next_seq(),
-        masked_tokens=masked_tokens(input_tokens, None),
-        storage=packed.storage,
-        metas=packed.metas,
-        input_tokens=input_tokens,
-        roi=None,
-        key=key,
-        value=value,
-        hidden=None,
     )
 
 

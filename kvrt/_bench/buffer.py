@@ -22,13 +22,14 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
+
+from kvrt._bench._processes import free_port, join
 
 TOKENS: Final = 256
 LAYERS: Final = 2
@@ -112,14 +113,6 @@ def _wait_for_stop(control: multiprocessing.connection.Connection) -> None:
         control.recv()
 
 
-def _join(*processes: multiprocessing.process.BaseProcess) -> None:
-    for process in processes:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
 # -- kvrt ---------------------------------------------------------------------------------
 
 
@@ -181,7 +174,7 @@ def run_kvrt(items: int, order: list[int], in_flight: int) -> Run:
     finally:
         with contextlib.suppress(OSError):
             control.send("stop")
-        _join(producer)
+        join(producer)
 
 
 # -- the seed -------------------------------------------------------------------------------
@@ -227,15 +220,8 @@ def _seed_rank(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def run_seed(items: int, order: list[int]) -> Run:
-    port = _free_port()
+    port = free_port()
     producer_control, producer_child = spawn.Pipe()
     consumer_control, consumer_child = spawn.Pipe()
     ranks = [
@@ -256,7 +242,7 @@ def run_seed(items: int, order: list[int]) -> Run:
     finally:
         with contextlib.suppress(OSError):
             producer_control.send("stop")
-        _join(*ranks)
+        join(*ranks)
 
 
 # -- the ZeroMQ ceiling -----------------------------------------------------------------------
@@ -291,7 +277,7 @@ def run_zmq_ceiling(messages: int, size: int) -> float:
             pull.recv(copy=False)
         return (messages - 1) * size / (time.perf_counter() - started)
     finally:
-        _join(pusher)
+        join(pusher)
         pull.close()
         context.term()
 

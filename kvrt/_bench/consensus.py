@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -31,6 +29,8 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+
+from kvrt._bench._processes import free_port, join
 
 WORLD: Final = 4
 IN_FLIGHT: Final = 16
@@ -135,18 +135,11 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def main(args: argparse.Namespace) -> int:
     count = 100 if args.quick else 400
     print(f"kvrt bench consensus: {WORLD} gloo ranks, {count} lookups per variant ...", file=sys.stderr, flush=True)
     results = spawn.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [spawn.Process(target=_rank, args=(rank, port, count, results)) for rank in range(WORLD)]
     for process in ranks:
         process.start()
@@ -161,11 +154,7 @@ def main(args: argparse.Namespace) -> int:
                     print(f"a rank failed ({', '.join(failed)}); see its traceback above", file=sys.stderr)
                     return 1
     finally:
-        for process in ranks:
-            process.join(60)
-            with contextlib.suppress(ValueError):
-                if process.is_alive():
-                    process.kill()
+        join(*ranks)
     reference = measured["all_gather_object_s"]
     rows = [
         ("all_gather_object, per lookup (reference)", reference, "1.0x", ""),
