@@ -218,10 +218,11 @@ class GroupConsensus:
         self._waiting: dict[int, asyncio.Future[Decision]] = {}
         self._start_ready = asyncio.Event()
         self._stream: torch.cuda.Stream | None = None
-        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
             # A stream of its own: the engine's compute stream never waits for the group.
             self._stream = torch.cuda.Stream(self.device)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -267,7 +268,8 @@ class GroupConsensus:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._waiter.shutdown(wait=False, cancel_futures=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False, cancel_futures=True)
 
     async def _run_rounds(self) -> None:
         while True:
@@ -283,7 +285,7 @@ class GroupConsensus:
 
     async def _all_reduce_min(self, values: list[int]) -> list[int]:
         """One collective, issued now from the loop, awaited without blocking it; one read back."""
-        if self._stream is not None:
+        if self._stream is not None and self._waiter is not None:
             # NCCL: a work's future completes at enqueue, not at completion. So the collective
             # runs on the consensus stream, an event marks its end, and a kvrt thread waits.
             with torch.cuda.stream(self._stream):
@@ -297,17 +299,22 @@ class GroupConsensus:
             with torch.cuda.stream(self._stream):
                 on_device: list[int] = tensor.tolist()
             return on_device
-        # gloo: the blocking call in the consensus thread. (Awaiting the work's future from the
-        # loop measured 1.6 ms a round on 4 ranks and 2 cores, the blocking call 0.6 ms.)
-        assert self._waiter is not None
-        reduced: list[int] = await asyncio.shield(
-            asyncio.wrap_future(self._waiter.submit(self._blocking_all_reduce_min, values))
-        )
-        return reduced
-
-    def _blocking_all_reduce_min(self, values: list[int]) -> list[int]:
-        """In the consensus thread (gloo): one collective, one read back."""
+        loop = asyncio.get_running_loop()
         tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        assert work is not None
+        done: asyncio.Future[None] = loop.create_future()
+
+        def completed(_: torch.futures.Future[object]) -> None:  # runs on gloo's thread, when done
+            loop.call_soon_threadsafe(_resolve, done)
+
+        work.get_future().add_done_callback(completed)
+        await asyncio.shield(done)  # a cancelled round must still let the collective finish
+        work.wait()  # completed already: raises the backend's error, if it had one
         reduced: list[int] = tensor.tolist()
         return reduced
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
