@@ -9,6 +9,7 @@
 Everything public is re-exported here; modules with a leading underscore are internal.
 """
 
+from kvrt._client import Client
 from kvrt._consumer import Consumer
 from kvrt._errors import (
     AuthError,
@@ -35,6 +36,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AuthError",
     "CapacityError",
+    "Client",
     "ClosedError",
     "Consumer",
     "ErrorCode",

@@ -53,6 +53,8 @@ class BufferedItem:
     key: torch.Tensor
     value: torch.Tensor
     hidden: torch.Tensor | None
+    inserted_at: float = 0.0
+    """Loop time of the insert (for ages in listings and for time-to-live)."""
     frames: list[memoryview] | None = None
     """What the TCP transport prepared at insert: the storage's bytes."""
     ready_event: torch.cuda.Event | None = None
@@ -152,6 +154,7 @@ class LookupBuffer:
     def __init__(self) -> None:
         self._root = _Node(label=np.empty(0, dtype=np.int64), parent=None)
         self._seq = itertools.count()
+        self._by_id: dict[int, BufferedItem] = {}
         self.nbytes = 0
         self.buffered = 0
         self.held = 0
@@ -188,6 +191,10 @@ class LookupBuffer:
         """Remove a buffered item for good (evicted or expired)."""
         self._unindex(item)
         self.nbytes -= item.nbytes
+
+    def get(self, item_id: int) -> BufferedItem | None:
+        """The buffered item with this id (None if taken, dropped, or never inserted)."""
+        return self._by_id.get(item_id)
 
     def items(self) -> list[BufferedItem]:
         """Every buffered item, oldest first (for listing; O(n log n))."""
@@ -254,6 +261,7 @@ class LookupBuffer:
         for ancestor in path:
             ancestor.subtree.push(item)
         self.buffered += 1
+        self._by_id[item.item_id] = item
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; return the new node standing at the cut."""
@@ -272,6 +280,7 @@ class LookupBuffer:
         item.buffered = False
         item.node = None
         self.buffered -= 1
+        del self._by_id[item.item_id]
         node.own.discard()
         walker: _Node | None = node
         while walker is not None:

@@ -174,9 +174,92 @@ class ErrorReply(Message, frozen=True, tag="error"):
     message: str
 
 
+class Health(Message, frozen=True, tag="health"):
+    """Client → producer: is it serving? Answered with `health_reply`."""
+
+    request_id: RequestId
+
+
+class HealthReply(Message, frozen=True, tag="health_reply"):
+    request_id: RequestId
+    producer_id: Name
+    uptime_s: Seconds
+    transports: Names = []
+
+
+class Stats(Message, frozen=True, tag="stats"):
+    """Client → producer: counters and gauges. Answered with `stats_reply`."""
+
+    request_id: RequestId
+
+
+class StatsReply(Message, frozen=True, tag="stats_reply"):
+    request_id: RequestId
+    items: int
+    buffer_bytes: int
+    buffer_limit_bytes: int
+    in_flight: int
+    waiting_requests: int
+    peers: int
+    totals: dict[Name, int] = {}
+    """Counters since start: inserted_items, delivered_items, delivered_bytes, misses, ..."""
+
+
+class Probe(Message, frozen=True, tag="probe"):
+    """Client → producer: what a drop_select with these (masked) tokens would take, without
+    taking it. `tokens` as in drop_select. Answered with `probe_reply`."""
+
+    request_id: RequestId
+    tokens: TokenBytes | None
+
+
+class ProbeReply(Message, frozen=True, tag="probe_reply"):
+    """`matched` 0 and `item_id` nil: nothing would match."""
+
+    request_id: RequestId
+    matched: Annotated[int, Meta(ge=0)]
+    item_id: ItemId | None = None
+
+
+class ListItems(Message, frozen=True, tag="list_items"):
+    """Client → producer: the oldest buffered items, at most `limit`. Answered with `item_list`."""
+
+    request_id: RequestId
+    limit: Annotated[int, Meta(ge=0, le=10_000)] = 100
+
+
+class ItemSummary(msgspec.Struct, frozen=True, array_like=True):
+    """One buffered item: id, masked token count, bytes, seconds buffered."""
+
+    item_id: ItemId
+    tokens: int
+    nbytes: int
+    age_s: float
+
+
+class ItemList(Message, frozen=True, tag="item_list"):
+    request_id: RequestId
+    items: list[ItemSummary]
+    total: int
+
+
+class Evict(Message, frozen=True, tag="evict"):
+    """Client → producer: drop a buffered item. Answered with `evicted`, or `error` not_found."""
+
+    request_id: RequestId
+    item_id: ItemId
+
+
+class Evicted(Message, frozen=True, tag="evicted"):
+    request_id: RequestId
+    item_id: ItemId
+    nbytes: int
+
+
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
-)
+    | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
+)  # fmt: skip
 
 
 class _Envelope(msgspec.Struct, array_like=True):

@@ -108,6 +108,7 @@ class Producer:
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             heartbeat_s=heartbeat_s,
             transports=self._transport_names,
+            buffer_limit_bytes=buffer_bytes,
         )
         self._send_lock = asyncio.Lock()
         self._peer_left = asyncio.Event()
@@ -138,6 +139,7 @@ class Producer:
             self._context.term()
             raise translate_zmq_error(exc, endpoint=self._bind) from None
         self._socket = socket
+        self._core.started_at = self._now()
         self._io = SocketIO(socket)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._transports = make_transports(self._transport_names, self.device, store_host=_host_of(self._endpoint))

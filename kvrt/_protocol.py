@@ -19,6 +19,7 @@ with its original age. So an item is never lost and never freed while a peer may
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import itertools
@@ -76,6 +77,11 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
         m.Cancel,
         m.Received,
         m.Release,
+        m.Health,
+        m.Stats,
+        m.Probe,
+        m.ListItems,
+        m.Evict,
     ),
 }
 
@@ -107,6 +113,7 @@ class ProducerCounters:
     delivered_items: int = 0
     delivered_bytes: int = 0
     returned_items: int = 0
+    evicted_items: int = 0
     misses: int = 0
     errors: int = 0
 
@@ -126,8 +133,12 @@ class ProducerCore:
         heartbeat_s: float,
         transports: Sequence[str] = ("tcp",),
         max_waiting: int = MAX_WAITING_REQUESTS,
+        buffer_limit_bytes: int = 0,
+        started_at: float = 0.0,
     ) -> None:
         self.producer_id = producer_id
+        self.buffer_limit_bytes = buffer_limit_bytes
+        self.started_at = started_at
         self.heartbeat_s = heartbeat_s
         self.transports = tuple(transports)
         """What this producer can send with, preferred first."""
@@ -210,10 +221,23 @@ class ProducerCore:
                 return self._on_received(peer, item_ids)
             case m.Release(item_id=item_id):
                 return self._on_release(peer, item_id, now)
+            case m.Health(request_id=request_id):
+                uptime = max(0.0, now - self.started_at)
+                reply = m.HealthReply(request_id, self.producer_id, uptime, list(self.transports))
+                return [Outgoing(peer, reply)]
+            case m.Stats(request_id=request_id):
+                return [Outgoing(peer, self._stats(request_id))]
+            case m.Probe():
+                return [self._on_probe(peer, message)]
+            case m.ListItems(request_id=request_id, limit=limit):
+                return [Outgoing(peer, self._listing(request_id, limit, now))]
+            case m.Evict(request_id=request_id, item_id=item_id):
+                return [self._on_evict(peer, request_id, item_id)]
         raise AssertionError(f"unhandled {message!r}")  # the accept table and the match disagree
 
     def insert(self, item: BufferedItem, now: float) -> list[Outgoing]:
         """Buffer a new item; a waiting request it matches gets it at once."""
+        item.inserted_at = now
         self.counters.inserted_items += 1
         self.counters.inserted_bytes += item.nbytes
         self.buffer.add(item)
@@ -333,6 +357,46 @@ class ProducerCore:
         if item is None:
             return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
         return self._restore(item, now)
+
+    def _stats(self, request_id: int) -> m.StatsReply:
+        buffer = self.buffer
+        return m.StatsReply(
+            request_id=request_id,
+            items=len(buffer),
+            buffer_bytes=buffer.nbytes,
+            buffer_limit_bytes=self.buffer_limit_bytes,
+            in_flight=buffer.held,
+            waiting_requests=len(self._waiters),
+            peers=len(self._peers),
+            totals=dataclasses.asdict(self.counters),
+        )
+
+    def _on_probe(self, peer: bytes, probe: m.Probe) -> Outgoing:
+        try:
+            query = None if probe.tokens is None else m.tokens_from_bytes(probe.tokens)
+        except ProtocolError as exc:
+            return self._refuse(peer, probe.request_id, exc.code, str(exc))
+        found = self.buffer.best_match(query)
+        if found is None:
+            return Outgoing(peer, m.ProbeReply(request_id=probe.request_id, matched=0))
+        return Outgoing(peer, m.ProbeReply(probe.request_id, found.matched, found.item.item_id))
+
+    def _listing(self, request_id: int, limit: int, now: float) -> m.ItemList:
+        items = self.buffer.items()
+        summaries = [
+            m.ItemSummary(item.item_id, len(item.masked_tokens), item.nbytes, max(0.0, now - item.inserted_at))
+            for item in items[:limit]
+        ]
+        return m.ItemList(request_id=request_id, items=summaries, total=len(items))
+
+    def _on_evict(self, peer: bytes, request_id: int, item_id: int) -> Outgoing:
+        item = self.buffer.get(item_id)
+        if item is None:
+            text = f"item {item_id} is not buffered (taken, in flight, evicted, or never inserted)"
+            return self._refuse(peer, request_id, ErrorCode.NOT_FOUND, text)
+        self.buffer.drop(item)
+        self.counters.evicted_items += 1
+        return Outgoing(peer, m.Evicted(request_id=request_id, item_id=item_id, nbytes=item.nbytes))
 
     # -- helpers ------------------------------------------------------------------------
 

@@ -1,0 +1,122 @@
+"""`kvrt.Client`: the control endpoint from outside the engine (routers, operators, monitors).
+
+It speaks only the protocol in docs/protocol.md, over the same link as a consumer (hello,
+heartbeats, request ids), and never takes an item:
+
+    async with kvrt.Client("tcp://prefill-0:5555") as client:
+        (await client.probe(tokens)).matched   # route the request to the longest prefix
+        await client.stats()
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+from typing import Self, TypeVar
+
+import torch
+import zmq
+
+from kvrt import _messages as m
+from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
+from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
+from kvrt._item import check_tokens, masked_tokens
+from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt.transports.tcp import TcpTransport
+
+_Reply = TypeVar("_Reply", bound=m.Message)
+
+
+class Client:
+    """Health, stats, probe, list and evict on one producer's control endpoint."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(endpoint, str) or not endpoint:
+            raise InvalidInputError(f"endpoint must be a ZeroMQ address such as 'tcp://host:port', got {endpoint!r}")
+        self.endpoint = endpoint
+        self._connect_timeout_s = connect_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._link: _Link | None = None
+        self._closed = False
+
+    async def start(self) -> Self:
+        if self._context is not None or self._closed:
+            raise ClosedError("a client starts once; create a new one")
+        self._context = zmq.Context()
+        self._link = _Link(
+            self.endpoint,
+            context=self._context,
+            name=self._name,
+            heartbeat_s=self._heartbeat_s,
+            transports={"tcp": TcpTransport("cpu")},
+            connect_timeout_s=self._connect_timeout_s,
+        )
+        try:
+            await self._link.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            await self._link.aclose()
+        if self._context is not None:
+            self._context.term()
+
+    async def health(self) -> m.HealthReply:
+        """Whether the producer serves: its id, uptime and transports."""
+        return await self._ask(lambda request_id: m.Health(request_id=request_id), m.HealthReply)
+
+    async def stats(self) -> m.StatsReply:
+        """Items, bytes, in-flight, waiting requests, peers, and totals since start."""
+        return await self._ask(lambda request_id: m.Stats(request_id=request_id), m.StatsReply)
+
+    async def probe(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None) -> m.ProbeReply:
+        """What a drop_select with these tokens would take, without taking it (`matched` 0: nothing)."""
+        if input_tokens is None:
+            tokens: bytes | None = None
+        else:
+            check_tokens(input_tokens, roi, what="probe")
+            tokens = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
+        return await self._ask(lambda request_id: m.Probe(request_id=request_id, tokens=tokens), m.ProbeReply)
+
+    async def list_items(self, limit: int = 100) -> m.ItemList:
+        """The oldest buffered items (at most `limit`), and how many there are in all."""
+        if not 0 <= limit <= 10_000:
+            raise InvalidInputError(f"limit must be between 0 and 10000, got {limit}")
+        return await self._ask(lambda request_id: m.ListItems(request_id=request_id, limit=limit), m.ItemList)
+
+    async def evict(self, item_id: int) -> m.Evicted:
+        """Drop a buffered item; `NotFoundError` if it is not buffered."""
+        return await self._ask(lambda request_id: m.Evict(request_id=request_id, item_id=item_id), m.Evicted)
+
+    async def _ask(self, build: Callable[[int], m.Message], expected: type[_Reply]) -> _Reply:
+        if self._closed or self._link is None:
+            raise ClosedError("the client is closed" if self._closed else "the client is not started")
+        reply = await self._link.call(build)
+        if not isinstance(reply.message, expected):
+            raise RemoteProtocolError(f"expected {expected.__name__}, got {type(reply.message).__name__}")
+        return reply.message
