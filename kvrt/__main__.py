@@ -1,7 +1,7 @@
 """The `kvrt` command (also `python -m kvrt`).
 
-Exit codes: 0 success, 1 the operation failed (a benchmark missed nothing: it only
-reports), 2 bad usage.
+Exit codes: 0 success, 1 the operation failed or the endpoint was unreachable, 2 bad usage,
+3 `kvrt probe` found no match. Benchmarks report; they do not fail on a missed goal.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvrt._bench import BENCHMARKS
+from kvrt._cli_ops import add_commands
 from kvrt._demo import DemoShape, run_demo
 
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     bench.add_argument("--in-flight", type=int, default=None, help="requests in flight (nccl; default 8)")
     bench.set_defaults(run=_bench)
+    add_commands(commands)
     return parser
 
 

@@ -228,7 +228,7 @@ class ListItems(Message, frozen=True, tag="list_items"):
     limit: Annotated[int, Meta(ge=0, le=10_000)] = 100
 
 
-class ItemSummary(msgspec.Struct, frozen=True, array_like=True):
+class ItemSummary(msgspec.Struct, frozen=True):
     """One buffered item: id, masked token count, bytes, seconds buffered."""
 
     item_id: ItemId

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import multiprocessing
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+from tests._processes import run_producer
 
 
 def run_kvrt(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -33,3 +39,54 @@ def test_an_unknown_command_exits_with_usage_error() -> None:
     result = run_kvrt("frobnicate")
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """A producer in its own process holding 3 items: tokens 0..31, 1000..1031, 2000..2031."""
+    spawn = multiprocessing.get_context("spawn")
+    control, child = spawn.Pipe()
+    process = spawn.Process(target=run_producer, args=(3, 1.0, child), daemon=True)
+    process.start()
+    try:
+        assert control.poll(60), "producer process did not start"
+        yield control.recv()
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+
+
+def test_stat_once_prints_the_table(endpoint: str) -> None:
+    result = run_kvrt("stat", endpoint, "--once")
+    assert result.returncode == 0, result.stderr
+    assert "items buffered" in result.stdout and "transports" in result.stdout
+
+
+def test_stat_json_is_one_object_scripts_can_read(endpoint: str) -> None:
+    result = run_kvrt("stat", endpoint, "--json")
+    report = json.loads(result.stdout)
+    assert report["stats"]["items"] >= 2 and report["health"]["transports"] == ["tcp"]
+
+
+def test_probe_exits_zero_on_a_match_and_three_on_none(endpoint: str) -> None:
+    hit = run_kvrt("probe", endpoint, "--tokens", "1000,1001,1002")
+    assert hit.returncode == 0 and "matched 3 of 3 tokens" in hit.stdout
+    miss = run_kvrt("probe", endpoint, "--tokens", "7,7,7", "--json")
+    assert miss.returncode == 3 and json.loads(miss.stdout)["matched"] == 0
+
+
+def test_list_then_evict_removes_one_item(endpoint: str) -> None:
+    listing = json.loads(run_kvrt("list", endpoint, "--json").stdout)
+    victim = listing["items"][-1]["item_id"]
+    evicted = run_kvrt("evict", endpoint, str(victim))
+    assert evicted.returncode == 0 and f"evicted item {victim}" in evicted.stdout
+    again = run_kvrt("evict", endpoint, str(victim))
+    assert again.returncode == 1 and "not buffered" in again.stderr
+
+
+def test_an_unreachable_endpoint_exits_one_with_a_reason() -> None:
+    result = run_kvrt("stat", "tcp://127.0.0.1:9", "--once", "--timeout", "0.5")
+    assert result.returncode == 1 and "no producer answered" in result.stderr
