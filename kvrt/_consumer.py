@@ -55,6 +55,11 @@ class _Reply:
     item: KVItem | None = None
 
 
+def _delivered(call: asyncio.Task[_Reply]) -> bool:
+    """A finished call that brought an item."""
+    return not call.cancelled() and call.exception() is None and call.result().item is not None
+
+
 def _fresh(error: KVRTError) -> KVRTError:
     """A new exception of the same kind, so that each failed call raises its own object."""
     clone = type(error).__new__(type(error))
@@ -340,6 +345,19 @@ class _Link:
         return asyncio.get_running_loop().time()
 
 
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """An item delivered by one link and not yet confirmed to its producer."""
+
+    item: KVItem
+    link: _Link
+    item_id: int
+    link_index: int
+
+    def settle(self, *, keep: bool) -> None:
+        self.link.settle(self.item_id, keep=keep)
+
+
 class Consumer:
     """Takes buffered KV from a producer (decode side).
 
@@ -357,7 +375,7 @@ class Consumer:
 
     def __init__(
         self,
-        connect: str,
+        connect: str | Sequence[str],
         device: torch.device | str = "cpu",
         *,
         group: dist.ProcessGroup | None = None,
@@ -366,15 +384,18 @@ class Consumer:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         name: str | None = None,
     ) -> None:
-        if not isinstance(connect, str) or not connect:
-            raise InvalidInputError(f"connect must be a ZeroMQ address such as 'tcp://host:port', got {connect!r}")
+        endpoints = [connect] if isinstance(connect, str) else list(connect)
+        if not endpoints or not all(isinstance(endpoint, str) and endpoint for endpoint in endpoints):
+            raise InvalidInputError(
+                f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
+            )
         if not heartbeat_s > 0:
             raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
-        self._endpoints = [connect]
+        self._endpoints = endpoints
         self._transport_names = transport_preference(transport, self.device)
         self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._heartbeat_s = heartbeat_s
@@ -457,26 +478,75 @@ class Consumer:
             raise InvalidInputError(
                 f"drop_select: {len(query) // m.TOKEN_BYTES} masked tokens is over the limit of {m.MAX_TOKENS}"
             )
-        link = self._links[0]
 
         def build(request_id: int) -> m.Message:
             return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
 
-        if self._consensus is None:
-            return (await link.call(build)).item
-        return await self._agreed_drop_select(link, build, self._consensus)
+        if self._consensus is not None:
+            return await self._agreed_drop_select(build, self._consensus, waits=timeout != 0)
+        if len(self._links) == 1:
+            return (await self._links[0].call(build)).item
+        taken = await self._take(build, waits=timeout != 0)
+        if taken is None:
+            return None
+        taken.settle(keep=True)
+        return taken.item
+
+    async def _take(self, build: Callable[[int], m.Message], *, waits: bool) -> _Taken | None:
+        """The best item over every producer, not yet confirmed (the caller settles it).
+
+        Every producer is asked at once. Answering at once (`waits` False): the longest match
+        wins, ties go to the first endpoint, and the other items are given back. Waiting: the
+        first match to arrive wins and the other requests are cancelled. A producer that
+        cannot be reached is skipped with a warning; if none can be, its error is raised.
+        """
+        calls = {asyncio.create_task(link.call(build, confirm=False)): index for index, link in enumerate(self._links)}
+        try:
+            pending = set(calls)
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if waits and any(_delivered(call) for call in calls if call.done()):
+                    break
+        finally:
+            for call in calls:
+                call.cancel()  # a call cancelled after its item arrived gives that item back itself
+            await asyncio.gather(*calls, return_exceptions=True)
+        taken: list[_Taken] = []
+        errors: list[KVRTError] = []
+        for call, index in calls.items():
+            link = self._links[index]
+            if call.cancelled():
+                continue
+            failure = call.exception()
+            if isinstance(failure, KVRTError):
+                log.warning("producer at %s skipped for this lookup: %s", link.endpoint, failure)
+                errors.append(failure)
+            elif failure is not None:
+                raise failure
+            elif _delivered(call):
+                reply = call.result()
+                assert reply.item is not None and isinstance(reply.message, m.Deliver)
+                taken.append(_Taken(reply.item, link, reply.message.item_id, index))
+        if not taken:
+            if len(errors) == len(self._links):
+                raise errors[0]
+            return None
+        best = max(taken, key=lambda candidate: (candidate.item.matched, -candidate.link_index))
+        for candidate in taken:
+            if candidate is not best:
+                candidate.settle(keep=False)
+        return best
 
     async def _agreed_drop_select(
-        self, link: _Link, build: Callable[[int], m.Message], consensus: GroupConsensus
+        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits: bool
     ) -> KVItem | None:
         """drop_select for a TP group: look up locally, agree with the group, then keep the
-        item cut to the agreed length, or give it back to the producer."""
+        item cut to the agreed length, or give it back to its producer."""
         sequence = consensus.register()
-        item: KVItem | None = None
-        item_id: int | None = None
+        taken: _Taken | None = None
         error: BaseException | None = None
         try:
-            reply = await link.call(build, confirm=False)
+            taken = await self._take(build, waits=waits)
         except asyncio.CancelledError as cancelled:
             consensus.abandon(sequence, Outcome(status_of(cancelled)))
             raise
@@ -484,13 +554,8 @@ class Consumer:
             error = failure
             outcome = Outcome(status_of(failure))
         else:
-            item = reply.item
-            if item is None:
-                outcome = Outcome(Status.MISS)
-            else:
-                assert isinstance(reply.message, m.Deliver)
-                item_id = reply.message.item_id
-                outcome = Outcome(Status.OK, item.matched)
+            outcome = Outcome(Status.MISS) if taken is None else Outcome(Status.OK, taken.item.matched)
+        item = None if taken is None else taken.item
         keep = False
         try:
             decision = await consensus.decide(sequence, outcome)
@@ -502,8 +567,8 @@ class Consumer:
                 return None
             raise error_for(decision, outcome, error)
         finally:
-            if item_id is not None:
-                link.settle(item_id, keep=keep)
+            if taken is not None:
+                taken.settle(keep=keep)
 
     def _check_open(self) -> None:
         if self._closed:
