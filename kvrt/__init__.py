@@ -28,6 +28,7 @@ from kvrt._errors import (
 )
 from kvrt._item import KVItem
 from kvrt._messages import PROTOCOL_VERSION
+from kvrt._metrics import serve_metrics
 from kvrt._producer import Producer, ProducerStats
 
 __version__ = "0.1.0"
@@ -53,4 +54,5 @@ __all__ = [
     "RemoteProtocolError",
     "VersionMismatchError",
     "__version__",
+    "serve_metrics",
 ]

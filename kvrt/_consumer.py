@@ -15,7 +15,7 @@ import math
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from kvrt import _messages as m
+from kvrt import _metrics
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
     ClosedError,
@@ -345,6 +346,15 @@ class _Link:
         return asyncio.get_running_loop().time()
 
 
+@dataclass(slots=True)
+class ConsumerCounters:
+    """What a consumer received and what failed, since start (for stats and metrics)."""
+
+    items: int = 0
+    bytes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class _Taken:
     """An item delivered by one link and not yet confirmed to its producer."""
@@ -404,6 +414,7 @@ class Consumer:
         self._links: list[_Link] = []
         self._group = group
         self._consensus: GroupConsensus | None = None
+        self.counters = ConsumerCounters()
         self._closed = False
 
     async def start(self) -> Self:
@@ -411,6 +422,7 @@ class Consumer:
         if self._context is not None or self._closed:
             raise ClosedError("a consumer starts once; create a new one")
         self._context = zmq.Context()
+        _metrics.track_consumer(self)
         try:
             if self._group is not None:
                 self._consensus = GroupConsensus(self._group)
@@ -451,6 +463,14 @@ class Consumer:
         if self._context is not None:
             self._context.term()
 
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    @property
+    def pending_requests(self) -> int:
+        return sum(link.core.pending_count for link in self._links)
+
     async def drop_select(
         self,
         input_tokens: torch.Tensor | None,
@@ -482,11 +502,27 @@ class Consumer:
         def build(request_id: int) -> m.Message:
             return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
 
+        timer = _metrics.Timer("drop_select")
+        try:
+            item = await self._drop_select(build, waits=timeout != 0)
+        except KVRTError as error:
+            errors = self.counters.errors
+            errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
+            raise
+        timer.done()
+        if item is not None:
+            self.counters.items += 1
+            self.counters.bytes += sum(
+                tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None
+            )
+        return item
+
+    async def _drop_select(self, build: Callable[[int], m.Message], *, waits: bool) -> KVItem | None:
         if self._consensus is not None:
-            return await self._agreed_drop_select(build, self._consensus, waits=timeout != 0)
+            return await self._agreed_drop_select(build, self._consensus, waits=waits)
         if len(self._links) == 1:
             return (await self._links[0].call(build)).item
-        taken = await self._take(build, waits=timeout != 0)
+        taken = await self._take(build, waits=waits)
         if taken is None:
             return None
         taken.settle(keep=True)

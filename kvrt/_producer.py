@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
+from kvrt import _metrics
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -144,6 +145,7 @@ class Producer:
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._transports = make_transports(self._transport_names, self.device, store_host=_host_of(self._endpoint))
         self._update_room()
+        _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serve_ended)
         return self
@@ -206,6 +208,7 @@ class Producer:
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
         self._check_open()
+        timer = _metrics.Timer("insert")
         check_item(input_tokens, roi, key, value, hidden)
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
@@ -219,6 +222,11 @@ class Producer:
         for transport in self._transports.values():
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
+        timer.done()
+
+    def refusals(self) -> dict[str, int]:
+        """Error replies sent so far, by error code."""
+        return dict(self._core.refusals)
 
     def stats(self) -> ProducerStats:
         buffer = self._core.buffer

@@ -151,6 +151,8 @@ class ProducerCore:
         self._timer_order = itertools.count()
         self._item_ids = itertools.count(1)
         self._departed: list[tuple[bytes, str]] = []
+        self.refusals: dict[str, int] = {}
+        """Error replies sent, by error code (for metrics)."""
         self._closed = False
 
     # -- what the driver reads ----------------------------------------------------------
@@ -402,6 +404,7 @@ class ProducerCore:
 
     def _refuse(self, peer: bytes, request_id: int | None, code: ErrorCode, text: str) -> Outgoing:
         self.counters.errors += 1
+        self.refusals[code.value] = self.refusals.get(code.value, 0) + 1
         return Outgoing(peer, m.ErrorReply(request_id=request_id, code=code, message=text))
 
     def _deliver(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> Outgoing:
