@@ -27,6 +27,7 @@ from kvrt._errors import (
     VersionMismatchError,
 )
 from kvrt._item import KVItem
+from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import serve_metrics
 from kvrt._producer import Producer, ProducerStats
@@ -42,6 +43,7 @@ __all__ = [
     "Consumer",
     "ErrorCode",
     "InvalidInputError",
+    "JsonFormatter",
     "KVItem",
     "KVRTError",
     "KVRTTimeoutError",
@@ -54,5 +56,6 @@ __all__ = [
     "RemoteProtocolError",
     "VersionMismatchError",
     "__version__",
+    "log_json",
     "serve_metrics",
 ]

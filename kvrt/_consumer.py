@@ -207,13 +207,13 @@ class _Link:
                     try:
                         event = core.receive(frames[0].buffer, now)
                     except ProtocolError as exc:
-                        log.warning("ignoring a message from producer at %s: %s", self.endpoint, exc)
+                        log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
                         continue
                     if event is not None:
                         await self._handle(event, frames[1:])
             due, lost = core.expire(now)
             if lost is not None:
-                log.warning("%s", lost.error)
+                log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
                 self._fail_all(lost)
             for message in due:
                 self._send_nowait(message)
@@ -555,7 +555,12 @@ class Consumer:
                 continue
             failure = call.exception()
             if isinstance(failure, KVRTError):
-                log.warning("producer at %s skipped for this lookup: %s", link.endpoint, failure)
+                log.warning(
+                    "producer at %s skipped for this lookup: %s",
+                    link.endpoint,
+                    failure,
+                    extra={"endpoint": link.endpoint},
+                )
                 errors.append(failure)
             elif failure is not None:
                 raise failure

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import uuid
@@ -37,6 +38,8 @@ from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
+
+log = logging.getLogger("kvrt.producer")
 
 DEFAULT_HEARTBEAT_S = 1.0
 """Consumers ping at least this often; one silent for 4 periods is dropped."""
@@ -296,6 +299,11 @@ class Producer:
             while out:
                 send = out.pop(0)
                 message = send.message
+                if isinstance(message, m.ErrorReply):
+                    log.info(
+                        "refused a message: %s", message.message,
+                        extra={"peer": send.peer, "request_id": message.request_id, "code": message.code.value},
+                    )  # fmt: skip
                 frames: Sequence[bytes | memoryview] = ()
                 try:
                     if isinstance(message, m.Welcome):
@@ -320,6 +328,7 @@ class Producer:
 
     def _release_departed(self) -> None:
         for peer, transport_name in self._core.take_departed():
+            log.info("consumer left; what it held is back in the buffer", extra={"peer": peer})
             self._transports[transport_name].forget(peer)
             self._peer_left.set()
 
