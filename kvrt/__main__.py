@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.add_argument(
+        "--plot", nargs="?", const="docs/bench", metavar="DIR",
+        help="also write PNG plots into DIR (default docs/bench; needs matplotlib)",
+    )  # fmt: skip
     bench.add_argument("--in-flight", type=int, default=None, help="requests in flight (nccl; default 8)")
     bench.set_defaults(run=_bench)
     add_commands(commands)

@@ -21,6 +21,7 @@ import torch
 
 from kvrt._consumer import Consumer
 from kvrt._producer import Producer
+from kvrt._progress import Progress
 
 _TOKEN_STRIDE = 1 << 20
 """Request i's tokens start at i * this, so that no request is a prefix of another."""
@@ -147,11 +148,6 @@ def _decode_process(shape: DemoShape, endpoint: str, progress: multiprocessing.q
         raise
 
 
-def _bar(done: int, total: int, width: int = 40) -> str:
-    filled = width * done // max(total, 1)
-    return f"\r  decode [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests"
-
-
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -173,22 +169,17 @@ def run_demo(shape: DemoShape) -> int:
         print(f"kvrt demo: prefill at {endpoint}, TCP transport, {shape.requests} requests")
         decode = spawn.Process(target=_decode_process, args=(shape, endpoint, progress), name="kvrt-decode")
         decode.start()
-        taken = 0
-        tty = sys.stderr.isatty()
+        bar = Progress(shape.requests, "decode")
         while True:
             kind, payload = progress.get(timeout=_RESULT_TIMEOUT_S)
             if kind == "step":
-                taken += payload
-                if tty or taken % max(1, shape.requests // 10) == 0:
-                    print(_bar(taken, shape.requests), end="" if tty else "\n", file=sys.stderr, flush=True)
+                bar.advance(payload, "requests")
             elif kind == "error":
                 print(f"\ndecode failed: {payload}", file=sys.stderr)
                 return 1
             else:
                 result = payload
                 break
-        if tty:
-            print(file=sys.stderr)
         latencies = result["latencies_s"]
         rows = [
             ("requests", f"{shape.requests}"),

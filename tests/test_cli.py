@@ -90,3 +90,14 @@ def test_list_then_evict_removes_one_item(endpoint: str) -> None:
 def test_an_unreachable_endpoint_exits_one_with_a_reason() -> None:
     result = run_kvrt("stat", "tcp://127.0.0.1:9", "--once", "--timeout", "0.5")
     assert result.returncode == 1 and "no producer answered" in result.stderr
+
+
+@pytest.mark.timeout(240)
+def test_bench_writes_json_and_a_png_plot(tmp_path: pytest.TempPathFactory) -> None:
+    report, plots = tmp_path / "consensus.json", tmp_path / "plots"  # type: ignore[operator]
+    result = run_kvrt("bench", "consensus", "--quick", "--json", str(report), "--plot", str(plots), timeout=200)
+    assert result.returncode == 0, result.stderr
+    assert "vs reference" in result.stdout
+    measured = json.loads(report.read_text())
+    assert measured["all_gather_object_s"] > 0 and measured["lookups"] == 100
+    assert (plots / "consensus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

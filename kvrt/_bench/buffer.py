@@ -25,11 +25,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from kvrt._bench import _plot
 from kvrt._bench._processes import free_port, join
+from kvrt._progress import Progress
 
 TOKENS: Final = 256
 LAYERS: Final = 2
@@ -314,22 +317,24 @@ def main(args: argparse.Namespace) -> int:
     log(f"kvrt bench buffer: {items} items of {size / 1024:.0f} KiB, two processes on loopback")
     newest_first = list(reversed(range(items)))
     in_order = list(range(items))
-    log("  [1/4] newest-first: seed ...")
+    progress = Progress(5 + 2 * len(sizes), "bench buffer")
     seed_newest = run_seed(items, newest_first)
-    log("  [1/4] newest-first: kvrt ...")
+    progress.advance(note="seed, newest-first")
     kvrt_newest = run_kvrt(items, newest_first, 1)
-    log("  [2/4] insertion order: seed ...")
+    progress.advance(note="kvrt, newest-first")
     seed_ordered = run_seed(items, in_order)
-    log(f"  [2/4] insertion order: kvrt, {IN_FLIGHT} in flight ...")
+    progress.advance(note="seed, in order")
     kvrt_ordered = run_kvrt(items, in_order, IN_FLIGHT)
-    log("  [3/4] ZeroMQ PUSH/PULL ceiling ...")
+    progress.advance(note=f"kvrt, in order, {IN_FLIGHT} in flight")
     ceiling = run_zmq_ceiling(2000 if not quick else 500, size)
+    progress.advance(note="ZeroMQ ceiling")
     growth: dict[int, tuple[float, float]] = {}
-    for step, count in enumerate(sizes, 1):
-        log(f"  [4/4] growth {step}/{len(sizes)}: {count} items ...")
+    for count in sizes:
         queried = list(reversed(range(count)))
         kvrt_run = run_kvrt(count, queried[:growth_queries], 1)
+        progress.advance(note=f"kvrt, {count} items")
         seed_run = run_seed(count, queried[:seed_growth_queries])
+        progress.advance(note=f"seed, {count} items")
         growth[count] = (seed_run.percentile_ms(0.5), kvrt_run.percentile_ms(0.5))
 
     newest_ratio = kvrt_newest.requests_per_s / seed_newest.requests_per_s
@@ -383,6 +388,17 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"kvrt p50 largest / smallest over {sizes[0]:,} → {sizes[-1]:,} items: {flatness:.2f}x (goal: flat)")
 
+    if args.plot:
+        counts = [float(count) for count in growth]
+        path = _plot.lines(
+            Path(args.plot) / "buffer-growth.png",
+            "p50 of a newest-first drop_select as the buffer grows",
+            "buffered items", "p50 latency (ms)",
+            {"seed SimpleBuffer": (counts, [seed for seed, _ in growth.values()]),
+             "kvrt": (counts, [kvrt for _, kvrt in growth.values()])},
+            log_x=True, log_y=True,
+        )  # fmt: skip
+        log(f"plot: {path}")
     if args.json:
         results: dict[str, Any] = {
             "item_bytes": size,

@@ -25,11 +25,13 @@ import queue
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 
+from kvrt._bench import _plot
 from kvrt._bench._processes import free_port, join
 
 WORLD: Final = 4
@@ -174,6 +176,14 @@ def main(args: argparse.Namespace) -> int:
         f"collectives: {measured['kvrt_one_rounds']} for {count} lookups one at a time, "
         f"{measured['kvrt_in_flight_rounds']} for {count} lookups {IN_FLIGHT} in flight"
     )
+    if args.plot:
+        path = _plot.bars(
+            Path(args.plot) / "consensus.png",
+            f"TP-group agreement, {WORLD} gloo ranks: time per lookup",
+            "ms per lookup",
+            {name: seconds * 1e3 for name, seconds, _, _ in rows},
+        )
+        print(f"plot: {path}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(measured, out, indent=2)

@@ -14,9 +14,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import torch
+
+from kvrt._bench import _plot
 
 LAYERS: Final = 32
 TOKENS: Final = 4096
@@ -104,6 +107,12 @@ def main(args: argparse.Namespace) -> int:
     for row in sweep[:5]:
         print(f"  {row['tuning']}: gather {100 * float(row['gather_gbps']) / float(ceiling):5.1f}%, "
               f"scatter {100 * float(row['scatter_gbps']) / float(ceiling):5.1f}% of copy")  # fmt: skip
+    if args.plot:
+        path = _plot.bars(
+            Path(args.plot) / "kernels.png", "Paged-KV gather/scatter, 512 MiB (read + write)", "GB/s",
+            {str(row["variant"]): float(row["gbps"]) for row in results},
+        )  # fmt: skip
+        print(f"plot: {path}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": results, "sweep": sweep, "staging_bytes": staging.nbytes}, out, indent=2)

@@ -21,9 +21,12 @@ import multiprocessing.connection
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Final
 
 import torch
+
+from kvrt._bench import _plot
 
 MIB: Final = 1 << 20
 SIZES_MIB: Final = (1, 4, 16, 64, 256, 1024)
@@ -222,6 +225,15 @@ def main(args: argparse.Namespace) -> int:
         )
     p50, p99 = latency["p50_ms"], latency["p99_ms"]
     print(f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+    if args.plot:
+        sizes = [row["size_mib"] for row in rows]
+        path = _plot.lines(
+            Path(args.plot) / "nccl.png", "NCCL transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
+            {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in rows]),
+             "kvrt": (sizes, [row["kvrt_gbps"] for row in rows])},
+            log_x=True,
+        )  # fmt: skip
+        print(f"plot: {path}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "latency": latency, "in_flight": in_flight}, out, indent=2)
