@@ -100,6 +100,8 @@ class _Link:
         self._flush_scheduled = False
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
+        self.connected = asyncio.Event()
+        """Set while the producer is connected (welcomed), cleared when it is lost."""
         self._refused: KVRTError | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -213,6 +215,7 @@ class _Link:
                         await self._handle(event, frames[1:])
             due, lost = core.expire(now)
             if lost is not None:
+                self.connected.clear()
                 log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
                 self._fail_all(lost)
             for message in due:
@@ -223,6 +226,7 @@ class _Link:
             case Welcomed(welcome=welcome):
                 self._start_join(welcome)
                 self._welcomed.set()
+                self.connected.set()
             case Replied(request_id=request_id, message=m.Deliver() as deliver):
                 self._on_deliver(self._pending.get(request_id), deliver, payload)
             case Replied(request_id=request_id, message=message):
@@ -236,6 +240,7 @@ class _Link:
             case Stray(message=deliver):
                 self._send_nowait(m.Release(item_id=deliver.item_id))
             case Lost():
+                self.connected.clear()
                 self._fail_all(event)
             case Refused(error=error):
                 if self._welcomed.is_set():

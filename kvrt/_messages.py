@@ -31,7 +31,11 @@ MAX_TOKENS: Final = 1 << 20
 
 MAX_TENSOR_DIMS: Final = 8
 MAX_HEADER_BYTES: Final = 16 << 20
-"""Largest first frame (the control message) a peer accepts; a larger one is refused unread."""
+"""Largest control frame a peer parses; a larger one gets a typed refusal."""
+
+MAX_INBOUND_MESSAGE_BYTES: Final = 64 << 20
+"""A producer never receives payloads, so libzmq drops any message larger than this before
+allocating it (ZMQ_MAXMSGSIZE), and the connection with it; the peer may reconnect."""
 
 MAX_NAME_CHARS: Final = 256
 

@@ -10,7 +10,7 @@ observed per operation, and only once metrics are served.
     kvrt_producer_in_flight_items{endpoint}            items delivered, not yet confirmed
     kvrt_producer_waiting_requests{endpoint}           drop-selects waiting for an insert
     kvrt_producer_peers{endpoint}                      connected consumers and clients
-    kvrt_producer_items_total{endpoint,event}          inserted, delivered, returned, evicted
+    kvrt_producer_items_total{endpoint,event}          inserted, delivered, returned, evicted, expired
     kvrt_producer_bytes_total{endpoint,event}          inserted, delivered
     kvrt_producer_refusals_total{endpoint,code}        error replies sent, by error code
     kvrt_consumer_pending_requests{endpoint}           calls waiting for an answer
@@ -95,6 +95,7 @@ class _Collector:
                 ("delivered", totals.delivered_items),
                 ("returned", totals.returned_items),
                 ("evicted", totals.evicted_items),
+                ("expired", totals.expired_items),
             ):
                 items.add_metric([endpoint, event], value)
             moved.add_metric([endpoint, "inserted"], totals.inserted_bytes)

@@ -87,6 +87,8 @@ class Producer:
     `bind` is a ZeroMQ address (port 0 picks a free one; `endpoint` tells which). Tensors
     are copied to `device` at insert. `insert` waits while the buffer holds more than
     `buffer_bytes` (items handed to a consumer count until it confirms receipt).
+    `item_ttl_s`: an item nobody took within this many seconds is dropped (counted as
+    expired in stats and metrics); None keeps items until taken or evicted.
     """
 
     def __init__(
@@ -98,11 +100,14 @@ class Producer:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         name: str | None = None,
         transport: str | None = None,
+        item_ttl_s: float | None = None,
     ) -> None:
         if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
             raise InvalidInputError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
         if not heartbeat_s > 0:
             raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
+        if item_ttl_s is not None and not item_ttl_s > 0:
+            raise InvalidInputError(f"item_ttl_s must be None or positive seconds, got {item_ttl_s!r}")
         self.device = _check_device(device)
         self.buffer_bytes = buffer_bytes
         self._bind = bind
@@ -113,6 +118,7 @@ class Producer:
             heartbeat_s=heartbeat_s,
             transports=self._transport_names,
             buffer_limit_bytes=buffer_bytes,
+            item_ttl_s=item_ttl_s,
         )
         self._send_lock = asyncio.Lock()
         self._peer_left = asyncio.Event()
@@ -136,6 +142,7 @@ class Producer:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_INBOUND_MESSAGE_BYTES)
         try:
             socket.bind(self._bind)
         except zmq.ZMQError as exc:

@@ -114,6 +114,7 @@ class ProducerCounters:
     delivered_bytes: int = 0
     returned_items: int = 0
     evicted_items: int = 0
+    expired_items: int = 0
     misses: int = 0
     errors: int = 0
 
@@ -121,6 +122,7 @@ class ProducerCounters:
 class _TimerKind(enum.IntEnum):
     PEER = 0
     WAITER = 1
+    ITEM = 2
 
 
 class ProducerCore:
@@ -135,10 +137,12 @@ class ProducerCore:
         max_waiting: int = MAX_WAITING_REQUESTS,
         buffer_limit_bytes: int = 0,
         started_at: float = 0.0,
+        item_ttl_s: float | None = None,
     ) -> None:
         self.producer_id = producer_id
         self.buffer_limit_bytes = buffer_limit_bytes
         self.started_at = started_at
+        self.item_ttl_s = item_ttl_s
         self.heartbeat_s = heartbeat_s
         self.transports = tuple(transports)
         """What this producer can send with, preferred first."""
@@ -243,6 +247,8 @@ class ProducerCore:
         self.counters.inserted_items += 1
         self.counters.inserted_bytes += item.nbytes
         self.buffer.add(item)
+        if self.item_ttl_s is not None:
+            self._add_timer(now + self.item_ttl_s, _TimerKind.ITEM, item)
         return self._serve_waiters(item, now)
 
     def drop(self, item: BufferedItem) -> None:
@@ -269,6 +275,11 @@ class ProducerCore:
                     out += self._forget_peer(key, now)
                 else:
                     self._add_timer(expires, _TimerKind.PEER, key)
+            elif kind is _TimerKind.ITEM:
+                assert isinstance(key, BufferedItem)
+                if key.buffered:  # still unclaimed (one in flight or returned is not expired)
+                    self.buffer.drop(key)
+                    self.counters.expired_items += 1
             else:
                 assert isinstance(key, tuple)
                 waiter = self._waiters.get(key)
@@ -415,6 +426,8 @@ class ProducerCore:
     def _restore(self, item: BufferedItem, now: float) -> list[Outgoing]:
         self.counters.returned_items += 1
         self.buffer.restore(item)
+        if self.item_ttl_s is not None:  # its time to live may have run out while it was away
+            self._add_timer(max(now, item.inserted_at + self.item_ttl_s), _TimerKind.ITEM, item)
         return self._serve_waiters(item, now)
 
     def _serve_waiters(self, item: BufferedItem, now: float) -> list[Outgoing]:
