@@ -9,6 +9,7 @@
 Everything public is re-exported here; modules with a leading underscore are internal.
 """
 
+from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
 from kvrt._consumer import Consumer
 from kvrt._errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "Client",
     "ClosedError",
     "Consumer",
+    "CurveKeys",
     "ErrorCode",
     "InvalidInputError",
     "JsonFormatter",
@@ -57,5 +59,6 @@ __all__ = [
     "VersionMismatchError",
     "__version__",
     "log_json",
+    "make_keys",
     "serve_metrics",
 ]

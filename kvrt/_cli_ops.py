@@ -15,8 +15,9 @@ from typing import Any
 import msgspec
 import torch
 
+from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
-from kvrt._errors import KVRTError
+from kvrt._errors import InvalidInputError, KVRTError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -42,8 +43,17 @@ def _table(stats: Any, health: Any) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def _client(args: argparse.Namespace) -> Client:
+    curve = None
+    if args.curve_secret or args.curve_server:
+        if not (args.curve_secret and args.curve_server):
+            raise InvalidInputError("CURVE needs both --curve-secret and --curve-server")
+        curve = CurveKeys.client(args.curve_secret, server_public_file=args.curve_server)
+    return Client(args.endpoint, connect_timeout_s=args.timeout, curve=curve)
+
+
 async def _stat(args: argparse.Namespace) -> int:
-    async with Client(args.endpoint, connect_timeout_s=args.timeout) as client:
+    async with _client(args) as client:
         while True:
             stats, health = await client.stats(), await client.health()
             if args.json:
@@ -59,7 +69,7 @@ async def _stat(args: argparse.Namespace) -> int:
 
 async def _probe(args: argparse.Namespace) -> int:
     tokens = torch.tensor([int(token) for token in args.tokens.split(",")], dtype=torch.int64)
-    async with Client(args.endpoint, connect_timeout_s=args.timeout) as client:
+    async with _client(args) as client:
         reply = await client.probe(tokens)
     if args.json:
         print(json.dumps(_plain(reply)))
@@ -70,7 +80,7 @@ async def _probe(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    async with Client(args.endpoint, connect_timeout_s=args.timeout) as client:
+    async with _client(args) as client:
         listing = await client.list_items(args.limit)
     if args.json:
         print(json.dumps(_plain(listing)))
@@ -83,7 +93,7 @@ async def _list(args: argparse.Namespace) -> int:
 
 
 async def _evict(args: argparse.Namespace) -> int:
-    async with Client(args.endpoint, connect_timeout_s=args.timeout) as client:
+    async with _client(args) as client:
         evicted = await client.evict(args.item_id)
     print(json.dumps(_plain(evicted)) if args.json else f"evicted item {evicted.item_id} ({evicted.nbytes:,} bytes)")
     return EXIT_OK
@@ -108,6 +118,8 @@ def add_commands(commands: Any) -> None:
         parser.add_argument("endpoint", help="the producer's control endpoint, e.g. tcp://127.0.0.1:5555")
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the producer (default 5)")
         parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+        parser.add_argument("--curve-secret", metavar="FILE", help="this client's CURVE secret certificate")
+        parser.add_argument("--curve-server", metavar="FILE", help="the producer's CURVE public certificate")
         parser.set_defaults(run=run)
         return parser
 
@@ -120,3 +132,16 @@ def add_commands(commands: Any) -> None:
     listing.add_argument("--limit", type=int, default=20, help="how many (default 20)")
     evict = endpoint_command("evict", "drop one buffered item")
     evict.add_argument("item_id", type=int, help="the item's id, as `kvrt list` shows it")
+    keys = commands.add_parser(
+        "keys", help="make a CURVE key pair (NAME.key to share, NAME.key_secret to keep)",
+        description="Make a ZeroMQ CURVE certificate pair for a producer, consumer or client.",
+    )  # fmt: skip
+    keys.add_argument("directory")
+    keys.add_argument("name")
+    keys.set_defaults(run=_keys)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    public, secret = make_keys(args.directory, args.name)
+    print(f"public: {public}\nsecret: {secret} (keep it private)")
+    return EXIT_OK

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
+from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import check_tokens, masked_tokens
@@ -39,12 +40,14 @@ class Client:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         name: str | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if not isinstance(endpoint, str) or not endpoint:
             raise InvalidInputError(f"endpoint must be a ZeroMQ address such as 'tcp://host:port', got {endpoint!r}")
         self.endpoint = endpoint
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat_s = heartbeat_s
+        self._curve = curve
         self._name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._link: _Link | None = None
@@ -61,6 +64,7 @@ class Client:
             heartbeat_s=self._heartbeat_s,
             transports={"tcp": TcpTransport("cpu")},
             connect_timeout_s=self._connect_timeout_s,
+            curve=self._curve,
         )
         try:
             await self._link.start()

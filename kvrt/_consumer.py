@@ -25,6 +25,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
+from kvrt._auth import CurveKeys, handshake_refused, secure_client
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
     ClosedError,
@@ -85,6 +86,7 @@ class _Link:
         heartbeat_s: float,
         transports: dict[str, Transport],
         connect_timeout_s: float,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports))
@@ -95,6 +97,7 @@ class _Link:
         self._receives: set[asyncio.Task[None]] = set()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = None if curve is None else secure_client(self._socket, curve)
         self._io = SocketIO(self._socket)
         self._receipts: list[int] = []
         self._flush_scheduled = False
@@ -125,7 +128,10 @@ class _Link:
             await self.aclose()
             raise
         except TimeoutError:
+            refused = None if self._monitor is None else handshake_refused(self._monitor, self.endpoint)
             await self.aclose()
+            if refused is not None:
+                raise refused from None
             raise KVRTTimeoutError(
                 f"no producer answered at {self.endpoint} within {connect_timeout_s} s: "
                 "is it running, and is the address right?",
@@ -193,6 +199,10 @@ class _Link:
                 await task
         for transport in self._transports.values():
             await transport.aclose()
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._io.close()
         self._socket.close(linger=0)
 
@@ -395,6 +405,7 @@ class Consumer:
         *,
         group: dist.ProcessGroup | None = None,
         transport: str | None = None,
+        curve: CurveKeys | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         name: str | None = None,
@@ -412,6 +423,7 @@ class Consumer:
             raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
         self._endpoints = endpoints
         self._transport_names = transport_preference(transport, self.device)
+        self._curve = curve
         self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
@@ -440,6 +452,7 @@ class Consumer:
                     heartbeat_s=self._heartbeat_s,
                     transports=make_transports(self._transport_names, self.device, store_host=""),
                     connect_timeout_s=self._connect_timeout_s,
+                    curve=self._curve,
                 )
                 self._links.append(link)
                 await link.start()

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 import torch
@@ -25,6 +25,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
+from kvrt._auth import CurveKeys, secure_server
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -87,6 +88,8 @@ class Producer:
     `bind` is a ZeroMQ address (port 0 picks a free one; `endpoint` tells which). Tensors
     are copied to `device` at insert. `insert` waits while the buffer holds more than
     `buffer_bytes` (items handed to a consumer count until it confirms receipt).
+    `curve`: CURVE keys (`CurveKeys.server(...)`) to encrypt the control endpoint and admit
+    only known consumers; None (the default) is for loopback and trusted networks.
     `item_ttl_s`: an item nobody took within this many seconds is dropped (counted as
     expired in stats and metrics); None keeps items until taken or evicted.
     """
@@ -101,6 +104,7 @@ class Producer:
         name: str | None = None,
         transport: str | None = None,
         item_ttl_s: float | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
             raise InvalidInputError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
@@ -111,6 +115,8 @@ class Producer:
         self.device = _check_device(device)
         self.buffer_bytes = buffer_bytes
         self._bind = bind
+        self._curve = curve
+        self._authenticator: Any = None
         self._transport_names = transport_preference(transport, self.device)
         self._transports: dict[str, Transport] = {}
         self._core = ProducerCore(
@@ -143,10 +149,14 @@ class Producer:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_INBOUND_MESSAGE_BYTES)
+        if self._curve is not None:
+            self._authenticator = secure_server(self._context, socket, self._curve)
         try:
             socket.bind(self._bind)
         except zmq.ZMQError as exc:
             socket.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self._context.term()
             raise translate_zmq_error(exc, endpoint=self._bind) from None
         self._socket = socket
@@ -189,6 +199,8 @@ class Producer:
             self._io.close()
         if self._socket is not None:
             self._socket.close(linger=_BYE_LINGER_MS)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         if self._context is not None:
             self._context.term()
 

@@ -101,3 +101,12 @@ def test_bench_writes_json_and_a_png_plot(tmp_path: pytest.TempPathFactory) -> N
     measured = json.loads(report.read_text())
     assert measured["all_gather_object_s"] > 0 and measured["lookups"] == 100
     assert (plots / "consensus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_keys_makes_a_pair_the_api_can_load(tmp_path: pytest.TempPathFactory) -> None:
+    result = run_kvrt("keys", str(tmp_path), "producer")
+    assert result.returncode == 0 and "keep it private" in result.stdout
+    import kvrt
+
+    keys = kvrt.CurveKeys.server(tmp_path / "producer.key_secret")  # type: ignore[operator]
+    assert len(keys.public_key) == 40

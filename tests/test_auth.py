@@ -1,0 +1,82 @@
+"""CURVE on the control endpoint: known consumers get in, nobody else can issue anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+import kvrt
+from tests.conftest import insert_tokens
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    """producer.key(_secret), decode.key(_secret) allowed, stranger.key(_secret) not."""
+    kvrt.make_keys(tmp_path, "producer")
+    kvrt.make_keys(tmp_path / "allowed", "decode")
+    kvrt.make_keys(tmp_path / "strangers", "stranger")
+    return tmp_path
+
+
+def server(keys: Path) -> kvrt.CurveKeys:
+    return kvrt.CurveKeys.server(keys / "producer.key_secret", allowed_clients_dir=keys / "allowed")
+
+
+async def test_an_allowed_consumer_exchanges_items_over_curve(keys: Path) -> None:
+    client_keys = kvrt.CurveKeys.client(
+        keys / "allowed" / "decode.key_secret", server_public_file=keys / "producer.key"
+    )
+    async with (
+        kvrt.Producer(curve=server(keys)) as producer,
+        kvrt.Consumer(connect=producer.endpoint, curve=client_keys) as consumer,
+    ):
+        await insert_tokens(producer, torch.arange(6))
+        item = await consumer.drop_select(torch.arange(6))
+        assert item is not None and item.matched == 6
+
+
+async def test_a_consumer_whose_key_is_not_allowed_is_refused_with_auth_error(keys: Path) -> None:
+    stranger = kvrt.CurveKeys.client(
+        keys / "strangers" / "stranger.key_secret", server_public_file=keys / "producer.key"
+    )
+    async with kvrt.Producer(curve=server(keys)) as producer:
+        with pytest.raises(kvrt.AuthError, match="CURVE handshake"):
+            await kvrt.Client(producer.endpoint, curve=stranger, connect_timeout_s=1.0).start()
+        assert producer.stats().peers == 0
+
+
+async def test_a_consumer_that_does_not_know_the_producers_key_is_refused(keys: Path) -> None:
+    wrong_server = kvrt.CurveKeys.client(
+        keys / "allowed" / "decode.key_secret", server_public_file=keys / "strangers" / "stranger.key"
+    )
+    async with kvrt.Producer(curve=server(keys)) as producer:
+        with pytest.raises(kvrt.AuthError):
+            await kvrt.Consumer(connect=producer.endpoint, curve=wrong_server, connect_timeout_s=1.0).start()
+
+
+async def test_a_plain_client_cannot_issue_any_operation(keys: Path) -> None:
+    async with kvrt.Producer(curve=server(keys)) as producer:
+        with pytest.raises(kvrt.KVRTTimeoutError, match="no producer answered"):
+            await kvrt.Client(producer.endpoint, connect_timeout_s=0.5).start()
+        assert producer.stats().peers == 0
+
+
+def test_keys_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    public, secret = zmq.curve_keypair()
+    server_public, _ = zmq.curve_keypair()
+    monkeypatch.setenv("KVRT_CURVE_PUBLIC_KEY", public.decode())
+    monkeypatch.setenv("KVRT_CURVE_SECRET_KEY", secret.decode())
+    monkeypatch.setenv("KVRT_CURVE_SERVER_KEY", server_public.decode())
+    keys = kvrt.CurveKeys.from_env()
+    assert keys is not None and keys.server_key == server_public and keys.public_key == public
+    monkeypatch.setenv("KVRT_CURVE_SECRET_KEY", "short")
+    with pytest.raises(kvrt.InvalidInputError, match="40-character"):
+        kvrt.CurveKeys.from_env()
+
+
+def test_a_public_certificate_is_not_enough_for_a_side(keys: Path) -> None:
+    with pytest.raises(kvrt.InvalidInputError, match="public key only"):
+        kvrt.CurveKeys.server(keys / "producer.key")
