@@ -321,3 +321,31 @@ def scatter_reference(
                 for copy in range(table.copies):
                     rows = _rows(table, table.pools[r][copy][layer], kv)
                     rows[slots[chosen], first:end] = staging[layer, chosen, kv]
+
+
+# -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
+
+
+def gather_any(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """`gather` where Triton runs (CUDA), its torch reference elsewhere (a CPU host)."""
+    if table.device.type == "cuda":
+        return gather(table, replica, slots, heads=heads)
+    _check_indices(table, replica, slots)
+    return gather_reference(table, replica, slots, heads=heads)
+
+
+def scatter_any(
+    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
+    heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    """`scatter` where Triton runs (CUDA), its torch reference elsewhere (a CPU host)."""
+    if table.device.type == "cuda":
+        scatter(table, staging, replica, slots, heads=heads)
+        return
+    _check_indices(table, replica, slots)
+    shape = table.staging_shape(slots.numel(), _head_range(table, heads))
+    if staging.shape != shape or staging.dtype != table.dtype:
+        raise InvalidInputError(f"staging must be a {table.dtype} tensor of shape {shape}")
+    scatter_reference(table, staging, replica, slots, heads=heads)

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import ItemTensors
 from kvrt.transports.select import make_transports, transport_preference
+
+if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
+    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -628,6 +631,34 @@ class Consumer:
         finally:
             if taken is not None:
                 taken.settle(keep=keep)
+
+    async def pull(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        into: PoolTable,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        timeout: float | None = 0.0,
+    ) -> KVItem | None:
+        """Take a published prefill (as drop_select does) and write its KV into `into`: the
+        item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
+        tokens as both have. Returns the item (None on a miss; then nothing is written)."""
+        if into.device != self.device:
+            raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
+        item = await self.drop_select(input_tokens, roi, timeout)
+        if item is None:
+            return None
+        count = min(item.key.shape[1], slots.numel())
+        kv = into.geometry.kv
+        parts = [item.key[:, :count]] if kv == 1 else [item.key[:, :count], item.value[:, :count]]
+        staging = torch.stack(parts, dim=2)  # [layers, tokens, kv, heads, head_dim], contiguous
+        replicas = torch.full_like(slots, replica) if isinstance(replica, int) else replica
+        from kvrt.kernels.paged_kv import scatter_any
+
+        scatter_any(into, staging, replicas[:count], slots[:count])
+        return item
 
     def _check_open(self) -> None:
         if self._closed:

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 import torch
@@ -34,11 +34,14 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import buffered_item, check_item
+from kvrt._item import buffered_item, check_item, check_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
+
+if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
+    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.producer")
 
@@ -60,6 +63,13 @@ class ProducerStats:
     waiting_requests: int
     peers: int
     totals: ProducerCounters
+
+
+def _replica_index(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
+    """Per-token replica indexes, from one index for all tokens or a tensor of them."""
+    if isinstance(replica, int):
+        return torch.full_like(slots, replica)
+    return replica
 
 
 def _host_of(endpoint: str) -> str:
@@ -127,6 +137,7 @@ class Producer:
             item_ttl_s=item_ttl_s,
         )
         self._send_lock = asyncio.Lock()
+        self._pools: PoolTable | None = None
         self._peer_left = asyncio.Event()
         """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -245,6 +256,39 @@ class Producer:
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
         timer.done()
+
+    def register_pools(self, pools: PoolTable) -> None:
+        """Register the engine's KV pools once (every replica, every layer): `publish` then
+        takes a finished prefill straight from them."""
+        if pools.device != self.device:
+            raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
+        self._pools = pools
+
+    async def publish(
+        self,
+        input_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        roi: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Buffer a finished prefill from the registered pools: token i's KV is at `slots[i]`
+        of replica `replica[i]` (or of one replica for all). A consumer `pull`s it into its own
+        pools. The KV is gathered (one kernel, all layers) and buffered like an insert."""
+        pools = self._pools
+        if pools is None:
+            raise InvalidInputError("publish needs pools: call register_pools first")
+        check_tokens(input_tokens, roi, what="publish")
+        replicas = _replica_index(replica, slots)
+        if slots.numel() != input_tokens.numel():
+            raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
+        from kvrt.kernels.paged_kv import gather_any
+
+        staging = gather_any(pools, replicas, slots)
+        key = staging[:, :, 0]
+        value = staging[:, :, 1] if pools.geometry.kv == 2 else staging[:, :, 0, :, :0]
+        await self.insert(input_tokens, roi, key, value, None, timeout=timeout)
 
     def refusals(self) -> dict[str, int]:
         """Error replies sent so far, by error code."""

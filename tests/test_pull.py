@@ -1,0 +1,90 @@
+"""Publish from paged pools, pull into paged pools: across dp replicas, bit for bit (CPU, TCP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvrt
+from kvrt.kernels.paged_kv import Layout, PoolTable
+
+LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32
+
+
+def random_pools(replicas: int, layout: Layout, *, copies: int = 1, seed: int = 0) -> PoolTable:
+    generator = torch.Generator().manual_seed(seed)
+    shape = {
+        Layout.TOKEN_MAJOR: (SLOTS, 2 * HEADS, DIM),
+        Layout.BLOCK: (2, SLOTS // 4, 4, HEADS, DIM),
+        Layout.MLA: (SLOTS, DIM),
+    }[layout]
+    return PoolTable(
+        [[[torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)] for _ in range(copies)]
+         for _ in range(replicas)],
+        layout,
+    )  # fmt: skip
+
+
+def row(table: PoolTable, replica: int, copy: int, layer: int, slot: int, kv: int) -> torch.Tensor:
+    pool = table.pools[replica][copy][layer]
+    if table.layout is Layout.TOKEN_MAJOR:
+        return pool[slot, kv * HEADS : (kv + 1) * HEADS]
+    if table.layout is Layout.BLOCK:
+        return pool[kv].reshape(SLOTS, HEADS, DIM)[slot]
+    return pool[slot]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+async def test_a_request_spread_over_four_replicas_lands_in_replica_two_bit_for_bit(layout: Layout) -> None:
+    source = random_pools(4, layout, seed=1)
+    target = random_pools(3, layout, copies=2 if layout is Layout.MLA else 1, seed=2)
+    tokens = torch.arange(500, 512)
+    from_replica = torch.arange(12) % 4
+    from_slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(3))[:12]
+    into_slots = torch.arange(16, 28)
+    untouched = [pool.clone() for pool in target.pools[0][0]]
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        producer.register_pools(source)
+        await producer.publish(tokens, from_slots, from_replica)
+        item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
+    assert item is not None and item.matched == 12
+    for layer in range(LAYERS):
+        for token in range(12):
+            for kv in range(target.geometry.kv):
+                want = row(source, int(from_replica[token]), 0, layer, int(from_slots[token]), kv)
+                for copy in range(target.copies):  # MLA: every card of the group
+                    assert same_bits(row(target, 2, copy, layer, 16 + token, kv), want)
+    assert all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
+
+
+async def test_a_miss_writes_nothing() -> None:
+    target = random_pools(1, Layout.TOKEN_MAJOR)
+    before = [pool.clone() for pool in target.pools[0][0]]
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        assert await consumer.pull(torch.arange(4), into=target, slots=torch.arange(4)) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, target.pools[0][0], strict=True))
+
+
+async def test_fewer_slots_than_tokens_write_that_many_tokens() -> None:
+    source, target = random_pools(1, Layout.TOKEN_MAJOR, seed=4), random_pools(1, Layout.TOKEN_MAJOR, seed=5)
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        producer.register_pools(source)
+        await producer.publish(torch.arange(8), torch.arange(8))
+        item = await consumer.pull(torch.arange(8), into=target, slots=torch.tensor([30, 31]))
+    assert item is not None
+    assert same_bits(target.pools[0][0][0][30], source.pools[0][0][0][0])
+    assert same_bits(target.pools[0][0][0][31], source.pools[0][0][0][1])
+
+
+async def test_publish_needs_registered_pools_and_one_slot_per_token(producer: kvrt.Producer) -> None:
+    with pytest.raises(kvrt.InvalidInputError, match="register_pools"):
+        await producer.publish(torch.arange(4), torch.arange(4))
+    producer.register_pools(random_pools(1, Layout.TOKEN_MAJOR))
+    with pytest.raises(kvrt.InvalidInputError, match="3 slots for 4 tokens"):
+        await producer.publish(torch.arange(4), torch.arange(3))
+    with pytest.raises(kvrt.InvalidInputError, match="slot index 99 is out of range"):
+        await producer.publish(torch.arange(1), torch.tensor([99]))
