@@ -19,6 +19,10 @@ only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
   timeout 330 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
+if [ "$only" = pull ]; then
+  timeout 240 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tail -12
+  exit 0
+fi
 if [ "$only" = kernels ]; then
   timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
   exit 0
@@ -31,5 +35,6 @@ fi
 if [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
+  timeout 200 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tee "$OUT/bench-pull.log"
 fi
 python3 tools/gpu_summary.py "$OUT"

@@ -1,0 +1,152 @@
+"""`kvrt bench pull`: a prefill published from dp=4 pools on cuda:0, pulled into one pool on
+cuda:1 (gather -> NCCL -> scatter), beside raw NCCL of the same bytes, in the same run.
+
+The request: 32k tokens x 32 layers x 8 KV heads x 128, bf16 (4 GiB of K and V). Producer
+pools are token-major [16384 slots, 16, 128] per layer, 4 replicas, the tokens spread over
+them at random; the consumer's pool is one replica of 32768 slots. End to end is the
+publish (gather, one kernel for all layers, then the buffered copy) plus the pull (NCCL
+transfer, then the scatter), one after the other: not yet pipelined across layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import sys
+import time
+from typing import Any, Final
+
+import torch
+
+from kvrt._bench._processes import free_port, join
+from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
+
+TOKENS: Final = 32768
+LAYERS: Final = 32
+HEADS: Final = 8
+DIM: Final = 128
+PRODUCER_SLOTS: Final = 16384
+REPLICAS: Final = 4
+RAW_REPEATS: Final = 3
+PRODUCER_DEVICE: Final = "cuda:0"
+CONSUMER_DEVICE: Final = "cuda:1"
+KV_BYTES: Final = TOKENS * LAYERS * 2 * HEADS * DIM * 2
+
+spawn = multiprocessing.get_context("spawn")
+
+
+def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._producer import Producer
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
+    _warm_p2p(group, 0, PRODUCER_DEVICE)
+    buffer = torch.ones(KV_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
+    for _ in range(RAW_REPEATS):
+        _barrier(group, PRODUCER_DEVICE)
+        group.send([buffer], 1, 0).wait()
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+    del buffer
+    generator = torch.Generator(device=PRODUCER_DEVICE).manual_seed(0)
+    pools = PoolTable(
+        [[[torch.randn((PRODUCER_SLOTS, 2 * HEADS, DIM), generator=generator, device=PRODUCER_DEVICE)
+           .to(torch.bfloat16) for _ in range(LAYERS)]] for _ in range(REPLICAS)],
+        Layout.TOKEN_MAJOR,
+    )  # fmt: skip
+    replica = torch.randint(0, REPLICAS, (TOKENS,), device=PRODUCER_DEVICE)
+    slots = torch.empty(TOKENS, dtype=torch.int64, device=PRODUCER_DEVICE)
+    for r in range(REPLICAS):
+        chosen = (replica == r).nonzero().flatten()
+        slots[chosen] = torch.randperm(PRODUCER_SLOTS, device=PRODUCER_DEVICE)[: chosen.numel()]
+
+    async def main() -> None:
+        async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
+            producer.register_pools(pools)
+            control.send(producer.endpoint)
+            await asyncio.to_thread(control.recv)  # "publish"
+            torch.cuda.synchronize(PRODUCER_DEVICE)
+            started = time.perf_counter()
+            await producer.publish(torch.arange(TOKENS, device=PRODUCER_DEVICE), slots, replica)
+            torch.cuda.synchronize(PRODUCER_DEVICE)
+            control.send(time.perf_counter() - started)
+            await asyncio.to_thread(control.recv)  # "stop"
+
+    asyncio.run(main())
+
+
+def main(args: argparse.Namespace) -> int:
+    from torch._C._distributed_c10d import TCPStore
+
+    from kvrt._consumer import Consumer
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    if torch.cuda.device_count() < 2:
+        print("kvrt bench pull needs two CUDA devices", file=sys.stderr)
+        return 1
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    control, child = spawn.Pipe()
+    producer = spawn.Process(target=_producer, args=(port, child), name="kvrt-bench-pull-producer")
+    producer.start()
+    result: dict[str, Any] = {}
+    try:
+        _, group = _raw_group(f"127.0.0.1:{port}", 1, CONSUMER_DEVICE)
+        _warm_p2p(group, 1, CONSUMER_DEVICE)
+        buffer = torch.empty(KV_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE)
+        raw = []
+        for _ in range(RAW_REPEATS):
+            _barrier(group, CONSUMER_DEVICE)
+            started = time.perf_counter()
+            group.recv([buffer], 0, 0).wait()
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            raw.append(time.perf_counter() - started)
+        del buffer
+        target = PoolTable(
+            [[[torch.zeros((TOKENS, 2 * HEADS, DIM), dtype=torch.bfloat16, device=CONSUMER_DEVICE)
+               for _ in range(LAYERS)]]],
+            Layout.TOKEN_MAJOR,
+        )  # fmt: skip
+        endpoint = control.recv()
+
+        async def run() -> None:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+                control.send("publish")
+                result["publish_s"] = await asyncio.to_thread(control.recv)
+                torch.cuda.synchronize(CONSUMER_DEVICE)
+                started = time.perf_counter()
+                item = await consumer.pull(
+                    torch.arange(TOKENS), into=target, slots=torch.arange(TOKENS, device=CONSUMER_DEVICE)
+                )
+                torch.cuda.synchronize(CONSUMER_DEVICE)
+                result["pull_s"] = time.perf_counter() - started
+                if item is None or item.matched != TOKENS:
+                    raise RuntimeError("the published request did not arrive")
+
+        asyncio.run(run())
+        result["raw_s"] = min(raw)
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        join(producer)
+        del store
+    end_to_end = result["publish_s"] + result["pull_s"]
+    result["raw_gbps"] = KV_BYTES / result["raw_s"] / 1e9
+    result["kvrt_gbps"] = KV_BYTES / end_to_end / 1e9
+    result["ratio"] = result["raw_s"] / end_to_end
+    print(f"\nkvrt bench pull — {TOKENS} tokens x {LAYERS} layers x {HEADS} heads x {DIM}, bf16 "
+          f"({KV_BYTES >> 20} MiB), dp={REPLICAS} pools on {PRODUCER_DEVICE} -> one pool on {CONSUMER_DEVICE}")  # fmt: skip
+    print(f"raw NCCL send/recv of the same bytes : {result['raw_s'] * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
+    print(f"kvrt publish (gather + buffer)        : {result['publish_s'] * 1e3:8.2f} ms")
+    print(f"kvrt pull (NCCL + scatter)            : {result['pull_s'] * 1e3:8.2f} ms")
+    print(f"kvrt end to end                       : {end_to_end * 1e3:8.2f} ms  {result['kvrt_gbps']:6.1f} GB/s"
+          f"  = {100 * result['ratio']:.0f}% of raw NCCL (goal >= 85%)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    return 0
