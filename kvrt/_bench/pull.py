@@ -139,8 +139,9 @@ def main(args: argparse.Namespace) -> int:
     result["raw_gbps"] = KV_BYTES / result["raw_s"] / 1e9
     result["kvrt_gbps"] = KV_BYTES / end_to_end / 1e9
     result["ratio"] = result["raw_s"] / end_to_end
+    where = f"dp={REPLICAS} pools on {PRODUCER_DEVICE} -> one pool on {CONSUMER_DEVICE}"
     print(f"\nkvrt bench pull — {TOKENS} tokens x {LAYERS} layers x {HEADS} heads x {DIM}, bf16 "
-          f"({KV_BYTES >> 20} MiB), dp={REPLICAS} pools on {PRODUCER_DEVICE} -> one pool on {CONSUMER_DEVICE}")  # fmt: skip
+          f"({KV_BYTES >> 20} MiB), {where}")  # fmt: skip
     print(f"raw NCCL send/recv of the same bytes : {result['raw_s'] * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
     print(f"kvrt publish (gather + buffer)        : {result['publish_s'] * 1e3:8.2f} ms")
     print(f"kvrt pull (NCCL + scatter)            : {result['pull_s'] * 1e3:8.2f} ms")
