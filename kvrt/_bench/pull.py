@@ -32,6 +32,7 @@ DIM: Final = 128
 PRODUCER_SLOTS: Final = 16384
 REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
+WARMUP_TOKENS: Final = 64
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 KV_BYTES: Final = TOKENS * LAYERS * 2 * HEADS * DIM * 2
@@ -68,6 +69,11 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
             producer.register_pools(pools)
             control.send(producer.endpoint)
+            # Warm-up: a small request compiles the gather kernel and warms the pair's paths.
+            await asyncio.to_thread(control.recv)  # "warm"
+            await producer.publish(torch.arange(WARMUP_TOKENS, device=PRODUCER_DEVICE) - WARMUP_TOKENS,
+                                   slots[:WARMUP_TOKENS], replica[:WARMUP_TOKENS])  # fmt: skip
+            control.send("warmed")
             await asyncio.to_thread(control.recv)  # "publish"
             torch.cuda.synchronize(PRODUCER_DEVICE)
             started = time.perf_counter()
@@ -116,6 +122,11 @@ def main(args: argparse.Namespace) -> int:
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+                control.send("warm")
+                assert await asyncio.to_thread(control.recv) == "warmed"
+                warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
+                warm = await consumer.pull(torch.arange(WARMUP_TOKENS) - WARMUP_TOKENS, into=target, slots=warm_slots)
+                assert warm is not None
                 control.send("publish")
                 result["publish_s"] = await asyncio.to_thread(control.recv)
                 torch.cuda.synchronize(CONSUMER_DEVICE)
