@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from types import TracebackType
 from typing import Self, TypeVar
 
 import torch
@@ -25,12 +24,13 @@ from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import check_tokens, masked_tokens
 from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt._service import AsyncService
 from kvrt.transports.tcp import TcpTransport
 
 _Reply = TypeVar("_Reply", bound=m.Message)
 
 
-class Client:
+class Client(AsyncService):
     """Health, stats, probe, list and evict on one producer's control endpoint."""
 
     def __init__(
@@ -72,14 +72,6 @@ class Client:
             await self.aclose()
             raise
         return self
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         if self._closed:

@@ -16,7 +16,6 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 import torch
@@ -41,6 +40,7 @@ from kvrt._errors import (
 from kvrt._item import KVItem, check_tokens, masked_tokens, truncate
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Refused, Replied, Stray, Welcomed
+from kvrt._service import AsyncService
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import ItemTensors
@@ -386,7 +386,7 @@ class _Taken:
         self.link.settle(self.item_id, keep=keep)
 
 
-class Consumer:
+class Consumer(AsyncService):
     """Takes buffered KV from a producer (decode side).
 
         async with kvrt.Consumer(connect=producer.endpoint) as consumer:
@@ -463,14 +463,6 @@ class Consumer:
             await self.aclose()
             raise
         return self
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """End every pending call with `ClosedError`, say Bye, and stop."""

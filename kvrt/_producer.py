@@ -16,7 +16,6 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
@@ -36,6 +35,7 @@ from kvrt._errors import (
 )
 from kvrt._item import buffered_item, check_item, check_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
+from kvrt._service import AsyncService
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -87,7 +87,7 @@ def _check_device(device: torch.device | str) -> torch.device:
         raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
 
 
-class Producer:
+class Producer(AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
     Use it as an async context manager (or `await start()` ... `await aclose()`):
@@ -180,14 +180,6 @@ class Producer:
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serve_ended)
         return self
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Say Bye to every consumer, fail every pending insert with `ClosedError`, and stop."""

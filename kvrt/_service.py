@@ -1,0 +1,26 @@
+"""What Producer, Consumer and Client share: `start()` / `aclose()`, and `async with` over them."""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+from typing import Self
+
+
+class AsyncService(abc.ABC):
+    """Started once with `start()` (or `async with`), stopped with `aclose()`, which is idempotent
+    and ends every pending call with an error."""
+
+    @abc.abstractmethod
+    async def start(self) -> Self: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
