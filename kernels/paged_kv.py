@@ -148,12 +148,12 @@ def _check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor)
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
 
 
-def _word(table: PoolTable, heads: tuple[int, int]) -> tuple[torch.dtype, int]:
+def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) -> tuple[torch.dtype, int]:
     """The widest word that divides every offset and address the kernel uses, and its size."""
     itemsize = table.dtype.itemsize
     g = table.geometry
     offsets = [g.token_stride, g.v_offset, heads[0] * g.head_dim, (heads[1] - heads[0]) * g.head_dim]
-    byte_offsets = [offset * itemsize for offset in offsets]
+    byte_offsets = [offset * itemsize for offset in offsets] + list(stage_bytes)
     addresses = [pool.data_ptr() for copies in table.pools for layers in copies for pool in layers]
     for word in _WORDS:
         size = word.itemsize
@@ -167,12 +167,15 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
     replica,  # int64 [tokens]
     slots,  # int64 [tokens]
-    staging,  # words [layers, tokens, KV, ROW]
+    stage_k,  # words: where the staged K rows start
+    stage_v,  # words: where the staged V rows start (unused for MLA)
     tokens,
     layers,
-    token_stride,  # words between consecutive slots
+    token_stride,  # words between consecutive slots of a pool
     v_offset,  # words from a slot's K row to its V row
     head_offset,  # words from a slot's row start to head h0
+    stage_layer_stride,  # words between layers in the staging
+    stage_token_stride,  # words between tokens in the staging
     ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
     KV: tl.constexpr,  # 2, or 1 for MLA
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
@@ -186,13 +189,16 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     r = tl.load(replica + token, mask=present, other=0)
     slot = tl.load(slots + token, mask=present, other=0)
     row_start = slot * token_stride + head_offset
-    stage = staging + (layer * tokens + token) * (KV * ROW)
+    stage_offset = layer * stage_layer_stride + token * stage_token_stride
     for copy in tl.static_range(1 if GATHER else COPIES):
         base = tl.load(addresses + (r * COPIES + copy) * layers + layer, mask=present, other=0)
-        pool = base.to(tl.pointer_type(staging.dtype.element_ty))
+        pool = base.to(tl.pointer_type(stage_k.dtype.element_ty))
         for kv in tl.static_range(KV):
             pool_row = (pool + row_start + kv * v_offset)[:, None]
-            stage_row = (stage + kv * ROW)[:, None]
+            if kv == 0:  # noqa: SIM108 (a static branch: kv is a compile-time constant)
+                stage_row = (stage_k + stage_offset)[:, None]
+            else:
+                stage_row = (stage_v + stage_offset)[:, None]
             for start in tl.static_range(0, ROW, BLOCK):
                 offsets = start + tl.arange(0, BLOCK)[None, :]
                 mask = present[:, None] & (offsets < ROW)
@@ -214,33 +220,71 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """Where the staged rows are: K (and V) bases, and the strides between layers and tokens,
+    in elements. One buffer [layers, tokens, kv, heads, dim], or separate K and V tensors
+    [layers, tokens, heads, dim] (an item's own key and value)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_offset: int
+    value_offset: int
+    layer_stride: int
+    token_stride: int
+
+
+def _combined(staging: torch.Tensor, kv: int) -> _Stage:
+    _, tokens, _, heads, dim = staging.shape
+    row = heads * dim
+    return _Stage(staging, staging, 0, row if kv == 2 else 0, tokens * kv * row, kv * row)
+
+
+def _split(key: torch.Tensor, value: torch.Tensor, kv: int) -> _Stage:
+    _, tokens, heads, dim = key.shape
+    row = heads * dim
+    return _Stage(key, value if kv == 2 else key, 0, 0, tokens * row, row)
+
+
 def _launch(
-    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
+    table: PoolTable, stage: _Stage, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
     gather: bool, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     tokens = slots.numel()
     if tokens == 0:
         return
-    word, word_size = _word(table, heads)
     g = table.geometry
+    itemsize = table.dtype.itemsize
+    stage_bytes = [
+        stage.key.data_ptr() + stage.key_offset * itemsize,
+        stage.value.data_ptr() + stage.value_offset * itemsize,
+        stage.layer_stride * itemsize,
+        stage.token_stride * itemsize,
+    ]
+    word, word_size = _word(table, heads, stage_bytes)
 
     def to_words(elements: int) -> int:
-        return elements * table.dtype.itemsize // word_size  # exact: _word divides every offset
+        return elements * itemsize // word_size  # exact: _word divides every offset
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
     block = min(tuning.block_words, triton.next_power_of_2(row))
     grid = (triton.cdiv(tokens, tuning.tokens), table.layers)
+    stage_k = stage.key.view(-1).view(word)[to_words(stage.key_offset) :]
+    stage_v = stage.value.view(-1).view(word)[to_words(stage.value_offset) :]
     launch: Any = _move_kv[grid]  # Triton's launcher is untyped
     launch(
         table.addresses,
         replica,
         slots,
-        staging.view(-1).view(word),
+        stage_k,
+        stage_v,
         tokens,
         table.layers,
         to_words(g.token_stride),
         to_words(g.v_offset),
         to_words(heads[0] * g.head_dim),
+        to_words(stage.layer_stride),
+        to_words(stage.token_stride),
         ROW=row,
         KV=g.kv,
         COPIES=table.copies,
@@ -264,7 +308,7 @@ def gather(
         out = torch.empty(shape, dtype=table.dtype, device=table.device)
     elif out.shape != shape or out.dtype != table.dtype or not out.is_contiguous():
         raise InvalidInputError(f"out must be a contiguous {table.dtype} tensor of shape {shape}")
-    _launch(table, out, replica, slots, head_range, gather=True, tuning=tuning)
+    _launch(table, _combined(out, table.geometry.kv), replica, slots, head_range, gather=True, tuning=tuning)
     return out
 
 
@@ -279,7 +323,47 @@ def scatter(
     shape = table.staging_shape(slots.numel(), head_range)
     if staging.shape != shape or staging.dtype != table.dtype or not staging.is_contiguous():
         raise InvalidInputError(f"staging must be a contiguous {table.dtype} tensor of shape {shape}")
-    _launch(table, staging, replica, slots, head_range, gather=False, tuning=tuning)
+    _launch(table, _combined(staging, table.geometry.kv), replica, slots, head_range, gather=False, tuning=tuning)
+
+
+def _check_split(table: PoolTable, key: torch.Tensor, value: torch.Tensor, tokens: int, heads: tuple[int, int]) -> None:
+    shape = (table.layers, heads[1] - heads[0], table.geometry.head_dim)
+    for name, tensor in (("key", key), ("value", value) if table.geometry.kv == 2 else ("key", key)):
+        if (
+            tensor.dim() != 4
+            or (tensor.shape[0], tensor.shape[2], tensor.shape[3]) != shape
+            or tensor.shape[1] < tokens
+            or tensor.dtype != table.dtype
+            or not tensor.is_contiguous()
+        ):
+            raise InvalidInputError(
+                f"{name} must be a contiguous {table.dtype} tensor [{shape[0]}, >= {tokens}, {shape[1]}, {shape[2]}], "
+                f"got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+
+
+def gather_into(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    """Gather straight into separate K and V tensors [layers, tokens, heads, head_dim] (for
+    MLA, `value` is ignored): token i of the request becomes token i of `key` and `value`."""
+    head_range = _head_range(table, heads)
+    _check_indices(table, replica, slots)
+    _check_split(table, key, value, slots.numel(), head_range)
+    _launch(table, _split(key, value, table.geometry.kv), replica, slots, head_range, gather=True, tuning=tuning)
+
+
+def scatter_from(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
+    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    """Scatter the first len(slots) tokens of separate K and V tensors [layers, tokens, heads,
+    head_dim] (an item as it arrived) into the pools, with no staging copy."""
+    head_range = _head_range(table, heads)
+    _check_indices(table, replica, slots)
+    _check_split(table, key, value, slots.numel(), head_range)
+    _launch(table, _split(key, value, table.geometry.kv), replica, slots, head_range, gather=False, tuning=tuning)
 
 
 # -- plain-torch references -----------------------------------------------------------------
@@ -326,26 +410,31 @@ def scatter_reference(
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
 
 
-def gather_any(
-    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """`gather` where Triton runs (CUDA), its torch reference elsewhere (a CPU host)."""
+def gather_into_any(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """`gather_into` where Triton runs (CUDA), through its torch reference elsewhere (CPU)."""
     if table.device.type == "cuda":
-        return gather(table, replica, slots, heads=heads)
-    _check_indices(table, replica, slots)
-    return gather_reference(table, replica, slots, heads=heads)
-
-
-def scatter_any(
-    table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None,
-) -> None:  # fmt: skip
-    """`scatter` where Triton runs (CUDA), its torch reference elsewhere (a CPU host)."""
-    if table.device.type == "cuda":
-        scatter(table, staging, replica, slots, heads=heads)
+        gather_into(table, replica, slots, key, value)
         return
     _check_indices(table, replica, slots)
-    shape = table.staging_shape(slots.numel(), _head_range(table, heads))
-    if staging.shape != shape or staging.dtype != table.dtype:
-        raise InvalidInputError(f"staging must be a {table.dtype} tensor of shape {shape}")
-    scatter_reference(table, staging, replica, slots, heads=heads)
+    _check_split(table, key, value, slots.numel(), _head_range(table, None))
+    staging = gather_reference(table, replica, slots)
+    tokens = slots.numel()
+    key[:, :tokens] = staging[:, :, 0]
+    if table.geometry.kv == 2:
+        value[:, :tokens] = staging[:, :, 1]
+
+
+def scatter_from_any(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """`scatter_from` where Triton runs (CUDA), through its torch reference elsewhere (CPU)."""
+    if table.device.type == "cuda":
+        scatter_from(table, key, value, replica, slots)
+        return
+    _check_indices(table, replica, slots)
+    _check_split(table, key, value, slots.numel(), _head_range(table, None))
+    tokens = slots.numel()
+    parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]
+    scatter_reference(table, torch.stack(parts, dim=2), replica, slots)

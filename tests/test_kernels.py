@@ -14,7 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrt._errors import InvalidInputError
-from kvrt.kernels.paged_kv import Layout, PoolTable, gather, gather_reference, scatter, scatter_reference
+from kvrt.kernels.paged_kv import (
+    Layout,
+    PoolTable,
+    gather,
+    gather_into,
+    gather_reference,
+    scatter,
+    scatter_from,
+    scatter_reference,
+)
 
 pytestmark = [
     pytest.mark.kernels,
@@ -169,3 +178,39 @@ def test_pools_that_differ_are_refused() -> None:
         PoolTable([[[torch.zeros(8, 4, 2)]], [[torch.zeros(8, 4, 3)]]], Layout.TOKEN_MAJOR)
     with pytest.raises(InvalidInputError, match="token-major pool is"):
         PoolTable([[[torch.zeros(8, 3, 2)]]], Layout.TOKEN_MAJOR)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(), extra=st.integers(0, 3))
+def test_gather_into_separate_key_and_value_equals_the_reference(case: dict[str, object], extra: int) -> None:
+    table, replica, slots = build(case)
+    tokens = slots.numel()
+    g = table.geometry
+    shape = (table.layers, tokens + extra, g.heads, g.head_dim)  # longer than needed: only the first `tokens` move
+    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    key = poison.view(table.dtype).view(shape)
+    value = key.clone()
+    gather_into(table, replica, slots, key, value)
+    expected = gather_reference(table, replica, slots)
+    assert same_bits(key[:, :tokens], expected[:, :, 0])
+    if g.kv == 2:
+        assert same_bits(value[:, :tokens], expected[:, :, 1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(), extra=st.integers(0, 3))
+def test_scatter_from_separate_key_and_value_equals_the_reference(case: dict[str, object], extra: int) -> None:
+    table, replica, slots = build(case)
+    expected_table, _, _ = build(case)
+    tokens = slots.numel()
+    g = table.geometry
+    generator = torch.Generator().manual_seed(7 + case["seed"])  # type: ignore[operator]
+    shape = (table.layers, tokens + extra, g.heads, g.head_dim)
+    key, value = random_pool(shape, table.dtype, generator), random_pool(shape, table.dtype, generator)
+    scatter_from(table, key, value, replica, slots)
+    parts = [key[:, :tokens]] if g.kv == 1 else [key[:, :tokens], value[:, :tokens]]
+    scatter_reference(expected_table, torch.stack(parts, dim=2), replica, slots)
+    for got, want in zip(table.pools, expected_table.pools, strict=True):
+        for got_copy, want_copy in zip(got, want, strict=True):
+            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
+                assert same_bits(got_layer, want_layer)
