@@ -643,13 +643,12 @@ class Consumer(AsyncService):
         if item is None:
             return None
         count = min(item.key.shape[1], slots.numel())
-        kv = into.geometry.kv
-        parts = [item.key[:, :count]] if kv == 1 else [item.key[:, :count], item.value[:, :count]]
-        staging = torch.stack(parts, dim=2)  # [layers, tokens, kv, heads, head_dim], contiguous
         replicas = torch.full_like(slots, replica) if isinstance(replica, int) else replica
-        from kvrt.kernels.paged_kv import scatter_any
+        from kvrt.kernels.paged_kv import scatter_from_any
 
-        scatter_any(into, staging, replicas[:count], slots[:count])
+        # Straight from the item as it arrived (its K and V are views of the received
+        # payload): no staging copy.
+        scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
         return item
 
     def _check_open(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
-from kvrt._tensors import pack
+from kvrt._tensors import Packed, pack
 
 _INTEGER_DTYPES = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
@@ -119,7 +119,11 @@ def buffered_item(
 ) -> BufferedItem:  # fmt: skip
     """An item for the buffer: the five tensors (already checked) packed into one new buffer
     on `device` (the one copy insert makes), with its lookup key."""
-    packed = pack(tensors, device)
+    return item_from_packed(pack(tensors, device), item_id=item_id, seq=seq)
+
+
+def item_from_packed(packed: Packed, *, item_id: int, seq: int) -> BufferedItem:
+    """An item for the buffer over an already packed and filled buffer (no copy)."""
     input_tokens, roi, key, value, hidden = packed.tensors
     assert input_tokens is not None and key is not None and value is not None  # packed from tensors
     return BufferedItem(

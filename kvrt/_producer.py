@@ -25,6 +25,7 @@ import zmq
 from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._auth import CurveKeys, secure_server
+from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -33,9 +34,10 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import buffered_item, check_item, check_tokens
+from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
+from kvrt._tensors import pack_empty
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -244,10 +246,14 @@ class Producer(AsyncService):
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
         )
+        await self._buffer(item)
+        timer.done()
+
+    async def _buffer(self, item: BufferedItem) -> None:
+        """Hand a built item to the transports and the core (room was waited for already)."""
         for transport in self._transports.values():
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
-        timer.done()
 
     def register_pools(self, pools: PoolTable) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
@@ -275,12 +281,30 @@ class Producer(AsyncService):
         replicas = _replica_index(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
-        from kvrt.kernels.paged_kv import gather_any
+        from kvrt.kernels.paged_kv import gather_into_any
 
-        staging = gather_any(pools, replicas, slots)
-        key = staging[:, :, 0]
-        value = staging[:, :, 1] if pools.geometry.kv == 2 else staging[:, :, 0, :, :0]
-        await self.insert(input_tokens, roi, key, value, None, timeout=timeout)
+        self._check_open()
+        if timeout is not None and not timeout >= 0:
+            raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        await self._wait_for_room(timeout)
+        # The item's buffer is laid out first and the KV gathered straight into it: one pass
+        # over the bytes, no staging copy.
+        g, tokens = pools.geometry, slots.numel()
+        kv_shape = (pools.layers, tokens, g.heads, g.head_dim)
+        value_shape = kv_shape if g.kv == 2 else (pools.layers, tokens, 1, 0)
+        packed = pack_empty(
+            [(input_tokens.shape, input_tokens.dtype), None if roi is None else (roi.shape, roi.dtype),
+             (kv_shape, pools.dtype), (value_shape, pools.dtype), None],
+            self.device,
+        )  # fmt: skip
+        item_tokens, item_roi, key, value, _ = packed.tensors
+        assert item_tokens is not None and key is not None and value is not None
+        item_tokens.copy_(input_tokens)
+        if item_roi is not None and roi is not None:
+            item_roi.copy_(roi)
+        gather_into_any(pools, replicas, slots, key, value)
+        item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
+        await self._buffer(item)
 
     def refusals(self) -> dict[str, int]:
         """Error replies sent so far, by error code."""

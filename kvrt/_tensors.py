@@ -81,27 +81,34 @@ class Packed:
     metas: tuple[TensorMeta | None, ...]
 
 
-def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
-    """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each."""
+def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device: torch.device) -> Packed:
+    """One new buffer on `device` laid out for tensors of these shapes and dtypes (None stays
+    None), and views of them: for a caller that fills them in place."""
     metas: list[TensorMeta | None] = []
     end = 0
-    for tensor in tensors:
-        if tensor is None:
+    for spec in specs:
+        if spec is None:
             metas.append(None)
             continue
+        shape, dtype = spec
         offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
-        metas.append(TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset))
-        end = offset + _nbytes(tensor.shape, tensor.dtype)
+        metas.append(TensorMeta(dtype=dtype_name(dtype), shape=list(shape), offset=offset))
+        end = offset + _nbytes(shape, dtype)
     storage = torch.empty(end, dtype=torch.uint8, device=device)
-    views: list[torch.Tensor | None] = []
-    for tensor, meta in zip(tensors, metas, strict=True):
-        if tensor is None or meta is None:
-            views.append(None)
-            continue
-        view = _view(storage, meta, tensor.dtype)
-        view.copy_(tensor.detach())
-        views.append(view)
-    return Packed(storage, tuple(views), tuple(metas))
+    views = tuple(
+        None if spec is None or meta is None else _view(storage, meta, spec[1])
+        for spec, meta in zip(specs, metas, strict=True)
+    )
+    return Packed(storage, views, tuple(metas))
+
+
+def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
+    """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each."""
+    packed = pack_empty([None if tensor is None else (tensor.shape, tensor.dtype) for tensor in tensors], device)
+    for tensor, view in zip(tensors, packed.tensors, strict=True):
+        if tensor is not None and view is not None:
+            view.copy_(tensor.detach())
+    return packed
 
 
 def unpack_tensor(metas: Sequence[TensorMeta | None], payload: torch.Tensor) -> list[torch.Tensor | None]:
