@@ -17,6 +17,10 @@ class AsyncService(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None: ...
 
+    async def close(self) -> None:
+        """The same as `aclose` (DESIGN names both): end every pending call with an error, stop."""
+        await self.aclose()
+
     async def __aenter__(self) -> Self:
         return await self.start()
 

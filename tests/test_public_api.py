@@ -73,8 +73,27 @@ def test_every_error_is_a_kvrt_error_and_the_standard_kind_it_resembles() -> Non
     assert issubclass(kvrt.RemoteProtocolError, kvrt.ProtocolError)
 
 
-def test_both_sides_are_async_context_managers_with_aclose() -> None:
-    for cls in (kvrt.Producer, kvrt.Consumer):
+def test_both_sides_are_async_context_managers_with_close_and_aclose() -> None:
+    for cls in (kvrt.Producer, kvrt.Consumer, kvrt.Client):
         assert inspect.iscoroutinefunction(cls.__aenter__)
         assert inspect.iscoroutinefunction(cls.__aexit__)
         assert inspect.iscoroutinefunction(cls.aclose)
+        assert inspect.iscoroutinefunction(cls.close)
+
+
+async def test_close_ends_pending_calls_like_aclose() -> None:
+    import asyncio
+
+    import torch
+
+    async with kvrt.Producer() as producer:
+        consumer = await kvrt.Consumer(connect=producer.endpoint).start()
+        pending = asyncio.create_task(consumer.drop_select(torch.arange(3), None, timeout=None))
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the first request is waiting now
+        await consumer.close()
+        try:
+            await pending
+        except kvrt.ClosedError:
+            pass
+        else:
+            raise AssertionError("a pending call survived close()")
