@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
+
+import pytest
+import torch
 
 import kvrt
 
@@ -82,18 +86,10 @@ def test_both_sides_are_async_context_managers_with_close_and_aclose() -> None:
 
 
 async def test_close_ends_pending_calls_like_aclose() -> None:
-    import asyncio
-
-    import torch
-
     async with kvrt.Producer() as producer:
         consumer = await kvrt.Consumer(connect=producer.endpoint).start()
         pending = asyncio.create_task(consumer.drop_select(torch.arange(3), None, timeout=None))
         assert await consumer.drop_select(torch.tensor([-1])) is None  # the first request is waiting now
         await consumer.close()
-        try:
+        with pytest.raises(kvrt.ClosedError):
             await pending
-        except kvrt.ClosedError:
-            pass
-        else:
-            raise AssertionError("a pending call survived close()")
