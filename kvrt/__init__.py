@@ -32,6 +32,7 @@ from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import serve_metrics
 from kvrt._producer import Producer, ProducerStats
+from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "Client",
     "ClosedError",
     "Consumer",
+    "ConsumerStream",
     "CurveKeys",
     "ErrorCode",
     "InvalidInputError",
@@ -54,8 +56,10 @@ __all__ = [
     "PeerLostError",
     "Producer",
     "ProducerStats",
+    "ProducerStream",
     "ProtocolError",
     "RemoteProtocolError",
+    "StreamAbortedError",
     "VersionMismatchError",
     "__version__",
     "log_json",

@@ -59,17 +59,34 @@ class BufferedItem:
     """What the TCP transport prepared at insert: the storage's bytes."""
     ready_event: torch.cuda.Event | None = None
     """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
+    stream: StreamState | None = None
+    """Set while this is an open stream: a prefill still publishing its layers."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.storage.nbytes)
+        return int(self.storage.nbytes) + (0 if self.stream is None else self.stream.nbytes)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""
         return (self.input_tokens, self.roi, self.key, self.value, self.hidden)
+
+
+@dataclass(eq=False, slots=True)
+class StreamState:
+    """The layers an open stream has published so far ([tokens, heads, head_dim] each), how many
+    it will have, and who is reading it."""
+
+    layers: int
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    reader: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(tensor.nbytes) for tensor in (*self.keys, *self.values))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +197,15 @@ class LookupBuffer:
     def take(self, item: BufferedItem) -> None:
         """Remove a buffered item from the index; its bytes still count until `forget`."""
         self._unindex(item)
+        self.held += 1
+
+    def grow(self, item: BufferedItem, nbytes: int) -> None:
+        """An open stream that this buffer holds (buffered or taken) grew by `nbytes`."""
+        self.nbytes += nbytes
+
+    def add_taken(self, item: BufferedItem) -> None:
+        """Count an item that goes straight to a consumer, never buffered (a finished stream)."""
+        self.nbytes += item.nbytes
         self.held += 1
 
     def forget(self, item: BufferedItem) -> None:

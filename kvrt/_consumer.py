@@ -39,8 +39,21 @@ from kvrt._errors import (
 )
 from kvrt._item import KVItem, check_tokens, masked_tokens, truncate
 from kvrt._producer import DEFAULT_HEARTBEAT_S
-from kvrt._protocol import ConsumerCore, ConsumerEvent, Failed, LinkState, Lost, Refused, Replied, Stray, Welcomed
+from kvrt._protocol import (
+    ConsumerCore,
+    ConsumerEvent,
+    Failed,
+    LinkState,
+    Lost,
+    Refused,
+    Replied,
+    Stray,
+    Streamed,
+    Welcomed,
+)
 from kvrt._service import AsyncService
+from kvrt._streams import ConsumerStream, StreamAbortedError
+from kvrt._tensors import unpack
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import ItemTensors
@@ -58,6 +71,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 class _Reply:
     message: m.Message
     item: KVItem | None = None
+    stream: ConsumerStream | None = None
+
+
+_CPU = torch.device("cpu")
 
 
 def _delivered(call: asyncio.Task[_Reply]) -> bool:
@@ -84,6 +101,7 @@ class _Link:
         self,
         endpoint: str,
         *,
+        device: torch.device = _CPU,
         context: zmq.Context[zmq.Socket[bytes]],
         name: str,
         heartbeat_s: float,
@@ -92,6 +110,7 @@ class _Link:
         curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._device = device
         self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports))
         self._transports = transports
         self._transport: Transport | None = None
@@ -104,6 +123,7 @@ class _Link:
         self._io = SocketIO(self._socket)
         self._receipts: list[int] = []
         self._flush_scheduled = False
+        self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
@@ -242,6 +262,10 @@ class _Link:
                 self.connected.set()
             case Replied(request_id=request_id, message=m.Deliver() as deliver):
                 self._on_deliver(self._pending.get(request_id), deliver, payload)
+            case Replied(request_id=request_id, message=m.StreamStart() as start):
+                self._on_stream_start(self._pending.get(request_id), start, payload)
+            case Streamed(message=message):
+                self._on_streamed(message, payload)
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
@@ -305,6 +329,58 @@ class _Link:
         if future is not None and not future.done():
             future.set_exception(error)
 
+    def _on_stream_start(
+        self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
+    ) -> None:
+        try:
+            if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:
+                raise RemoteProtocolError("stream_start needs one payload frame of payload_bytes")
+            input_tokens, roi = unpack((start.input_tokens, start.roi), payload[0].buffer)
+            assert input_tokens is not None
+        except ProtocolError as exc:
+            self._send_nowait(m.Release(item_id=start.item_id))
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        if future is None or future.done():
+            self._send_nowait(m.Release(item_id=start.item_id))
+            return
+
+        def confirm() -> None:
+            self._streams.pop(start.item_id, None)
+            self.settle(start.item_id, keep=True)
+
+        stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm)
+        self._streams[start.item_id] = stream
+        future.set_result(_Reply(start, stream=stream))
+
+    def _on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
+        stream = self._streams.get(message.item_id)
+        if stream is None:
+            return  # a stream this side gave back: nothing to do
+        try:
+            match message:
+                case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
+                    if len(payload) != 2:
+                        raise RemoteProtocolError(f"stream_layer needs 2 frames, {len(payload)} came")
+                    (key,) = unpack([key_meta], payload[0].buffer)
+                    (value,) = unpack([value_meta], payload[1].buffer)
+                    assert key is not None and value is not None
+                    stream.deliver_layer(layer, key.to(self._device), value.to(self._device))
+                case m.StreamEnd(hidden=hidden_meta):
+                    hidden = None
+                    if hidden_meta is not None:
+                        (hidden,) = unpack([hidden_meta], payload[0].buffer)
+                        hidden = None if hidden is None else hidden.to(self._device)
+                    stream.finish(hidden)
+                case m.StreamAbort(reason=reason):
+                    self._streams.pop(message.item_id, None)
+                    stream.fail(StreamAbortedError(f"producer at {self.endpoint} aborted the stream: {reason}"))
+        except (ProtocolError, IndexError) as exc:
+            self._streams.pop(message.item_id, None)
+            self._send_nowait(m.Release(item_id=message.item_id))
+            stream.fail(exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc)))
+
     def _start_join(self, welcome: m.Welcome) -> None:
         """Join the transport the producer chose, in a task the link owns (the link keeps
         answering heartbeats meanwhile); requests wait for it in `_joined`."""
@@ -350,6 +426,9 @@ class _Link:
             log.debug("dropped %s to %s: send queue full", type(message).__name__, self.endpoint)
 
     def _fail_all(self, lost: Lost) -> None:
+        for stream in self._streams.values():
+            stream.fail(_fresh(lost.error))
+        self._streams.clear()
         for request_id in lost.request_ids:
             future = self._pending.get(request_id)
             if future is not None and not future.done():
@@ -450,6 +529,7 @@ class Consumer(AsyncService):
             for endpoint in self._endpoints:
                 link = _Link(
                     endpoint,
+                    device=self.device,
                     context=self._context,
                     name=self._name,
                     heartbeat_s=self._heartbeat_s,
@@ -623,6 +703,28 @@ class Consumer(AsyncService):
         finally:
             if taken is not None:
                 taken.settle(keep=keep)
+
+    async def open_stream(
+        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None, timeout: float | None = 0.0
+    ) -> ConsumerStream | None:
+        """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
+        finished item. Matching, `timeout` and the result are as for drop_select; the stream's
+        layers are awaited with `layer(i)` or `async for`. None on a miss."""
+        self._check_open()
+        if len(self._links) != 1 or self._consensus is not None:
+            raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
+        if input_tokens is None:
+            query: bytes | None = None
+        else:
+            check_tokens(input_tokens, roi, what="open_stream")
+            query = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
+        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+            raise InvalidInputError(f"open_stream: timeout must be None or a finite number >= 0, got {timeout!r}")
+        reply = await self._links[0].call(
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
+            confirm=False,
+        )
+        return reply.stream
 
     async def pull(
         self,

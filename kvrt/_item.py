@@ -138,3 +138,22 @@ def item_from_packed(packed: Packed, *, item_id: int, seq: int) -> BufferedItem:
         value=value,
         hidden=hidden,
     )
+
+
+def item_from_tokens(packed: Packed, *, item_id: int, seq: int) -> BufferedItem:
+    """An open stream's item: its tokens and roi packed; the KV comes layer by layer."""
+    input_tokens, roi = packed.tensors
+    assert input_tokens is not None
+    empty = torch.empty((0, int(input_tokens.numel()), 0, 0))
+    return BufferedItem(
+        item_id=item_id,
+        seq=seq,
+        masked_tokens=masked_tokens(input_tokens, roi),
+        storage=packed.storage,
+        metas=(*packed.metas, None, None, None),
+        input_tokens=input_tokens,
+        roi=roi,
+        key=empty,
+        value=empty,
+        hidden=None,
+    )

@@ -124,6 +124,9 @@ class DropSelect(Message, frozen=True, tag="drop_select"):
     request_id: RequestId
     tokens: TokenBytes | None
     timeout_s: Seconds | None = 0.0
+    stream: bool = False
+    """True: the consumer takes the item layer by layer (`stream_start`, `stream_layer`...,
+    `stream_end`), and may take a request whose prefill is still running."""
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
@@ -260,9 +263,48 @@ class Evicted(Message, frozen=True, tag="evicted"):
     nbytes: int
 
 
+class StreamStart(Message, frozen=True, tag="stream_start"):
+    """Producer → consumer: the item for a streaming `request_id`: its tokens (one payload
+    frame follows, as in `deliver`) and how many layers will follow as `stream_layer`."""
+
+    request_id: RequestId
+    item_id: ItemId
+    matched: Annotated[int, Meta(ge=0)]
+    input_tokens: TensorMeta
+    roi: TensorMeta | None
+    layers: Annotated[int, Meta(ge=0, le=65536)]
+    payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
+
+
+class StreamLayer(Message, frozen=True, tag="stream_layer"):
+    """Producer → consumer: one layer of a stream, in order; two frames follow (key, value),
+    each [tokens, heads, head_dim] as its meta says (offsets 0)."""
+
+    item_id: ItemId
+    layer: Annotated[int, Meta(ge=0, le=65535)]
+    key: TensorMeta
+    value: TensorMeta
+
+
+class StreamEnd(Message, frozen=True, tag="stream_end"):
+    """Producer → consumer: the stream is complete; a frame with `hidden` follows if it has one.
+    The consumer confirms with `received` (the item id) as for a delivered item."""
+
+    item_id: ItemId
+    hidden: TensorMeta | None = None
+
+
+class StreamAbort(Message, frozen=True, tag="stream_abort"):
+    """Producer → consumer: the prefill behind this stream failed; what arrived is void."""
+
+    item_id: ItemId
+    reason: str = ""
+
+
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
+    | StreamStart | StreamLayer | StreamEnd | StreamAbort
 )  # fmt: skip
 
 

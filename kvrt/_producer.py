@@ -25,7 +25,7 @@ import zmq
 from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._auth import CurveKeys, secure_server
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, StreamState
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -34,10 +34,11 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
+from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
-from kvrt._tensors import pack_empty
+from kvrt._streams import ProducerStream
+from kvrt._tensors import pack, pack_empty, tensor_bytes
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -65,6 +66,15 @@ class ProducerStats:
     waiting_requests: int
     peers: int
     totals: ProducerCounters
+
+
+def _stream_frames(send: Outgoing) -> list[memoryview]:
+    """A stream message's frames: the tokens at the head of the item's buffer (start), or the
+    tensors it carries (a layer's key and value; the end's hidden), as bytes."""
+    if isinstance(send.message, m.StreamStart):
+        assert send.item is not None
+        return [tensor_bytes(send.item.storage[: send.message.payload_bytes].cpu())]
+    return [tensor_bytes(tensor.cpu()) for tensor in send.tensors]
 
 
 def _replica_index(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
@@ -306,6 +316,41 @@ class Producer(AsyncService):
         item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
         await self._buffer(item)
 
+    async def open_stream(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None, *, layers: int
+    ) -> ProducerStream:
+        """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
+        layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
+        Streams move over TCP for now (a stream's reader must use the TCP transport)."""
+        self._check_open()
+        check_tokens(input_tokens, roi, what="open_stream")
+        if not isinstance(layers, int) or layers <= 0:
+            raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
+        packed = pack((input_tokens, roi), torch.device("cpu"))
+        item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
+        item.stream = StreamState(layers)
+        await self._perform(self._core.open_stream(item, self._now()))
+        return ProducerStream(self, item, layers, int(input_tokens.numel()))
+
+    async def _stream_layer(self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor) -> None:
+        await self._perform(self._core.stream_layer(item, key, value))
+
+    async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
+        stream = item.stream
+        assert stream is not None
+        whole = buffered_item(
+            (item.input_tokens, item.roi, torch.stack(stream.keys), torch.stack(stream.values), hidden),
+            self.device,
+            item_id=item.item_id,
+            seq=item.seq,
+        )
+        for transport in self._transports.values():
+            transport.prepare(whole)
+        await self._perform(self._core.finish_stream(item, whole, self._now()))
+
+    async def _abort_stream(self, item: BufferedItem, reason: str) -> None:
+        await self._perform(self._core.abort_stream(item, reason))
+
     def refusals(self) -> dict[str, int]:
         """Error replies sent so far, by error code."""
         return dict(self._core.refusals)
@@ -389,7 +434,9 @@ class Producer(AsyncService):
                         rendezvous = self._transports[message.transport].offer(send.peer)
                         if rendezvous:
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)
-                    if send.item is not None:
+                    if isinstance(message, m.StreamStart | m.StreamLayer | m.StreamEnd):
+                        frames = _stream_frames(send)
+                    elif send.item is not None:
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:
                             continue  # the peer left meanwhile; the core took the item back

@@ -23,14 +23,16 @@ import dataclasses
 import enum
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+import torch
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, LookupBuffer, prefix_match_length
+from kvrt._buffer import BufferedItem, LookupBuffer, Match, prefix_match_length
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -40,6 +42,7 @@ from kvrt._errors import (
     RemoteProtocolError,
     error_from_code,
 )
+from kvrt._tensors import DTYPES, tensor_meta
 
 HEARTBEAT_MISSES: Final = 4
 """A peer is lost after this many heartbeat periods of silence."""
@@ -55,11 +58,13 @@ MAX_WAITING_REQUESTS: Final = 65536
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A message for the driver to send to `peer`; for a Deliver, `item` holds the tensors."""
+    """A message for the driver to send to `peer`; for a Deliver or a stream's start, `item`
+    holds the payload; a stream's layers and end carry their tensors in `tensors`."""
 
     peer: bytes
     message: m.Message
     item: BufferedItem | None = None
+    tensors: tuple[torch.Tensor, ...] = ()
 
 
 class PeerState(enum.Enum):
@@ -92,6 +97,7 @@ class _Waiter:
     request_id: int
     query: np.ndarray | None
     deadline: float | None
+    stream: bool = False
 
 
 @dataclass(slots=True)
@@ -147,6 +153,8 @@ class ProducerCore:
         self.transports = tuple(transports)
         """What this producer can send with, preferred first."""
         self.buffer = LookupBuffer()
+        self.streams = LookupBuffer()
+        """Open streams: prefills still publishing layers, which streaming lookups can take."""
         self.counters = ProducerCounters()
         self._max_waiting = max_waiting
         self._peers: dict[bytes, _Peer] = {}
@@ -331,7 +339,13 @@ class ProducerCore:
         except ProtocolError as exc:
             return [self._refuse(peer, request.request_id, exc.code, str(exc))]
         found = self.buffer.best_match(query)
-        if found is not None:
+        if request.stream:
+            opened = self.streams.best_match(query)
+            if opened is not None and (found is None or _better(opened, found)):
+                return self._attach(peer, request.request_id, opened.item, opened.matched)
+            if found is not None:
+                return self._stream_whole(peer, request.request_id, found.item, found.matched)
+        elif found is not None:
             return [self._deliver(peer, request.request_id, found.item, found.matched)]
         if request.timeout_s == 0.0:
             self.counters.misses += 1
@@ -344,7 +358,7 @@ class ProducerCore:
             text = f"{len(self._waiters)} requests already wait on this producer; retry with timeout=0"
             return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
         deadline = None if request.timeout_s is None else now + request.timeout_s
-        self._waiters[key] = _Waiter(peer, request.request_id, query, deadline)
+        self._waiters[key] = _Waiter(peer, request.request_id, query, deadline, request.stream)
         self._peers[peer].waiting.add(request.request_id)
         if deadline is not None:
             self._add_timer(deadline, _TimerKind.WAITER, key)
@@ -358,7 +372,7 @@ class ProducerCore:
             if item is None:
                 unknown.append(item_id)
                 continue
-            self.buffer.forget(item)
+            (self.streams if item.stream is not None else self.buffer).forget(item)
             self.counters.delivered_items += 1
             self.counters.delivered_bytes += item.nbytes
         if unknown:
@@ -425,21 +439,108 @@ class ProducerCore:
 
     def _restore(self, item: BufferedItem, now: float) -> list[Outgoing]:
         self.counters.returned_items += 1
+        if item.stream is not None:  # its reader left mid-stream: it keeps its layers, waits for another
+            item.stream.reader = None
+            self.streams.restore(item)
+            return self._serve_waiters(item, now)
         self.buffer.restore(item)
         if self.item_ttl_s is not None:  # its time to live may have run out while it was away
             self._add_timer(max(now, item.inserted_at + self.item_ttl_s), _TimerKind.ITEM, item)
         return self._serve_waiters(item, now)
 
     def _serve_waiters(self, item: BufferedItem, now: float) -> list[Outgoing]:
-        """Give `item` to the oldest waiting request it matches, if any."""
+        """Give `item` to the oldest waiting request it matches, if any (an open stream only to a
+        streaming request)."""
         if self._closed:
             return []
         for key, waiter in self._waiters.items():
+            if item.stream is not None and not waiter.stream:
+                continue
             matched = prefix_match_length(item.masked_tokens, waiter.query)
             if matched:
                 self._drop_waiter(*key)
+                if item.stream is not None:
+                    return self._attach(waiter.peer, waiter.request_id, item, matched)
+                if waiter.stream:
+                    return self._stream_whole(waiter.peer, waiter.request_id, item, matched)
                 return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
         return []
+
+    # -- streams ------------------------------------------------------------------------
+
+    def open_stream(self, item: BufferedItem, now: float) -> list[Outgoing]:
+        """A prefill starts publishing `item.stream.layers` layers: streaming lookups can take it."""
+        assert item.stream is not None
+        item.inserted_at = now
+        self.streams.add(item)
+        return self._serve_waiters(item, now)
+
+    def stream_layer(self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor) -> list[Outgoing]:
+        """The next layer of an open stream; its reader, if any, gets it now."""
+        stream = item.stream
+        assert stream is not None and len(stream.keys) < stream.layers
+        layer = len(stream.keys)
+        stream.keys.append(key)
+        stream.values.append(value)
+        self.streams.grow(item, int(key.nbytes + value.nbytes))
+        if stream.reader is None:
+            return []
+        return [Outgoing(stream.reader, _layer_message(item.item_id, layer, key, value), tensors=(key, value))]
+
+    def finish_stream(self, item: BufferedItem, whole: BufferedItem, now: float) -> list[Outgoing]:
+        """An open stream ended; `whole` is the same request as one complete item (same id).
+        Its reader gets the end and confirms it like a delivered item; without a reader it
+        becomes an ordinary buffered item."""
+        stream = item.stream
+        assert stream is not None and whole.item_id == item.item_id
+        reader = stream.reader
+        if reader is None:
+            self.streams.drop(item)
+            return self.insert(whole, now)
+        self.streams.forget(item)
+        whole.inserted_at = item.inserted_at
+        self.buffer.add_taken(whole)
+        self._peers[reader].in_flight[whole.item_id] = whole
+        hidden = () if whole.hidden is None else (whole.hidden,)
+        end = m.StreamEnd(item_id=whole.item_id, hidden=None if whole.hidden is None else tensor_meta(whole.hidden))
+        return [Outgoing(reader, end, tensors=hidden)]
+
+    def abort_stream(self, item: BufferedItem, reason: str) -> list[Outgoing]:
+        """The prefill behind an open stream failed: its reader learns why; the stream is gone."""
+        stream = item.stream
+        assert stream is not None
+        if stream.reader is None:
+            self.streams.drop(item)
+            return []
+        self._peers[stream.reader].in_flight.pop(item.item_id, None)
+        self.streams.forget(item)
+        return [Outgoing(stream.reader, m.StreamAbort(item_id=item.item_id, reason=reason))]
+
+    def _attach(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
+        """A streaming request takes an open stream: its start, then every layer so far."""
+        stream = item.stream
+        assert stream is not None
+        self.streams.take(item)
+        stream.reader = peer
+        self._peers[peer].in_flight[item.item_id] = item
+        out = [Outgoing(peer, _start_message(request_id, item, matched, stream.layers), item)]
+        for layer, (key, value) in enumerate(zip(stream.keys, stream.values, strict=True)):
+            out.append(Outgoing(peer, _layer_message(item.item_id, layer, key, value), tensors=(key, value)))
+        return out
+
+    def _stream_whole(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
+        """A streaming request takes a complete item: start, every layer, end, at once."""
+        self.buffer.take(item)
+        self._peers[peer].in_flight[item.item_id] = item
+        layers = item.key.shape[0]
+        out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
+        for layer in range(layers):
+            key, value = item.key[layer], item.value[layer]
+            out.append(Outgoing(peer, _layer_message(item.item_id, layer, key, value), tensors=(key, value)))
+        hidden = () if item.hidden is None else (item.hidden,)
+        end = m.StreamEnd(item_id=item.item_id, hidden=None if item.hidden is None else tensor_meta(item.hidden))
+        out.append(Outgoing(peer, end, tensors=hidden))
+        return out
 
     def _drop_waiter(self, peer: bytes, request_id: int) -> None:
         if self._waiters.pop((peer, request_id), None) is not None:
@@ -459,6 +560,35 @@ class ProducerCore:
 
     def _add_timer(self, when: float, kind: _TimerKind, key: object) -> None:
         heapq.heappush(self._timers, (when, kind, next(self._timer_order), key))
+
+
+def _better(first: Match, second: Match) -> bool:
+    """Longest match first, then oldest."""
+    return (first.matched, -first.item.seq) > (second.matched, -second.item.seq)
+
+
+def _start_message(request_id: int, item: BufferedItem, matched: int, layers: int) -> m.StreamStart:
+    input_tokens, roi = item.metas[0], item.metas[1]
+    assert input_tokens is not None
+    return m.StreamStart(
+        request_id=request_id,
+        item_id=item.item_id,
+        matched=matched,
+        input_tokens=input_tokens,
+        roi=roi,
+        layers=layers,
+        payload_bytes=_tokens_bytes(item),
+    )
+
+
+def _tokens_bytes(item: BufferedItem) -> int:
+    """The bytes of the tokens and roi at the head of an item's packed buffer."""
+    ends = [meta.offset + math.prod(meta.shape) * DTYPES[meta.dtype].itemsize for meta in item.metas[:2] if meta]
+    return max(ends)
+
+
+def _layer_message(item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> m.StreamLayer:
+    return m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
 
 
 def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deliver:
@@ -532,6 +662,13 @@ class Stray:
 
 
 @dataclass(frozen=True, slots=True)
+class Streamed:
+    """A layer, the end, or the abort of a stream this link reads (by item id)."""
+
+    message: m.StreamLayer | m.StreamEnd | m.StreamAbort
+
+
+@dataclass(frozen=True, slots=True)
 class Refused:
     """The producer refused a message that had no request id (a hello, a receipt)."""
 
@@ -546,7 +683,7 @@ class Lost:
     request_ids: tuple[int, ...]
 
 
-ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed
 
 
 class ConsumerCore:
@@ -619,6 +756,8 @@ class ConsumerCore:
                     self._pending.discard(request_id)
                     return Replied(request_id, message)
                 return Stray(message)
+            case m.StreamLayer() | m.StreamEnd() | m.StreamAbort():
+                return Streamed(message)
             case m.ErrorReply(request_id=request_id, code=code, message=text):
                 if code is ErrorCode.UNKNOWN_PEER:
                     return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")

@@ -68,6 +68,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    """The metadata of a tensor sent on its own (offset 0 in its own frame)."""
+    return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

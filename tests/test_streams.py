@@ -1,0 +1,170 @@
+"""Layer-wise streams on CPU over TCP: decode reads layer i while prefill still computes layer i+1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import kvrt
+
+LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
+
+
+def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(layer)
+    return torch.randn(TOKENS, HEADS, DIM, generator=generator), torch.randn(TOKENS, HEADS, DIM, generator=generator)
+
+
+async def settle(consumer: kvrt.Consumer) -> None:
+    """A round trip: the producer has handled everything this consumer sent before."""
+    assert await consumer.drop_select(torch.tensor([-1])) is None
+
+
+async def test_layer_i_arrives_while_layer_i_plus_one_is_not_yet_computed(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    tokens = torch.arange(TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    await stream.put_layer(*layer_kv(0))
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None and (reader.matched, reader.layers) == (TOKENS, LAYERS)
+    key, value = await reader.layer(0)
+    assert torch.equal(key, layer_kv(0)[0]) and torch.equal(value, layer_kv(0)[1])
+    second = asyncio.ensure_future(reader.layer(1))
+    await settle(consumer)
+    assert not second.done()  # layer 1 has not been computed yet
+    await stream.put_layer(*layer_kv(1))
+    key, _ = await second
+    assert torch.equal(key, layer_kv(1)[0])
+    for layer in (2, 3):
+        await stream.put_layer(*layer_kv(layer))
+    hidden = torch.randn(TOKENS, 5)
+    await stream.finish(hidden)
+    got = await reader.finished()
+    assert got is not None and torch.equal(got, hidden)
+    await settle(consumer)
+    stats = producer.stats()
+    assert (stats.items, stats.in_flight, stats.buffer_bytes) == (0, 0, 0)
+
+
+async def test_a_reader_can_iterate_layers_as_they_land(producer: kvrt.Producer, consumer: kvrt.Consumer) -> None:
+    tokens = torch.arange(100, 100 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+
+    async def prefill() -> None:
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        await stream.finish()
+
+    writer = asyncio.create_task(prefill())
+    seen = [(layer, torch.equal(key, layer_kv(layer)[0])) async for layer, key, _ in reader]
+    await writer
+    assert seen == [(layer, True) for layer in range(LAYERS)]
+    assert await reader.finished() is None
+
+
+async def test_a_late_reader_gets_the_layers_so_far_at_once_then_the_rest(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    tokens = torch.arange(200, 200 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    for layer in range(3):
+        await stream.put_layer(*layer_kv(layer))
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+    for layer in range(3):
+        assert torch.equal((await reader.layer(layer))[1], layer_kv(layer)[1])
+    await stream.put_layer(*layer_kv(3))
+    await stream.finish()
+    assert torch.equal((await reader.layer(3))[0], layer_kv(3)[0])
+
+
+async def test_an_aborted_prefill_fails_the_reader_and_drops_what_it_received(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    tokens = torch.arange(300, 300 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    await stream.put_layer(*layer_kv(0))
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+    await reader.layer(0)
+    waiting = asyncio.ensure_future(reader.layer(2))
+    await stream.abort("out of memory on the prefill GPU")
+    with pytest.raises(kvrt.StreamAbortedError, match="out of memory"):
+        await waiting
+    with pytest.raises(kvrt.StreamAbortedError):
+        await reader.layer(0)  # what arrived is void
+    await settle(consumer)
+    assert (producer.stats().items, producer.stats().in_flight, producer.stats().buffer_bytes) == (0, 0, 0)
+
+
+async def test_a_stream_nobody_read_becomes_an_ordinary_item(producer: kvrt.Producer, consumer: kvrt.Consumer) -> None:
+    tokens = torch.arange(400, 400 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    assert await consumer.drop_select(tokens) is None  # unfinished: only a streaming request takes it
+    for layer in range(LAYERS):
+        await stream.put_layer(*layer_kv(layer))
+    await stream.finish()
+    item = await consumer.drop_select(tokens)
+    assert item is not None and item.key.shape == (LAYERS, TOKENS, HEADS, DIM)
+    assert all(torch.equal(item.value[layer], layer_kv(layer)[1]) for layer in range(LAYERS))
+
+
+async def test_a_streaming_request_takes_a_finished_item_layer_by_layer(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    tokens = torch.arange(500, 500 + TOKENS)
+    keys = torch.stack([layer_kv(layer)[0] for layer in range(LAYERS)])
+    values = torch.stack([layer_kv(layer)[1] for layer in range(LAYERS)])
+    await producer.insert(tokens, None, keys, values, None)
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None and reader.layers == LAYERS
+    arrived = [(await reader.layer(layer))[0] for layer in range(LAYERS)]
+    assert all(torch.equal(key, keys[layer]) for layer, key in enumerate(arrived))
+    assert await reader.finished() is None
+
+
+async def test_a_reader_that_leaves_mid_stream_hands_it_to_the_next_reader(producer: kvrt.Producer) -> None:
+    tokens = torch.arange(600, 600 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    await stream.put_layer(*layer_kv(0))
+    async with kvrt.Consumer(connect=producer.endpoint) as first:
+        reader = await first.open_stream(tokens)
+        assert reader is not None
+        await reader.layer(0)
+    async with kvrt.Consumer(connect=producer.endpoint) as second:
+        reader = await second.open_stream(tokens)  # the first said bye: the stream is back, layers kept
+        assert reader is not None
+        assert torch.equal((await reader.layer(0))[0], layer_kv(0)[0])
+        for layer in range(1, LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        await stream.finish()
+        assert await reader.finished() is None
+
+
+async def test_a_waiting_streaming_request_takes_a_stream_opened_later(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    tokens = torch.arange(700, 700 + TOKENS)
+    opening = asyncio.create_task(consumer.open_stream(tokens, None, timeout=None))
+    await settle(consumer)
+    stream = await producer.open_stream(tokens, layers=1)
+    reader = await opening
+    assert reader is not None
+    await stream.put_layer(*layer_kv(0))
+    await stream.finish()
+    assert torch.equal((await reader.layer(0))[0], layer_kv(0)[0])
+
+
+async def test_bad_layers_are_refused_clearly(producer: kvrt.Producer) -> None:
+    stream = await producer.open_stream(torch.arange(TOKENS), layers=1)
+    with pytest.raises(kvrt.InvalidInputError, match="tokens=6"):
+        await stream.put_layer(torch.zeros(5, HEADS, DIM), torch.zeros(5, HEADS, DIM))
+    with pytest.raises(kvrt.InvalidInputError, match="after 0 of 1 layers"):
+        await stream.finish()
+    with pytest.raises(kvrt.InvalidInputError, match="layers must be a positive int"):
+        await producer.open_stream(torch.arange(3), layers=0)
