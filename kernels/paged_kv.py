@@ -410,6 +410,11 @@ def scatter_reference(
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
 
 
+def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
+    """Per-token replica indexes, from one replica for every token or a tensor of them."""
+    return torch.full_like(slots, replica) if isinstance(replica, int) else replica
+
+
 def gather_into_any(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:

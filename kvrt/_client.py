@@ -22,7 +22,7 @@ from kvrt import _messages as m
 from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
-from kvrt._item import check_tokens, masked_tokens
+from kvrt._item import query_bytes
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._service import AsyncService
 from kvrt.transports.tcp import TcpTransport
@@ -92,11 +92,7 @@ class Client(AsyncService):
 
     async def probe(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None) -> m.ProbeReply:
         """What a drop_select with these tokens would take, without taking it (`matched` 0: nothing)."""
-        if input_tokens is None:
-            tokens: bytes | None = None
-        else:
-            check_tokens(input_tokens, roi, what="probe")
-            tokens = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
+        tokens = query_bytes(input_tokens, roi, what="probe")
         return await self._ask(lambda request_id: m.Probe(request_id=request_id, tokens=tokens), m.ProbeReply)
 
     async def list_items(self, limit: int = 100) -> m.ItemList:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +36,7 @@ from kvrt._errors import (
     translate_torch_error,
     translate_zmq_error,
 )
-from kvrt._item import KVItem, check_tokens, masked_tokens, truncate
+from kvrt._item import KVItem, check_timeout, query_bytes, truncate
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import (
     ConsumerCore,
@@ -578,19 +577,8 @@ class Consumer(AsyncService):
         until either side closes. Returns None on a miss.
         """
         self._check_open()
-        if input_tokens is None:
-            if roi is not None:
-                raise InvalidInputError("drop_select: roi was given without input_tokens")
-            query: bytes | None = None
-        else:
-            check_tokens(input_tokens, roi, what="drop_select")
-            query = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
-        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
-            raise InvalidInputError(f"drop_select: timeout must be None or a finite number >= 0, got {timeout!r}")
-        if query is not None and len(query) > m.MAX_TOKENS * m.TOKEN_BYTES:
-            raise InvalidInputError(
-                f"drop_select: {len(query) // m.TOKEN_BYTES} masked tokens is over the limit of {m.MAX_TOKENS}"
-            )
+        query = query_bytes(input_tokens, roi, what="drop_select")
+        check_timeout(timeout, what="drop_select")
 
         def build(request_id: int) -> m.Message:
             return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
@@ -713,13 +701,8 @@ class Consumer(AsyncService):
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
-        if input_tokens is None:
-            query: bytes | None = None
-        else:
-            check_tokens(input_tokens, roi, what="open_stream")
-            query = m.tokens_to_bytes(masked_tokens(input_tokens, roi))
-        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
-            raise InvalidInputError(f"open_stream: timeout must be None or a finite number >= 0, got {timeout!r}")
+        query = query_bytes(input_tokens, roi, what="open_stream")
+        check_timeout(timeout, what="open_stream")
         reply = await self._links[0].call(
             lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
             confirm=False,
@@ -745,9 +728,9 @@ class Consumer(AsyncService):
         if item is None:
             return None
         count = min(item.key.shape[1], slots.numel())
-        replicas = torch.full_like(slots, replica) if isinstance(replica, int) else replica
-        from kvrt.kernels.paged_kv import scatter_from_any
+        from kvrt.kernels.paged_kv import per_token, scatter_from_any
 
+        replicas = per_token(replica, slots)
         # Straight from the item as it arrived (its K and V are views of the received
         # payload): no staging copy.
         scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])

@@ -9,6 +9,7 @@ Shapes (token axis in capitals):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
+from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
 from kvrt._tensors import Packed, pack
 
 _INTEGER_DTYPES = frozenset(
@@ -84,6 +86,25 @@ def check_item(input_tokens: object, roi: object, key: object, value: object, hi
             )
         if hidden.shape[0] != tokens:
             raise InvalidInputError(f"insert: hidden has {hidden.shape[0]} tokens on axis 0, input_tokens has {tokens}")
+
+
+def query_bytes(input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, what: str) -> bytes | None:
+    """A lookup's tokens as they travel (roi applied, int64 bytes); None takes the oldest item.
+    Refuses bad tokens, a roi without tokens, and more tokens than a request may name."""
+    if input_tokens is None:
+        if roi is not None:
+            raise InvalidInputError(f"{what}: roi was given without input_tokens")
+        return None
+    check_tokens(input_tokens, roi, what=what)
+    query = tokens_to_bytes(masked_tokens(input_tokens, roi))
+    if len(query) > MAX_TOKENS * TOKEN_BYTES:
+        raise InvalidInputError(f"{what}: {len(query) // TOKEN_BYTES} masked tokens is over the limit of {MAX_TOKENS}")
+    return query
+
+
+def check_timeout(timeout: float | None, *, what: str) -> None:
+    if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+        raise InvalidInputError(f"{what}: timeout must be None or a finite number >= 0, got {timeout!r}")
 
 
 def masked_tokens(input_tokens: torch.Tensor, roi: torch.Tensor | None) -> np.ndarray:

@@ -77,13 +77,6 @@ def _stream_frames(send: Outgoing) -> list[memoryview]:
     return [tensor_bytes(tensor.cpu()) for tensor in send.tensors]
 
 
-def _replica_index(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
-    """Per-token replica indexes, from one index for all tokens or a tensor of them."""
-    if isinstance(replica, int):
-        return torch.full_like(slots, replica)
-    return replica
-
-
 def _host_of(endpoint: str) -> str:
     """The host part of a bound tcp:// endpoint, as peers can reach it."""
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
@@ -288,11 +281,11 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        replicas = _replica_index(replica, slots)
+        from kvrt.kernels.paged_kv import gather_into_any, per_token
+
+        replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
-        from kvrt.kernels.paged_kv import gather_into_any
-
         self._check_open()
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")

@@ -23,7 +23,6 @@ import dataclasses
 import enum
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -42,7 +41,7 @@ from kvrt._errors import (
     RemoteProtocolError,
     error_from_code,
 )
-from kvrt._tensors import DTYPES, tensor_meta
+from kvrt._tensors import meta_end, tensor_meta
 
 HEARTBEAT_MISSES: Final = 4
 """A peer is lost after this many heartbeat periods of silence."""
@@ -583,8 +582,7 @@ def _start_message(request_id: int, item: BufferedItem, matched: int, layers: in
 
 def _tokens_bytes(item: BufferedItem) -> int:
     """The bytes of the tokens and roi at the head of an item's packed buffer."""
-    ends = [meta.offset + math.prod(meta.shape) * DTYPES[meta.dtype].itemsize for meta in item.metas[:2] if meta]
-    return max(ends)
+    return max(meta_end(meta) for meta in item.metas[:2] if meta is not None)
 
 
 def _layer_message(item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> m.StreamLayer:

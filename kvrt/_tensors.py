@@ -73,6 +73,11 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
 
 
+def meta_end(meta: TensorMeta) -> int:
+    """Where the bytes of the tensor `meta` describes end in its packed buffer."""
+    return meta.offset + _nbytes(meta.shape, _dtype_of(meta))
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
