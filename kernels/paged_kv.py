@@ -137,7 +137,8 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     return first, end
 
 
-def _check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
+def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
+    """Refuse replica or slot indexes outside the pools, before anything is launched."""
     for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
         if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
             raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
@@ -171,6 +172,7 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     stage_v,  # words: where the staged V rows start (unused for MLA)
     tokens,
     layers,
+    first_layer,  # the launch covers layers [first_layer, first_layer + grid[1])
     token_stride,  # words between consecutive slots of a pool
     v_offset,  # words from a slot's K row to its V row
     head_offset,  # words from a slot's row start to head h0
@@ -184,12 +186,13 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
     token = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
-    layer = tl.program_id(1).to(tl.int64)
+    staged_layer = tl.program_id(1).to(tl.int64)
+    layer = first_layer + staged_layer
     present = token < tokens
     r = tl.load(replica + token, mask=present, other=0)
     slot = tl.load(slots + token, mask=present, other=0)
     row_start = slot * token_stride + head_offset
-    stage_offset = layer * stage_layer_stride + token * stage_token_stride
+    stage_offset = staged_layer * stage_layer_stride + token * stage_token_stride
     for copy in tl.static_range(1 if GATHER else COPIES):
         base = tl.load(addresses + (r * COPIES + copy) * layers + layer, mask=present, other=0)
         pool = base.to(tl.pointer_type(stage_k.dtype.element_ty))
@@ -248,10 +251,12 @@ def _split(key: torch.Tensor, value: torch.Tensor, kv: int) -> _Stage:
 
 def _launch(
     table: PoolTable, stage: _Stage, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
-    gather: bool, tuning: Tuning = DEFAULT_TUNING,
+    gather: bool, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
+    """Move `layers` (all by default); the staging's first layer is the range's first."""
     tokens = slots.numel()
-    if tokens == 0:
+    first_layer, end_layer = (0, table.layers) if layers is None else layers
+    if tokens == 0 or end_layer == first_layer:
         return
     g = table.geometry
     itemsize = table.dtype.itemsize
@@ -268,7 +273,7 @@ def _launch(
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
     block = min(tuning.block_words, triton.next_power_of_2(row))
-    grid = (triton.cdiv(tokens, tuning.tokens), table.layers)
+    grid = (triton.cdiv(tokens, tuning.tokens), end_layer - first_layer)
     stage_k = stage.key.view(-1).view(word)[to_words(stage.key_offset) :]
     stage_v = stage.value.view(-1).view(word)[to_words(stage.value_offset) :]
     launch: Any = _move_kv[grid]  # Triton's launcher is untyped
@@ -280,6 +285,7 @@ def _launch(
         stage_v,
         tokens,
         table.layers,
+        first_layer,
         to_words(g.token_stride),
         to_words(g.v_offset),
         to_words(heads[0] * g.head_dim),
@@ -302,7 +308,7 @@ def gather(
     """A request's KV from the pools into a new (or the given) staging buffer
     [layers, tokens, kv, heads, head_dim]: token i from replica[i], slot slots[i]."""
     head_range = _head_range(table, heads)
-    _check_indices(table, replica, slots)
+    check_indices(table, replica, slots)
     shape = table.staging_shape(slots.numel(), head_range)
     if out is None:
         out = torch.empty(shape, dtype=table.dtype, device=table.device)
@@ -319,7 +325,7 @@ def scatter(
     """Write a staging buffer into the pools: token i into replica[i], slot slots[i] (every
     copy of that replica for MLA)."""
     head_range = _head_range(table, heads)
-    _check_indices(table, replica, slots)
+    check_indices(table, replica, slots)
     shape = table.staging_shape(slots.numel(), head_range)
     if staging.shape != shape or staging.dtype != table.dtype or not staging.is_contiguous():
         raise InvalidInputError(f"staging must be a contiguous {table.dtype} tensor of shape {shape}")
@@ -342,28 +348,51 @@ def _check_split(table: PoolTable, key: torch.Tensor, value: torch.Tensor, token
             )
 
 
+def _layer_range(table: PoolTable, layers: tuple[int, int] | None) -> tuple[int, int]:
+    if layers is None:
+        return 0, table.layers
+    first, end = layers
+    if not 0 <= first <= end <= table.layers:
+        raise InvalidInputError(f"layer range [{first}, {end}) is outside the pools' {table.layers} layers")
+    return first, end
+
+
 def gather_into(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, check: bool = True,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Gather straight into separate K and V tensors [layers, tokens, heads, head_dim] (for
-    MLA, `value` is ignored): token i of the request becomes token i of `key` and `value`."""
+    MLA, `value` is ignored): token i of the request becomes token i of `key` and `value`.
+
+    `layers` = (first, end) moves only those layers (into the same layers of `key` and
+    `value`): a request gathered in chunks can travel chunk by chunk. `check=False` skips
+    the index check, for a caller that ran `check_indices` once for all its chunks (the
+    check reads a flag back from the GPU, which waits for the stream)."""
     head_range = _head_range(table, heads)
-    _check_indices(table, replica, slots)
+    if check:
+        check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), head_range)
-    _launch(table, _split(key, value, table.geometry.kv), replica, slots, head_range, gather=True, tuning=tuning)
+    first, end = _layer_range(table, layers)
+    stage = _split(key[first:end], value[first:end], table.geometry.kv)
+    _launch(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
 
 
 def scatter_from(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, check: bool = True,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Scatter the first len(slots) tokens of separate K and V tensors [layers, tokens, heads,
-    head_dim] (an item as it arrived) into the pools, with no staging copy."""
+    head_dim] (an item as it arrived) into the pools, with no staging copy. `layers` and
+    `check` as for `gather_into`: a pull scatters each chunk of layers as it lands."""
     head_range = _head_range(table, heads)
-    _check_indices(table, replica, slots)
+    if check:
+        check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), head_range)
-    _launch(table, _split(key, value, table.geometry.kv), replica, slots, head_range, gather=False, tuning=tuning)
+    first, end = _layer_range(table, layers)
+    stage = _split(key[first:end], value[first:end], table.geometry.kv)
+    _launch(table, stage, replica, slots, head_range, gather=False, layers=(first, end), tuning=tuning)
 
 
 # -- plain-torch references -----------------------------------------------------------------
@@ -422,7 +451,7 @@ def gather_into_any(
     if table.device.type == "cuda":
         gather_into(table, replica, slots, key, value)
         return
-    _check_indices(table, replica, slots)
+    check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), _head_range(table, None))
     staging = gather_reference(table, replica, slots)
     tokens = slots.numel()
@@ -438,7 +467,7 @@ def scatter_from_any(
     if table.device.type == "cuda":
         scatter_from(table, key, value, replica, slots)
         return
-    _check_indices(table, replica, slots)
+    check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), _head_range(table, None))
     tokens = slots.numel()
     parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]

@@ -17,6 +17,7 @@ from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import (
     Layout,
     PoolTable,
+    check_indices,
     gather,
     gather_into,
     gather_reference,
@@ -214,3 +215,53 @@ def test_scatter_from_separate_key_and_value_equals_the_reference(case: dict[str
         for got_copy, want_copy in zip(got, want, strict=True):
             for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
                 assert same_bits(got_layer, want_layer)
+
+
+def layer_chunks(layers: int, cut: int) -> list[tuple[int, int]]:
+    """[0, layers) cut at `cut` (clamped): one or two chunks, as a pipelined transfer moves them."""
+    cut = min(cut, layers)
+    return [(first, end) for first, end in ((0, cut), (cut, layers)) if end > first]
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=cases(), cut=st.integers(0, 3))
+def test_gathering_layer_chunks_one_by_one_equals_gathering_them_all(case: dict[str, object], cut: int) -> None:
+    table, replica, slots = build(case)
+    tokens = slots.numel()
+    g = table.geometry
+    shape = (table.layers, tokens, g.heads, g.head_dim)
+    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    key = poison.view(table.dtype).view(shape)
+    value = key.clone()
+    check_indices(table, replica, slots)
+    for chunk in layer_chunks(table.layers, cut):
+        gather_into(table, replica, slots, key, value, layers=chunk, check=False)
+    expected = gather_reference(table, replica, slots)
+    assert same_bits(key, expected[:, :, 0])
+    if g.kv == 2:
+        assert same_bits(value, expected[:, :, 1])
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=cases(), cut=st.integers(0, 3))
+def test_scattering_layer_chunks_one_by_one_equals_scattering_them_all(case: dict[str, object], cut: int) -> None:
+    table, replica, slots = build(case)
+    expected_table, _, _ = build(case)
+    g = table.geometry
+    generator = torch.Generator().manual_seed(11 + case["seed"])  # type: ignore[operator]
+    shape = (table.layers, slots.numel(), g.heads, g.head_dim)
+    key, value = random_pool(shape, table.dtype, generator), random_pool(shape, table.dtype, generator)
+    for chunk in layer_chunks(table.layers, cut):
+        scatter_from(table, key, value, replica, slots, layers=chunk)
+    scatter_from(expected_table, key, value, replica, slots)
+    for got, want in zip(table.pools, expected_table.pools, strict=True):
+        for got_copy, want_copy in zip(got, want, strict=True):
+            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
+                assert same_bits(got_layer, want_layer)
+
+
+def test_a_layer_range_outside_the_pools_is_refused(small_table: PoolTable) -> None:
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    key = torch.zeros(1, 1, 2, 2, device=DEVICE)
+    with pytest.raises(InvalidInputError, match=r"layer range \[0, 2\)"):
+        gather_into(small_table, index, index, key, key, layers=(0, 2))
