@@ -59,6 +59,11 @@ class BufferedItem:
     """What the TCP transport prepared at insert: the storage's bytes."""
     ready_event: torch.cuda.Event | None = None
     """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """(offset, nbytes) ranges the storage travels in, in order (see `Deliver.segments`);
+    empty: one transfer of the whole storage."""
+    segment_ready: list[torch.cuda.Event] = field(default_factory=list)
+    """One per segment when set: a GPU send of that segment waits on it (a chunk's gather)."""
     stream: StreamState | None = None
     """Set while this is an open stream: a prefill still publishing its layers."""
     generation: int = 0

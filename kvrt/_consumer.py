@@ -52,10 +52,10 @@ from kvrt._protocol import (
 )
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, StreamAbortedError
-from kvrt._tensors import unpack
+from kvrt._tensors import layer_chunks, unpack
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
-from kvrt.transports._base import ItemTensors
+from kvrt.transports._base import Arrival, ItemTensors
 from kvrt.transports.select import make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
@@ -87,6 +87,10 @@ def _fresh(error: KVRTError) -> KVRTError:
     clone.__dict__.update(error.__dict__)
     clone.args = error.args
     return clone
+
+
+OnLanding = Callable[[m.Deliver, Arrival], None]
+"""Called by a link when a request's item starts landing (see `_Link.call`)."""
 
 
 async def _raise(error: BaseException) -> None:
@@ -124,6 +128,7 @@ class _Link:
         self._flush_scheduled = False
         self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
+        self._landing: dict[int, OnLanding] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
         """Set while the producer is connected (welcomed), cleared when it is lost."""
@@ -160,12 +165,16 @@ class _Link:
                 phase="connect",
             ) from None
 
-    async def call(self, build: Callable[[int], m.Message], *, confirm: bool = True) -> _Reply:
+    async def call(
+        self, build: Callable[[int], m.Message], *, confirm: bool = True, on_landing: OnLanding | None = None
+    ) -> _Reply:
         """Send a request and wait for its answer (or for the link to fail).
 
         A delivered item is confirmed to the producer when this returns it (unless `confirm`
         is False: then the caller must `settle` it), and given back if the caller is
-        cancelled first, so an item is never freed without reaching someone.
+        cancelled first, so an item is never freed without reaching someone. `on_landing` is
+        called once the item's receive is posted, if the transport hands out its tensors
+        before they land (GPU): a pull queues its scatters there.
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
@@ -173,6 +182,8 @@ class _Link:
         request_id, message = self.core.start_request(build)
         future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        if on_landing is not None:
+            self._landing[request_id] = on_landing
         try:
             await self._io.send([m.encode(message)])
             reply = await future
@@ -188,6 +199,7 @@ class _Link:
             raise
         finally:
             self._pending.pop(request_id, None)
+            self._landing.pop(request_id, None)
         if confirm and isinstance(reply.message, m.Deliver):
             self.settle(reply.message.item_id, keep=True)
         return reply
@@ -293,10 +305,14 @@ class _Link:
             self._send_nowait(m.Release(item_id=deliver.item_id))
             return
         try:
-            arriving = self._transport.receive(deliver, payload)
+            arrival = self._transport.receive(deliver, payload)
         except ProtocolError as exc:
             self._give_back(future, deliver, exc)
             return
+        on_landing = self._landing.get(deliver.request_id)
+        if on_landing is not None and arrival.early is not None and future is not None and not future.done():
+            on_landing(deliver, arrival)
+        arriving = arrival.complete
         if isinstance(arriving, asyncio.Future) and arriving.done():
             self._complete(future, deliver, arriving.result())  # TCP: already here
             return
@@ -512,6 +528,8 @@ class Consumer(AsyncService):
         self._links: list[_Link] = []
         self._group = group
         self._consensus: GroupConsensus | None = None
+        self._pull_stream: torch.cuda.Stream | None = None
+        """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self.counters = ConsumerCounters()
         self._closed = False
 
@@ -576,16 +594,23 @@ class Consumer(AsyncService):
         wait for a match to be inserted: 0 answers at once, None waits until one is, or
         until either side closes. Returns None on a miss.
         """
+        return await self._lookup(input_tokens, roi, timeout, what="drop_select")
+
+    async def _lookup(
+        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
+        on_landing: OnLanding | None = None,
+    ) -> KVItem | None:  # fmt: skip
+        """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no group)."""
         self._check_open()
-        query = query_bytes(input_tokens, roi, what="drop_select")
-        check_timeout(timeout, what="drop_select")
+        query = query_bytes(input_tokens, roi, what=what)
+        check_timeout(timeout, what=what)
 
         def build(request_id: int) -> m.Message:
             return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
 
         timer = _metrics.Timer("drop_select")
         try:
-            item = await self._drop_select(build, waits=timeout != 0)
+            item = await self._drop_select(build, waits=timeout != 0, on_landing=on_landing)
         except KVRTError as error:
             errors = self.counters.errors
             errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
@@ -598,11 +623,13 @@ class Consumer(AsyncService):
             )
         return item
 
-    async def _drop_select(self, build: Callable[[int], m.Message], *, waits: bool) -> KVItem | None:
+    async def _drop_select(
+        self, build: Callable[[int], m.Message], *, waits: bool, on_landing: OnLanding | None = None
+    ) -> KVItem | None:
         if self._consensus is not None:
             return await self._agreed_drop_select(build, self._consensus, waits=waits)
         if len(self._links) == 1:
-            return (await self._links[0].call(build)).item
+            return (await self._links[0].call(build, on_landing=on_landing)).item
         taken = await self._take(build, waits=waits)
         if taken is None:
             return None
@@ -721,20 +748,65 @@ class Consumer(AsyncService):
     ) -> KVItem | None:
         """Take a published prefill (as drop_select does) and write its KV into `into`: the
         item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
-        tokens as both have. Returns the item (None on a miss; then nothing is written)."""
+        tokens as both have. Returns the item (None on a miss; then nothing is written).
+
+        On a GPU, with one producer and no group, the scatter is pipelined with the transfer:
+        each chunk of layers is scattered (on a stream of the consumer's own) as soon as it
+        has landed. Work the caller then queues on its current stream sees the whole request
+        in the pools, also after a pull that failed or was cancelled midway (the slots then
+        hold a partial request)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        item = await self.drop_select(input_tokens, roi, timeout)
-        if item is None:
-            return None
-        count = min(item.key.shape[1], slots.numel())
-        from kvrt.kernels.paged_kv import per_token, scatter_from_any
+        from kvrt.kernels.paged_kv import check_indices, per_token, scatter_from, scatter_from_any
 
         replicas = per_token(replica, slots)
-        # Straight from the item as it arrived (its K and V are views of the received
-        # payload): no staging copy.
-        scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
+        check_indices(into, replicas, slots)  # bad slots are refused before any item is taken
+        if self.device.type != "cuda" or len(self._links) != 1 or self._consensus is not None:
+            item = await self._lookup(input_tokens, roi, timeout, what="pull")
+            if item is not None:
+                count = min(item.key.shape[1], slots.numel())
+                # Straight from the item as it arrived (its K and V are views of the
+                # received payload): no staging copy.
+                scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
+            return item
+
+        caller = torch.cuda.current_stream(self.device)
+        indexes_ready = torch.cuda.Event()
+        indexes_ready.record(caller)  # the slots may still be being written on the caller's stream
+        scattered: list[torch.cuda.Event] = []
+
+        def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
+            assert arrival.early is not None
+            _, _, key, value, _ = arrival.early
+            count = min(key.shape[1], slots.numel())
+            segments = deliver.segments or [(0, deliver.payload_bytes)]
+            stream = self._scatter_stream()
+            with torch.cuda.stream(stream):
+                stream.wait_event(indexes_ready)
+                for tensor in (key, value, slots, replicas):
+                    tensor.record_stream(stream)
+                for chunk in layer_chunks(deliver.key, deliver.value, segments):
+                    stream.wait_event(arrival.landed[chunk.ready])
+                    scatter_from(into, key, value, replicas[:count], slots[:count],
+                                 layers=(chunk.first, chunk.end), check=False)  # fmt: skip
+                done = torch.cuda.Event()
+                done.record(stream)
+            scattered.append(done)
+
+        try:
+            item = await self._lookup(input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands)
+        finally:
+            for done in scattered:  # the caller's later work on these slots comes after the writes
+                caller.wait_event(done)
+        if item is not None and not scattered:  # an item that came without early tensors
+            count = min(item.key.shape[1], slots.numel())
+            scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
         return item
+
+    def _scatter_stream(self) -> torch.cuda.Stream:
+        if self._pull_stream is None:
+            self._pull_stream = torch.cuda.Stream(self.device)
+        return self._pull_stream
 
     def _check_open(self) -> None:
         if self._closed:

@@ -135,6 +135,12 @@ class Cancel(Message, frozen=True, tag="cancel"):
     request_id: RequestId
 
 
+MAX_SEGMENTS: Final = 4096
+
+Segment = tuple[Annotated[int, Meta(ge=0, le=2**62)], Annotated[int, Meta(ge=1, le=2**62)]]
+"""(offset, nbytes) of one byte range of a payload."""
+
+
 class Deliver(Message, frozen=True, tag="deliver"):
     """Producer → consumer: the item for `request_id`. Its tensors travel packed in one
     payload of `payload_bytes` (TCP: the one frame after this header), each at its meta's
@@ -150,6 +156,12 @@ class Deliver(Message, frozen=True, tag="deliver"):
     value: TensorMeta
     hidden: TensorMeta | None
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
+    segments: Annotated[list[Segment], Meta(max_length=MAX_SEGMENTS)] = []
+    """Out-of-band transports (NCCL, gloo) move the payload as these (offset, nbytes) byte
+    ranges, one transfer each, in this order; together they tile the payload. Empty: one
+    transfer of the whole payload. A published prefill travels in chunks of whole layers,
+    each sent as soon as it is gathered, so the consumer can start on the first chunks
+    while the last ones are still gathered or on the wire."""
 
 
 class Miss(Message, frozen=True, tag="miss"):

@@ -38,7 +38,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import pack, pack_empty, tensor_bytes
+from kvrt._tensors import layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
 log = logging.getLogger("kvrt.producer")
 
 DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_CHUNK_BYTES = 128 << 20
+"""K and V bytes per chunk of a published request (see `register_pools`)."""
 """Consumers ping at least this often; one silent for 4 periods is dropped."""
 
 _BYE_LINGER_MS = 200
@@ -143,6 +145,7 @@ class Producer(AsyncService):
         )
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
+        self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._peer_left = asyncio.Event()
         """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -258,12 +261,19 @@ class Producer(AsyncService):
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
-    def register_pools(self, pools: PoolTable) -> None:
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
-        takes a finished prefill straight from them."""
+        takes a finished prefill straight from them.
+
+        A published request travels in chunks of whole layers holding about `chunk_bytes` of
+        K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
+        and a pulling consumer scatters it as soon as it lands."""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
+        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._pools = pools
+        self._chunk_bytes = chunk_bytes
 
     async def publish(
         self,
@@ -281,7 +291,7 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        from kvrt.kernels.paged_kv import gather_into_any, per_token
+        from kvrt.kernels.paged_kv import check_indices, gather_into, gather_into_any, per_token
 
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
@@ -301,12 +311,33 @@ class Producer(AsyncService):
             self.device,
         )  # fmt: skip
         item_tokens, item_roi, key, value, _ = packed.tensors
+        _, _, key_meta, value_meta, _ = packed.metas
         assert item_tokens is not None and key is not None and value is not None
+        assert key_meta is not None and value_meta is not None
         item_tokens.copy_(input_tokens)
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
-        gather_into_any(pools, replicas, slots, key, value)
+        layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
+        layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
+        segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
+        chunk_ready: list[torch.cuda.Event] = []
+        if self.device.type == "cuda":
+            # Chunk by chunk on the caller's stream, an event after each: a GPU send of a
+            # chunk waits for its gather alone, so the first layers are on the wire while
+            # the last are still gathered.
+            check_indices(pools, replicas, slots)
+            stream = torch.cuda.current_stream(self.device)
+            for first in range(0, pools.layers, layers_per_chunk):
+                gather_into(pools, replicas, slots, key, value,
+                            layers=(first, min(pools.layers, first + layers_per_chunk)), check=False)  # fmt: skip
+                chunk_ready.append(torch.cuda.Event())
+                chunk_ready[-1].record(stream)
+        else:
+            gather_into_any(pools, replicas, slots, key, value)
         item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
+        item.segments = segments
+        if chunk_ready:
+            item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
         await self._buffer(item)
 
     async def open_stream(

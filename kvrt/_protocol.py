@@ -602,6 +602,7 @@ def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Del
         value=value,
         hidden=hidden,
         payload_bytes=item.nbytes,
+        segments=item.segments,
     )
 
 

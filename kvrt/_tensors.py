@@ -183,3 +183,82 @@ def _dtype_of(meta: TensorMeta) -> torch.dtype:
     if dtype is None:
         raise RemoteProtocolError(f"unknown dtype {meta.dtype!r} in tensor metadata")
     return dtype
+
+
+# -- payload segments: a payload moved in chunks of whole layers -------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChunk:
+    """Layers [first, end) of an item's key and value, and the payload segments (indexes in
+    send order) that carry them: `ready` is the last of those, so a receiver that saw it land
+    has the whole chunk (segments land in send order)."""
+
+    first: int
+    end: int
+    ready: int
+
+
+def layer_segments(
+    key: TensorMeta, value: TensorMeta, payload_bytes: int, layers_per_chunk: int
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Cut a payload whose key and value are [layers, tokens, ...] into segments of whole
+    layers, in the order a pipelined transfer sends them: what precedes the key (tokens,
+    roi) first, then chunk by chunk its key layers and its value layers. Padding between
+    tensors and whatever follows the value (hidden) join the segment before them, so the
+    segments tile the payload. Returns the segments (offset, nbytes) and, for each, the
+    chunk whose gather it waits for."""
+    layers = key.shape[0] if key.shape else 0
+    if layers_per_chunk < 1:
+        raise ValueError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
+    if payload_bytes == 0:
+        return [], []
+    key_layer = _nbytes(key.shape[1:], _dtype_of(key)) if layers else 0
+    value_layer = _nbytes(value.shape[1:], _dtype_of(value)) if value.shape and value.shape[0] == layers else 0
+    nominal: list[tuple[int, int]] = [(0, 0)]  # (offset, chunk), in send order; ends come from the tiling
+    for chunk, first in enumerate(range(0, layers, layers_per_chunk)):
+        if key_layer:
+            nominal.append((key.offset + first * key_layer, chunk))
+        if value_layer:
+            nominal.append((value.offset + first * value_layer, chunk))
+    starts = sorted({offset for offset, _ in nominal if offset < payload_bytes})
+    ends = dict(zip(starts, [*starts[1:], payload_bytes], strict=True))
+    segments, chunks, seen = [], [], set()
+    for offset, chunk in nominal:
+        if offset in ends and offset not in seen:
+            seen.add(offset)
+            segments.append((offset, ends[offset] - offset))
+            chunks.append(chunk)
+    return segments, chunks
+
+
+def check_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> None:
+    """Refuse segments that do not tile [0, payload_bytes) exactly (each byte once)."""
+    position = 0
+    for offset, nbytes in sorted(segments):
+        if offset != position or nbytes < 1:
+            raise RemoteProtocolError(f"payload segments do not tile the payload: ({offset}, {nbytes}) at {position}")
+        position = offset + nbytes
+    if position != payload_bytes:
+        raise RemoteProtocolError(f"payload segments cover {position} of {payload_bytes} bytes")
+
+
+def layer_chunks(key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]]) -> list[LayerChunk]:
+    """For a receiver of `segments` (checked) in send order: consecutive layers grouped by the
+    segment after whose landing all of their key and value bytes are there."""
+    layers = key.shape[0] if key.shape else 0
+    metas = [key] + ([value] if value.shape and value.shape[0] == layers else [])
+    ranges = [(meta.offset, _nbytes(meta.shape[1:], _dtype_of(meta))) for meta in metas]
+    chunks: list[LayerChunk] = []
+    for layer in range(layers):
+        ready = 0
+        for start, layer_bytes in ranges:
+            first_byte, end_byte = start + layer * layer_bytes, start + (layer + 1) * layer_bytes
+            for index, (offset, nbytes) in enumerate(segments):
+                if offset < end_byte and first_byte < offset + nbytes:
+                    ready = max(ready, index)
+        if chunks and chunks[-1].ready == ready and chunks[-1].end == layer:
+            chunks[-1] = LayerChunk(chunks[-1].first, layer + 1, ready)
+        else:
+            chunks.append(LayerChunk(layer, layer + 1, ready))
+    return chunks

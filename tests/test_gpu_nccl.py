@@ -173,3 +173,42 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         with pytest.raises(kvrt.PeerLostError):
             await waiting
         assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 40, 16 << 20], ids=["whole", "layer-by-layer"])
+async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
+    chunk_bytes: int,
+) -> None:
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
+
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    control, child = spawn.Pipe()
+    process = spawn.Process(target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, child), daemon=True)
+    await asyncio.to_thread(process.start)
+    try:
+        assert await asyncio.to_thread(control.poll, 180), "GPU publisher did not start"
+        endpoint = control.recv()
+        pools, tokens, replica, slots = pull_request(5)
+        shape = pools[0][0][0].shape
+        target = PoolTable(
+            [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]]
+             for _ in range(3)],
+            Layout.TOKEN_MAJOR,
+        )  # fmt: skip
+        into_slots = torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
+        async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+            item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2, timeout=30)
+        assert item is not None and item.matched == tokens.numel()
+        # Read on the caller's stream, with no synchronize of kvrt's streams: the pull's fence orders it.
+        landed = [target.pools[2][0][layer][into_slots].cpu() for layer in range(PULL_LAYERS)]
+        for layer in range(PULL_LAYERS):
+            want = torch.stack([pools[int(r)][0][layer][int(s)] for r, s in zip(replica, slots, strict=True)])
+            assert same_bits(landed[layer], want)
+        assert not target.pools[0][0][0].any() and not target.pools[1][0][0].any()
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        await asyncio.to_thread(process.join, 30)
+        if process.is_alive():
+            process.kill()

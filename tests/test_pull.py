@@ -1,4 +1,4 @@
-"""Publish from paged pools, pull into paged pools: across dp replicas, bit for bit (CPU, TCP)."""
+"""Publish from paged pools, pull into paged pools: across dp replicas, bit for bit (CPU: TCP and gloo)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
-async def test_a_request_spread_over_four_replicas_lands_in_replica_two_bit_for_bit(layout: Layout) -> None:
+@pytest.mark.parametrize(
+    ("transport", "chunk_bytes"),
+    [("tcp", 1 << 30), ("gloo", 1 << 30), ("gloo", 1)],
+    ids=["tcp", "gloo-whole", "gloo-layer-by-layer"],
+)
+async def test_a_request_spread_over_four_replicas_lands_in_replica_two_bit_for_bit(
+    layout: Layout, transport: str, chunk_bytes: int
+) -> None:
     source = random_pools(4, layout, seed=1)
     target = random_pools(3, layout, copies=2 if layout is Layout.MLA else 1, seed=2)
     tokens = torch.arange(500, 512)
@@ -47,8 +54,11 @@ async def test_a_request_spread_over_four_replicas_lands_in_replica_two_bit_for_
     from_slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(3))[:12]
     into_slots = torch.arange(16, 28)
     untouched = [pool.clone() for pool in target.pools[0][0]]
-    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
-        producer.register_pools(source)
+    async with (
+        kvrt.Producer(transport=transport) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport=transport) as consumer,
+    ):
+        producer.register_pools(source, chunk_bytes=chunk_bytes)
         await producer.publish(tokens, from_slots, from_replica)
         item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
     assert item is not None and item.matched == 12
@@ -88,3 +98,14 @@ async def test_publish_needs_registered_pools_and_one_slot_per_token(producer: k
         await producer.publish(torch.arange(4), torch.arange(3))
     with pytest.raises(kvrt.InvalidInputError, match="slot index 99 is out of range"):
         await producer.publish(torch.arange(1), torch.tensor([99]))
+
+
+async def test_slots_out_of_range_are_refused_before_the_item_is_taken() -> None:
+    source, target = random_pools(1, Layout.TOKEN_MAJOR, seed=6), random_pools(1, Layout.TOKEN_MAJOR, seed=7)
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        producer.register_pools(source)
+        await producer.publish(torch.arange(4), torch.arange(4))
+        with pytest.raises(kvrt.InvalidInputError, match="slot index 32 is out of range"):
+            await consumer.pull(torch.arange(4), into=target, slots=torch.tensor([0, 1, 2, SLOTS]))
+        assert producer.stats().items == 1  # still buffered: nothing lost
+        assert await consumer.pull(torch.arange(4), into=target, slots=torch.arange(4)) is not None

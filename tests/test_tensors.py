@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import TensorMeta
-from kvrt._tensors import DTYPES, PACK_ALIGN_BYTES, pack, tensor_bytes, unpack
+from kvrt._tensors import (
+    DTYPES,
+    PACK_ALIGN_BYTES,
+    Packed,
+    check_segments,
+    layer_chunks,
+    layer_segments,
+    pack,
+    pack_empty,
+    tensor_bytes,
+    unpack,
+)
 
 CPU = torch.device("cpu")
 
@@ -110,3 +125,64 @@ def test_metadata_misaligned_for_its_dtype_is_refused() -> None:
 def test_an_unknown_dtype_is_refused() -> None:
     with pytest.raises(RemoteProtocolError, match="unknown dtype 'float7'"):
         unpack([TensorMeta("float7", [1])], memoryview(bytearray(1)))
+
+
+# -- payload segments ----------------------------------------------------------------------
+
+
+def _published_layout(layers: int, tokens: int, kv: int, with_roi: bool) -> Packed:
+    """The payload layout of a published request (tokens, roi, key, value, no hidden)."""
+    value_shape = (layers, tokens, 2, 3) if kv == 2 else (layers, tokens, 1, 0)
+    return pack_empty(
+        [((tokens,), torch.int64), ((tokens,), torch.bool) if with_roi else None,
+         ((layers, tokens, 2, 3), torch.bfloat16), (value_shape, torch.bfloat16), None],
+        torch.device("cpu"),
+    )  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layers=st.integers(1, 9),
+    tokens=st.integers(0, 7),
+    kv=st.sampled_from([1, 2]),
+    with_roi=st.booleans(),
+    per_chunk=st.integers(1, 10),
+)
+def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_segments(
+    layers: int, tokens: int, kv: int, with_roi: bool, per_chunk: int
+) -> None:
+    packed = _published_layout(layers, tokens, kv, with_roi)
+    _, _, key, value, _ = packed.metas
+    assert key is not None and value is not None
+    size = packed.storage.numel()
+    segments, chunk_of = layer_segments(key, value, size, per_chunk)
+    check_segments(segments, size)  # every byte once
+    if size == 0:
+        assert segments == []
+        return
+    assert chunk_of == sorted(chunk_of)  # sent in gather order
+    chunks = layer_chunks(key, value, segments)
+    assert chunks[0].first == 0 and chunks[-1].end == layers
+    assert all(a.end == b.first and a.ready < b.ready for a, b in itertools.pairwise(chunks))
+    for chunk in chunks:  # the segment a chunk waits for is sent after every byte of its layers
+        for layer in range(chunk.first, chunk.end):
+            for meta in (key, value) if kv == 2 else (key,):
+                layer_bytes = packed.tensors[2].nbytes // layers  # type: ignore[union-attr]
+                first = meta.offset + layer * layer_bytes
+                carriers = [i for i, (o, n) in enumerate(segments) if o < first + layer_bytes and first < o + n]
+                assert layer_bytes == 0 or max(carriers) <= chunk.ready
+        assert chunk_of[chunk.ready] == (chunk.end - 1) // per_chunk or tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [
+        ([(0, 10), (12, 8)], "do not tile"),
+        ([(0, 10), (5, 15)], "do not tile"),
+        ([(0, 10)], "cover 10 of 20 bytes"),
+        ([(0, 10), (10, 10), (20, 1)], "cover 21 of 20 bytes"),
+    ],
+)
+def test_segments_that_do_not_tile_the_payload_are_refused(segments: list[tuple[int, int]], message: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=message):
+        check_segments(segments, 20)

@@ -39,6 +39,12 @@ def main(out: Path) -> int:
         print("kernels: variant | GB/s | of copy")
         for row in rows:
             print(f"  {row['variant']:<42} | {row['gbps']:6.0f} | {100 * row['gbps'] / ceiling:5.1f}%")
+    pull = out / "pull.json"
+    if pull.exists():
+        data = json.loads(pull.read_text())
+        print(f"pull: raw NCCL {data['raw_s'] * 1e3:.2f} ms; chunk MiB | end to end | of raw")
+        for row in data["rows"]:
+            print(f"  {row['chunk_mib']:>6.0f} | {row['end_to_end_s'] * 1e3:7.2f} ms | {100 * row['ratio']:5.0f}%")
     return 0
 
 

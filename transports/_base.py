@@ -19,8 +19,10 @@ Producer side, all on the producer's event loop:
 Consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
-  out-of-band transport must post its receives in. Posts now; the returned awaitable gives
-  the five tensors on the consumer's device, which the consumer then owns.
+  out-of-band transport must post its receives in. Posts now; the returned `Arrival`'s
+  `complete` gives the five tensors on the consumer's device, which the consumer then owns.
+  A GPU transport also hands out the tensors at once with an event per payload segment,
+  so that a pull can scatter the first layers while the last are still on the wire.
 
 Both: `aclose` when the producer or consumer closes.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -38,6 +41,20 @@ from kvrt._messages import Deliver
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """input_tokens, roi, key, value, hidden: the order they travel in."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A posted receive."""
+
+    complete: Awaitable[ItemTensors]
+    """The five tensors, once the whole item has landed."""
+    early: ItemTensors | None = None
+    """GPU transports: the same tensors at once, to be read only on a stream that waited on
+    the `landed` event of the segments it reads."""
+    landed: tuple[torch.cuda.Event, ...] = ()
+    """One event per payload segment (`Deliver.segments`, or one for the whole payload), in
+    send order, recorded on the receive stream after that segment's receive."""
 
 
 class Transport(abc.ABC):
@@ -62,8 +79,8 @@ class Transport(abc.ABC):
         """Consumer side: join the producer's rendezvous (nothing by default)."""
 
     @abc.abstractmethod
-    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
-        """Consumer side: post the receive of one item now; await its tensors."""
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
+        """Consumer side: post the receive of one item now."""
 
     async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release threads, streams and pairs."""

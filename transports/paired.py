@@ -44,8 +44,8 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
 from kvrt._messages import Deliver
-from kvrt._tensors import unpack_tensor
-from kvrt.transports._base import ItemTensors, Transport
+from kvrt._tensors import check_segments, unpack_tensor
+from kvrt.transports._base import Arrival, ItemTensors, Transport
 
 _PRODUCER_RANK = 0
 _CONSUMER_RANK = 1
@@ -139,15 +139,20 @@ class PairedTransport(Transport):
             return []
         while pair.sends and pair.sends[0].is_completed():
             pair.sends.popleft()  # a gloo send must stay referenced until it ran
+        segments = item.segments or [(0, item.storage.numel())]
         if self._streams is not None:
             send_stream = self._streams[0]
             with self._on_device(), torch.cuda.stream(send_stream):
-                if item.ready_event is not None:
+                if item.ready_event is not None and not item.segment_ready:
                     send_stream.wait_event(item.ready_event)
                 item.storage.record_stream(send_stream)
-                pair.sends.append(group.send([item.storage], _CONSUMER_RANK, _TAG))
+                for index, (offset, nbytes) in enumerate(segments):
+                    if item.segment_ready:  # a published chunk leaves as soon as it is gathered
+                        send_stream.wait_event(item.segment_ready[index])
+                    pair.sends.append(group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG))
         else:
-            pair.sends.append(group.send([item.storage], _CONSUMER_RANK, _TAG))
+            for offset, nbytes in segments:
+                pair.sends.append(group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG))
         return []
 
     def forget(self, peer: bytes) -> None:
@@ -176,7 +181,7 @@ class PairedTransport(Transport):
                 phase="connect",
             ) from None
 
-    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         if frames:
             raise RemoteProtocolError(f"a {self.backend} deliver carries no payload frames, {len(frames)} came")
         if deliver.payload_bytes > _MAX_PAYLOAD_BYTES:
@@ -184,35 +189,50 @@ class PairedTransport(Transport):
         pair = self._pair
         if pair is None or not pair.established.done():
             raise RemoteProtocolError(f"deliver arrived before the {self.backend} pair was established")
-        group = pair.established.result()
-        payload = torch.empty(deliver.payload_bytes, dtype=torch.uint8, device=self.device)
+        segments = deliver.segments or ([(0, deliver.payload_bytes)] if deliver.payload_bytes else [])
+        check_segments(segments, deliver.payload_bytes)
         metas = (deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden)
-        if deliver.payload_bytes == 0:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return self._unpacked(done, metas, payload)
+        payload = torch.empty(deliver.payload_bytes, dtype=torch.uint8, device=self.device)
+        tensors = self._unpacked(metas, payload)  # refuses lying metas before anything is posted
+        group = pair.established.result()
+        if not segments:
+            done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
+            done.set_result(tensors)
+            return Arrival(done)
         wait: Callable[[], None]
+        landed: list[torch.cuda.Event] = []
         if self._streams is not None:
             receive_stream = self._streams[1]
             with self._on_device(), torch.cuda.stream(receive_stream):
                 payload.record_stream(receive_stream)
-                work = group.recv([payload], _PRODUCER_RANK, _TAG)
-                work.wait()  # the receive stream waits for NCCL's; the host does not
-                event = torch.cuda.Event()
-                event.record(receive_stream)
-            wait = event.synchronize
-        else:
-            work = group.recv([payload], _PRODUCER_RANK, _TAG)
-            wait = work.wait
+                for offset, nbytes in segments:
+                    work = group.recv([payload[offset : offset + nbytes]], _PRODUCER_RANK, _TAG)
+                    work.wait()  # the receive stream waits for NCCL's; the host does not
+                    event = torch.cuda.Event()
+                    event.record(receive_stream)
+                    landed.append(event)
+            wait = landed[-1].synchronize
+        else:  # gloo
+            works = [group.recv([payload[start : start + size]], _PRODUCER_RANK, _TAG) for start, size in segments]
+
+            def wait() -> None:
+                for work in works:
+                    work.wait()
+
         # Receives complete in the order they were posted, so one waiting thread suffices.
         completed = asyncio.wrap_future(self._waiter.submit(wait))
-        return self._unpacked(completed, metas, payload)
+        return Arrival(self._after(completed, tensors), tensors if landed else None, tuple(landed))
 
-    async def _unpacked(self, completed: Awaitable[None], metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
-        await completed
+    @staticmethod
+    def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
         input_tokens, roi, key, value, hidden = unpack_tensor(metas, payload)
         assert input_tokens is not None and key is not None and value is not None
         return input_tokens, roi, key, value, hidden
+
+    @staticmethod
+    async def _after(completed: Awaitable[None], tensors: ItemTensors) -> ItemTensors:
+        await completed
+        return tensors
 
     async def aclose(self) -> None:
         for pair in self._pairs.values():

@@ -9,7 +9,7 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 import torch
 import zmq
@@ -18,7 +18,7 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import Deliver
 from kvrt._tensors import tensor_bytes, unpack
-from kvrt.transports._base import ItemTensors, Transport
+from kvrt.transports._base import Arrival, ItemTensors, Transport
 
 
 class TcpTransport(Transport):
@@ -35,7 +35,7 @@ class TcpTransport(Transport):
             item.frames = [tensor_bytes(item.storage.cpu())]
         return item.frames
 
-    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Awaitable[ItemTensors]:
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         if len(frames) != 1:
             raise RemoteProtocolError(f"deliver needs one payload frame, {len(frames)} followed")
         buffer = frames[0].buffer
@@ -49,4 +49,4 @@ class TcpTransport(Transport):
         assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
         done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
         done.set_result((input_tokens, roi, key, value, hidden))
-        return done
+        return Arrival(done)
