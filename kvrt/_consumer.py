@@ -9,6 +9,7 @@ on one link at once; replies are matched to them by request id, in any order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -529,6 +530,8 @@ class Consumer(AsyncService):
         self._group = group
         self._consensus: GroupConsensus | None = None
         self._pull_stream: torch.cuda.Stream | None = None
+        self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
+        """Queues a pull's scatters, in order, off the loop (see `pull`)."""
         """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self.counters = ConsumerCounters()
         self._closed = False
@@ -570,6 +573,8 @@ class Consumer(AsyncService):
             await self._consensus.aclose()
         for link in self._links:
             await link.aclose()
+        if self._scatters is not None:
+            self._scatters.shutdown(wait=False)  # queued scatters still run: they only enqueue GPU work
         if self._context is not None:
             self._context.term()
 
@@ -773,35 +778,47 @@ class Consumer(AsyncService):
         caller = torch.cuda.current_stream(self.device)
         indexes_ready = torch.cuda.Event()
         indexes_ready.record(caller)  # the slots may still be being written on the caller's stream
-        scattered: list[torch.cuda.Event] = []
+        queued: list[concurrent.futures.Future[torch.cuda.Event]] = []
 
-        def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
-            assert arrival.early is not None
-            _, _, key, value, _ = arrival.early
+        def queue_scatters(
+            deliver: m.Deliver, key: torch.Tensor, value: torch.Tensor, landed: Sequence[torch.cuda.Event]
+        ) -> torch.cuda.Event:
+            """In the scatter thread (Triton may compile on a first launch; the loop must not
+            wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
             count = min(key.shape[1], slots.numel())
-            segments = deliver.segments or [(0, deliver.payload_bytes)]
             stream = self._scatter_stream()
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
                     tensor.record_stream(stream)
-                for chunk in layer_chunks(deliver.key, deliver.value, segments):
-                    stream.wait_event(arrival.landed[chunk.ready])
+                for chunk in layer_chunks(deliver.key, deliver.value, deliver.segments or [(0, deliver.payload_bytes)]):
+                    stream.wait_event(landed[chunk.ready])
                     scatter_from(into, key, value, replicas[:count], slots[:count],
                                  layers=(chunk.first, chunk.end), check=False)  # fmt: skip
                 done = torch.cuda.Event()
                 done.record(stream)
-            scattered.append(done)
+            return done
+
+        def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
+            assert arrival.early is not None
+            _, _, key, value, _ = arrival.early
+            queued.append(self._scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
 
         try:
             item = await self._lookup(input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands)
         finally:
-            for done in scattered:  # the caller's later work on these slots comes after the writes
+            for job in queued:  # the caller's later work on these slots comes after the writes
+                done: torch.cuda.Event = await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
-        if item is not None and not scattered:  # an item that came without early tensors
+        if item is not None and not queued:  # an item that came without early tensors
             count = min(item.key.shape[1], slots.numel())
             scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
         return item
+
+    def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._scatters is None:
+            self._scatters = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-scatter")
+        return self._scatters
 
     def _scatter_stream(self) -> torch.cuda.Stream:
         if self._pull_stream is None:

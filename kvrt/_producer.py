@@ -322,16 +322,22 @@ class Producer(AsyncService):
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
         chunk_ready: list[torch.cuda.Event] = []
         if self.device.type == "cuda":
-            # Chunk by chunk on the caller's stream, an event after each: a GPU send of a
-            # chunk waits for its gather alone, so the first layers are on the wire while
-            # the last are still gathered.
             check_indices(pools, replicas, slots)
-            stream = torch.cuda.current_stream(self.device)
-            for first in range(0, pools.layers, layers_per_chunk):
-                gather_into(pools, replicas, slots, key, value,
-                            layers=(first, min(pools.layers, first + layers_per_chunk)), check=False)  # fmt: skip
-                chunk_ready.append(torch.cuda.Event())
-                chunk_ready[-1].record(stream)
+            caller = torch.cuda.current_stream(self.device)
+
+            def queue_gathers() -> None:
+                """Chunk by chunk on the caller's stream, an event after each: a GPU send of a
+                chunk waits for its gather alone, so the first layers are on the wire while
+                the last are still gathered. In a worker thread: Triton may compile on a
+                first launch, and the loop must not wait for that."""
+                with torch.cuda.device(self.device), torch.cuda.stream(caller):
+                    for first in range(0, pools.layers, layers_per_chunk):
+                        chunk = (first, min(pools.layers, first + layers_per_chunk))
+                        gather_into(pools, replicas, slots, key, value, layers=chunk, check=False)
+                        chunk_ready.append(torch.cuda.Event())
+                        chunk_ready[-1].record(caller)
+
+            await asyncio.to_thread(queue_gathers)
         else:
             gather_into_any(pools, replicas, slots, key, value)
         item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
