@@ -163,7 +163,10 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
     raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+# `tokens` and `first_layer` change from call to call and are not used in any address's
+# alignment: specializing on them (Triton does for values 1 and multiples of 16) would
+# compile a new variant for a new request length or chunk start, mid-transfer.
+@triton.jit(do_not_specialize=["tokens", "first_layer"])  # type: ignore[untyped-decorator]
 def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
     replica,  # int64 [tokens]

@@ -54,6 +54,7 @@ from kvrt._protocol import (
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, StreamAbortedError
 from kvrt._tensors import layer_chunks, unpack
+from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
@@ -787,7 +788,7 @@ class Consumer(AsyncService):
             wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
             count = min(key.shape[1], slots.numel())
             stream = self._scatter_stream()
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
                     tensor.record_stream(stream)
@@ -817,7 +818,7 @@ class Consumer(AsyncService):
 
     def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._scatters is None:
-            self._scatters = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-scatter")
+            self._scatters = gpu_worker(self.device, "kvrt-scatter")
         return self._scatters
 
     def _scatter_stream(self) -> torch.cuda.Stream:

@@ -9,6 +9,7 @@ holds more than `buffer_bytes`, copies the tensors, and gives the item to the co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -39,6 +40,7 @@ from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
 from kvrt._tensors import layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -146,6 +148,8 @@ class Producer(AsyncService):
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
+        self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
+        """Queues a publish's gathers off the loop (see `publish`)."""
         self._peer_left = asyncio.Event()
         """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -202,6 +206,8 @@ class Producer(AsyncService):
         self._release_departed()
         for transport in self._transports.values():
             await transport.aclose()
+        if self._gathers is not None:
+            self._gathers.shutdown(wait=False)
         if self._serve_task is not None:
             self._serve_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -330,14 +336,14 @@ class Producer(AsyncService):
                 chunk waits for its gather alone, so the first layers are on the wire while
                 the last are still gathered. In a worker thread: Triton may compile on a
                 first launch, and the loop must not wait for that."""
-                with torch.cuda.device(self.device), torch.cuda.stream(caller):
+                with torch.cuda.stream(caller):
                     for first in range(0, pools.layers, layers_per_chunk):
                         chunk = (first, min(pools.layers, first + layers_per_chunk))
                         gather_into(pools, replicas, slots, key, value, layers=chunk, check=False)
                         chunk_ready.append(torch.cuda.Event())
                         chunk_ready[-1].record(caller)
 
-            await asyncio.to_thread(queue_gathers)
+            await asyncio.wrap_future(self._gather_thread().submit(queue_gathers))
         else:
             gather_into_any(pools, replicas, slots, key, value)
         item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
@@ -345,6 +351,11 @@ class Producer(AsyncService):
         if chunk_ready:
             item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
         await self._buffer(item)
+
+    def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._gathers is None:
+            self._gathers = gpu_worker(self.device, "kvrt-gather")
+        return self._gathers
 
     async def open_stream(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None, *, layers: int

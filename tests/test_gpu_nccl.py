@@ -194,14 +194,21 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
     try:
         assert await asyncio.to_thread(control.poll, 180), "GPU publisher did not start"
         endpoint = control.recv()
-        pools, tokens, replica, slots = pull_request(5)
-        shape = pools[0][0][0].shape
-        target = PoolTable(
-            [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]]
-             for _ in range(3)],
-            Layout.TOKEN_MAJOR,
-        )  # fmt: skip
-        into_slots = torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
+
+        def build() -> tuple[Any, ...]:  # in a thread: generating 1 GiB of pools is no work for the loop
+            torch.cuda.set_device(CONSUMER_DEVICE)
+            pools, tokens, replica, slots = pull_request(5)
+            shape = pools[0][0][0].shape
+            target = PoolTable(
+                [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]]
+                 for _ in range(3)],
+                Layout.TOKEN_MAJOR,
+            )  # fmt: skip
+            into_slots = torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            return pools, tokens, replica, slots, target, into_slots
+
+        pools, tokens, replica, slots, target, into_slots = await asyncio.to_thread(build)
         async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
             item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2, timeout=30)
         assert item is not None and item.matched == tokens.numel()

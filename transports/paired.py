@@ -61,6 +61,10 @@ def _process_group(backend: str, store: Store, rank: int, timeout: datetime.time
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
+    # NCCL's kernels run on the group's internal streams: high priority lets them take SMs
+    # ahead of a concurrent gather, scatter or compute kernel that would otherwise hold
+    # every SM and keep the transfer waiting.
+    options.is_high_priority_stream = True
     return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
