@@ -33,9 +33,16 @@ def timed(call: Callable[[], Any], count: int = N) -> tuple[float, list[Any]]:
     return median_us(samples), results
 
 
-def rank_main(rank: int, port: int, avoid_record_streams: bool, results: Any) -> None:
-    if avoid_record_streams:
-        os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "no flight recorder": {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_BUFFER_SIZE": "0"},
+    "avoid record_stream": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
+    "no async error handling": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+}
+
+
+def rank_main(rank: int, port: int, variant: str, results: Any) -> None:
+    os.environ.update(VARIANTS[variant])
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     from kvrt.transports.paired import _process_group
@@ -73,7 +80,7 @@ def rank_main(rank: int, port: int, avoid_record_streams: bool, results: Any) ->
     out["p2p_side_stream_event_us"], works = timed(p2p_on_side_stream)
     torch.cuda.synchronize()
     del works
-    if hasattr(group, "_start_coalescing"):
+    try:
         group.allreduce([torch.ones(1, device=device)]).wait()
         torch.cuda.synchronize()
 
@@ -86,6 +93,8 @@ def rank_main(rank: int, port: int, avoid_record_streams: bool, results: Any) ->
         out["8_coalesced_us"], works = timed(eight_coalesced, 50)
         torch.cuda.synchronize()
         del works
+    except Exception as error:  # a diagnostic: report and go on
+        print(f"rank {rank} {variant}: coalescing failed: {error!r}"[:300], flush=True)
     out["event_create_record_us"], _ = timed(lambda: torch.cuda.Event().record())
     cached = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     del cached
@@ -94,25 +103,25 @@ def rank_main(rank: int, port: int, avoid_record_streams: bool, results: Any) ->
     out["exchange_device_us"], _ = timed(
         lambda: torch.cuda._exchange_device(other) and torch.cuda._exchange_device(rank), 20
     )
-    results.put((rank, avoid_record_streams, out))
+    results.put((rank, variant, out))
 
 
 def main() -> int:
     import socket
 
     results = spawn.Queue()
-    for avoid in (False, True):
+    for variant in VARIANTS:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        ranks = [spawn.Process(target=rank_main, args=(rank, port, avoid, results)) for rank in (0, 1)]
+        ranks = [spawn.Process(target=rank_main, args=(rank, port, variant, results)) for rank in (0, 1)]
         for process in ranks:
             process.start()
         for process in ranks:
             process.join(120)
     while not results.empty():
-        rank, avoid, out = results.get()
-        print(f"rank {rank} avoid_record_streams={avoid}: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
+        rank, variant, out = results.get()
+        print(f"rank {rank} {variant}: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     return 0
 
 
