@@ -293,7 +293,7 @@ class GroupConsensus:
                 work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
                 assert work is not None
                 work.wait()  # the consensus stream waits for NCCL's; the host does not
-                finished = torch.cuda.Event()
+                finished = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
                 finished.record(self._stream)
             await asyncio.shield(asyncio.wrap_future(self._waiter.submit(finished.synchronize)))
             with torch.cuda.stream(self._stream):

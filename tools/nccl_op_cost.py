@@ -98,7 +98,7 @@ def rank_main(rank: int, port: int, variant: str, results: Any) -> None:
     out["event_create_record_us"], _ = timed(lambda: torch.cuda.Event().record())
     cached = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     del cached
-    out["empty_1gib_cached_us"], _ = timed(lambda: torch.empty(1 << 30, dtype=torch.uint8, device=device), 50)
+    out["empty_1gib_cached_us"], _ = timed(lambda: torch.empty(1 << 30, dtype=torch.uint8, device=device).numel(), 50)
     other = 1 - rank
     out["exchange_device_us"], _ = timed(
         lambda: torch.cuda._exchange_device(other) and torch.cuda._exchange_device(rank), 20

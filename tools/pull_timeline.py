@@ -1,0 +1,164 @@
+"""Where the time of `kvrt bench pull` goes: host and GPU timestamps of one pull per chunk size.
+
+python3 tools/pull_timeline.py OUT_DIR       (two CUDA devices; writes OUT_DIR/timeline-*.json)
+
+Runs the benchmark with its producer and consumer patched to note, on the host's monotonic
+clock: the publish's start, each gather chunk's launch and GPU completion, the send's
+enqueue; the Deliver's arrival, each segment's landing (GPU), each scatter's completion
+(GPU), and the pull's return. GPU times are mapped to the host clock through an anchor
+event recorded on an idle stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing.connection
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OUT = Path("/tmp/kvrt-timeline")
+
+
+class _TimedEvent(torch.cuda.Event):
+    def __new__(cls, enable_timing: bool = True, blocking: bool = False, interprocess: bool = False) -> Any:
+        return super().__new__(cls, enable_timing=True, blocking=blocking, interprocess=interprocess)
+
+
+class Clock:
+    """GPU events of one device mapped to host time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.anchor = _TimedEvent()
+        self.anchor.record(self.stream)
+        self.anchor.synchronize()
+        self.host = time.perf_counter()
+        self.pending: list[tuple[str, torch.cuda.Event]] = []
+        self.marks: list[tuple[str, float]] = []
+
+    def host_mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def gpu_mark(self, name: str, event: torch.cuda.Event) -> None:
+        self.pending.append((name, event))
+
+    def resolve(self) -> list[tuple[str, float]]:
+        for name, event in self.pending:
+            event.synchronize()
+            self.marks.append((name, self.host + self.anchor.elapsed_time(event) / 1e3))
+        self.pending.clear()
+        marks, self.marks = sorted(self.marks, key=lambda mark: mark[1]), []
+        return marks
+
+
+def _patch(device: str, side: str) -> Clock:
+    import kvrt._producer as producer_module
+    import kvrt.kernels.paged_kv as kernels
+    from kvrt.transports.paired import PairedTransport
+
+    torch.cuda.Event = _TimedEvent  # type: ignore[misc]  # every event kvrt makes can be timed
+    clock = Clock(torch.device(device))
+    if side == "producer":
+        publish = producer_module.Producer.publish
+        send = PairedTransport.send
+        gather_into = kernels.gather_into
+
+        async def timed_publish(self: Any, *args: Any, **kwargs: Any) -> None:
+            clock.host_mark("publish starts")
+            await publish(self, *args, **kwargs)
+            clock.host_mark("publish returns")
+
+        def timed_gather(*args: Any, **kwargs: Any) -> None:
+            gather_into(*args, **kwargs)
+            clock.host_mark(f"gather {kwargs.get('layers')} queued")
+
+        async def timed_send(self: Any, peer: bytes, item: Any) -> Any:
+            clock.host_mark("send starts")
+            frames = await send(self, peer, item)
+            clock.host_mark(f"{len(item.segments or [0])} sends queued")
+            for index, event in enumerate(dict.fromkeys(item.segment_ready)):
+                clock.gpu_mark(f"gather chunk {index} done (gpu)", event)
+            return frames
+
+        producer_module.Producer.publish = timed_publish  # type: ignore[method-assign]
+        kernels.gather_into = timed_gather
+        PairedTransport.send = timed_send  # type: ignore[method-assign]
+    else:
+        receive = PairedTransport.receive
+        scatter_from = kernels.scatter_from
+
+        def timed_receive(self: Any, deliver: Any, frames: Any) -> Any:
+            clock.host_mark("deliver arrives")
+            arrival = receive(self, deliver, frames)
+            clock.host_mark(f"{len(arrival.landed)} receives posted")
+            for index, event in enumerate(arrival.landed):
+                clock.gpu_mark(f"segment {index} landed (gpu)", event)
+            return arrival
+
+        def timed_scatter(*args: Any, **kwargs: Any) -> None:
+            scatter_from(*args, **kwargs)
+            done = _TimedEvent()
+            done.record()
+            clock.gpu_mark(f"scatter {kwargs.get('layers')} done (gpu)", done)
+
+        PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        kernels.scatter_from = timed_scatter
+    return clock
+
+
+def timeline_producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._bench import pull
+
+    torch.cuda.set_device(pull.PRODUCER_DEVICE)
+    clock = _patch(pull.PRODUCER_DEVICE, "producer")
+    original_send = control.send
+
+    class Control:  # notes the timeline whenever the producer reports a round
+        def __getattr__(self, name: str) -> Any:
+            return getattr(control, name)
+
+        def send(self, message: Any) -> None:
+            if isinstance(message, float):
+                marks = clock.resolve()
+                (OUT / f"timeline-producer-{message:.6f}.json").write_text(json.dumps(marks))
+            original_send(message)
+
+    pull._producer(store_port, Control())  # type: ignore[arg-type]
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+    OUT.mkdir(parents=True, exist_ok=True)
+    from kvrt._bench import pull
+
+    torch.cuda.set_device(pull.CONSUMER_DEVICE)
+    clock = _patch(pull.CONSUMER_DEVICE, "consumer")
+    pull._producer = timeline_producer  # type: ignore[assignment]
+    result = pull.main(argparse.Namespace(json=str(OUT / "pull.json")))
+    marks = clock.resolve()
+    (OUT / "timeline-consumer.json").write_text(json.dumps(marks))
+    producer_marks = sorted(
+        (mark for path in OUT.glob("timeline-producer-*.json") for mark in json.loads(path.read_text())),
+        key=lambda mark: mark[1],
+    )
+    everything = sorted(
+        [("P " + n, t) for n, t in producer_marks] + [("C " + n, t) for n, t in marks], key=lambda m: m[1]
+    )
+    starts = [t for n, t in everything if n == "P publish starts"]
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else float("inf")
+        print(f"\n-- round {index}")
+        for name, at in everything:
+            if start <= at < end:
+                print(f"  {1e3 * (at - start):8.2f} ms  {name}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
