@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import multiprocessing.connection
 import sys
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-OUT = Path("/tmp/kvrt-timeline")
+OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-timeline"))
 
 
 class _TimedEvent(torch.cuda.Event):
@@ -135,6 +136,7 @@ def main() -> int:
     global OUT
     OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
     OUT.mkdir(parents=True, exist_ok=True)
+    os.environ["KVRT_TIMELINE_OUT"] = str(OUT)  # the producer process inherits it
     from kvrt._bench import pull
 
     torch.cuda.set_device(pull.CONSUMER_DEVICE)

@@ -90,6 +90,13 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     asyncio.run(main())
 
 
+def _from_producer(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
+    """The producer's next message; an error, not a hang, if it died."""
+    if not control.poll(timeout_s):
+        raise RuntimeError(f"the benchmark's producer process said nothing for {timeout_s} s")
+    return control.recv()
+
+
 def main(args: argparse.Namespace) -> int:
     from torch._C._distributed_c10d import TCPStore
 
@@ -125,12 +132,12 @@ def main(args: argparse.Namespace) -> int:
                for _ in range(LAYERS)]]],
             Layout.TOKEN_MAJOR,
         )  # fmt: skip
-        endpoint = control.recv()
+        endpoint = _from_producer(control)
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 control.send("warm")
-                assert await asyncio.to_thread(control.recv) == "warmed"
+                assert await asyncio.to_thread(_from_producer, control) == "warmed"
                 warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
                 warm = await consumer.pull(torch.arange(WARMUP_TOKENS) - WARMUP_TOKENS, into=target, slots=warm_slots)
                 assert warm is not None
@@ -146,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
                     item = await pull
                     torch.cuda.synchronize(CONSUMER_DEVICE)
                     ended = time.perf_counter()
-                    started = await asyncio.to_thread(control.recv)
+                    started = await asyncio.to_thread(_from_producer, control)
                     if item is None or item.matched != TOKENS:
                         raise RuntimeError("the published request did not arrive")
                     del item
