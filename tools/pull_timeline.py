@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import multiprocessing.connection
+import os
 import sys
 import time
 from pathlib import Path
