@@ -138,15 +138,22 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
 
 
 def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
-    """Refuse replica or slot indexes outside the pools, before anything is launched."""
-    for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
+    """Refuse replica or slot indexes outside the pools, before anything is launched (one flag
+    read back from the device when all are in range)."""
+    bounds = (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots))
+    for name, index, _ in bounds:
         if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
             raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
-        if index.numel() and bool(((index < 0) | (index >= bound)).any()):
-            bad = index[(index < 0) | (index >= bound)][0].item()
-            raise InvalidInputError(f"{name} index {bad} is out of range [0, {bound})")
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
+    if not slots.numel() or not bool(
+        ((replica < 0) | (replica >= table.replicas) | (slots < 0) | (slots >= table.geometry.slots)).any()
+    ):
+        return
+    for name, index, bound in bounds:
+        outside = (index < 0) | (index >= bound)
+        if bool(outside.any()):
+            raise InvalidInputError(f"{name} index {index[outside][0].item()} is out of range [0, {bound})")
 
 
 def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) -> tuple[torch.dtype, int]:

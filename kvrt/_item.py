@@ -143,14 +143,15 @@ def buffered_item(
     return item_from_packed(pack(tensors, device), item_id=item_id, seq=seq)
 
 
-def item_from_packed(packed: Packed, *, item_id: int, seq: int) -> BufferedItem:
-    """An item for the buffer over an already packed and filled buffer (no copy)."""
+def item_from_packed(packed: Packed, *, item_id: int, seq: int, masked: np.ndarray | None = None) -> BufferedItem:
+    """An item for the buffer over an already packed and filled buffer (no copy). `masked`:
+    its lookup key, if the caller read it already (reading it waits for the device)."""
     input_tokens, roi, key, value, hidden = packed.tensors
     assert input_tokens is not None and key is not None and value is not None  # packed from tensors
     return BufferedItem(
         item_id=item_id,
         seq=seq,
-        masked_tokens=masked_tokens(input_tokens, roi),
+        masked_tokens=masked_tokens(input_tokens, roi) if masked is None else masked,
         storage=packed.storage,
         metas=packed.metas,
         input_tokens=input_tokens,

@@ -35,7 +35,7 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens
+from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens, masked_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
@@ -323,6 +323,9 @@ class Producer(AsyncService):
         item_tokens.copy_(input_tokens)
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
+        # The lookup key is read back now, before the gathers are queued: reading it later
+        # would wait for them all and hold the first chunk's send back (seen on an H200 host).
+        masked = masked_tokens(input_tokens, roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
@@ -346,7 +349,9 @@ class Producer(AsyncService):
             await asyncio.wrap_future(self._gather_thread().submit(queue_gathers))
         else:
             gather_into_any(pools, replicas, slots, key, value)
-        item = item_from_packed(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
+        item = item_from_packed(
+            packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
+        )
         item.segments = segments
         if chunk_ready:
             item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
@@ -481,7 +486,15 @@ class Producer(AsyncService):
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:
                             continue  # the peer left meanwhile; the core took the item back
-                        frames = await self._transports[transport_name].send(send.peer, send.item)
+                        transport = self._transports[transport_name]
+                        if transport.out_of_band:
+                            # The header first: the consumer posts its receives while the sends
+                            # are queued here (one per chunk of a publish). Under this lock an
+                            # item's header and sends still go before the next item's.
+                            await io.send([send.peer, m.encode(message)])
+                            await transport.send(send.peer, send.item)
+                            continue
+                        frames = await transport.send(send.peer, send.item)
                     await io.send([send.peer, m.encode(message), *frames])
                 except zmq.ZMQError as exc:
                     error = translate_zmq_error(exc, endpoint=self.endpoint)

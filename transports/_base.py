@@ -9,10 +9,10 @@ Producer side, all on the producer's event loop:
   NCCL records the event its send will wait for.
 * `offer`: once per consumer that chose this transport in its hello; returns what the
   consumer needs to join (sent in the welcome). Transports without pairs return {}.
-* `send`: the producer's send path, once per Deliver, under the producer's send lock and
-  right before the Deliver header leaves. Returns the frames that travel with the header
-  (TCP: the packed bytes, zero-copy); out-of-band transports issue their send and return
-  none. The producer keeps the item, so its storage, until the consumer answers
+* `send`: the producer's send path, once per Deliver, under the producer's send lock:
+  right before the Deliver header leaves, returning the frames that travel with it (TCP:
+  the packed bytes, zero-copy); or, for `out_of_band` transports, right after it left,
+  issuing their sends and returning none. The producer keeps the item, so its storage, until the consumer answers
   `Received`: a transport may read it until then without copying.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
 
@@ -60,6 +60,9 @@ class Arrival:
 class Transport(abc.ABC):
     name: str
     """What the handshake calls it: "tcp", "nccl", "gloo"."""
+    out_of_band: bool = False
+    """True when the bytes never travel with the Deliver header (NCCL, gloo): the producer
+    then sends the header before `send`, so that the consumer posts its receives early."""
 
     def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""

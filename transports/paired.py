@@ -102,6 +102,7 @@ class PairedTransport(Transport):
         if backend == "gloo" and device.type != "cpu":
             raise InvalidInputError(f"the gloo transport moves CPU tensors, got {device}")
         self.name = backend
+        self.out_of_band = True
         self.backend = backend
         self.device = device
         self._store_host = store_host
