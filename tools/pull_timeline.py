@@ -75,8 +75,23 @@ def _patch(device: str, side: str) -> Clock:
             clock.host_mark("publish returns")
 
         def timed_gather(*args: Any, **kwargs: Any) -> None:
+            clock.host_mark(f"gather {kwargs.get('layers')} called")
             gather_into(*args, **kwargs)
             clock.host_mark(f"gather {kwargs.get('layers')} queued")
+
+        def marked(function: Any, name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                clock.host_mark(f"{name} called")
+                result = function(*args, **kwargs)
+                clock.host_mark(f"{name} returns")
+                return result
+
+            return call
+
+        for name in ("pack_empty", "masked_tokens", "layer_segments", "check_tokens"):
+            setattr(producer_module, name, marked(getattr(producer_module, name), name))
+        kernels.check_indices = marked(kernels.check_indices, "check_indices")
+        kernels.per_token = marked(kernels.per_token, "per_token")
 
         async def timed_send(self: Any, peer: bytes, item: Any) -> Any:
             clock.host_mark("send starts")
