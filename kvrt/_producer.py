@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
 log = logging.getLogger("kvrt.producer")
 
 DEFAULT_HEARTBEAT_S = 1.0
-DEFAULT_CHUNK_BYTES = 128 << 20
+DEFAULT_CHUNK_BYTES = 512 << 20
 """K and V bytes per chunk of a published request (see `register_pools`)."""
 """Consumers ping at least this often; one silent for 4 periods is dropped."""
 
@@ -252,6 +252,7 @@ class Producer(AsyncService):
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
+        self._reclaim()
         item = buffered_item(
             (input_tokens, roi, key, value, hidden),
             self.device,
@@ -306,6 +307,7 @@ class Producer(AsyncService):
         if timeout is not None and not timeout >= 0:
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
+        self._reclaim()
         # The item's buffer is laid out first and the KV gathered straight into it: one pass
         # over the bytes, no staging copy.
         g, tokens = pools.geometry, slots.numel()
@@ -356,6 +358,12 @@ class Producer(AsyncService):
         if chunk_ready:
             item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
         await self._buffer(item)
+
+    def _reclaim(self) -> None:
+        """Before allocating an item: memory that finished transfers still reference is freed
+        (else a GPU item allocates anew: 0.7 ms for 4 GiB, seen on an H200 host)."""
+        for transport in self._transports.values():
+            transport.reclaim()
 
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._gathers is None:

@@ -67,6 +67,10 @@ class Transport(abc.ABC):
     def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""
 
+    def reclaim(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Producer side, before an item is allocated: drop what finished transfers still
+        hold, so that their memory can serve the new item (nothing by default)."""
+
     def offer(self, peer: bytes) -> dict[str, str]:
         """Producer side: the rendezvous a consumer needs to join (none by default)."""
         return {}

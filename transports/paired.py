@@ -124,6 +124,10 @@ class PairedTransport(Transport):
             event.record(torch.cuda.current_stream(self.device))  # where insert packed the item
             item.ready_event = event
 
+    def reclaim(self) -> None:
+        for pair in self._pairs.values():
+            _drop_finished(pair)
+
     def offer(self, peer: bytes) -> dict[str, str]:
         store = self._host_store()
         pair_id = uuid.uuid4().hex
@@ -142,8 +146,7 @@ class PairedTransport(Transport):
         group = established.result() if established.done() else await asyncio.wrap_future(established)
         if item.nbytes == 0:
             return []
-        while pair.sends and pair.sends[0].is_completed():
-            pair.sends.popleft()  # a gloo send must stay referenced until it ran
+        _drop_finished(pair)
         segments = item.segments or [(0, item.storage.numel())]
         if self._streams is not None:
             send_stream = self._streams[0]
@@ -292,6 +295,13 @@ class PairedTransport(Transport):
             self._setup.submit(_abort_if_established, established)
         except RuntimeError:  # closing: the set-up threads are gone, abort here
             _abort_if_established(established)
+
+
+def _drop_finished(pair: _Pair) -> None:
+    """Forget sends that completed (they hold their item's storage; a send must stay
+    referenced until it ran)."""
+    while pair.sends and pair.sends[0].is_completed():
+        pair.sends.popleft()
 
 
 def _abort_if_established(established: concurrent.futures.Future[Any]) -> None:

@@ -35,7 +35,7 @@ DIM: Final = 128
 PRODUCER_SLOTS: Final = 16384
 REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
-CHUNKS_MIB: Final = (1 << 20, 512, 256, 128, 64)
+CHUNKS_MIB: Final = (1 << 20, 1024, 512, 256, 128)
 """Chunk sizes to publish in; the first is the whole request at once."""
 WARMUP_TOKENS: Final = 64
 PRODUCER_DEVICE: Final = "cuda:0"
