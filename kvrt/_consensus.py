@@ -39,7 +39,7 @@ import collections
 import concurrent.futures
 import enum
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from kvrt._errors import (
     KVRTError,
     KVRTTimeoutError,
     PeerLostError,
+    fresh_copy,
 )
 
 ROWS: Final = 64
@@ -204,7 +205,17 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 class GroupConsensus:
-    """Agreement on lookups inside one process group, one owned task driving the rounds."""
+    """Agreement on lookups inside one process group.
+
+    Rounds run one at a time, each started from the loop as soon as this rank can enter it
+    (at the end of the loop iteration in which a lookup recorded its outcome, so that a burst
+    shares one round, or at once when the previous round ends), so every rank issues the
+    same rounds in the same order. A round's completion comes back as a loop callback: no task
+    sits between the collective and the lookups it decides (on a 2-core host each extra hop
+    of the loop is a visible share of a 2-value collective). A collective that fails (a rank
+    died, the group timed out) fails every waiting lookup, and later ones, with
+    `PeerLostError`: nothing waits for a group that cannot agree any more.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, *, max_rows: int = ROWS) -> None:
         if not dist.is_initialized():
@@ -216,18 +227,20 @@ class GroupConsensus:
         )
         self.rounds = 0
         self._waiting: dict[int, asyncio.Future[Decision]] = {}
-        self._start_ready = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_round = False
+        self._round_soon = False
+        self._broken: KVRTError | None = None
         self._stream: torch.cuda.Stream | None = None
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
             # A stream of its own: the engine's compute stream never waits for the group.
             self._stream = torch.cuda.Stream(self.device)
             self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
-        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run_rounds(), name="kvrt-consensus")
+        self._loop = asyncio.get_running_loop()
 
     def register(self) -> int:
         if self._closed:
@@ -237,20 +250,21 @@ class GroupConsensus:
     async def decide(self, sequence: int, outcome: Outcome) -> Decision:
         """Record this rank's outcome for lookup `sequence` and wait for the group's decision."""
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._waiting[sequence] = future
-        self.window.record(sequence, outcome)
-        if self.window.start_is_ready:
-            self._start_ready.set()
         if self._closed:
             future.set_exception(ClosedError("the consumer was closed while its TP group was agreeing"))
+        elif self._broken is not None:
+            future.set_exception(fresh_copy(self._broken))
+        else:
+            self._waiting[sequence] = future
+            self.window.record(sequence, outcome)
+            self._start_round_soon()
         return await future
 
     def abandon(self, sequence: int, outcome: Outcome) -> None:
         """Record an outcome whose caller will not wait for the decision (it was cancelled):
         the group still has to decide the lookup, in order."""
         self.window.record(sequence, outcome)
-        if self.window.start_is_ready:
-            self._start_ready.set()
+        self._start_round_soon()
 
     async def aclose(self) -> None:
         """Fail every lookup waiting for a decision. A collective already issued completes
@@ -258,33 +272,32 @@ class GroupConsensus:
         if self._closed:
             return
         self._closed = True
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(ClosedError("the consumer was closed while its TP group was agreeing"))
-        self._waiting.clear()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self._fail_waiting(ClosedError("the consumer was closed while its TP group was agreeing"))
         if self._waiter is not None:
             self._waiter.shutdown(wait=False, cancel_futures=True)
 
-    async def _run_rounds(self) -> None:
-        while True:
-            await self._start_ready.wait()
-            reduced = await self._all_reduce_min(self.window.values_to_reduce())
-            self.rounds += 1
-            for sequence, decision in self.window.apply(reduced).items():
-                future = self._waiting.pop(sequence, None)
-                if future is not None and not future.done():
-                    future.set_result(decision)
-            if not self.window.start_is_ready:
-                self._start_ready.clear()
+    def _start_round_soon(self) -> None:
+        """Start a round at the end of this loop iteration: lookups that record their outcome
+        in the same iteration (a burst of concurrent requests) then share it."""
+        if not self._round_soon:
+            self._round_soon = True
+            (self._loop or asyncio.get_running_loop()).call_soon(self._start_round)
 
-    async def _all_reduce_min(self, values: list[int]) -> list[int]:
-        """One collective, issued now from the loop, awaited without blocking it; one read back."""
+    def _start_round(self) -> None:
+        self._round_soon = False
+        """Issue the next round now, if none is running and this rank can enter it."""
+        if self._in_round or self._closed or self._broken is not None or not self.window.start_is_ready:
+            return
+        self._in_round = True
+        try:
+            self._issue(self.window.values_to_reduce())
+        except (RuntimeError, ValueError) as error:  # the backend refused at once
+            self._in_round = False
+            self._break(error)
+
+    def _issue(self, values: list[int]) -> None:
+        """One collective, issued now from the loop; `_end_round` runs on the loop when it is done."""
+        loop = self._loop or asyncio.get_running_loop()
         if self._stream is not None and self._waiter is not None:
             # NCCL: a work's future completes at enqueue, not at completion. So the collective
             # runs on the consensus stream, an event marks its end, and a kvrt thread waits.
@@ -295,26 +308,44 @@ class GroupConsensus:
                 work.wait()  # the consensus stream waits for NCCL's; the host does not
                 finished = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
                 finished.record(self._stream)
-            await asyncio.shield(asyncio.wrap_future(self._waiter.submit(finished.synchronize)))
-            with torch.cuda.stream(self._stream):
-                on_device: list[int] = tensor.tolist()
-            return on_device
-        loop = asyncio.get_running_loop()
+            waited = self._waiter.submit(finished.synchronize)
+            waited.add_done_callback(lambda _: loop.call_soon_threadsafe(self._end_round, work, tensor, waited))
+            return
         tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         assert work is not None
-        done: asyncio.Future[None] = loop.create_future()
+        # Runs on gloo's thread when the collective is done (or failed).
+        work.get_future().add_done_callback(lambda _: loop.call_soon_threadsafe(self._end_round, work, tensor, None))
 
-        def completed(_: torch.futures.Future[object]) -> None:  # runs on gloo's thread, when done
-            loop.call_soon_threadsafe(_resolve, done)
+    def _end_round(self, work: Any, tensor: torch.Tensor, waited: concurrent.futures.Future[None] | None) -> None:
+        self._in_round = False
+        if self._closed:
+            return
+        try:
+            if waited is not None:
+                waited.result()
+            work.wait()  # completed already: raises the backend's error, if it had one
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    reduced: list[int] = tensor.tolist()
+            else:
+                reduced = tensor.tolist()
+        except (RuntimeError, concurrent.futures.CancelledError) as error:
+            self._break(error)
+            return
+        self.rounds += 1
+        for sequence, decision in self.window.apply(reduced).items():
+            future = self._waiting.pop(sequence, None)
+            if future is not None and not future.done():
+                future.set_result(decision)
+        self._start_round()
 
-        work.get_future().add_done_callback(completed)
-        await asyncio.shield(done)  # a cancelled round must still let the collective finish
-        work.wait()  # completed already: raises the backend's error, if it had one
-        reduced: list[int] = tensor.tolist()
-        return reduced
+    def _break(self, error: BaseException) -> None:
+        self._broken = PeerLostError(f"the TP group's collective failed, so its ranks cannot agree any more: {error}")
+        self._fail_waiting(self._broken)
 
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    def _fail_waiting(self, error: KVRTError) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(fresh_copy(error))
+        self._waiting.clear()

@@ -34,6 +34,7 @@ from kvrt._errors import (
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
+    fresh_copy,
     translate_torch_error,
     translate_zmq_error,
 )
@@ -81,14 +82,6 @@ _CPU = torch.device("cpu")
 def _delivered(call: asyncio.Task[_Reply]) -> bool:
     """A finished call that brought an item."""
     return not call.cancelled() and call.exception() is None and call.result().item is not None
-
-
-def _fresh(error: KVRTError) -> KVRTError:
-    """A new exception of the same kind, so that each failed call raises its own object."""
-    clone = type(error).__new__(type(error))
-    clone.__dict__.update(error.__dict__)
-    clone.args = error.args
-    return clone
 
 
 OnLanding = Callable[[m.Deliver, Arrival], None]
@@ -444,12 +437,12 @@ class _Link:
 
     def _fail_all(self, lost: Lost) -> None:
         for stream in self._streams.values():
-            stream.fail(_fresh(lost.error))
+            stream.fail(fresh_copy(lost.error))
         self._streams.clear()
         for request_id in lost.request_ids:
             future = self._pending.get(request_id)
             if future is not None and not future.done():
-                future.set_exception(_fresh(lost.error))
+                future.set_exception(fresh_copy(lost.error))
 
     def _task_failure(self) -> BaseException | None:
         if self._task is None or self._task.cancelled():

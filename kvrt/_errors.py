@@ -130,6 +130,15 @@ _CLASS_FOR_CODE: dict[ErrorCode, type[KVRTError]] = {
 }
 
 
+def fresh_copy(error: KVRTError) -> KVRTError:
+    """A new exception of the same kind and message, so that each of several failed calls
+    raises its own object (one shared exception would chain tracebacks across callers)."""
+    clone = type(error).__new__(type(error))
+    clone.__dict__.update(error.__dict__)
+    clone.args = error.args
+    return clone
+
+
 def error_from_code(code: ErrorCode, message: str) -> KVRTError:
     """The exception to raise for an `ErrorReply` the peer sent.
 

@@ -106,3 +106,31 @@ def run_rank(rank: int, world: int, port: int, results: Any, backend: str = "glo
         raise
     finally:
         dist.destroy_process_group()
+
+
+def run_rank_that_loses_its_peer(rank: int, port: int, results: Any) -> None:
+    """Two gloo ranks with a 3 s group timeout; rank 1 dies before the first lookup. Rank 0
+    reports what its lookup raised, how long it took, and what the next lookup raised."""
+    import datetime
+    import time
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        os._exit(0)  # dies without a word, as a killed rank does
+
+    async def lookups() -> None:
+        async with kvrt.Producer() as producer:
+            async with kvrt.Consumer(connect=producer.endpoint, group=dist.group.WORLD) as consumer:
+                started = time.monotonic()
+                outcomes: list[Any] = []
+                for _ in range(2):
+                    try:
+                        outcomes.append(summary(await consumer.drop_select(tokens(0, 4))))
+                    except kvrt.KVRTError as error:
+                        outcomes.append(summary(error))
+                    outcomes.append(time.monotonic() - started)
+                results.put(tuple(outcomes))
+
+    asyncio.run(lookups())

@@ -106,3 +106,26 @@ def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
     check_one_missing(seen, 2)
     check_random_rounds(seen)
     check_producer_failing(seen)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_fails_the_others_lookups_instead_of_hanging() -> None:
+    from tests._consensus_ranks import run_rank_that_loses_its_peer
+
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    port = free_port()
+    ranks = [spawn.Process(target=run_rank_that_loses_its_peer, args=(rank, port, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        first, first_s, second, second_s = results.get(timeout=60)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    assert first[:2] == ("error", "PeerLostError") and "TP group" in first[2]
+    assert first_s < 30  # the group's timeout (3 s) or gloo's own detection, not for ever
+    assert second[:2] == ("error", "PeerLostError")  # the group is broken: at once, no new collective
+    assert second_s - first_s < 1
