@@ -54,7 +54,7 @@ from kvrt._protocol import (
 )
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, StreamAbortedError
-from kvrt._tensors import layer_chunks, unpack
+from kvrt._tensors import layer_chunks, transfer_segments, unpack
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -524,9 +524,9 @@ class Consumer(AsyncService):
         self._group = group
         self._consensus: GroupConsensus | None = None
         self._pull_stream: torch.cuda.Stream | None = None
+        """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a pull's scatters, in order, off the loop (see `pull`)."""
-        """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self.counters = ConsumerCounters()
         self._closed = False
 
@@ -756,18 +756,26 @@ class Consumer(AsyncService):
         hold a partial request)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import check_indices, per_token, scatter_from, scatter_from_any
+        from kvrt.kernels.paged_kv import check_indices, per_token, scatter_from_any
 
         replicas = per_token(replica, slots)
         check_indices(into, replicas, slots)  # bad slots are refused before any item is taken
-        if self.device.type != "cuda" or len(self._links) != 1 or self._consensus is not None:
-            item = await self._lookup(input_tokens, roi, timeout, what="pull")
-            if item is not None:
-                count = min(item.key.shape[1], slots.numel())
-                # Straight from the item as it arrived (its K and V are views of the
-                # received payload): no staging copy.
-                scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
-            return item
+        if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None:
+            return await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
+        item = await self._lookup(input_tokens, roi, timeout, what="pull")
+        if item is not None:
+            count = min(item.key.shape[1], slots.numel())
+            # Straight from the item as it arrived (its K and V are views of the received
+            # payload): no staging copy.
+            scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
+        return item
+
+    async def _pull_pipelined(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
+        slots: torch.Tensor, replicas: torch.Tensor,
+    ) -> KVItem | None:  # fmt: skip
+        """`pull` on a GPU: chunks are scattered as they land (see `pull`)."""
+        from kvrt.kernels.paged_kv import scatter_from, scatter_from_any
 
         caller = torch.cuda.current_stream(self.device)
         indexes_ready = torch.cuda.Event()
@@ -780,12 +788,13 @@ class Consumer(AsyncService):
             """In the scatter thread (Triton may compile on a first launch; the loop must not
             wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
             count = min(key.shape[1], slots.numel())
+            segments = transfer_segments(deliver.segments, deliver.payload_bytes)
             stream = self._scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
                     tensor.record_stream(stream)
-                for chunk in layer_chunks(deliver.key, deliver.value, deliver.segments or [(0, deliver.payload_bytes)]):
+                for chunk in layer_chunks(deliver.key, deliver.value, segments):
                     stream.wait_event(landed[chunk.ready])
                     scatter_from(into, key, value, replicas[:count], slots[:count],
                                  layers=(chunk.first, chunk.end), check=False)  # fmt: skip
@@ -804,7 +813,7 @@ class Consumer(AsyncService):
             for job in queued:  # the caller's later work on these slots comes after the writes
                 done: torch.cuda.Event = await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
-        if item is not None and not queued:  # an item that came without early tensors
+        if item is not None and not queued:  # an item that came without early tensors (TCP)
             count = min(item.key.shape[1], slots.numel())
             scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
         return item

@@ -51,9 +51,9 @@ if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
 log = logging.getLogger("kvrt.producer")
 
 DEFAULT_HEARTBEAT_S = 1.0
+"""Consumers ping at least this often; one silent for 4 periods is dropped."""
 DEFAULT_CHUNK_BYTES = 512 << 20
 """K and V bytes per chunk of a published request (see `register_pools`)."""
-"""Consumers ping at least this often; one silent for 4 periods is dropped."""
 
 _BYE_LINGER_MS = 200
 """How long closing waits for its Bye messages to leave."""

@@ -232,6 +232,14 @@ def layer_segments(
     return segments, chunks
 
 
+def transfer_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges a payload moves in: its segments, or else the whole payload as one
+    (none for an empty payload)."""
+    if segments:
+        return list(segments)
+    return [(0, payload_bytes)] if payload_bytes else []
+
+
 def check_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> None:
     """Refuse segments that do not tile [0, payload_bytes) exactly (each byte once)."""
     position = 0

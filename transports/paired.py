@@ -44,7 +44,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
 from kvrt._messages import Deliver
-from kvrt._tensors import check_segments, unpack_tensor
+from kvrt._tensors import check_segments, transfer_segments, unpack_tensor
 from kvrt.transports._base import Arrival, ItemTensors, Transport
 
 _PRODUCER_RANK = 0
@@ -147,7 +147,7 @@ class PairedTransport(Transport):
         if item.nbytes == 0:
             return []
         _drop_finished(pair)
-        segments = item.segments or [(0, item.storage.numel())]
+        segments = transfer_segments(item.segments, item.storage.numel())
         if self._streams is not None:
             send_stream = self._streams[0]
             with self._on_device(), torch.cuda.stream(send_stream):
@@ -197,7 +197,7 @@ class PairedTransport(Transport):
         pair = self._pair
         if pair is None or not pair.established.done():
             raise RemoteProtocolError(f"deliver arrived before the {self.backend} pair was established")
-        segments = deliver.segments or ([(0, deliver.payload_bytes)] if deliver.payload_bytes else [])
+        segments = transfer_segments(deliver.segments, deliver.payload_bytes)
         check_segments(segments, deliver.payload_bytes)
         metas = (deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden)
         payload = torch.empty(deliver.payload_bytes, dtype=torch.uint8, device=self.device)
