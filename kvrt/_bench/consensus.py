@@ -10,8 +10,9 @@ same run on the same ranks:
 * kvrt: `GroupConsensus.decide`, one lookup at a time, then 16 in flight per rank (lookups
   in flight together share a collective).
 
-The figure is time per lookup on rank 0 (median over lookups one at a time; total over
-count for lookups in flight).
+The variants take turns in blocks (4 blocks of count / 4 lookups each), so that drift in
+the host's load touches them alike. The figure is time per lookup on rank 0 (median over
+lookups one at a time; total over count for lookups in flight).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from kvrt._bench._processes import free_port, join
 
 WORLD: Final = 4
 IN_FLIGHT: Final = 16
+BLOCKS: Final = 4
+"""The variants run in turns of count / BLOCKS lookups each."""
 _WARMUP: Final = 10
 
 spawn = multiprocessing.get_context("spawn")
@@ -83,25 +86,25 @@ async def _time_kvrt(count: int, in_flight: int) -> tuple[list[float], float, in
     consensus.start()
     latencies: list[float] = []
     try:
+        # Warm-up in the pattern that is timed: bursts size the window as in steady state.
+        warmup = _WARMUP if in_flight == 1 else 2 * in_flight
 
         async def one(index: int) -> None:
             sequence = consensus.register()
             status, matched = _outcome(index, rank)
             started = time.perf_counter()
             await consensus.decide(sequence, Outcome(Status(status), matched))
-            if index >= _WARMUP:
+            if index >= warmup:
                 latencies.append(time.perf_counter() - started)
 
-        for index in range(_WARMUP):
-            await one(index)
+        async def lookups(indices: range) -> None:
+            for first in range(indices.start, indices.stop, in_flight):
+                await asyncio.gather(*(one(index) for index in range(first, min(indices.stop, first + in_flight))))
+
+        await lookups(range(warmup))
         rounds_before = consensus.rounds
         started = time.perf_counter()
-        if in_flight == 1:
-            for index in range(_WARMUP, _WARMUP + count):
-                await one(index)
-        else:
-            for first in range(_WARMUP, _WARMUP + count, in_flight):
-                await asyncio.gather(*(one(index) for index in range(first, min(_WARMUP + count, first + in_flight))))
+        await lookups(range(warmup, warmup + count))
         elapsed = time.perf_counter() - started
         return latencies, elapsed, consensus.rounds - rounds_before
     finally:
@@ -114,13 +117,28 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        reference = _time_all_gather_object(count)
-        dist.barrier()
-        bare = _time_bare_all_reduce(count)
-        dist.barrier()
-        one_latencies, _, one_rounds = asyncio.run(_time_kvrt(count, 1))
-        dist.barrier()
-        _, many_elapsed, many_rounds = asyncio.run(_time_kvrt(count, IN_FLIGHT))
+        # The variants take turns, a block each, so that a change in the host's load during
+        # the run weighs on all of them alike (4 ranks share 2 cores here).
+        reference: list[float] = []
+        bare: list[float] = []
+        one_latencies: list[float] = []
+        one_rounds = many_rounds = 0
+        many_elapsed = 0.0
+        block = count // BLOCKS
+        for _ in range(BLOCKS):
+            reference += _time_all_gather_object(block)
+            dist.barrier()
+            bare += _time_bare_all_reduce(block)
+            dist.barrier()
+            latencies, _, rounds = asyncio.run(_time_kvrt(block, 1))
+            one_latencies += latencies
+            one_rounds += rounds
+            dist.barrier()
+            _, elapsed, rounds = asyncio.run(_time_kvrt(block, IN_FLIGHT))
+            many_elapsed += elapsed
+            many_rounds += rounds
+            dist.barrier()
+        count = block * BLOCKS
         if rank == 0:
             results.put(
                 {
