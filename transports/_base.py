@@ -12,8 +12,11 @@ Producer side, all on the producer's event loop:
 * `send`: the producer's send path, once per Deliver, under the producer's send lock:
   right before the Deliver header leaves, returning the frames that travel with it (TCP:
   the packed bytes, zero-copy); or, for `out_of_band` transports, right after it left,
-  issuing their sends and returning none. The producer keeps the item, so its storage, until the consumer answers
-  `Received`: a transport may read it until then without copying.
+  issuing their sends and returning none. The producer keeps the item, so its storage,
+  until the consumer answers `Received`: a transport may read it until then without
+  copying.
+* `reclaim`: before the producer allocates an item: drop references finished transfers
+  still hold.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
 
 Consumer side, on the consumer's event loop:
