@@ -39,7 +39,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._tensors import chunked_layers, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -329,7 +329,7 @@ class Producer(AsyncService):
         # would wait for them all and hold the first chunk's send back (seen on an H200 host).
         masked = masked_tokens(input_tokens, roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
+        layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes), chunked_layers(pools.layers))
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
         chunk_ready: list[torch.cuda.Event] = []
         if self.device.type == "cuda":

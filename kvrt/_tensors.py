@@ -18,7 +18,7 @@ from typing import Final
 import torch
 
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import TensorMeta
+from kvrt._messages import MAX_SEGMENTS, TensorMeta
 
 _WIRE_DTYPE_NAMES: Final = (
     "bool",
@@ -197,6 +197,13 @@ class LayerChunk:
     first: int
     end: int
     ready: int
+
+
+def chunked_layers(layers: int) -> int:
+    """The fewest layers per chunk that keep a request of `layers` layers within
+    `MAX_SEGMENTS` segments (one before the key, then a key and a value segment per chunk)."""
+    most_chunks = (MAX_SEGMENTS - 1) // 2
+    return max(1, -(-layers // most_chunks))
 
 
 def layer_segments(

@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import TensorMeta
+from kvrt._messages import MAX_SEGMENTS, TensorMeta
 from kvrt._tensors import (
     DTYPES,
     PACK_ALIGN_BYTES,
     Packed,
     check_segments,
+    chunked_layers,
     layer_chunks,
     layer_segments,
     pack,
@@ -186,3 +187,13 @@ def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_s
 def test_segments_that_do_not_tile_the_payload_are_refused(segments: list[tuple[int, int]], message: str) -> None:
     with pytest.raises(RemoteProtocolError, match=message):
         check_segments(segments, 20)
+
+
+@pytest.mark.parametrize("layers", [1, 32, 2047, 2048, 10_000])
+def test_a_request_with_very_many_layers_still_fits_in_the_segment_limit(layers: int) -> None:
+    packed = _published_layout(layers, 2, 2, with_roi=False)
+    _, _, key, value, _ = packed.metas
+    assert key is not None and value is not None
+    segments, _ = layer_segments(key, value, packed.storage.numel(), chunked_layers(layers))
+    assert len(segments) <= MAX_SEGMENTS
+    assert chunked_layers(layers) == 1 or layers > (MAX_SEGMENTS - 1) // 2
