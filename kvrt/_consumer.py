@@ -761,9 +761,10 @@ class Consumer(AsyncService):
         replicas = per_token(replica, slots)
         check_indices(into, replicas, slots)  # bad slots are refused before any item is taken
         if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None:
-            return await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
-        item = await self._lookup(input_tokens, roi, timeout, what="pull")
-        if item is not None:
+            item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
+        else:
+            item, scattered = await self._lookup(input_tokens, roi, timeout, what="pull"), False
+        if item is not None and not scattered:
             count = min(item.key.shape[1], slots.numel())
             # Straight from the item as it arrived (its K and V are views of the received
             # payload): no staging copy.
@@ -773,9 +774,10 @@ class Consumer(AsyncService):
     async def _pull_pipelined(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
         slots: torch.Tensor, replicas: torch.Tensor,
-    ) -> KVItem | None:  # fmt: skip
-        """`pull` on a GPU: chunks are scattered as they land (see `pull`)."""
-        from kvrt.kernels.paged_kv import scatter_from, scatter_from_any
+    ) -> tuple[KVItem | None, bool]:  # fmt: skip
+        """`pull` on a GPU: chunks are scattered as they land (see `pull`). Returns the item and
+        whether it was scattered (not when it came without early tensors, as over TCP)."""
+        from kvrt.kernels.paged_kv import scatter_from
 
         caller = torch.cuda.current_stream(self.device)
         indexes_ready = torch.cuda.Event()
@@ -813,10 +815,7 @@ class Consumer(AsyncService):
             for job in queued:  # the caller's later work on these slots comes after the writes
                 done: torch.cuda.Event = await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
-        if item is not None and not queued:  # an item that came without early tensors (TCP)
-            count = min(item.key.shape[1], slots.numel())
-            scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
-        return item
+        return item, bool(queued)
 
     def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._scatters is None:
