@@ -118,6 +118,9 @@ class PoolTable:
                         raise InvalidInputError("KV pools must be contiguous")
                     addresses.append(pool.data_ptr())
         self.pools = [[list(layers) for layers in copies] for copies in pools]
+        self.address_alignment = next(w.itemsize for w in _WORDS if all(a % w.itemsize == 0 for a in addresses))
+        """The widest word (bytes) every pool's address is a multiple of (found once: a
+        launch must not walk every pool)."""
         self.addresses = torch.tensor(addresses, dtype=torch.int64, device=self.device).view(
             self.replicas, self.copies, self.layers
         )
@@ -162,10 +165,9 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
     g = table.geometry
     offsets = [g.token_stride, g.v_offset, heads[0] * g.head_dim, (heads[1] - heads[0]) * g.head_dim]
     byte_offsets = [offset * itemsize for offset in offsets] + list(stage_bytes)
-    addresses = [pool.data_ptr() for copies in table.pools for layers in copies for pool in layers]
     for word in _WORDS:
         size = word.itemsize
-        if all(value % size == 0 for value in byte_offsets) and all(address % size == 0 for address in addresses):
+        if table.address_alignment % size == 0 and all(value % size == 0 for value in byte_offsets):
             return word, size
     raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
 

@@ -22,6 +22,7 @@ producer's event loop is the only caller.
 
 from __future__ import annotations
 
+import concurrent.futures
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class BufferedItem:
     empty: one transfer of the whole storage."""
     segment_ready: list[torch.cuda.Event] = field(default_factory=list)
     """One per segment when set: a GPU send of that segment waits on it (a chunk's gather)."""
+    gathered: concurrent.futures.Future[None] | None = None
+    """Set for a published item: done once its gathers (and `segment_ready` events) are queued
+    on the device. No send may read the storage, or wait on those events, before."""
     stream: StreamState | None = None
     """Set while this is an open stream: a prefill still publishing its layers."""
     generation: int = 0

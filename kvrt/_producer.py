@@ -72,6 +72,23 @@ class ProducerStats:
     totals: ProducerCounters
 
 
+class _GathersFailed(Exception):
+    """A published item's gathers could not be queued: its bytes will never exist."""
+
+
+async def _gathers_queued(item: BufferedItem) -> None:
+    """Wait until a published item's gathers are queued on its device (at once for others)."""
+    if item.gathered is None:
+        return
+    try:
+        if item.gathered.done():
+            item.gathered.result()
+        else:
+            await asyncio.wrap_future(item.gathered)
+    except Exception as exc:
+        raise _GathersFailed from exc
+
+
 def _stream_frames(send: Outgoing) -> list[memoryview]:
     """A stream message's frames: the tokens at the head of the item's buffer (start), or the
     tensors it carries (a layer's key and value; the end's hidden), as bytes."""
@@ -331,10 +348,14 @@ class Producer(AsyncService):
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes), chunked_layers(pools.layers))
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
+        gathered: concurrent.futures.Future[None] | None = None
         chunk_ready: list[torch.cuda.Event] = []
         if self.device.type == "cuda":
             check_indices(pools, replicas, slots)
             caller = torch.cuda.current_stream(self.device)
+            chunks = [(first, min(pools.layers, first + layers_per_chunk))
+                      for first in range(0, pools.layers, layers_per_chunk)]  # fmt: skip
+            chunk_ready = [torch.cuda.Event() for _ in chunks]
 
             def queue_gathers() -> None:
                 """Chunk by chunk on the caller's stream, an event after each: a GPU send of a
@@ -342,22 +363,29 @@ class Producer(AsyncService):
                 the last are still gathered. In a worker thread: Triton may compile on a
                 first launch, and the loop must not wait for that."""
                 with torch.cuda.stream(caller):
-                    for first in range(0, pools.layers, layers_per_chunk):
-                        chunk = (first, min(pools.layers, first + layers_per_chunk))
+                    for chunk, ready in zip(chunks, chunk_ready, strict=True):
                         gather_into(pools, replicas, slots, key, value, layers=chunk, check=False)
-                        chunk_ready.append(torch.cuda.Event())
-                        chunk_ready[-1].record(caller)
+                        ready.record(caller)
 
-            await asyncio.wrap_future(self._gather_thread().submit(queue_gathers))
+            gathered = self._gather_thread().submit(queue_gathers)
         else:
             gather_into_any(pools, replicas, slots, key, value)
         item = item_from_packed(
             packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
         )
         item.segments = segments
-        if chunk_ready:
+        if gathered is not None:
             item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
+            item.gathered = gathered
+        # Buffered before its gathers are queued: a waiting pull gets its Deliver header now
+        # and posts its receives while they queue (the sends wait for `gathered`).
         await self._buffer(item)
+        if gathered is not None:
+            try:
+                await asyncio.wrap_future(gathered)
+            except Exception as exc:
+                self._core.discard(item)
+                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {exc}") from exc
 
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
@@ -500,8 +528,10 @@ class Producer(AsyncService):
                             # are queued here (one per chunk of a publish). Under this lock an
                             # item's header and sends still go before the next item's.
                             await io.send([send.peer, m.encode(message)])
+                            await _gathers_queued(send.item)
                             await transport.send(send.peer, send.item)
                             continue
+                        await _gathers_queued(send.item)
                         frames = await transport.send(send.peer, send.item)
                     await io.send([send.peer, m.encode(message), *frames])
                 except zmq.ZMQError as exc:
@@ -510,6 +540,12 @@ class Producer(AsyncService):
                         raise error from exc
                     out += self._core.peer_unreachable(send.peer, self._now())
                 except PeerLostError:
+                    out += self._core.peer_unreachable(send.peer, self._now())
+                except _GathersFailed:
+                    # The consumer may hold a header whose bytes will never come: its pair
+                    # cannot be trusted any more. The item is gone (`publish` raises).
+                    assert send.item is not None
+                    self._core.discard(send.item)
                     out += self._core.peer_unreachable(send.peer, self._now())
             self._release_departed()
         self._update_room()

@@ -262,6 +262,17 @@ class ProducerCore:
         """Evict a buffered item (operator's request or its TTL)."""
         self.buffer.drop(item)
 
+    def discard(self, item: BufferedItem) -> None:
+        """Forget an item whose bytes can never be sent (its gathers failed to queue), whether
+        buffered or in flight: it is not given back to the buffer when its peer leaves."""
+        if item.buffered:
+            self.buffer.drop(item)
+            return
+        for peer in self._peers.values():
+            if peer.in_flight.pop(item.item_id, None) is item:
+                self.buffer.forget(item)
+                return
+
     def peer_unreachable(self, peer: bytes, now: float) -> list[Outgoing]:
         """The driver could not send to `peer`: treat it as gone."""
         return self._forget_peer(peer, now)

@@ -183,6 +183,23 @@ def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
     assert outgoing[0].item is item
 
 
+def test_a_discarded_item_is_gone_whether_buffered_or_in_flight_and_never_returns() -> None:
+    pair = Pair()
+    pair.connect()
+    other = b"consumer-2"
+    pair.send(m.Hello(version=m.PROTOCOL_VERSION), peer=other)
+    buffered, _ = pair.insert([5])
+    pair.producer.discard(buffered)
+    assert len(pair.producer.buffer) == 0 and pair.producer.buffer.nbytes == 0
+    in_flight, _ = pair.insert([3])
+    pair.drop_select([3])
+    pair.send(m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(np.array([3])), timeout_s=None), peer=other)
+    pair.producer.discard(in_flight)  # say its gathers failed: its bytes never existed
+    assert pair.producer.peer_unreachable(PEER, pair.now) == []  # not handed to the other waiter
+    assert len(pair.producer.buffer) == 0 and pair.producer.buffer.nbytes == 0
+    assert pair.producer.buffer.held == 0
+
+
 def test_a_second_hello_starts_over_and_returns_what_the_first_session_held(pair: Pair) -> None:
     pair.insert([1])
     pair.drop_select([1])
