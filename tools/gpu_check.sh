@@ -27,6 +27,10 @@ if [ "$only" = kernels ]; then
   timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
   exit 0
 fi
+if [ "$only" = nccl ]; then
+  timeout 240 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tail -12
+  exit 0
+fi
 if [ "$only" = variants ]; then
   timeout 300 python3 tools/kernel_variants.py "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -150
   exit 0
