@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 import triton
@@ -172,17 +172,16 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
     raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
 
 
-# `tokens` and `first_layer` change from call to call and are not used in any address's
-# alignment: specializing on them (Triton does for values 1 and multiples of 16) would
-# compile a new variant for a new request length or chunk start, mid-transfer.
-@triton.jit(do_not_specialize=["tokens", "first_layer"])  # type: ignore[untyped-decorator]
+# `first_layer` changes from call to call and is not used in any address's alignment:
+# specializing on it (Triton does for 1 and multiples of 16) would compile a new variant
+# for a new chunk start, mid-transfer.
+@triton.jit(do_not_specialize=["first_layer"])  # type: ignore[untyped-decorator]
 def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
     replica,  # int64 [tokens]
     slots,  # int64 [tokens]
     stage_k,  # words: where the staged K rows start
     stage_v,  # words: where the staged V rows start (unused for MLA)
-    tokens,
     layers,
     first_layer,  # the launch covers layers [first_layer, first_layer + grid[1])
     token_stride,  # words between consecutive slots of a pool
@@ -193,43 +192,58 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
     KV: tl.constexpr,  # 2, or 1 for MLA
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
-    BLOCK: tl.constexpr,  # words of a row moved per step
-    TOKENS: tl.constexpr,  # tokens per program: more bytes in flight per program
+    BLOCK: tl.constexpr,  # words of a row moved per step: a power of two
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
-    token = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    """One program moves one token's rows of one layer. A step loads its K and V words
+    before it stores either: twice the bytes in flight per program, which took a gather
+    of random slots from 72% to 98% of a device copy on an H200 (`tools/kernel_variants.py`)."""
+    token = tl.program_id(0).to(tl.int64)
     staged_layer = tl.program_id(1).to(tl.int64)
     layer = first_layer + staged_layer
-    present = token < tokens
-    r = tl.load(replica + token, mask=present, other=0)
-    slot = tl.load(slots + token, mask=present, other=0)
-    row_start = slot * token_stride + head_offset
-    stage_offset = staged_layer * stage_layer_stride + token * stage_token_stride
-    for copy in tl.static_range(1 if GATHER else COPIES):
-        base = tl.load(addresses + (r * COPIES + copy) * layers + layer, mask=present, other=0)
-        pool = base.to(tl.pointer_type(stage_k.dtype.element_ty))
-        for kv in tl.static_range(KV):
-            pool_row = (pool + row_start + kv * v_offset)[:, None]
-            if kv == 0:  # noqa: SIM108 (a static branch: kv is a compile-time constant)
-                stage_row = (stage_k + stage_offset)[:, None]
-            else:
-                stage_row = (stage_v + stage_offset)[:, None]
-            for start in tl.static_range(0, ROW, BLOCK):
-                offsets = start + tl.arange(0, BLOCK)[None, :]
-                mask = present[:, None] & (offsets < ROW)
-                if GATHER:
-                    tl.store(stage_row + offsets, tl.load(pool_row + offsets, mask=mask), mask=mask)
-                else:
-                    tl.store(pool_row + offsets, tl.load(stage_row + offsets, mask=mask), mask=mask)
+    r = tl.load(replica + token)
+    row_start = tl.load(slots + token) * token_stride + head_offset
+    stage_k_row = stage_k + staged_layer * stage_layer_stride + token * stage_token_stride
+    stage_v_row = stage_v + staged_layer * stage_layer_stride + token * stage_token_stride
+    word = stage_k.dtype.element_ty
+    if GATHER:
+        pool_row = tl.load(addresses + r * COPIES * layers + layer).to(tl.pointer_type(word)) + row_start
+    for start in tl.static_range(0, ROW, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        if ROW % BLOCK == 0:  # noqa: SIM108 (a static branch: Triton folds it at compile time)
+            mask = None  # no predicate at all when the steps tile the row
+        else:
+            mask = offsets < ROW
+        if GATHER:
+            k = tl.load(pool_row + offsets, mask=mask)
+            if KV == 2:
+                v = tl.load(pool_row + v_offset + offsets, mask=mask)
+                tl.store(stage_v_row + offsets, v, mask=mask)
+            tl.store(stage_k_row + offsets, k, mask=mask)
+        else:
+            k = tl.load(stage_k_row + offsets, mask=mask)
+            if KV == 2:
+                v = tl.load(stage_v_row + offsets, mask=mask)
+            for copy in tl.static_range(COPIES):
+                base = tl.load(addresses + (r * COPIES + copy) * layers + layer)
+                copy_row = base.to(tl.pointer_type(word)) + row_start
+                tl.store(copy_row + offsets, k, mask=mask)
+                if KV == 2:
+                    tl.store(copy_row + v_offset + offsets, v, mask=mask)
+
+
+_MAX_BLOCK_WORDS: Final = 2048
+"""Longest row step: 16 KiB of 8-byte words, K and V each (a whole token-major row of up to 64
+heads of 128 in bf16 in one step)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Tuning:
-    """Launch shape: tokens per program, words per step, warps (see `kvrt bench kernels`)."""
+    """Launch shape: words of a row per step (rounded to a power of two, at most the row),
+    and warps per program (see `kvrt bench kernels`)."""
 
-    tokens: int = 4
-    block_words: int = 512
-    warps: int = 8
+    block_words: int = _MAX_BLOCK_WORDS
+    warps: int = 4
 
 
 DEFAULT_TUNING = Tuning()
@@ -284,8 +298,8 @@ def _launch(
         return elements * itemsize // word_size  # exact: _word divides every offset
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
-    block = min(tuning.block_words, triton.next_power_of_2(row))
-    grid = (triton.cdiv(tokens, tuning.tokens), end_layer - first_layer)
+    block = min(triton.next_power_of_2(max(1, tuning.block_words)), triton.next_power_of_2(row))
+    grid = (tokens, end_layer - first_layer)
     stage_k = stage.key.view(-1).view(word)[to_words(stage.key_offset) :]
     stage_v = stage.value.view(-1).view(word)[to_words(stage.value_offset) :]
     launch: Any = _move_kv[grid]  # Triton's launcher is untyped
@@ -295,7 +309,6 @@ def _launch(
         slots,
         stage_k,
         stage_v,
-        tokens,
         table.layers,
         first_layer,
         to_words(g.token_stride),
@@ -307,7 +320,6 @@ def _launch(
         KV=g.kv,
         COPIES=table.copies,
         BLOCK=block,
-        TOKENS=tuning.tokens,
         GATHER=gather,
         num_warps=tuning.warps,
     )

@@ -17,6 +17,7 @@ from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import (
     Layout,
     PoolTable,
+    Tuning,
     check_indices,
     gather,
     gather_into,
@@ -68,6 +69,8 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
         "layout": layout, "heads": heads, "head_dim": head_dim, "block_size": block_size, "slots": slots,
         "replicas": replicas, "copies": copies, "layers": layers, "tokens": tokens,
         "head_range": (first, end), "dtype": draw(st.sampled_from(DTYPES)), "seed": draw(st.integers(0, 2**16)),
+        # short steps: a row moved in several steps, the last one partial
+        "tuning": Tuning(block_words=draw(st.sampled_from([1, 2, 4, 2048]))),
     }  # fmt: skip
 
 
@@ -100,7 +103,7 @@ def test_gather_equals_its_reference_and_writes_every_element(case: dict[str, ob
     heads = case["head_range"]
     shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
     out = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
-    result = gather(table, replica, slots, heads=heads, out=out.view(table.dtype).view(shape))  # type: ignore[arg-type]
+    result = gather(table, replica, slots, heads=heads, out=out.view(table.dtype).view(shape), tuning=case["tuning"])  # type: ignore[arg-type]
     assert same_bits(result, gather_reference(table, replica, slots, heads=heads))  # type: ignore[arg-type]
 
 
@@ -113,7 +116,7 @@ def test_scatter_equals_its_reference_and_touches_nothing_else(case: dict[str, o
     shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(1 + case["seed"])  # type: ignore[operator]
     staging = random_pool(shape, table.dtype, generator)
-    scatter(table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
+    scatter(table, staging, replica, slots, heads=heads, tuning=case["tuning"])  # type: ignore[arg-type]
     scatter_reference(expected_table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
     for got, want in zip(table.pools, expected_table.pools, strict=True):
         for got_copy, want_copy in zip(got, want, strict=True):

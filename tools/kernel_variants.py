@@ -124,10 +124,10 @@ def main() -> int:
 
         bench(pattern, "device copy (ceiling)", lambda: staging.copy_(source))
         bench(pattern, "torch index_select per layer, dp=1", index_select)
-        for tuning in (Tuning(), Tuning(1, 512, 4), Tuning(2, 256, 4)):
+        for tuning in (Tuning(), Tuning(256, 4), Tuning(2048, 8)):
             staging.zero_()
             gather(table, replica, slots, out=staging, tuning=tuning)
-            name = f"library gather {tuning.tokens}/{tuning.block_words}/{tuning.warps}"
+            name = f"library gather {tuning.block_words}/{tuning.warps}"
             bench(pattern, name, lambda t=tuning: gather(table, replica, slots, out=staging, tuning=t), gathered_right)
         bench(pattern, "library scatter", lambda: scatter(table, staging, replica, slots))
         for word in (torch.int64, torch.int32):
