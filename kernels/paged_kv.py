@@ -140,20 +140,26 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     return first, end
 
 
-def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
-    """Refuse replica or slot indexes outside the pools, before anything is launched (one flag
-    read back from the device when all are in range)."""
-    bounds = (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots))
-    for name, index, _ in bounds:
+def indices_outside(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A one-element bool tensor on the pools' device: whether any replica or slot index is
+    out of range. Queued, not read: a caller can read it with other values in one round trip,
+    then call `check_indices` for the error message when it is set."""
+    bounds = (("replica", replica), ("slot", slots))
+    for name, index in bounds:
         if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
             raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
-    if not slots.numel() or not bool(
-        ((replica < 0) | (replica >= table.replicas) | (slots < 0) | (slots >= table.geometry.slots)).any()
-    ):
+    outside = (replica < 0) | (replica >= table.replicas) | (slots < 0) | (slots >= table.geometry.slots)
+    return outside.any().view(1)
+
+
+def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
+    """Refuse replica or slot indexes outside the pools, before anything is launched (one flag
+    read back from the device when all are in range)."""
+    if not bool(indices_outside(table, replica, slots)):
         return
-    for name, index, bound in bounds:
+    for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
         outside = (index < 0) | (index >= bound)
         if bool(outside.any()):
             raise InvalidInputError(f"{name} index {index[outside][0].item()} is out of range [0, {bound})")
@@ -275,15 +281,44 @@ def _split(key: torch.Tensor, value: torch.Tensor, kv: int) -> _Stage:
     return _Stage(key, value if kv == 2 else key, 0, 0, tokens * row, row)
 
 
-def _launch(
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One launch of `_move_kv`, planned: what it takes, and what Triton compiles it for."""
+
+    grid: tuple[int, int]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]
+    warps: int
+
+    def signature(self) -> tuple[object, ...]:
+        """What Triton specializes a compiled kernel on (as of Triton 3.x): each pointer's
+        dtype and 16-byte alignment; each int's width, and whether it is 1 or a multiple of
+        16 (not for `first_layer`, marked do_not_specialize); the constants; the warps."""
+        parts: list[object] = []
+        for index, arg in enumerate(self.args):
+            if isinstance(arg, torch.Tensor):
+                parts.append((arg.dtype, arg.device, arg.data_ptr() % 16 == 0))
+            else:
+                width = "i32" if -(2**31) <= arg < 2**31 else "u64" if arg >= 2**63 else "i64"
+                parts.append((width,) if index == _FIRST_LAYER_ARG else (width, arg == 1, arg % 16 == 0))
+        return (*parts, tuple(sorted(self.constants.items())), self.warps)
+
+
+_FIRST_LAYER_ARG: Final = 6
+_LAUNCHED: set[tuple[object, ...]] = set()
+"""Signatures launched in this process so far: Triton has compiled those."""
+
+
+def _plan(
     table: PoolTable, stage: _Stage, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
     gather: bool, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
-) -> None:  # fmt: skip
-    """Move `layers` (all by default); the staging's first layer is the range's first."""
+) -> _Launch | None:  # fmt: skip
+    """The launch that moves `layers` (all by default; the staging's first layer is the
+    range's first), or None when there is nothing to move."""
     tokens = slots.numel()
     first_layer, end_layer = (0, table.layers) if layers is None else layers
     if tokens == 0 or end_layer == first_layer:
-        return
+        return None
     g = table.geometry
     itemsize = table.dtype.itemsize
     stage_bytes = [
@@ -299,11 +334,9 @@ def _launch(
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
     block = min(triton.next_power_of_2(max(1, tuning.block_words)), triton.next_power_of_2(row))
-    grid = (tokens, end_layer - first_layer)
     stage_k = stage.key.view(-1).view(word)[to_words(stage.key_offset) :]
     stage_v = stage.value.view(-1).view(word)[to_words(stage.value_offset) :]
-    launch: Any = _move_kv[grid]  # Triton's launcher is untyped
-    launch(
+    args = (
         table.addresses,
         replica,
         slots,
@@ -316,23 +349,34 @@ def _launch(
         to_words(heads[0] * g.head_dim),
         to_words(stage.layer_stride),
         to_words(stage.token_stride),
-        ROW=row,
-        KV=g.kv,
-        COPIES=table.copies,
-        BLOCK=block,
-        GATHER=gather,
-        num_warps=tuning.warps,
     )
+    constants = {"ROW": row, "KV": g.kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
+    return _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
+
+
+def _launch(
+    table: PoolTable, stage: _Stage, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
+    gather: bool, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    plan = _plan(table, stage, replica, slots, heads, gather=gather, layers=layers, tuning=tuning)
+    if plan is None:
+        return
+    launch: Any = _move_kv[plan.grid]  # Triton's launcher is untyped
+    launch(*plan.args, **plan.constants, num_warps=plan.warps)
+    _LAUNCHED.add(plan.signature())
 
 
 def gather(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, *, heads: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None, tuning: Tuning = DEFAULT_TUNING,
+    out: torch.Tensor | None = None, check: bool = True, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:  # fmt: skip
     """A request's KV from the pools into a new (or the given) staging buffer
-    [layers, tokens, kv, heads, head_dim]: token i from replica[i], slot slots[i]."""
+    [layers, tokens, kv, heads, head_dim]: token i from replica[i], slot slots[i].
+    `check=False` skips the index check (one flag read back from the GPU, which waits for
+    the stream), for a caller that ran `check_indices` on these indexes already."""
     head_range = _head_range(table, heads)
-    check_indices(table, replica, slots)
+    if check:
+        check_indices(table, replica, slots)
     shape = table.staging_shape(slots.numel(), head_range)
     if out is None:
         out = torch.empty(shape, dtype=table.dtype, device=table.device)
@@ -344,12 +388,13 @@ def gather(
 
 def scatter(
     table: PoolTable, staging: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, check: bool = True, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Write a staging buffer into the pools: token i into replica[i], slot slots[i] (every
-    copy of that replica for MLA)."""
+    copy of that replica for MLA). `check` as for `gather`."""
     head_range = _head_range(table, heads)
-    check_indices(table, replica, slots)
+    if check:
+        check_indices(table, replica, slots)
     shape = table.staging_shape(slots.numel(), head_range)
     if staging.shape != shape or staging.dtype != table.dtype or not staging.is_contiguous():
         raise InvalidInputError(f"staging must be a contiguous {table.dtype} tensor of shape {shape}")
@@ -400,6 +445,21 @@ def gather_into(
     first, end = _layer_range(table, layers)
     stage = _split(key[first:end], value[first:end], table.geometry.kv)
     _launch(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
+
+
+def gather_into_compiled(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+) -> bool:  # fmt: skip
+    """Whether this `gather_into` call would launch a kernel this process compiled already:
+    a first launch of a new specialization compiles, for about a second, and a caller on an
+    event loop must not wait for that there."""
+    head_range = _head_range(table, heads)
+    _check_split(table, key, value, slots.numel(), head_range)
+    first, end = _layer_range(table, layers)
+    stage = _split(key[first:end], value[first:end], table.geometry.kv)
+    plan = _plan(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
+    return plan is None or plan.signature() in _LAUNCHED
 
 
 def scatter_from(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,9 +66,10 @@ class BufferedItem:
     empty: one transfer of the whole storage."""
     segment_ready: list[torch.cuda.Event] = field(default_factory=list)
     """One per segment when set: a GPU send of that segment waits on it (a chunk's gather)."""
-    gathered: concurrent.futures.Future[None] | None = None
-    """Set for a published item: done once its gathers (and `segment_ready` events) are queued
-    on the device. No send may read the storage, or wait on those events, before."""
+    gathers: Callable[[], concurrent.futures.Future[None]] | None = None
+    """Set for a published item: starts its gathers (once; later calls return the same
+    future), done when they and the `segment_ready` events are queued on the device. No
+    send may read the storage, or wait on those events, before."""
     stream: StreamState | None = None
     """Set while this is an open stream: a prefill still publishing its layers."""
     generation: int = 0

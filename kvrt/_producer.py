@@ -15,11 +15,12 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -76,17 +77,62 @@ class _GathersFailed(Exception):
     """A published item's gathers could not be queued: its bytes will never exist."""
 
 
+class _Gathers:
+    """A published item's gathers, started once, by whichever comes first: its first send, or
+    `publish` itself. On the loop when every launch was compiled before (no thread hand-off
+    before the first byte can move); else in the gather thread, because a first launch
+    compiles for about a second and the loop must not wait for that."""
+
+    def __init__(self, queue: Callable[[], None], thread: concurrent.futures.Executor | None) -> None:
+        self._queue = queue
+        self._thread = thread
+        self._started: concurrent.futures.Future[None] | None = None
+
+    def start(self) -> concurrent.futures.Future[None]:
+        if self._started is None:
+            if self._thread is not None:
+                self._started = self._thread.submit(self._queue)
+            else:
+                self._started = concurrent.futures.Future()
+                try:
+                    self._queue()
+                except Exception as exc:  # reported through the future, to every waiter
+                    self._started.set_exception(exc)
+                else:
+                    self._started.set_result(None)
+        return self._started
+
+
 async def _gathers_queued(item: BufferedItem) -> None:
-    """Wait until a published item's gathers are queued on its device (at once for others)."""
-    if item.gathered is None:
+    """Start a published item's gathers if nothing did yet, and wait until they are queued
+    on its device (at once for other items): no send may read the storage before."""
+    if item.gathers is None:
         return
+    started = item.gathers()
     try:
-        if item.gathered.done():
-            item.gathered.result()
+        if started.done():
+            started.result()
         else:
-            await asyncio.wrap_future(item.gathered)
+            await asyncio.wrap_future(started)
     except Exception as exc:
         raise _GathersFailed from exc
+
+
+def _lookup_key_and_flag(
+    input_tokens: torch.Tensor, roi: torch.Tensor | None, flag: torch.Tensor
+) -> tuple[np.ndarray, bool]:
+    """The lookup key (the tokens the roi selects, on the host) and a one-element device flag,
+    read back together: one wait for the device, not two."""
+    tokens = input_tokens.detach()
+    if tokens.device != flag.device:
+        return masked_tokens(input_tokens, roi), bool(flag)
+    parts = [tokens.to(torch.int64), flag.to(torch.int64)]
+    if roi is not None:  # applied on the host: a boolean mask on the device would wait too
+        parts.insert(1, roi.to(device=flag.device, dtype=torch.int64))
+    host = torch.cat(parts).cpu().numpy()
+    count = tokens.numel()
+    key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
+    return key, bool(host[-1])
 
 
 def _stream_frames(send: Outgoing) -> list[memoryview]:
@@ -315,7 +361,14 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        from kvrt.kernels.paged_kv import check_indices, gather_into, gather_into_any, per_token
+        from kvrt.kernels.paged_kv import (
+            check_indices,
+            gather_into,
+            gather_into_any,
+            gather_into_compiled,
+            indices_outside,
+            per_token,
+        )
 
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
@@ -342,16 +395,17 @@ class Producer(AsyncService):
         item_tokens.copy_(input_tokens)
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
-        # The lookup key is read back now, before the gathers are queued: reading it later
-        # would wait for them all and hold the first chunk's send back (seen on an H200 host).
-        masked = masked_tokens(input_tokens, roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes), chunked_layers(pools.layers))
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
-        gathered: concurrent.futures.Future[None] | None = None
-        chunk_ready: list[torch.cuda.Event] = []
+        gathers: _Gathers | None = None
         if self.device.type == "cuda":
-            check_indices(pools, replicas, slots)
+            # The lookup key and the index check come back in one round trip, before any
+            # gather is queued: reading them later would wait for the gathers.
+            outside = indices_outside(pools, replicas, slots)
+            masked, any_outside = _lookup_key_and_flag(input_tokens, roi, outside)
+            if any_outside:
+                check_indices(pools, replicas, slots)  # raises, naming the index
             caller = torch.cuda.current_stream(self.device)
             chunks = [(first, min(pools.layers, first + layers_per_chunk))
                       for first in range(0, pools.layers, layers_per_chunk)]  # fmt: skip
@@ -360,32 +414,33 @@ class Producer(AsyncService):
             def queue_gathers() -> None:
                 """Chunk by chunk on the caller's stream, an event after each: a GPU send of a
                 chunk waits for its gather alone, so the first layers are on the wire while
-                the last are still gathered. In a worker thread: Triton may compile on a
-                first launch, and the loop must not wait for that."""
+                the last are still gathered."""
                 with torch.cuda.stream(caller):
                     for chunk, ready in zip(chunks, chunk_ready, strict=True):
                         gather_into(pools, replicas, slots, key, value, layers=chunk, check=False)
                         ready.record(caller)
 
-            gathered = self._gather_thread().submit(queue_gathers)
+            compiled = all(gather_into_compiled(pools, replicas, slots, key, value, layers=chunk) for chunk in chunks)
+            gathers = _Gathers(queue_gathers, None if compiled else self._gather_thread())
         else:
+            masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)
         item = item_from_packed(
             packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
         )
         item.segments = segments
-        if gathered is not None:
+        if gathers is not None:
             item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
-            item.gathered = gathered
-        # Buffered before its gathers are queued: a waiting pull gets its Deliver header now
-        # and posts its receives while they queue (the sends wait for `gathered`).
+            item.gathers = gathers.start
+        # Buffered before its gathers are queued: a waiting pull gets its Deliver header first
+        # and posts its receives while they queue (the sends are queued after them).
         await self._buffer(item)
-        if gathered is not None:
+        if gathers is not None:
             try:
-                await asyncio.wrap_future(gathered)
-            except Exception as exc:
+                await _gathers_queued(item)
+            except _GathersFailed as failed:
                 self._core.discard(item)
-                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {exc}") from exc
+                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed.__cause__}") from failed
 
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed

@@ -109,3 +109,36 @@ async def test_slots_out_of_range_are_refused_before_the_item_is_taken() -> None
             await consumer.pull(torch.arange(4), into=target, slots=torch.tensor([0, 1, 2, SLOTS]))
         assert producer.stats().items == 1  # still buffered: nothing lost
         assert await consumer.pull(torch.arange(4), into=target, slots=torch.arange(4)) is not None
+
+
+@pytest.mark.parametrize("with_roi", [False, True], ids=["tokens", "roi"])
+def test_the_lookup_key_and_the_index_flag_come_back_in_one_read(with_roi: bool) -> None:
+    from kvrt._item import masked_tokens
+    from kvrt._producer import _lookup_key_and_flag
+
+    tokens = torch.arange(10, dtype=torch.int64) * 7
+    roi = (torch.arange(10) % 3 == 0) if with_roi else None
+    for flag in (torch.tensor([False]), torch.tensor([True])):
+        key, outside = _lookup_key_and_flag(tokens, roi, flag)
+        assert key.tolist() == masked_tokens(tokens, roi).tolist()
+        assert outside is bool(flag)
+
+
+async def test_gathers_start_once_and_a_failure_reaches_every_send() -> None:
+    import concurrent.futures
+
+    from kvrt._producer import _Gathers, _gathers_queued, _GathersFailed
+
+    calls: list[str] = []
+    inline = _Gathers(lambda: calls.append("queued"), None)
+    assert inline.start() is inline.start() and calls == ["queued"]
+
+    def broken() -> None:
+        raise RuntimeError("launch failed")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        for failing in (_Gathers(broken, None), _Gathers(broken, thread)):
+            item = type("Item", (), {"gathers": failing.start})()
+            for _ in range(2):  # the first send and publish itself both learn of it
+                with pytest.raises(_GathersFailed):
+                    await _gathers_queued(item)  # type: ignore[arg-type]

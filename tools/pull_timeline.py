@@ -88,9 +88,23 @@ def _patch(device: str, side: str) -> Clock:
 
             return call
 
-        for name in ("pack_empty", "masked_tokens", "layer_segments", "check_tokens"):
+        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and_flag"):
             setattr(producer_module, name, marked(getattr(producer_module, name), name))
         kernels.check_indices = marked(kernels.check_indices, "check_indices")
+        pack_empty = producer_module.pack_empty
+
+        def counted_pack_empty(*args: Any, **kwargs: Any) -> Any:
+            """Says whether the item's buffer came from the caching allocator or from cudaMalloc."""
+            before = torch.cuda.memory_stats()
+            clock.host_mark("pack_empty called")
+            result = pack_empty(*args, **kwargs)
+            after = torch.cuda.memory_stats()
+            counts = {key: after.get(key, 0) - before.get(key, 0) for key in ("num_device_alloc", "num_device_free",
+                      "num_alloc_retries", "num_sync_all_streams")}  # fmt: skip
+            clock.host_mark(f"pack_empty returns {counts}")
+            return result
+
+        producer_module.pack_empty = counted_pack_empty
         kernels.per_token = marked(kernels.per_token, "per_token")
 
         async def timed_send(self: Any, peer: bytes, item: Any) -> Any:
