@@ -40,7 +40,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import chunked_layers, layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._tensors import chunk_plan, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -211,6 +211,7 @@ class Producer(AsyncService):
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
+        self._taper = True
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
         self._peer_left = asyncio.Event()
@@ -331,19 +332,22 @@ class Producer(AsyncService):
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
-    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = True) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
         takes a finished prefill straight from them.
 
         A published request travels in chunks of whole layers holding about `chunk_bytes` of
         K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands."""
+        and a pulling consumer scatters it as soon as it lands. With `taper`, the first and
+        last chunks are a quarter of that: the first is on the wire sooner, and the last
+        leaves less to scatter once the wire is idle."""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._pools = pools
         self._chunk_bytes = chunk_bytes
+        self._taper = bool(taper)
 
     async def publish(
         self,
@@ -396,8 +400,8 @@ class Producer(AsyncService):
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        layers_per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes), chunked_layers(pools.layers))
-        segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), layers_per_chunk)
+        chunks = chunk_plan(pools.layers, max(1, self._chunk_bytes // max(1, layer_bytes)), taper=self._taper)
+        segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if self.device.type == "cuda":
             # The lookup key and the index check come back in one round trip, before any
@@ -407,8 +411,6 @@ class Producer(AsyncService):
             if any_outside:
                 check_indices(pools, replicas, slots)  # raises, naming the index
             caller = torch.cuda.current_stream(self.device)
-            chunks = [(first, min(pools.layers, first + layers_per_chunk))
-                      for first in range(0, pools.layers, layers_per_chunk)]  # fmt: skip
             chunk_ready = [torch.cuda.Event() for _ in chunks]
 
             def queue_gathers() -> None:

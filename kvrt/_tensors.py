@@ -10,6 +10,7 @@ tensor is built.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -206,37 +207,63 @@ def chunked_layers(layers: int) -> int:
     return max(1, -(-layers // most_chunks))
 
 
+def chunk_plan(layers: int, layers_per_chunk: int, *, taper: bool = False) -> list[tuple[int, int]]:
+    """Layer ranges [first, end) that a published request is gathered and sent in, in order:
+    `layers_per_chunk` each; with `taper`, the first and last a quarter of that (the first
+    gets on the wire sooner, the last leaves less to scatter after the wire is idle). Never
+    more chunks than `MAX_SEGMENTS` allows."""
+    if layers_per_chunk < 1:
+        raise ValueError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
+    per_chunk = max(layers_per_chunk, chunked_layers(layers))
+    uniform = [(first, min(layers, first + per_chunk)) for first in range(0, layers, per_chunk)]
+    edge = per_chunk // 4
+    middle = layers - 2 * edge
+    if not taper or edge == 0 or middle < per_chunk:
+        return uniform
+    count = -(-middle // per_chunk)
+    sizes = [edge] + [middle // count + (index < middle % count) for index in range(count)] + [edge]
+    if len(sizes) > (MAX_SEGMENTS - 1) // 2:
+        return uniform
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def layer_segments(
-    key: TensorMeta, value: TensorMeta, payload_bytes: int, layers_per_chunk: int
+    key: TensorMeta, value: TensorMeta, payload_bytes: int, chunks: Sequence[tuple[int, int]]
 ) -> tuple[list[tuple[int, int]], list[int]]:
     """Cut a payload whose key and value are [layers, tokens, ...] into segments of whole
     layers, in the order a pipelined transfer sends them: what precedes the key (tokens,
-    roi) first, then chunk by chunk its key layers and its value layers. Padding between
-    tensors and whatever follows the value (hidden) join the segment before them, so the
-    segments tile the payload. Returns the segments (offset, nbytes) and, for each, the
-    chunk whose gather it waits for."""
+    roi) first, then chunk by chunk (`chunks`: layer ranges that tile the layers, from
+    `chunk_plan`) its key layers and its value layers. Padding between tensors and whatever
+    follows the value (hidden) join the segment before them, so the segments tile the
+    payload. Returns the segments (offset, nbytes) and, for each, the index of the chunk
+    whose gather it waits for."""
     layers = key.shape[0] if key.shape else 0
-    if layers_per_chunk < 1:
-        raise ValueError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
     if payload_bytes == 0:
         return [], []
+    if layers:
+        ends = [end for _, end in chunks]
+        if not chunks or [first for first, _ in chunks] != [0, *ends[:-1]] or ends[-1] != layers:
+            raise ValueError(f"chunks {list(chunks)} do not tile {layers} layers")
+        if any(end <= first for first, end in chunks):
+            raise ValueError(f"chunks {list(chunks)} include an empty one")
     key_layer = _nbytes(key.shape[1:], _dtype_of(key)) if layers else 0
     value_layer = _nbytes(value.shape[1:], _dtype_of(value)) if value.shape and value.shape[0] == layers else 0
     nominal: list[tuple[int, int]] = [(0, 0)]  # (offset, chunk), in send order; ends come from the tiling
-    for chunk, first in enumerate(range(0, layers, layers_per_chunk)):
+    for chunk, (first, _) in enumerate(chunks if layers else []):
         if key_layer:
             nominal.append((key.offset + first * key_layer, chunk))
         if value_layer:
             nominal.append((value.offset + first * value_layer, chunk))
     starts = sorted({offset for offset, _ in nominal if offset < payload_bytes})
-    ends = dict(zip(starts, [*starts[1:], payload_bytes], strict=True))
-    segments, chunks, seen = [], [], set()
+    end_of = dict(zip(starts, [*starts[1:], payload_bytes], strict=True))
+    segments, chunk_of, seen = [], [], set()
     for offset, chunk in nominal:
-        if offset in ends and offset not in seen:
+        if offset in end_of and offset not in seen:
             seen.add(offset)
-            segments.append((offset, ends[offset] - offset))
-            chunks.append(chunk)
-    return segments, chunks
+            segments.append((offset, end_of[offset] - offset))
+            chunk_of.append(chunk)
+    return segments, chunk_of
 
 
 def transfer_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> list[tuple[int, int]]:

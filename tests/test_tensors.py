@@ -16,6 +16,7 @@ from kvrt._tensors import (
     PACK_ALIGN_BYTES,
     Packed,
     check_segments,
+    chunk_plan,
     chunked_layers,
     layer_chunks,
     layer_segments,
@@ -148,15 +149,17 @@ def _published_layout(layers: int, tokens: int, kv: int, with_roi: bool) -> Pack
     kv=st.sampled_from([1, 2]),
     with_roi=st.booleans(),
     per_chunk=st.integers(1, 10),
+    taper=st.booleans(),
 )
 def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_segments(
-    layers: int, tokens: int, kv: int, with_roi: bool, per_chunk: int
+    layers: int, tokens: int, kv: int, with_roi: bool, per_chunk: int, taper: bool
 ) -> None:
     packed = _published_layout(layers, tokens, kv, with_roi)
     _, _, key, value, _ = packed.metas
     assert key is not None and value is not None
     size = packed.storage.numel()
-    segments, chunk_of = layer_segments(key, value, size, per_chunk)
+    plan = chunk_plan(layers, per_chunk, taper=taper)
+    segments, chunk_of = layer_segments(key, value, size, plan)
     check_segments(segments, size)  # every byte once
     if size == 0:
         assert segments == []
@@ -172,7 +175,7 @@ def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_s
                 first = meta.offset + layer * layer_bytes
                 carriers = [i for i, (o, n) in enumerate(segments) if o < first + layer_bytes and first < o + n]
                 assert layer_bytes == 0 or max(carriers) <= chunk.ready
-        assert chunk_of[chunk.ready] == (chunk.end - 1) // per_chunk or tokens == 0
+        assert plan[chunk_of[chunk.ready]] == (chunk.first, chunk.end) or tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -194,6 +197,33 @@ def test_a_request_with_very_many_layers_still_fits_in_the_segment_limit(layers:
     packed = _published_layout(layers, 2, 2, with_roi=False)
     _, _, key, value, _ = packed.metas
     assert key is not None and value is not None
-    segments, _ = layer_segments(key, value, packed.storage.numel(), chunked_layers(layers))
-    assert len(segments) <= MAX_SEGMENTS
+    for taper in (False, True):
+        segments, _ = layer_segments(key, value, packed.storage.numel(), chunk_plan(layers, 1, taper=taper))
+        assert len(segments) <= MAX_SEGMENTS
     assert chunked_layers(layers) == 1 or layers > (MAX_SEGMENTS - 1) // 2
+
+
+@pytest.mark.parametrize(
+    ("layers", "per_chunk", "taper", "sizes"),
+    [
+        (32, 8, False, [8, 8, 8, 8]),
+        (32, 8, True, [2, 7, 7, 7, 7, 2]),  # a quarter-size chunk first and last
+        (32, 4, True, [1, 4, 4, 4, 4, 4, 4, 3, 3, 1]),  # the middle spread evenly
+        (32, 3, True, [3] * 10 + [2]),  # too small to taper
+        (5, 8, True, [5]),
+    ],
+)
+def test_a_chunk_plan_cuts_whole_layers_tapered_at_both_ends(
+    layers: int, per_chunk: int, taper: bool, sizes: list[int]
+) -> None:
+    plan = chunk_plan(layers, per_chunk, taper=taper)
+    assert [end - first for first, end in plan] == sizes
+    assert plan[0][0] == 0 and plan[-1][1] == layers
+
+
+def test_chunks_that_do_not_tile_the_layers_are_refused() -> None:
+    packed = _published_layout(4, 2, 2, with_roi=False)
+    _, _, key, value, _ = packed.metas
+    assert key is not None and value is not None
+    with pytest.raises(ValueError, match="do not tile"):
+        layer_segments(key, value, packed.storage.numel(), [(0, 2), (3, 4)])

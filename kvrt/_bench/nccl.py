@@ -38,6 +38,7 @@ PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 _TIMEOUT = datetime.timedelta(seconds=120)
 PHASES: Final = ("warm-up", "timed")
+WATCHDOG_S: Final = 0.3
 """kvrt moves each size twice and the second pass is timed: the reference's buffers are
 allocated before its clock starts, so the consumer's receive buffers (the caching allocator's
 first cudaMalloc of each size) are allocated before kvrt's clock too."""
@@ -187,6 +188,11 @@ def main(args: argparse.Namespace) -> int:
                     for phase in PHASES:
                         message = await asyncio.to_thread(control.recv)
                         assert message == ("ready", size_mib, phase)
+                        if phase == "timed":
+                            # NCCL's watchdog thread drops its references to finished receives'
+                            # buffers on its own schedule (about every 100 ms); until then the
+                            # allocator cannot hand them out again.
+                            await asyncio.sleep(WATCHDOG_S)
                         kvrt_s = await _consume(consumer, count, in_flight)
                         control.send("next")
                     item_bytes = _tokens(size_mib) * (BYTES_PER_TOKEN + 8)
