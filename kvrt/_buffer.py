@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ _COMPACT_SLACK = 16
 """A heap is rebuilt once it holds more than twice its live entries plus this many."""
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class BufferedItem:
     """One inserted item, owned by the buffer while buffered or in flight to a consumer.
 
@@ -106,12 +107,15 @@ class Match:
     matched: int
 
 
-_HeapEntry = tuple[int, int, BufferedItem]  # (seq, generation, item)
+_HeapEntry = tuple[int, int, weakref.ref[BufferedItem]]
+"""(seq, generation, item). Weak: an entry left behind by lazy removal must not keep a
+delivered item's tensors alive (GPU items hold gigabytes) until the next compaction."""
 
 
 def _alive(entry: _HeapEntry) -> bool:
-    _, generation, item = entry
-    return item.buffered and item.generation == generation
+    _, generation, ref = entry
+    item = ref()
+    return item is not None and item.buffered and item.generation == generation
 
 
 class _Heap:
@@ -124,7 +128,7 @@ class _Heap:
         self.live = live
 
     def push(self, item: BufferedItem) -> None:
-        heapq.heappush(self.entries, (item.seq, item.generation, item))
+        heapq.heappush(self.entries, (item.seq, item.generation, weakref.ref(item)))
         self.live += 1
 
     def discard(self) -> None:
@@ -138,7 +142,7 @@ class _Heap:
         entries = self.entries
         while entries and not _alive(entries[0]):
             heapq.heappop(entries)
-        return entries[0][2] if entries else None
+        return entries[0][2]() if entries else None
 
     def copy(self) -> _Heap:
         return _Heap(list(self.entries), self.live)
@@ -236,7 +240,7 @@ class LookupBuffer:
     def items(self) -> list[BufferedItem]:
         """Every buffered item, oldest first (for listing; O(n log n))."""
         return sorted(
-            (entry[2] for entry in self._root.subtree.entries if _alive(entry)),
+            (item for entry in self._root.subtree.entries if _alive(entry) and (item := entry[2]()) is not None),
             key=lambda item: item.seq,
         )
 

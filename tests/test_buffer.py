@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -136,6 +138,26 @@ def test_bytes_count_until_a_taken_item_is_forgotten() -> None:
     assert (len(buffer), buffer.nbytes, buffer.held) == (0, 100, 1)
     buffer.forget(item)
     assert (len(buffer), buffer.nbytes, buffer.held) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["delivered", "dropped"])
+def test_an_item_gone_from_the_buffer_is_not_kept_alive_by_its_index(how: str) -> None:
+    # Removal from the index is lazy; a stale entry must not hold the item's tensors (a GPU
+    # item's are gigabytes) until the next compaction.
+    buffer = LookupBuffer()
+    for tokens in ([1, 2], [1, 3], [2]):
+        item = make_item(buffer, tokens)
+        buffer.add(item)
+        alive = weakref.ref(item)
+        if how == "delivered":
+            buffer.take(item)
+            buffer.forget(item)
+        else:
+            buffer.drop(item)
+        del item
+        gc.collect()
+        assert alive() is None
+        assert buffer.best_match(np.array(tokens)) is None
 
 
 def test_an_empty_query_or_an_item_with_no_masked_tokens_never_matches() -> None:

@@ -142,3 +142,43 @@ async def test_gathers_start_once_and_a_failure_reaches_every_send() -> None:
             for _ in range(2):  # the first send and publish itself both learn of it
                 with pytest.raises(_GathersFailed):
                     await _gathers_queued(item)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import gc
+    import weakref
+
+    import kvrt._producer
+
+    published: list[weakref.ref[torch.Tensor]] = []
+    build = kvrt._producer.item_from_packed
+
+    def noting(*args: object, **kwargs: object) -> object:
+        item = build(*args, **kwargs)  # type: ignore[arg-type]
+        published.append(weakref.ref(item.storage))
+        return item
+
+    monkeypatch.setattr(kvrt._producer, "item_from_packed", noting)
+    source, target = random_pools(2, Layout.TOKEN_MAJOR, seed=1), random_pools(1, Layout.TOKEN_MAJOR, seed=2)
+    async with (
+        kvrt.Producer(transport=transport) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport=transport) as consumer,
+    ):
+        producer.register_pools(source, chunk_bytes=1)
+        for round_ in range(4):
+            tokens = torch.arange(8) + 100 * round_
+            await producer.publish(tokens, torch.arange(8), 1)
+            assert await consumer.pull(tokens, into=target, slots=torch.arange(8)) is not None
+        await asyncio.sleep(0)  # the receipt leaves
+        assert await consumer.drop_select(torch.tensor([-1]), timeout=0) is None  # and has arrived
+        for _ in range(100):  # a finished send is let go of when the next item is made, or at once
+            producer._reclaim()
+            gc.collect()
+            if sum(ref() is not None for ref in published) == 0:
+                break
+            await asyncio.sleep(0.01)
+    assert [ref() is None for ref in published] == [True] * 4

@@ -84,11 +84,13 @@ def _abort(group: Any) -> None:
 
 @dataclass
 class _Pair:
-    """One producer/consumer pair: its group once established, and the sends in flight."""
+    """One producer/consumer pair: its group once established, and the sends in flight
+    (each with how to learn that it finished: NCCL works answer `is_completed`; gloo's send
+    works do only once waited for, which a kvrt thread does)."""
 
     pair_id: str
     established: concurrent.futures.Future[Any]
-    sends: deque[Any] = field(default_factory=deque)
+    sends: deque[tuple[Any, concurrent.futures.Future[Any] | None]] = field(default_factory=deque)
 
 
 class PairedTransport(Transport):
@@ -157,10 +159,12 @@ class PairedTransport(Transport):
                 for index, (offset, nbytes) in enumerate(segments):
                     if item.segment_ready:  # a published chunk leaves as soon as it is gathered
                         send_stream.wait_event(item.segment_ready[index])
-                    pair.sends.append(group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG))
+                    work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
+                    pair.sends.append((work, None))
         else:
             for offset, nbytes in segments:
-                pair.sends.append(group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG))
+                work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
+                pair.sends.append((work, self._waiter.submit(work.wait)))
         return []
 
     def forget(self, peer: bytes) -> None:
@@ -300,7 +304,10 @@ class PairedTransport(Transport):
 def _drop_finished(pair: _Pair) -> None:
     """Forget sends that completed (they hold their item's storage; a send must stay
     referenced until it ran)."""
-    while pair.sends and pair.sends[0].is_completed():
+    while pair.sends:
+        work, waited = pair.sends[0]
+        if not (work.is_completed() if waited is None else waited.done()):
+            return
         pair.sends.popleft()
 
 
