@@ -359,8 +359,11 @@ def _launch(
     gather: bool, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     plan = _plan(table, stage, replica, slots, heads, gather=gather, layers=layers, tuning=tuning)
-    if plan is None:
-        return
+    if plan is not None:
+        _run(plan)
+
+
+def _run(plan: _Launch) -> None:
     launch: Any = _move_kv[plan.grid]  # Triton's launcher is untyped
     launch(*plan.args, **plan.constants, num_warps=plan.warps)
     _LAUNCHED.add(plan.signature())
@@ -438,28 +441,45 @@ def gather_into(
     `value`): a request gathered in chunks can travel chunk by chunk. `check=False` skips
     the index check, for a caller that ran `check_indices` once for all its chunks (the
     check reads a flag back from the GPU, which waits for the stream)."""
-    head_range = _head_range(table, heads)
     if check:
         check_indices(table, replica, slots)
-    _check_split(table, key, value, slots.numel(), head_range)
-    first, end = _layer_range(table, layers)
-    stage = _split(key[first:end], value[first:end], table.geometry.kv)
-    _launch(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
+    prepare_gather_into(table, replica, slots, key, value, heads=heads, layers=layers, tuning=tuning).launch()
 
 
-def gather_into_compiled(
+class PreparedGather:
+    """A `gather_into` launch with its arguments worked out, not yet queued: a caller can ask
+    whether it would compile first (`compiled`), then `launch` it, paying for the checks and
+    the planning once."""
+
+    __slots__ = ("_plan",)
+
+    def __init__(self, plan: _Launch | None) -> None:
+        self._plan = plan
+
+    @property
+    def compiled(self) -> bool:
+        """Whether this process launched the same specialization already: a first launch of a
+        new one compiles, for about a second (a caller on an event loop must not wait there)."""
+        return self._plan is None or self._plan.signature() in _LAUNCHED
+
+    def launch(self) -> None:
+        """Queue the gather on the current stream."""
+        if self._plan is not None:
+            _run(self._plan)
+
+
+def prepare_gather_into(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
-) -> bool:  # fmt: skip
-    """Whether this `gather_into` call would launch a kernel this process compiled already:
-    a first launch of a new specialization compiles, for about a second, and a caller on an
-    event loop must not wait for that there."""
+) -> PreparedGather:  # fmt: skip
+    """`gather_into` (with `check=False`), prepared but not launched."""
     head_range = _head_range(table, heads)
     _check_split(table, key, value, slots.numel(), head_range)
     first, end = _layer_range(table, layers)
     stage = _split(key[first:end], value[first:end], table.geometry.kv)
-    plan = _plan(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
-    return plan is None or plan.signature() in _LAUNCHED
+    return PreparedGather(
+        _plan(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
+    )
 
 
 def scatter_from(

@@ -26,8 +26,8 @@ import concurrent.futures
 import heapq
 import itertools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,23 @@ from kvrt._messages import TensorMeta
 
 _COMPACT_SLACK = 16
 """A heap is rebuilt once it holds more than twice its live entries plus this many."""
+
+
+class GathersFailed(Exception):
+    """A published item's gathers could not be queued: its bytes will never exist."""
+
+
+class ChunkGathers(Protocol):
+    """How a published item's gathers are queued, chunk by chunk (`kvrt._producer` makes it)."""
+
+    def prepare(self) -> concurrent.futures.Future[None] | None:
+        """Work the launches out (once). None: the caller's thread queues them, chunk by chunk,
+        through `queue_through`; else a worker thread queues them all (a launch must compile
+        first), and the future is done when it did. Raises `GathersFailed`."""
+
+    def queue_through(self, chunk: int | None) -> None:
+        """Queue now the gathers of the chunks up to `chunk` (None: all) not queued yet; after
+        a worker thread queued them, check that it succeeded. Raises `GathersFailed`."""
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -67,10 +84,11 @@ class BufferedItem:
     empty: one transfer of the whole storage."""
     segment_ready: list[torch.cuda.Event] = field(default_factory=list)
     """One per segment when set: a GPU send of that segment waits on it (a chunk's gather)."""
-    gathers: Callable[[], concurrent.futures.Future[None]] | None = None
-    """Set for a published item: starts its gathers (once; later calls return the same
-    future), done when they and the `segment_ready` events are queued on the device. No
-    send may read the storage, or wait on those events, before."""
+    segment_chunks: list[int] = field(default_factory=list)
+    """With `segment_ready`: the chunk (of `gathers`) each segment's bytes come from."""
+    gathers: ChunkGathers | None = None
+    """Set for a published item: queues its gathers, which record `segment_ready`. No send
+    may read the storage, or wait on those events, before their gathers are queued."""
     stream: StreamState | None = None
     """Set while this is an open stream: a prefill still publishing its layers."""
     generation: int = 0

@@ -27,7 +27,7 @@ import zmq
 from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._auth import CurveKeys, secure_server
-from kvrt._buffer import BufferedItem, StreamState
+from kvrt._buffer import BufferedItem, GathersFailed, StreamState
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -47,7 +47,7 @@ from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import PoolTable
+    from kvrt.kernels.paged_kv import PoolTable, PreparedGather
 
 log = logging.getLogger("kvrt.producer")
 
@@ -73,49 +73,83 @@ class ProducerStats:
     totals: ProducerCounters
 
 
-class _GathersFailed(Exception):
-    """A published item's gathers could not be queued: its bytes will never exist."""
-
-
 class _Gathers:
-    """A published item's gathers, started once, by whichever comes first: its first send, or
-    `publish` itself. On the loop when every launch was compiled before (no thread hand-off
-    before the first byte can move); else in the gather thread, because a first launch
-    compiles for about a second and the loop must not wait for that."""
+    """A published item's gathers, chunk by chunk, each followed by its chunk's event.
 
-    def __init__(self, queue: Callable[[], None], thread: concurrent.futures.Executor | None) -> None:
-        self._queue = queue
+    Worked out once, by whichever needs them first: the item's first send (right after its
+    Deliver header left) or `publish` itself. When every launch was compiled before, they
+    are queued on the loop, each chunk's right before its sends, so the first chunk is on
+    the wire before the last is even queued. Else a worker thread queues them all: a first
+    launch compiles, for about a second, and the loop must not wait for that.
+    """
+
+    def __init__(
+        self,
+        plan: Callable[[], list[PreparedGather]],
+        ready: list[torch.cuda.Event],
+        stream: torch.cuda.Stream,
+        thread: Callable[[], concurrent.futures.Executor],
+    ) -> None:
+        self._plan = plan
+        self._ready = ready
+        self._stream = stream
         self._thread = thread
-        self._started: concurrent.futures.Future[None] | None = None
+        self._launches: list[PreparedGather] | None = None
+        self._queued = 0
+        self._in_thread: concurrent.futures.Future[None] | None = None
+        self._failure: BaseException | None = None
 
-    def start(self) -> concurrent.futures.Future[None]:
-        if self._started is None:
-            if self._thread is not None:
-                self._started = self._thread.submit(self._queue)
+    def prepare(self) -> concurrent.futures.Future[None] | None:
+        if self._launches is None and self._failure is None:
+            try:
+                self._launches = self._plan()
+            except Exception as exc:  # reported to every send and to publish
+                self._failure = exc
             else:
-                self._started = concurrent.futures.Future()
-                try:
-                    self._queue()
-                except Exception as exc:  # reported through the future, to every waiter
-                    self._started.set_exception(exc)
-                else:
-                    self._started.set_result(None)
-        return self._started
+                if not all(launch.compiled for launch in self._launches):
+                    self._in_thread = self._thread().submit(self._queue, None)
+        self._raise_failure()
+        return self._in_thread
+
+    def queue_through(self, chunk: int | None) -> None:
+        self.prepare()
+        if self._in_thread is not None:
+            assert self._in_thread.done(), "a send waits for the gather thread before queuing"
+            if self._in_thread.exception() is not None:
+                raise GathersFailed(str(self._in_thread.exception())) from self._in_thread.exception()
+            return
+        try:
+            self._queue(chunk)
+        except Exception as exc:
+            self._failure = exc
+            self._raise_failure()
+
+    def _queue(self, through: int | None) -> None:
+        launches = self._launches
+        assert launches is not None
+        last = len(launches) - 1 if through is None else through
+        with torch.cuda.stream(self._stream):
+            while self._queued <= last:
+                launches[self._queued].launch()
+                self._ready[self._queued].record(self._stream)
+                self._queued += 1
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise GathersFailed(str(self._failure)) from self._failure
 
 
-async def _gathers_queued(item: BufferedItem) -> None:
-    """Start a published item's gathers if nothing did yet, and wait until they are queued
-    on its device (at once for other items): no send may read the storage before."""
+async def _gathers_prepared(item: BufferedItem) -> None:
+    """A published item's gathers worked out, and queued already if a worker thread queues
+    them (at once for other items). Raises `GathersFailed`."""
     if item.gathers is None:
         return
-    started = item.gathers()
-    try:
-        if started.done():
-            started.result()
-        else:
-            await asyncio.wrap_future(started)
-    except Exception as exc:
-        raise _GathersFailed from exc
+    in_thread = item.gathers.prepare()
+    if in_thread is not None:
+        try:
+            await asyncio.wrap_future(in_thread)
+        except Exception as exc:
+            raise GathersFailed(str(exc)) from exc
 
 
 def _lookup_key_and_flag(
@@ -367,11 +401,10 @@ class Producer(AsyncService):
         check_tokens(input_tokens, roi, what="publish")
         from kvrt.kernels.paged_kv import (
             check_indices,
-            gather_into,
             gather_into_any,
-            gather_into_compiled,
             indices_outside,
             per_token,
+            prepare_gather_into,
         )
 
         replicas = per_token(replica, slots)
@@ -410,20 +443,12 @@ class Producer(AsyncService):
             masked, any_outside = _lookup_key_and_flag(input_tokens, roi, outside)
             if any_outside:
                 check_indices(pools, replicas, slots)  # raises, naming the index
-            caller = torch.cuda.current_stream(self.device)
-            chunk_ready = [torch.cuda.Event() for _ in chunks]
 
-            def queue_gathers() -> None:
-                """Chunk by chunk on the caller's stream, an event after each: a GPU send of a
-                chunk waits for its gather alone, so the first layers are on the wire while
-                the last are still gathered."""
-                with torch.cuda.stream(caller):
-                    for chunk, ready in zip(chunks, chunk_ready, strict=True):
-                        gather_into(pools, replicas, slots, key, value, layers=chunk, check=False)
-                        ready.record(caller)
+            def plan() -> list[PreparedGather]:
+                return [prepare_gather_into(pools, replicas, slots, key, value, layers=chunk) for chunk in chunks]
 
-            compiled = all(gather_into_compiled(pools, replicas, slots, key, value, layers=chunk) for chunk in chunks)
-            gathers = _Gathers(queue_gathers, None if compiled else self._gather_thread())
+            ready = [torch.cuda.Event() for _ in chunks]
+            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)
@@ -432,17 +457,19 @@ class Producer(AsyncService):
         )
         item.segments = segments
         if gathers is not None:
-            item.segment_ready = [chunk_ready[chunk] for chunk in segment_chunks]
-            item.gathers = gathers.start
-        # Buffered before its gathers are queued: a waiting pull gets its Deliver header first
-        # and posts its receives while they queue (the sends are queued after them).
+            item.segment_ready = [ready[chunk] for chunk in segment_chunks]
+            item.segment_chunks = segment_chunks
+            item.gathers = gathers
+        # Buffered before its gathers are worked out: a waiting pull gets its Deliver header
+        # first and posts its receives while they are queued.
         await self._buffer(item)
         if gathers is not None:
             try:
-                await _gathers_queued(item)
-            except _GathersFailed as failed:
+                await _gathers_prepared(item)
+                gathers.queue_through(None)
+            except GathersFailed as failed:
                 self._core.discard(item)
-                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed.__cause__}") from failed
+                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
 
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
@@ -582,13 +609,16 @@ class Producer(AsyncService):
                         transport = self._transports[transport_name]
                         if transport.out_of_band:
                             # The header first: the consumer posts its receives while the sends
-                            # are queued here (one per chunk of a publish). Under this lock an
-                            # item's header and sends still go before the next item's.
+                            # are queued here (one per chunk of a publish, each chunk's gather
+                            # queued right before). Under this lock an item's header and sends
+                            # still go before the next item's.
                             await io.send([send.peer, m.encode(message)])
-                            await _gathers_queued(send.item)
+                            await _gathers_prepared(send.item)
                             await transport.send(send.peer, send.item)
                             continue
-                        await _gathers_queued(send.item)
+                        await _gathers_prepared(send.item)
+                        if send.item.gathers is not None:
+                            send.item.gathers.queue_through(None)
                         frames = await transport.send(send.peer, send.item)
                     await io.send([send.peer, m.encode(message), *frames])
                 except zmq.ZMQError as exc:
@@ -598,7 +628,7 @@ class Producer(AsyncService):
                     out += self._core.peer_unreachable(send.peer, self._now())
                 except PeerLostError:
                     out += self._core.peer_unreachable(send.peer, self._now())
-                except _GathersFailed:
+                except GathersFailed:
                     # The consumer may hold a header whose bytes will never come: its pair
                     # cannot be trusted any more. The item is gone (`publish` raises).
                     assert send.item is not None

@@ -124,24 +124,77 @@ def test_the_lookup_key_and_the_index_flag_come_back_in_one_read(with_roi: bool)
         assert outside is bool(flag)
 
 
-async def test_gathers_start_once_and_a_failure_reaches_every_send() -> None:
+class _Launch:
+    """Stands for a prepared gather: notes when it is launched."""
+
+    def __init__(self, log: list[str], name: str, *, compiled: bool = True, fails: bool = False) -> None:
+        self.log, self.name, self.compiled, self.fails = log, name, compiled, fails
+
+    def launch(self) -> None:
+        if self.fails:
+            raise RuntimeError(f"{self.name} failed to launch")
+        self.log.append(self.name)
+
+    def record(self, stream: object) -> None:  # stands for the chunk's event
+        self.log.append(f"{self.name} ready")
+
+
+async def test_compiled_gathers_are_queued_chunk_by_chunk_as_their_sends_need_them() -> None:
     import concurrent.futures
 
-    from kvrt._producer import _Gathers, _gathers_queued, _GathersFailed
+    from kvrt._producer import _Gathers
 
-    calls: list[str] = []
-    inline = _Gathers(lambda: calls.append("queued"), None)
-    assert inline.start() is inline.start() and calls == ["queued"]
+    log: list[str] = []
+    launches = [_Launch(log, f"chunk {index}") for index in range(3)]
+    gathers = _Gathers(lambda: launches, launches, None, lambda: concurrent.futures.ThreadPoolExecutor(1))  # type: ignore[arg-type]
+    assert gathers.prepare() is None  # all compiled: the loop queues them itself
+    gathers.queue_through(0)
+    assert log == ["chunk 0", "chunk 0 ready"]
+    gathers.queue_through(0)  # queued once
+    gathers.queue_through(None)
+    assert log == ["chunk 0", "chunk 0 ready", "chunk 1", "chunk 1 ready", "chunk 2", "chunk 2 ready"]
 
-    def broken() -> None:
-        raise RuntimeError("launch failed")
 
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:
-        for failing in (_Gathers(broken, None), _Gathers(broken, thread)):
-            item = type("Item", (), {"gathers": failing.start})()
-            for _ in range(2):  # the first send and publish itself both learn of it
-                with pytest.raises(_GathersFailed):
-                    await _gathers_queued(item)  # type: ignore[arg-type]
+async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None:
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from kvrt._producer import _Gathers
+
+    threads: list[str] = []
+    log: list[str] = []
+    launches = [_Launch(log, "chunk 0"), _Launch(log, "chunk 1", compiled=False)]
+    launches[1].launch = lambda: threads.append(threading.current_thread().name)  # type: ignore[method-assign]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gather") as pool:
+        gathers = _Gathers(lambda: launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        in_thread = gathers.prepare()
+        assert in_thread is not None
+        await asyncio.wrap_future(in_thread)
+        gathers.queue_through(None)  # nothing left: it checks the thread's outcome
+    assert threads[0].startswith("gather")
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["on-the-loop", "in-a-thread"])
+async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compiled: bool) -> None:
+    import concurrent.futures
+
+    from kvrt._buffer import GathersFailed
+    from kvrt._producer import _Gathers, _gathers_prepared
+
+    log: list[str] = []
+    launches = [_Launch(log, "chunk 0", compiled=compiled, fails=True)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gathers = _Gathers(lambda: launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        item = type("Item", (), {"gathers": gathers})()
+
+        async def send() -> None:  # what the producer's send path does before each chunk
+            await _gathers_prepared(item)  # type: ignore[arg-type]
+            gathers.queue_through(0)
+
+        for _ in range(2):  # the first send and publish itself both learn of it
+            with pytest.raises(GathersFailed, match="chunk 0 failed to launch"):
+                await send()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "gloo"])

@@ -67,17 +67,17 @@ def _patch(device: str, side: str) -> Clock:
     if side == "producer":
         publish = producer_module.Producer.publish
         send = PairedTransport.send
-        gather_into = kernels.gather_into
+        launch = kernels.PreparedGather.launch
 
         async def timed_publish(self: Any, *args: Any, **kwargs: Any) -> None:
             clock.host_mark("publish starts")
             await publish(self, *args, **kwargs)
             clock.host_mark("publish returns")
 
-        def timed_gather(*args: Any, **kwargs: Any) -> None:
-            clock.host_mark(f"gather {kwargs.get('layers')} called")
-            gather_into(*args, **kwargs)
-            clock.host_mark(f"gather {kwargs.get('layers')} queued")
+        def timed_launch(self: Any) -> None:
+            clock.host_mark("gather launch called")
+            launch(self)
+            clock.host_mark("gather queued")
 
         def marked(function: Any, name: str) -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -116,7 +116,20 @@ def _patch(device: str, side: str) -> Clock:
             return frames
 
         producer_module.Producer.publish = timed_publish  # type: ignore[method-assign]
-        kernels.gather_into = timed_gather
+        kernels.PreparedGather.launch = timed_launch  # type: ignore[method-assign]
+        for method in ("_reclaim", "_wait_for_room", "_buffer"):
+            original = getattr(producer_module.Producer, method)
+            if method == "_reclaim":
+                setattr(producer_module.Producer, method, lambda self, f=original: marked(f, "_reclaim")(self))
+            else:
+
+                async def timed(self: Any, *args: Any, f: Any = original, name: str = method) -> Any:
+                    clock.host_mark(f"{name} called")
+                    result = await f(self, *args)
+                    clock.host_mark(f"{name} returns")
+                    return result
+
+                setattr(producer_module.Producer, method, timed)
         PairedTransport.send = timed_send  # type: ignore[method-assign]
     else:
         receive = PairedTransport.receive
