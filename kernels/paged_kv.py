@@ -140,24 +140,31 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     return first, end
 
 
-def indices_outside(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """A one-element bool tensor on the pools' device: whether any replica or slot index is
-    out of range. Queued, not read: a caller can read it with other values in one round trip,
-    then call `check_indices` for the error message when it is set."""
-    bounds = (("replica", replica), ("slot", slots))
-    for name, index in bounds:
+def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """int64 [4] on the pools' device: the smallest and largest replica index, then slot
+    (zeros when there are none). Queued, not read (three small kernels): a caller can read it
+    with other values in one round trip and pass it to `ranges_fit`."""
+    for name, index in (("replica", replica), ("slot", slots)):
         if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
             raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
-    outside = (replica < 0) | (replica >= table.replicas) | (slots < 0) | (slots >= table.geometry.slots)
-    return outside.any().view(1)
+    if not slots.numel():
+        return torch.zeros(4, dtype=torch.int64, device=table.device)
+    (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
+    return torch.stack((replica_min, replica_max, slot_min, slot_max))
+
+
+def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
+    """Whether `index_ranges`, read back, lie inside the pools."""
+    replica_min, replica_max, slot_min, slot_max = (int(value) for value in ranges)
+    return replica_min >= 0 and replica_max < table.replicas and slot_min >= 0 and slot_max < table.geometry.slots
 
 
 def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
-    """Refuse replica or slot indexes outside the pools, before anything is launched (one flag
+    """Refuse replica or slot indexes outside the pools, before anything is launched (one
     read back from the device when all are in range)."""
-    if not bool(indices_outside(table, replica, slots)):
+    if ranges_fit(table, index_ranges(table, replica, slots).tolist()):
         return
     for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
         outside = (index < 0) | (index >= bound)

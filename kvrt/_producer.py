@@ -152,21 +152,21 @@ async def _gathers_prepared(item: BufferedItem) -> None:
             raise GathersFailed(str(exc)) from exc
 
 
-def _lookup_key_and_flag(
-    input_tokens: torch.Tensor, roi: torch.Tensor | None, flag: torch.Tensor
-) -> tuple[np.ndarray, bool]:
-    """The lookup key (the tokens the roi selects, on the host) and a one-element device flag,
+def _lookup_key_and(
+    input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor
+) -> tuple[np.ndarray, list[int]]:
+    """The lookup key (the tokens the roi selects, on the host) and a few int64 device values,
     read back together: one wait for the device, not two."""
     tokens = input_tokens.detach()
-    if tokens.device != flag.device:
-        return masked_tokens(input_tokens, roi), bool(flag)
-    parts = [tokens.to(torch.int64), flag.to(torch.int64)]
+    if tokens.device != values.device:
+        return masked_tokens(input_tokens, roi), values.tolist()
+    parts = [tokens.to(torch.int64), values]
     if roi is not None:  # applied on the host: a boolean mask on the device would wait too
-        parts.insert(1, roi.to(device=flag.device, dtype=torch.int64))
+        parts.insert(1, roi.to(device=values.device, dtype=torch.int64))
     host = torch.cat(parts).cpu().numpy()
     count = tokens.numel()
     key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
-    return key, bool(host[-1])
+    return key, host[len(host) - values.numel() :].tolist()
 
 
 def _stream_frames(send: Outgoing) -> list[memoryview]:
@@ -402,9 +402,10 @@ class Producer(AsyncService):
         from kvrt.kernels.paged_kv import (
             check_indices,
             gather_into_any,
-            indices_outside,
+            index_ranges,
             per_token,
             prepare_gather_into,
+            ranges_fit,
         )
 
         replicas = per_token(replica, slots)
@@ -439,9 +440,8 @@ class Producer(AsyncService):
         if self.device.type == "cuda":
             # The lookup key and the index check come back in one round trip, before any
             # gather is queued: reading them later would wait for the gathers.
-            outside = indices_outside(pools, replicas, slots)
-            masked, any_outside = _lookup_key_and_flag(input_tokens, roi, outside)
-            if any_outside:
+            masked, ranges = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
+            if not ranges_fit(pools, ranges):
                 check_indices(pools, replicas, slots)  # raises, naming the index
 
             def plan() -> list[PreparedGather]:

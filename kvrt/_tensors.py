@@ -232,9 +232,9 @@ def layer_segments(
     key: TensorMeta, value: TensorMeta, payload_bytes: int, chunks: Sequence[tuple[int, int]]
 ) -> tuple[list[tuple[int, int]], list[int]]:
     """Cut a payload whose key and value are [layers, tokens, ...] into segments of whole
-    layers, in the order a pipelined transfer sends them: what precedes the key (tokens,
-    roi) first, then chunk by chunk (`chunks`: layer ranges that tile the layers, from
-    `chunk_plan`) its key layers and its value layers. Padding between tensors and whatever
+    layers, in the order a pipelined transfer sends them: chunk by chunk (`chunks`: layer
+    ranges that tile the layers, from `chunk_plan`) its key layers and its value layers,
+    what precedes the key (tokens, roi) with the first chunk's key layers. Padding between tensors and whatever
     follows the value (hidden) join the segment before them, so the segments tile the
     payload. Returns the segments (offset, nbytes) and, for each, the index of the chunk
     whose gather it waits for."""
@@ -249,9 +249,11 @@ def layer_segments(
             raise ValueError(f"chunks {list(chunks)} include an empty one")
     key_layer = _nbytes(key.shape[1:], _dtype_of(key)) if layers else 0
     value_layer = _nbytes(value.shape[1:], _dtype_of(value)) if value.shape and value.shape[0] == layers else 0
-    nominal: list[tuple[int, int]] = [(0, 0)]  # (offset, chunk), in send order; ends come from the tiling
+    # (offset, chunk), in send order; ends come from the tiling. What precedes the key (the
+    # tokens) travels with the first chunk's key layers: one operation fewer.
+    nominal: list[tuple[int, int]] = [(0, 0)]
     for chunk, (first, _) in enumerate(chunks if layers else []):
-        if key_layer:
+        if key_layer and first:
             nominal.append((key.offset + first * key_layer, chunk))
         if value_layer:
             nominal.append((value.offset + first * value_layer, chunk))

@@ -112,16 +112,16 @@ async def test_slots_out_of_range_are_refused_before_the_item_is_taken() -> None
 
 
 @pytest.mark.parametrize("with_roi", [False, True], ids=["tokens", "roi"])
-def test_the_lookup_key_and_the_index_flag_come_back_in_one_read(with_roi: bool) -> None:
+def test_the_lookup_key_and_the_index_ranges_come_back_in_one_read(with_roi: bool) -> None:
     from kvrt._item import masked_tokens
-    from kvrt._producer import _lookup_key_and_flag
+    from kvrt._producer import _lookup_key_and
 
     tokens = torch.arange(10, dtype=torch.int64) * 7
     roi = (torch.arange(10) % 3 == 0) if with_roi else None
-    for flag in (torch.tensor([False]), torch.tensor([True])):
-        key, outside = _lookup_key_and_flag(tokens, roi, flag)
-        assert key.tolist() == masked_tokens(tokens, roi).tolist()
-        assert outside is bool(flag)
+    ranges = torch.tensor([0, 3, -1, 40])
+    key, values = _lookup_key_and(tokens, roi, ranges)
+    assert key.tolist() == masked_tokens(tokens, roi).tolist()
+    assert values == [0, 3, -1, 40]
 
 
 class _Launch:
