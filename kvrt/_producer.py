@@ -245,7 +245,8 @@ class Producer(AsyncService):
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
-        self._taper = True
+        self._taper = (True, True)
+        """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
         self._peer_left = asyncio.Event()
@@ -381,7 +382,7 @@ class Producer(AsyncService):
             raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._pools = pools
         self._chunk_bytes = chunk_bytes
-        self._taper = bool(taper)
+        self._taper = (bool(taper), bool(taper))
 
     async def publish(
         self,
@@ -434,7 +435,9 @@ class Producer(AsyncService):
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        chunks = chunk_plan(pools.layers, max(1, self._chunk_bytes // max(1, layer_bytes)), taper=self._taper)
+        small_first, small_last = self._taper
+        per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
+        chunks = chunk_plan(pools.layers, per_chunk, small_first=small_first, small_last=small_last)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if self.device.type == "cuda":

@@ -207,21 +207,25 @@ def chunked_layers(layers: int) -> int:
     return max(1, -(-layers // most_chunks))
 
 
-def chunk_plan(layers: int, layers_per_chunk: int, *, taper: bool = False) -> list[tuple[int, int]]:
+def chunk_plan(
+    layers: int, layers_per_chunk: int, *, small_first: bool = False, small_last: bool = False
+) -> list[tuple[int, int]]:
     """Layer ranges [first, end) that a published request is gathered and sent in, in order:
-    `layers_per_chunk` each; with `taper`, the first and last a quarter of that (the first
-    gets on the wire sooner, the last leaves less to scatter after the wire is idle). Never
-    more chunks than `MAX_SEGMENTS` allows."""
+    `layers_per_chunk` each, but a quarter of that for the first (`small_first`: it is on the
+    wire sooner) and the last (`small_last`: it leaves less to scatter once the wire is
+    idle). Never more chunks than `MAX_SEGMENTS` allows."""
     if layers_per_chunk < 1:
         raise ValueError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
     per_chunk = max(layers_per_chunk, chunked_layers(layers))
     uniform = [(first, min(layers, first + per_chunk)) for first in range(0, layers, per_chunk)]
     edge = per_chunk // 4
-    middle = layers - 2 * edge
-    if not taper or edge == 0 or middle < per_chunk:
+    head, tail = (edge if small_first else 0), (edge if small_last else 0)
+    middle = layers - head - tail
+    if edge == 0 or head + tail == 0 or middle < per_chunk:
         return uniform
     count = -(-middle // per_chunk)
-    sizes = [edge] + [middle // count + (index < middle % count) for index in range(count)] + [edge]
+    sizes = [head] + [middle // count + (index < middle % count) for index in range(count)] + [tail]
+    sizes = [size for size in sizes if size]
     if len(sizes) > (MAX_SEGMENTS - 1) // 2:
         return uniform
     ends = list(itertools.accumulate(sizes))

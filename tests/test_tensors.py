@@ -158,7 +158,7 @@ def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_s
     _, _, key, value, _ = packed.metas
     assert key is not None and value is not None
     size = packed.storage.numel()
-    plan = chunk_plan(layers, per_chunk, taper=taper)
+    plan = chunk_plan(layers, per_chunk, small_first=taper, small_last=taper)
     segments, chunk_of = layer_segments(key, value, size, plan)
     check_segments(segments, size)  # every byte once
     if size == 0:
@@ -198,7 +198,8 @@ def test_a_request_with_very_many_layers_still_fits_in_the_segment_limit(layers:
     _, _, key, value, _ = packed.metas
     assert key is not None and value is not None
     for taper in (False, True):
-        segments, _ = layer_segments(key, value, packed.storage.numel(), chunk_plan(layers, 1, taper=taper))
+        plan = chunk_plan(layers, 1, small_first=taper, small_last=taper)
+        segments, _ = layer_segments(key, value, packed.storage.numel(), plan)
         assert len(segments) <= MAX_SEGMENTS
     assert chunked_layers(layers) == 1 or layers > (MAX_SEGMENTS - 1) // 2
 
@@ -216,7 +217,7 @@ def test_a_request_with_very_many_layers_still_fits_in_the_segment_limit(layers:
 def test_a_chunk_plan_cuts_whole_layers_tapered_at_both_ends(
     layers: int, per_chunk: int, taper: bool, sizes: list[int]
 ) -> None:
-    plan = chunk_plan(layers, per_chunk, taper=taper)
+    plan = chunk_plan(layers, per_chunk, small_first=taper, small_last=taper)
     assert [end - first for first, end in plan] == sizes
     assert plan[0][0] == 0 and plan[-1][1] == layers
 
