@@ -53,7 +53,7 @@ log = logging.getLogger("kvrt.producer")
 
 DEFAULT_HEARTBEAT_S = 1.0
 """Consumers ping at least this often; one silent for 4 periods is dropped."""
-DEFAULT_CHUNK_BYTES = 512 << 20
+DEFAULT_CHUNK_BYTES = 1 << 30
 """K and V bytes per chunk of a published request (see `register_pools`)."""
 
 _BYE_LINGER_MS = 200
@@ -245,7 +245,8 @@ class Producer(AsyncService):
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
-        self._taper = (True, True)
+        self._taper = (False, False)
+        self._first_gather_early = True
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
@@ -367,7 +368,7 @@ class Producer(AsyncService):
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
-    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = True) -> None:
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
         takes a finished prefill straight from them.
 
@@ -452,6 +453,14 @@ class Producer(AsyncService):
 
             ready = [torch.cuda.Event() for _ in chunks]
             gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
+            if self._first_gather_early:
+                # The first chunk's gather runs on the GPU while the header leaves and the
+                # consumer posts its receives.
+                try:
+                    if gathers.prepare() is None:
+                        gathers.queue_through(0)
+                except GathersFailed as failed:
+                    raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)

@@ -39,12 +39,11 @@ DIM: Final = 128
 PRODUCER_SLOTS: Final = 16384
 REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
-PLANS: Final = (
-    (1 << 20, "none"), (1024, "none"), (1024, "both"), (1024, "last"), (512, "none"), (512, "both"), (512, "last"),
-)  # fmt: skip
-"""(chunk MiB, which end chunks are a quarter size) to publish in; the first is the whole
-request at once."""
-_ENDS: Final = {"none": (False, False), "both": (True, True), "last": (False, True)}
+PLANS: Final = ((1 << 20, "none"), (1024, "none"), (1024, "late"), (1024, "both"), (512, "none"), (512, "both"))
+"""(chunk MiB, variant) to publish in; the first is the whole request at once. Variants:
+"none" the default; "both" the first and last chunks a quarter size (`taper=True`); "late":
+the first chunk's gather queued after the header left, not before (an experiment)."""
+_ENDS: Final = {"none": (False, False), "both": (True, True), "late": (False, False)}
 ROUNDS: Final = 3
 """Rounds of every plan, taken in turns; a row shows the median and the best."""
 WARMUP_TOKENS: Final = 64
@@ -92,7 +91,8 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
             while (command := await asyncio.to_thread(control.recv)) != "stop":
                 _, chunk_mib, taper = command
                 producer.register_pools(pools, chunk_bytes=chunk_mib << 20)
-                producer._taper = _ENDS[taper]  # "last" alone has no public switch: an experiment
+                producer._taper = _ENDS[taper]
+                producer._first_gather_early = taper != "late"  # no public switch: an experiment
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 started = time.perf_counter()
                 await producer.publish(torch.arange(TOKENS, device=PRODUCER_DEVICE), slots, replica)
@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
           f"({KV_BYTES >> 20} MiB), {where}")  # fmt: skip
     print(f"raw NCCL send/recv of the same bytes: {raw_s * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
     print(f"kvrt, publish -> pull end to end (gather, NCCL, scatter), by chunk plan; median of {ROUNDS} rounds:")
-    print("    chunk | small ends |  end to end |     GB/s | of raw | best | goal")
+    print("    chunk |    variant |  end to end |     GB/s | of raw | best | goal")
     for row in rows:
         print(f" {row['chunk_mib']:5.0f} MiB | {row['taper']:>10} | "
               f"{row['end_to_end_s'] * 1e3:8.2f} ms | {row['gbps']:8.1f} | {100 * row['ratio']:5.0f}% | "
