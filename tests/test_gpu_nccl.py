@@ -124,8 +124,27 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
         await asyncio.to_thread(
             lambda: [torch.empty(5 << 28, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(8)]
         )
+        # The round trip starts once every transfer is posted (all eight Deliver headers
+        # handled on both sides): from then on only the GPUs are busy with them, and a
+        # control message must not wait for the bytes.
+        posted = asyncio.Event()
+        link = consumer._links[0]
+        transport = link._transport
+        assert transport is not None
+        receive = transport.receive
+        count = 0
+
+        def counting(deliver: Any, frames: Any) -> Any:
+            nonlocal count
+            arrival = receive(deliver, frames)
+            count += 1
+            if count == len(queries):
+                posted.set()
+            return arrival
+
+        transport.receive = counting  # type: ignore[method-assign]
         transfers = [asyncio.create_task(consumer.drop_select(q)) for q in queries]
-        await asyncio.sleep(0)
+        await asyncio.wait_for(posted.wait(), 30)
         started = time.perf_counter()
         assert await consumer.drop_select(torch.tensor([-5])) is None
         round_trip = time.perf_counter() - started

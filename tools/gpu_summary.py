@@ -20,7 +20,9 @@ def main(out: Path) -> int:
             print(f"gpu tests: {suite.get('tests')} run, {suite.get('failures')} failed, "
                   f"{suite.get('errors')} errors, {suite.get('skipped')} skipped")  # fmt: skip
             for case in suite.iter("testcase"):
-                problem = case.find("failure") or case.find("error")
+                problem = case.find("failure")
+                if problem is None:
+                    problem = case.find("error")
                 if problem is not None:
                     print(f"  FAILED {case.get('name')}: {(problem.get('message') or '')[:160]}")
     nccl = out / "nccl.json"
