@@ -115,8 +115,9 @@ class _Gathers:
         self.prepare()
         if self._in_thread is not None:
             assert self._in_thread.done(), "a send waits for the gather thread before queuing"
-            if self._in_thread.exception() is not None:
-                raise GathersFailed(str(self._in_thread.exception())) from self._in_thread.exception()
+            failure = self._in_thread.exception()
+            if failure is not None:
+                raise GathersFailed(str(failure)) from failure
             return
         try:
             self._queue(chunk)
@@ -150,6 +151,14 @@ async def _gathers_prepared(item: BufferedItem) -> None:
             await asyncio.wrap_future(in_thread)
         except Exception as exc:
             raise GathersFailed(str(exc)) from exc
+
+
+async def _all_gathers_queued(item: BufferedItem) -> None:
+    """Every gather of a published item queued (at once for other items): before anything
+    reads the whole storage. Raises `GathersFailed`."""
+    await _gathers_prepared(item)
+    if item.gathers is not None:
+        item.gathers.queue_through(None)
 
 
 def _lookup_key_and(
@@ -245,8 +254,7 @@ class Producer(AsyncService):
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
-        self._taper = (False, False)
-        self._first_gather_early = True
+        self._taper = False
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
@@ -383,7 +391,7 @@ class Producer(AsyncService):
             raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._pools = pools
         self._chunk_bytes = chunk_bytes
-        self._taper = (bool(taper), bool(taper))
+        self._taper = bool(taper)
 
     async def publish(
         self,
@@ -436,9 +444,8 @@ class Producer(AsyncService):
         if item_roi is not None and roi is not None:
             item_roi.copy_(roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        small_first, small_last = self._taper
         per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_first=small_first, small_last=small_last)
+        chunks = chunk_plan(pools.layers, per_chunk, small_first=self._taper, small_last=self._taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if self.device.type == "cuda":
@@ -453,14 +460,13 @@ class Producer(AsyncService):
 
             ready = [torch.cuda.Event() for _ in chunks]
             gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
-            if self._first_gather_early:
-                # The first chunk's gather runs on the GPU while the header leaves and the
-                # consumer posts its receives.
-                try:
-                    if gathers.prepare() is None:
-                        gathers.queue_through(0)
-                except GathersFailed as failed:
-                    raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
+            # The first chunk's gather runs on the GPU while the header leaves and the consumer
+            # posts its receives (when it is compiled already; else the gather thread has them).
+            try:
+                if gathers.prepare() is None:
+                    gathers.queue_through(0)
+            except GathersFailed as failed:
+                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)
@@ -477,8 +483,7 @@ class Producer(AsyncService):
         await self._buffer(item)
         if gathers is not None:
             try:
-                await _gathers_prepared(item)
-                gathers.queue_through(None)
+                await _all_gathers_queued(item)
             except GathersFailed as failed:
                 self._core.discard(item)
                 raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
@@ -628,9 +633,7 @@ class Producer(AsyncService):
                             await _gathers_prepared(send.item)
                             await transport.send(send.peer, send.item)
                             continue
-                        await _gathers_prepared(send.item)
-                        if send.item.gathers is not None:
-                            send.item.gathers.queue_through(None)
+                        await _all_gathers_queued(send.item)
                         frames = await transport.send(send.peer, send.item)
                     await io.send([send.peer, m.encode(message), *frames])
                 except zmq.ZMQError as exc:

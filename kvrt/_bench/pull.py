@@ -39,11 +39,9 @@ DIM: Final = 128
 PRODUCER_SLOTS: Final = 16384
 REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
-PLANS: Final = ((1 << 20, "none"), (1024, "none"), (1024, "late"), (1024, "both"), (512, "none"), (512, "both"))
-"""(chunk MiB, variant) to publish in; the first is the whole request at once. Variants:
-"none" the default; "both" the first and last chunks a quarter size (`taper=True`); "late":
-the first chunk's gather queued after the header left, not before (an experiment)."""
-_ENDS: Final = {"none": (False, False), "both": (True, True), "late": (False, False)}
+PLANS: Final = ((1 << 20, False), (1024, False), (1024, True), (512, False), (512, True))
+"""(chunk MiB, taper) to publish in; the first is the whole request at once. With taper, the
+first and last chunks are a quarter size."""
 ROUNDS: Final = 3
 """Rounds of every plan, taken in turns; a row shows the median and the best."""
 WARMUP_TOKENS: Final = 64
@@ -90,9 +88,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
             control.send("warmed")
             while (command := await asyncio.to_thread(control.recv)) != "stop":
                 _, chunk_mib, taper = command
-                producer.register_pools(pools, chunk_bytes=chunk_mib << 20)
-                producer._taper = _ENDS[taper]
-                producer._first_gather_early = taper != "late"  # no public switch: an experiment
+                producer.register_pools(pools, chunk_bytes=chunk_mib << 20, taper=taper)
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 started = time.perf_counter()
                 await producer.publish(torch.arange(TOKENS, device=PRODUCER_DEVICE), slots, replica)
@@ -152,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
                 warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
                 warm = await consumer.pull(torch.arange(WARMUP_TOKENS) - WARMUP_TOKENS, into=target, slots=warm_slots)
                 assert warm is not None
-                timings: dict[tuple[int, str], list[float]] = {plan: [] for plan in PLANS}
+                timings: dict[tuple[int, bool], list[float]] = {plan: [] for plan in PLANS}
                 for _ in range(ROUNDS):
                     for chunk_mib, taper in PLANS:
                         pull = asyncio.create_task(consumer.pull(
@@ -195,9 +191,9 @@ def main(args: argparse.Namespace) -> int:
           f"({KV_BYTES >> 20} MiB), {where}")  # fmt: skip
     print(f"raw NCCL send/recv of the same bytes: {raw_s * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
     print(f"kvrt, publish -> pull end to end (gather, NCCL, scatter), by chunk plan; median of {ROUNDS} rounds:")
-    print("    chunk |    variant |  end to end |     GB/s | of raw | best | goal")
+    print("    chunk | tapered |  end to end |     GB/s | of raw | best | goal")
     for row in rows:
-        print(f" {row['chunk_mib']:5.0f} MiB | {row['taper']:>10} | "
+        print(f" {row['chunk_mib']:5.0f} MiB | {'yes' if row['taper'] else 'no':>7} | "
               f"{row['end_to_end_s'] * 1e3:8.2f} ms | {row['gbps']:8.1f} | {100 * row['ratio']:5.0f}% | "
               f"{100 * row['best_ratio']:3.0f}% | >= 85%")  # fmt: skip
     if args.json:
