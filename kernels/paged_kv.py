@@ -448,9 +448,10 @@ def gather_into(
     `value`): a request gathered in chunks can travel chunk by chunk. `check=False` skips
     the index check, for a caller that ran `check_indices` once for all its chunks (the
     check reads a flag back from the GPU, which waits for the stream)."""
+    prepared = prepare_gather_into(table, replica, slots, key, value, heads=heads, layers=layers, tuning=tuning)
     if check:
         check_indices(table, replica, slots)
-    prepare_gather_into(table, replica, slots, key, value, heads=heads, layers=layers, tuning=tuning).launch()
+    prepared.launch()
 
 
 class PreparedGather:
@@ -480,13 +481,20 @@ def prepare_gather_into(
     heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> PreparedGather:  # fmt: skip
     """`gather_into` (with `check=False`), prepared but not launched."""
+    return PreparedGather(_split_plan(table, key, value, replica, slots, heads, layers, tuning, gather=True))
+
+
+def _split_plan(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
+    heads: tuple[int, int] | None, layers: tuple[int, int] | None, tuning: Tuning, *, gather: bool,
+) -> _Launch | None:  # fmt: skip
+    """The launch between the pools and separate K and V tensors (`gather_into`,
+    `scatter_from`), after the host-side checks of its arguments."""
     head_range = _head_range(table, heads)
     _check_split(table, key, value, slots.numel(), head_range)
     first, end = _layer_range(table, layers)
     stage = _split(key[first:end], value[first:end], table.geometry.kv)
-    return PreparedGather(
-        _plan(table, stage, replica, slots, head_range, gather=True, layers=(first, end), tuning=tuning)
-    )
+    return _plan(table, stage, replica, slots, head_range, gather=gather, layers=(first, end), tuning=tuning)
 
 
 def scatter_from(
@@ -497,13 +505,11 @@ def scatter_from(
     """Scatter the first len(slots) tokens of separate K and V tensors [layers, tokens, heads,
     head_dim] (an item as it arrived) into the pools, with no staging copy. `layers` and
     `check` as for `gather_into`: a pull scatters each chunk of layers as it lands."""
-    head_range = _head_range(table, heads)
+    plan = _split_plan(table, key, value, replica, slots, heads, layers, tuning, gather=False)
     if check:
         check_indices(table, replica, slots)
-    _check_split(table, key, value, slots.numel(), head_range)
-    first, end = _layer_range(table, layers)
-    stage = _split(key[first:end], value[first:end], table.geometry.kv)
-    _launch(table, stage, replica, slots, head_range, gather=False, layers=(first, end), tuning=tuning)
+    if plan is not None:
+        _run(plan)
 
 
 # -- plain-torch references -----------------------------------------------------------------

@@ -238,10 +238,10 @@ def layer_segments(
     """Cut a payload whose key and value are [layers, tokens, ...] into segments of whole
     layers, in the order a pipelined transfer sends them: chunk by chunk (`chunks`: layer
     ranges that tile the layers, from `chunk_plan`) its key layers and its value layers,
-    what precedes the key (tokens, roi) with the first chunk's key layers. Padding between tensors and whatever
-    follows the value (hidden) join the segment before them, so the segments tile the
-    payload. Returns the segments (offset, nbytes) and, for each, the index of the chunk
-    whose gather it waits for."""
+    what precedes the key (tokens, roi) with the first chunk's key layers. Padding between
+    tensors and whatever follows the value (hidden) join the segment before them, so the
+    segments tile the payload. Returns the segments (offset, nbytes) and, for each, the
+    index of the chunk whose gather it waits for."""
     layers = key.shape[0] if key.shape else 0
     if payload_bytes == 0:
         return [], []
