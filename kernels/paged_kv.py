@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from dataclasses import dataclass, replace
+from typing import Any, Final, Literal
 
 import torch
 import triton
@@ -39,6 +39,9 @@ import triton.language as tl
 from kvrt._errors import InvalidInputError
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+Part = Literal["key", "value"]
+"""Only the K rows or only the V rows of a request (None: both)."""
 
 
 class Layout(enum.Enum):
@@ -196,7 +199,7 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     stage_k,  # words: where the staged K rows start
     stage_v,  # words: where the staged V rows start (unused for MLA)
     layers,
-    first_layer,  # the launch covers layers [first_layer, first_layer + grid[1])
+    first_layer,  # the launch covers layers [first_layer, first_layer + grid[1]), of the pools and the staging
     token_stride,  # words between consecutive slots of a pool
     v_offset,  # words from a slot's K row to its V row
     head_offset,  # words from a slot's row start to head h0
@@ -212,12 +215,11 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     before it stores either: twice the bytes in flight per program, which took a gather
     of random slots from 72% to 98% of a device copy on an H200 (`tools/kernel_variants.py`)."""
     token = tl.program_id(0).to(tl.int64)
-    staged_layer = tl.program_id(1).to(tl.int64)
-    layer = first_layer + staged_layer
+    layer = first_layer + tl.program_id(1).to(tl.int64)
     r = tl.load(replica + token)
     row_start = tl.load(slots + token) * token_stride + head_offset
-    stage_k_row = stage_k + staged_layer * stage_layer_stride + token * stage_token_stride
-    stage_v_row = stage_v + staged_layer * stage_layer_stride + token * stage_token_stride
+    stage_k_row = stage_k + layer * stage_layer_stride + token * stage_token_stride
+    stage_v_row = stage_v + layer * stage_layer_stride + token * stage_token_stride
     word = stage_k.dtype.element_ty
     if GATHER:
         pool_row = tl.load(addresses + r * COPIES * layers + layer).to(tl.pointer_type(word)) + row_start
@@ -310,6 +312,12 @@ class _Launch:
                 parts.append((width,) if index == _FIRST_LAYER_ARG else (width, arg == 1, arg % 16 == 0))
         return (*parts, tuple(sorted(self.constants.items())), self.warps)
 
+    def for_layers(self, first: int, end: int) -> _Launch:
+        """The same launch over layers [first, end): the staging is indexed by pool layer, so
+        only the grid and `first_layer` change (and not what Triton compiled it for)."""
+        args = (*self.args[:_FIRST_LAYER_ARG], first, *self.args[_FIRST_LAYER_ARG + 1 :])
+        return replace(self, grid=(self.grid[0], end - first), args=args)
+
 
 _FIRST_LAYER_ARG: Final = 6
 _LAUNCHED: set[tuple[object, ...]] = set()
@@ -318,15 +326,19 @@ _LAUNCHED: set[tuple[object, ...]] = set()
 
 def _plan(
     table: PoolTable, stage: _Stage, replica: torch.Tensor, slots: torch.Tensor, heads: tuple[int, int], *,
-    gather: bool, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+    gather: bool, layers: tuple[int, int] | None = None, part: Part | None = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> _Launch | None:  # fmt: skip
-    """The launch that moves `layers` (all by default; the staging's first layer is the
-    range's first), or None when there is nothing to move."""
+    """The launch that moves `layers` (all by default) of the pools and of the staging, or
+    None when there is nothing to move. `part` moves only the K rows or only the V rows:
+    either is a one-row launch (KV = 1) whose rows start at K's or V's offset, so a receiver
+    can scatter a chunk's keys while its values are still on the wire."""
     tokens = slots.numel()
     first_layer, end_layer = (0, table.layers) if layers is None else layers
     if tokens == 0 or end_layer == first_layer:
         return None
     g = table.geometry
+    kv = g.kv if part is None else 1
+    row_offset = g.v_offset if part == "value" else 0
     itemsize = table.dtype.itemsize
     stage_bytes = [
         stage.key.data_ptr() + stage.key_offset * itemsize,
@@ -353,11 +365,11 @@ def _plan(
         first_layer,
         to_words(g.token_stride),
         to_words(g.v_offset),
-        to_words(heads[0] * g.head_dim),
+        to_words(row_offset + heads[0] * g.head_dim),
         to_words(stage.layer_stride),
         to_words(stage.token_stride),
     )
-    constants = {"ROW": row, "KV": g.kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
+    constants = {"ROW": row, "KV": kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
     return _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
 
 
@@ -436,19 +448,29 @@ def _layer_range(table: PoolTable, layers: tuple[int, int] | None) -> tuple[int,
     return first, end
 
 
+def _check_part(table: PoolTable, part: Part | None) -> None:
+    if part not in (None, "key", "value"):
+        raise InvalidInputError(f'part must be None, "key" or "value", got {part!r}')
+    if part == "value" and table.geometry.kv == 1:
+        raise InvalidInputError("an MLA pool holds no values (part='value')")
+
+
 def gather_into(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, check: bool = True,
-    tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, part: Part | None = None,
+    check: bool = True, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Gather straight into separate K and V tensors [layers, tokens, heads, head_dim] (for
     MLA, `value` is ignored): token i of the request becomes token i of `key` and `value`.
 
     `layers` = (first, end) moves only those layers (into the same layers of `key` and
-    `value`): a request gathered in chunks can travel chunk by chunk. `check=False` skips
-    the index check, for a caller that ran `check_indices` once for all its chunks (the
-    check reads a flag back from the GPU, which waits for the stream)."""
-    prepared = prepare_gather_into(table, replica, slots, key, value, heads=heads, layers=layers, tuning=tuning)
+    `value`): a request gathered in chunks can travel chunk by chunk. `part` moves only the
+    keys or only the values. `check=False` skips the index check, for a caller that ran
+    `check_indices` once for all its chunks (the check reads a flag back from the GPU, which
+    waits for the stream)."""
+    prepared = prepare_gather_into(
+        table, replica, slots, key, value, heads=heads, layers=layers, part=part, tuning=tuning
+    )
     if check:
         check_indices(table, replica, slots)
     prepared.launch()
@@ -456,19 +478,28 @@ def gather_into(
 
 class PreparedGather:
     """A `gather_into` launch with its arguments worked out, not yet queued: a caller can ask
-    whether it would compile first (`compiled`), then `launch` it, paying for the checks and
-    the planning once."""
+    whether it would compile first (`compiled`), then `launch` it, or the same gather over a
+    chunk of its layers (`for_layers`), paying for the checks and the planning once."""
 
-    __slots__ = ("_plan",)
+    __slots__ = ("_layers", "_plan")
 
-    def __init__(self, plan: _Launch | None) -> None:
+    def __init__(self, plan: _Launch | None, layers: tuple[int, int]) -> None:
         self._plan = plan
+        self._layers = layers
 
     @property
     def compiled(self) -> bool:
         """Whether this process launched the same specialization already: a first launch of a
         new one compiles, for about a second (a caller on an event loop must not wait there)."""
         return self._plan is None or self._plan.signature() in _LAUNCHED
+
+    def for_layers(self, first: int, end: int) -> PreparedGather:
+        """This gather over layers [first, end) only (inside its own layers), with the same
+        compiled kernel: a chunk of a request that travels chunk by chunk."""
+        if not self._layers[0] <= first <= end <= self._layers[1]:
+            raise InvalidInputError(f"layer range [{first}, {end}) is outside this gather's {self._layers}")
+        plan = None if self._plan is None or first == end else self._plan.for_layers(first, end)
+        return PreparedGather(plan, (first, end))
 
     def launch(self) -> None:
         """Queue the gather on the current stream."""
@@ -478,34 +509,44 @@ class PreparedGather:
 
 def prepare_gather_into(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, part: Part | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> PreparedGather:  # fmt: skip
     """`gather_into` (with `check=False`), prepared but not launched."""
-    return PreparedGather(_split_plan(table, key, value, replica, slots, heads, layers, tuning, gather=True))
+    plan = _split_plan(table, key, value, replica, slots, heads, layers, part, tuning, gather=True)
+    return PreparedGather(plan, _layer_range(table, layers))
 
 
 def _split_plan(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
-    heads: tuple[int, int] | None, layers: tuple[int, int] | None, tuning: Tuning, *, gather: bool,
+    heads: tuple[int, int] | None, layers: tuple[int, int] | None, part: Part | None, tuning: Tuning, *,
+    gather: bool,
 ) -> _Launch | None:  # fmt: skip
     """The launch between the pools and separate K and V tensors (`gather_into`,
     `scatter_from`), after the host-side checks of its arguments."""
     head_range = _head_range(table, heads)
     _check_split(table, key, value, slots.numel(), head_range)
-    first, end = _layer_range(table, layers)
-    stage = _split(key[first:end], value[first:end], table.geometry.kv)
-    return _plan(table, stage, replica, slots, head_range, gather=gather, layers=(first, end), tuning=tuning)
+    _check_part(table, part)
+    layer_range = _layer_range(table, layers)
+    if part == "value":
+        stage = _split(value, value, 1)
+    elif part == "key":
+        stage = _split(key, key, 1)
+    else:
+        stage = _split(key, value, table.geometry.kv)
+    return _plan(table, stage, replica, slots, head_range, gather=gather, layers=layer_range, part=part, tuning=tuning)
 
 
 def scatter_from(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, check: bool = True,
-    tuning: Tuning = DEFAULT_TUNING,
+    heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, part: Part | None = None,
+    check: bool = True, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """Scatter the first len(slots) tokens of separate K and V tensors [layers, tokens, heads,
-    head_dim] (an item as it arrived) into the pools, with no staging copy. `layers` and
-    `check` as for `gather_into`: a pull scatters each chunk of layers as it lands."""
-    plan = _split_plan(table, key, value, replica, slots, heads, layers, tuning, gather=False)
+    head_dim] (an item as it arrived) into the pools, with no staging copy. `layers`, `part`
+    and `check` as for `gather_into`: a pull scatters each chunk of layers as it lands, its
+    keys as soon as they are there."""
+    plan = _split_plan(table, key, value, replica, slots, heads, layers, part, tuning, gather=False)
     if check:
         check_indices(table, replica, slots)
     if plan is not None:

@@ -796,10 +796,12 @@ class Consumer(AsyncService):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
                     tensor.record_stream(stream)
-                for chunk in layer_chunks(deliver.key, deliver.value, segments):
+                # A chunk's keys are scattered as soon as they landed, while its values are
+                # still on the wire: after the last byte only the last values are left to write.
+                for chunk in layer_chunks(deliver.key, deliver.value, segments, apart=True):
                     stream.wait_event(landed[chunk.ready])
                     scatter_from(into, key, value, replicas[:count], slots[:count],
-                                 layers=(chunk.first, chunk.end), check=False)  # fmt: skip
+                                 layers=(chunk.first, chunk.end), part=chunk.part, check=False)  # fmt: skip
                 done = torch.cuda.Event()
                 done.record(stream)
             return done

@@ -456,7 +456,10 @@ class Producer(AsyncService):
                 check_indices(pools, replicas, slots)  # raises, naming the index
 
             def plan() -> list[PreparedGather]:
-                return [prepare_gather_into(pools, replicas, slots, key, value, layers=chunk) for chunk in chunks]
+                # Planned once for every layer; a chunk only moves the grid (no new checks,
+                # views or compilation per chunk).
+                whole = prepare_gather_into(pools, replicas, slots, key, value)
+                return [whole.for_layers(first, end) for first, end in chunks]
 
             ready = [torch.cuda.Event() for _ in chunks]
             gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)

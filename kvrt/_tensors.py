@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
@@ -191,13 +191,14 @@ def _dtype_of(meta: TensorMeta) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class LayerChunk:
-    """Layers [first, end) of an item's key and value, and the payload segments (indexes in
-    send order) that carry them: `ready` is the last of those, so a receiver that saw it land
-    has the whole chunk (segments land in send order)."""
+    """Layers [first, end) of an item's key and value (or of one of them: `part`), and the
+    payload segments (indexes in send order) that carry them: `ready` is the last of those,
+    so a receiver that saw it land has the whole chunk (segments land in send order)."""
 
     first: int
     end: int
     ready: int
+    part: Literal["key", "value"] | None = None
 
 
 def chunked_layers(layers: int) -> int:
@@ -291,22 +292,33 @@ def check_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> N
         raise RemoteProtocolError(f"payload segments cover {position} of {payload_bytes} bytes")
 
 
-def layer_chunks(key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]]) -> list[LayerChunk]:
+def layer_chunks(
+    key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]], *, apart: bool = False
+) -> list[LayerChunk]:
     """For a receiver of `segments` (checked) in send order: consecutive layers grouped by the
-    segment after whose landing all of their key and value bytes are there."""
+    segment after whose landing all of their key and value bytes are there. With `apart`,
+    keys and values are grouped each on their own (`part`), in landing order: a receiver can
+    then use a chunk's keys while its values are still on the wire."""
     layers = key.shape[0] if key.shape else 0
-    metas = [key] + ([value] if value.shape and value.shape[0] == layers else [])
-    ranges = [(meta.offset, _nbytes(meta.shape[1:], _dtype_of(meta))) for meta in metas]
+    metas: list[tuple[Literal["key", "value"], TensorMeta]] = [("key", key)]
+    if value.shape and value.shape[0] == layers:
+        metas.append(("value", value))
+    ranges = [(part, meta.offset, _nbytes(meta.shape[1:], _dtype_of(meta))) for part, meta in metas]
+    groups = [ranges] if not apart else [[one] for one in ranges]
     chunks: list[LayerChunk] = []
-    for layer in range(layers):
-        ready = 0
-        for start, layer_bytes in ranges:
-            first_byte, end_byte = start + layer * layer_bytes, start + (layer + 1) * layer_bytes
-            for index, (offset, nbytes) in enumerate(segments):
-                if offset < end_byte and first_byte < offset + nbytes:
-                    ready = max(ready, index)
-        if chunks and chunks[-1].ready == ready and chunks[-1].end == layer:
-            chunks[-1] = LayerChunk(chunks[-1].first, layer + 1, ready)
-        else:
-            chunks.append(LayerChunk(layer, layer + 1, ready))
-    return chunks
+    for group in groups:
+        part = group[0][0] if apart else None
+        grouped: list[LayerChunk] = []
+        for layer in range(layers):
+            ready = 0
+            for _, start, layer_bytes in group:
+                first_byte, end_byte = start + layer * layer_bytes, start + (layer + 1) * layer_bytes
+                for index, (offset, nbytes) in enumerate(segments):
+                    if offset < end_byte and first_byte < offset + nbytes:
+                        ready = max(ready, index)
+            if grouped and grouped[-1].ready == ready and grouped[-1].end == layer:
+                grouped[-1] = LayerChunk(grouped[-1].first, layer + 1, ready, part)
+            else:
+                grouped.append(LayerChunk(layer, layer + 1, ready, part))
+        chunks += grouped
+    return sorted(chunks, key=lambda chunk: chunk.ready)  # stable: keys before values that land together

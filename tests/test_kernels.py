@@ -22,6 +22,7 @@ from kvrt.kernels.paged_kv import (
     gather,
     gather_into,
     gather_reference,
+    prepare_gather_into,
     scatter,
     scatter_from,
     scatter_reference,
@@ -268,3 +269,65 @@ def test_a_layer_range_outside_the_pools_is_refused(small_table: PoolTable) -> N
     key = torch.zeros(1, 1, 2, 2, device=DEVICE)
     with pytest.raises(InvalidInputError, match=r"layer range \[0, 2\)"):
         gather_into(small_table, index, index, key, key, layers=(0, 2))
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=cases(), cut=st.integers(0, 3))
+def test_gathering_keys_and_values_apart_chunk_by_chunk_equals_gathering_them_together(
+    case: dict[str, object], cut: int
+) -> None:
+    table, replica, slots = build(case)
+    g = table.geometry
+    shape = (table.layers, slots.numel(), g.heads, g.head_dim)
+    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    key = poison.view(table.dtype).view(shape)
+    value = key.clone()
+    parts = ["key", "value"] if g.kv == 2 else ["key"]
+    whole = {part: prepare_gather_into(table, replica, slots, key, value, part=part) for part in parts}  # type: ignore[arg-type]
+    for first, end in layer_chunks(table.layers, cut):
+        for part in reversed(parts):  # values first: neither launch may touch the other's rows
+            whole[part].for_layers(first, end).launch()
+    expected = gather_reference(table, replica, slots)
+    assert same_bits(key, expected[:, :, 0])
+    if g.kv == 2:
+        assert same_bits(value, expected[:, :, 1])
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=cases(), cut=st.integers(0, 3))
+def test_scattering_keys_and_values_apart_chunk_by_chunk_equals_scattering_them_together(
+    case: dict[str, object], cut: int
+) -> None:
+    table, replica, slots = build(case)
+    expected_table, _, _ = build(case)
+    g = table.geometry
+    generator = torch.Generator().manual_seed(13 + case["seed"])  # type: ignore[operator]
+    shape = (table.layers, slots.numel(), g.heads, g.head_dim)
+    key, value = random_pool(shape, table.dtype, generator), random_pool(shape, table.dtype, generator)
+    for chunk in layer_chunks(table.layers, cut):
+        scatter_from(table, key, value, replica, slots, layers=chunk, part="key")
+        if g.kv == 2:
+            scatter_from(table, key, value, replica, slots, layers=chunk, part="value")
+    scatter_from(expected_table, key, value, replica, slots)
+    for got, want in zip(table.pools, expected_table.pools, strict=True):
+        for got_copy, want_copy in zip(got, want, strict=True):
+            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
+                assert same_bits(got_layer, want_layer)
+
+
+def test_a_prepared_gather_refuses_layers_outside_its_own(small_table: PoolTable) -> None:
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    key = torch.zeros(1, 1, 2, 2, device=DEVICE)
+    prepared = prepare_gather_into(small_table, index, index, key, key, layers=(0, 1))
+    with pytest.raises(InvalidInputError, match=r"layer range \[0, 2\)"):
+        prepared.for_layers(0, 2)
+
+
+def test_values_of_an_mla_pool_are_refused_and_an_unknown_part_too() -> None:
+    table = PoolTable([[[torch.zeros(4, 2, device=DEVICE)]]], Layout.MLA)
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    key = torch.zeros(1, 1, 1, 2, device=DEVICE)
+    with pytest.raises(InvalidInputError, match="MLA pool holds no values"):
+        gather_into(table, index, index, key, key, part="value")
+    with pytest.raises(InvalidInputError, match="part must be"):
+        scatter_from(table, key, key, index, index, part="both")  # type: ignore[arg-type]
