@@ -161,21 +161,29 @@ async def _all_gathers_queued(item: BufferedItem) -> None:
         item.gathers.queue_through(None)
 
 
-def _lookup_key_and(
-    input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor
+def _lookup_key_and_ranges(
+    input_tokens: torch.Tensor, roi: torch.Tensor | None, replica: torch.Tensor, slots: torch.Tensor
 ) -> tuple[np.ndarray, list[int]]:
-    """The lookup key (the tokens the roi selects, on the host) and a few int64 device values,
-    read back together: one wait for the device, not two."""
+    """The lookup key (the tokens the roi selects) and the index ranges (smallest and largest
+    replica, then slot), on the host, from one copy back of tokens and indexes: one wait for
+    the device, no kernel of its own (min and max of a few hundred KiB are cheaper on the
+    host than three launches)."""
     tokens = input_tokens.detach()
-    if tokens.device != values.device:
-        return masked_tokens(input_tokens, roi), values.tolist()
-    parts = [tokens.to(torch.int64), values]
-    if roi is not None:  # applied on the host: a boolean mask on the device would wait too
-        parts.insert(1, roi.to(device=values.device, dtype=torch.int64))
-    host = torch.cat(parts).cpu().numpy()
     count = tokens.numel()
-    key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
-    return key, host[len(host) - values.numel() :].tolist()
+    if tokens.device == slots.device:
+        parts = [tokens.to(torch.int64)]
+        if roi is not None:  # applied on the host: a boolean mask on the device would wait too
+            parts.append(roi.to(device=slots.device, dtype=torch.int64))
+        host = torch.cat([*parts, replica, slots]).cpu().numpy()
+        key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
+    else:
+        key = masked_tokens(input_tokens, roi)
+        host = torch.cat([replica, slots]).cpu().numpy()
+    indexes = host[len(host) - 2 * slots.numel() :]
+    if not slots.numel():
+        return key, [0, 0, 0, 0]
+    replicas, slot_indexes = indexes[: slots.numel()], indexes[slots.numel() :]
+    return key, [int(replicas.min()), int(replicas.max()), int(slot_indexes.min()), int(slot_indexes.max())]
 
 
 def _stream_frames(send: Outgoing) -> list[memoryview]:
@@ -410,9 +418,9 @@ class Producer(AsyncService):
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
         from kvrt.kernels.paged_kv import (
+            check_index_tensors,
             check_indices,
             gather_into_any,
-            index_ranges,
             per_token,
             prepare_gather_into,
             ranges_fit,
@@ -426,6 +434,14 @@ class Producer(AsyncService):
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
         self._reclaim()
+        if self.device.type == "cuda":
+            # The lookup key and the index check come back in one round trip, before anything
+            # else: bad indexes are refused before anything is allocated or sent, and a later
+            # read would wait for the gathers.
+            check_index_tensors(pools, replicas, slots)
+            masked, ranges = _lookup_key_and_ranges(input_tokens, roi, replicas, slots)
+            if not ranges_fit(pools, ranges):
+                check_indices(pools, replicas, slots)  # raises, naming the index
         # The item's buffer is laid out first and the KV gathered straight into it: one pass
         # over the bytes, no staging copy.
         g, tokens = pools.geometry, slots.numel()
@@ -449,11 +465,6 @@ class Producer(AsyncService):
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if self.device.type == "cuda":
-            # The lookup key and the index check come back in one round trip, before any
-            # gather is queued: reading them later would wait for the gathers.
-            masked, ranges = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
-            if not ranges_fit(pools, ranges):
-                check_indices(pools, replicas, slots)  # raises, naming the index
 
             def plan() -> list[PreparedGather]:
                 # Planned once for every layer; a chunk only moves the grid (no new checks,
@@ -462,14 +473,10 @@ class Producer(AsyncService):
                 return [whole.for_layers(first, end) for first, end in chunks]
 
             ready = [torch.cuda.Event() for _ in chunks]
+            # Nothing is planned or queued yet: a waiting pull gets its Deliver header first,
+            # and the send path plans the gathers and queues each chunk's right before its
+            # sends, while the header travels and the consumer posts its receives.
             gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
-            # The first chunk's gather runs on the GPU while the header leaves and the consumer
-            # posts its receives (when it is compiled already; else the gather thread has them).
-            try:
-                if gathers.prepare() is None:
-                    gathers.queue_through(0)
-            except GathersFailed as failed:
-                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)

@@ -64,6 +64,31 @@ def _patch(device: str, side: str) -> Clock:
 
     torch.cuda.Event = _TimedEvent  # type: ignore[misc]  # every event kvrt makes can be timed
     clock = Clock(torch.device(device))
+    from kvrt._zmqio import SocketIO
+
+    def marked(function: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            clock.host_mark(f"{name} called")
+            result = function(*args, **kwargs)
+            clock.host_mark(f"{name} returns")
+            return result
+
+        return call
+
+    socket_send, socket_next = SocketIO.send, SocketIO.next
+
+    async def timed_socket_send(self: Any, frames: Any, deadline: float | None = None) -> bool:
+        sent = await socket_send(self, frames, deadline)
+        clock.host_mark(f"control message sent ({len(frames)} frames)")
+        return sent
+
+    async def timed_socket_next(self: Any, deadline: float | None) -> Any:
+        frames = await socket_next(self, deadline)
+        clock.host_mark(f"control message read ({len(frames or ())} frames)")
+        return frames
+
+    SocketIO.send = timed_socket_send  # type: ignore[method-assign]
+    SocketIO.next = timed_socket_next  # type: ignore[method-assign]
     if side == "producer":
         publish = producer_module.Producer.publish
         send = PairedTransport.send
@@ -79,16 +104,7 @@ def _patch(device: str, side: str) -> Clock:
             launch(self)
             clock.host_mark("gather queued")
 
-        def marked(function: Any, name: str) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                clock.host_mark(f"{name} called")
-                result = function(*args, **kwargs)
-                clock.host_mark(f"{name} returns")
-                return result
-
-            return call
-
-        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and"):
+        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and_ranges"):
             setattr(producer_module, name, marked(getattr(producer_module, name), name))
         kernels.check_indices = marked(kernels.check_indices, "check_indices")
         pack_empty = producer_module.pack_empty
@@ -131,6 +147,7 @@ def _patch(device: str, side: str) -> Clock:
 
                 setattr(producer_module.Producer, method, timed)
         PairedTransport.send = timed_send  # type: ignore[method-assign]
+        producer_module._Gathers.prepare = marked(producer_module._Gathers.prepare, "gathers planned")  # type: ignore[method-assign]
     else:
         receive = PairedTransport.receive
         scatter_from = kernels.scatter_from
@@ -152,6 +169,9 @@ def _patch(device: str, side: str) -> Clock:
             clock.gpu_mark(f"scatter {kwargs.get('layers')} done (gpu)", done)
 
         PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        from kvrt._protocol import ConsumerCore
+
+        ConsumerCore.receive = marked(ConsumerCore.receive, "ConsumerCore.receive")  # type: ignore[method-assign]
         kernels.scatter_from = timed_scatter
     return clock
 
