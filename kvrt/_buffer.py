@@ -43,15 +43,17 @@ class GathersFailed(Exception):
 
 
 class ChunkGathers(Protocol):
-    """How a published item's gathers are queued, chunk by chunk (`kvrt._producer` makes it)."""
+    """How a published item's gathers are queued, one after the other in send order (a chunk
+    of layers, or its keys then its values), each followed by its event (`kvrt._producer`
+    makes it)."""
 
     def prepare(self) -> concurrent.futures.Future[None] | None:
-        """Work the launches out (once). None: the caller's thread queues them, chunk by chunk,
+        """Work the launches out (once). None: the caller's thread queues them, one by one,
         through `queue_through`; else a worker thread queues them all (a launch must compile
         first), and the future is done when it did. Raises `GathersFailed`."""
 
-    def queue_through(self, chunk: int | None) -> None:
-        """Queue now the gathers of the chunks up to `chunk` (None: all) not queued yet; after
+    def queue_through(self, gather: int | None) -> None:
+        """Queue now the gathers up to `gather` (None: all) not queued yet; after
         a worker thread queued them, check that it succeeded. Raises `GathersFailed`."""
 
 
@@ -83,9 +85,10 @@ class BufferedItem:
     """(offset, nbytes) ranges the storage travels in, in order (see `Deliver.segments`);
     empty: one transfer of the whole storage."""
     segment_ready: list[torch.cuda.Event] = field(default_factory=list)
-    """One per segment when set: a GPU send of that segment waits on it (a chunk's gather)."""
-    segment_chunks: list[int] = field(default_factory=list)
-    """With `segment_ready`: the chunk (of `gathers`) each segment's bytes come from."""
+    """One per segment when set: a GPU send of that segment waits on it (its gather's end)."""
+    segment_gathers: list[int] = field(default_factory=list)
+    """With `segment_ready`: the gather (of `gathers`, in their order) that writes each
+    segment's bytes."""
     gathers: ChunkGathers | None = None
     """Set for a published item: queues its gathers, which record `segment_ready`. No send
     may read the storage, or wait on those events, before their gathers are queued."""

@@ -47,7 +47,7 @@ from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import PoolTable, PreparedGather
+    from kvrt.kernels.paged_kv import Part, PoolTable, PreparedGather
 
 log = logging.getLogger("kvrt.producer")
 
@@ -74,12 +74,12 @@ class ProducerStats:
 
 
 class _Gathers:
-    """A published item's gathers, chunk by chunk, each followed by its chunk's event.
+    """A published item's gathers in send order, each followed by its event.
 
     Worked out once, by whichever needs them first: the item's first send (right after its
     Deliver header left) or `publish` itself. When every launch was compiled before, they
-    are queued on the loop, each chunk's right before its sends, so the first chunk is on
-    the wire before the last is even queued. Else a worker thread queues them all: a first
+    are queued on the loop, each right before the sends of its bytes, so the first chunk is on
+    the wire before the last is even gathered. Else a worker thread queues them all: a first
     launch compiles, for about a second, and the loop must not wait for that.
     """
 
@@ -111,7 +111,7 @@ class _Gathers:
         self._raise_failure()
         return self._in_thread
 
-    def queue_through(self, chunk: int | None) -> None:
+    def queue_through(self, gather: int | None) -> None:
         self.prepare()
         if self._in_thread is not None:
             assert self._in_thread.done(), "a send waits for the gather thread before queuing"
@@ -120,7 +120,7 @@ class _Gathers:
                 raise GathersFailed(str(failure)) from failure
             return
         try:
-            self._queue(chunk)
+            self._queue(gather)
         except Exception as exc:
             self._failure = exc
             self._raise_failure()
@@ -465,17 +465,25 @@ class Producer(AsyncService):
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if self.device.type == "cuda":
+            # A chunk's keys and values are gathered apart, each before its own segment (the
+            # values follow the keys in the payload): the first segment leaves once the first
+            # chunk's keys are gathered, half of the first gather.
+            parts: list[Part] = ["key", "value"] if g.kv == 2 else ["key"]
+            segment_gathers = [
+                chunk * len(parts) + (1 if len(parts) == 2 and offset >= value_meta.offset else 0)
+                for (offset, _), chunk in zip(segments, segment_chunks, strict=True)
+            ]
 
             def plan() -> list[PreparedGather]:
                 # Planned once for every layer; a chunk only moves the grid (no new checks,
                 # views or compilation per chunk).
-                whole = prepare_gather_into(pools, replicas, slots, key, value)
-                return [whole.for_layers(first, end) for first, end in chunks]
+                whole = [prepare_gather_into(pools, replicas, slots, key, value, part=part) for part in parts]
+                return [part.for_layers(first, end) for first, end in chunks for part in whole]
 
-            ready = [torch.cuda.Event() for _ in chunks]
+            ready = [torch.cuda.Event() for _ in range(len(chunks) * len(parts))]
             # Nothing is planned or queued yet: a waiting pull gets its Deliver header first,
-            # and the send path plans the gathers and queues each chunk's right before its
-            # sends, while the header travels and the consumer posts its receives.
+            # and the send path plans the gathers and queues each right before the sends of its
+            # bytes, while the header travels and the consumer posts its receives.
             gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
         else:
             masked = masked_tokens(input_tokens, roi)
@@ -485,8 +493,8 @@ class Producer(AsyncService):
         )
         item.segments = segments
         if gathers is not None:
-            item.segment_ready = [ready[chunk] for chunk in segment_chunks]
-            item.segment_chunks = segment_chunks
+            item.segment_ready = [ready[gather] for gather in segment_gathers]
+            item.segment_gathers = segment_gathers
             item.gathers = gathers
         # Buffered before its gathers are worked out: a waiting pull gets its Deliver header
         # first and posts its receives while they are queued.

@@ -128,7 +128,7 @@ def _patch(device: str, side: str) -> Clock:
             frames = await send(self, peer, item)
             clock.host_mark(f"{len(item.segments or [0])} sends queued")
             for index, event in enumerate(dict.fromkeys(item.segment_ready)):
-                clock.gpu_mark(f"gather chunk {index} done (gpu)", event)
+                clock.gpu_mark(f"gather {index} done (gpu)", event)
             return frames
 
         producer_module.Producer.publish = timed_publish  # type: ignore[method-assign]

@@ -159,7 +159,7 @@ class PairedTransport(Transport):
                 for index, (offset, nbytes) in enumerate(segments):
                     if item.segment_ready:  # a published chunk leaves as soon as it is gathered
                         if item.gathers is not None:  # its gather queued just now, if not yet
-                            item.gathers.queue_through(item.segment_chunks[index])
+                            item.gathers.queue_through(item.segment_gathers[index])
                         send_stream.wait_event(item.segment_ready[index])
                     work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
                     pair.sends.append((work, None))

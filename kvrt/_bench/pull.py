@@ -42,7 +42,7 @@ RAW_REPEATS: Final = 3
 PLANS: Final = ((1 << 20, False), (1024, False), (1024, True), (512, False), (512, True))
 """(chunk MiB, taper) to publish in; the first is the whole request at once. With taper, the
 first and last chunks are a quarter size."""
-ROUNDS: Final = 3
+ROUNDS: Final = 5
 """Rounds of every plan, taken in turns; a row shows the median and the best."""
 WARMUP_TOKENS: Final = 64
 PRODUCER_DEVICE: Final = "cuda:0"
