@@ -304,6 +304,8 @@ class _Launch:
     args: tuple[Any, ...]
     constants: dict[str, Any]
     warps: int
+    key: tuple[object, ...] = ()
+    """`signature()`, worked out once by `_plan` (its chunks share it: `for_layers`)."""
 
     def signature(self) -> tuple[object, ...]:
         """What Triton specializes a compiled kernel on (as of Triton 3.x): each pointer's
@@ -376,7 +378,8 @@ def _plan(
         to_words(stage.token_stride),
     )
     constants = {"ROW": row, "KV": kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
-    return _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
+    launch = _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
+    return replace(launch, key=launch.signature())
 
 
 def _launch(
@@ -391,7 +394,7 @@ def _launch(
 def _run(plan: _Launch) -> None:
     launch: Any = _move_kv[plan.grid]  # Triton's launcher is untyped
     launch(*plan.args, **plan.constants, num_warps=plan.warps)
-    _LAUNCHED.add(plan.signature())
+    _LAUNCHED.add(plan.key or plan.signature())
 
 
 def gather(
@@ -497,7 +500,7 @@ class PreparedGather:
     def compiled(self) -> bool:
         """Whether this process launched the same specialization already: a first launch of a
         new one compiles, for about a second (a caller on an event loop must not wait there)."""
-        return self._plan is None or self._plan.signature() in _LAUNCHED
+        return self._plan is None or (self._plan.key or self._plan.signature()) in _LAUNCHED
 
     def for_layers(self, first: int, end: int) -> PreparedGather:
         """This gather over layers [first, end) only (inside its own layers), with the same

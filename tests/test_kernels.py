@@ -331,3 +331,19 @@ def test_values_of_an_mla_pool_are_refused_and_an_unknown_part_too() -> None:
         gather_into(table, index, index, key, key, part="value")
     with pytest.raises(InvalidInputError, match="part must be"):
         scatter_from(table, key, key, index, index, part="both")  # type: ignore[arg-type]
+
+
+def test_a_prepared_gather_knows_whether_its_kernel_was_launched_and_its_chunks_share_it() -> None:
+    # float64 rows of 3: a specialization no other test launches, so it starts uncompiled.
+    pools = [[[torch.ones(4, 2, 3, dtype=torch.float64, device=DEVICE) for _ in range(2)]]]
+    table = PoolTable(pools, Layout.TOKEN_MAJOR)
+    index = torch.arange(2, dtype=torch.int64, device=DEVICE)
+    key = torch.zeros(2, 2, 1, 3, dtype=torch.float64, device=DEVICE)
+    value = key.clone()
+    prepared = prepare_gather_into(table, index * 0, index, key, value)
+    first = prepared.for_layers(0, 1)
+    assert not prepared.compiled and not first.compiled
+    first.launch()
+    assert prepared.compiled and prepared.for_layers(1, 2).compiled
+    assert torch.equal(key[0], torch.ones(2, 1, 3, dtype=torch.float64, device=DEVICE))
+    assert torch.equal(key[1], torch.zeros(2, 1, 3, dtype=torch.float64, device=DEVICE))  # only its layer

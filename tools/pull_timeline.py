@@ -148,6 +148,11 @@ def _patch(device: str, side: str) -> Clock:
                 setattr(producer_module.Producer, method, timed)
         PairedTransport.send = timed_send  # type: ignore[method-assign]
         producer_module._Gathers.prepare = marked(producer_module._Gathers.prepare, "gathers planned")  # type: ignore[method-assign]
+        from kvrt._protocol import ProducerCore
+
+        ProducerCore.insert = marked(ProducerCore.insert, "ProducerCore.insert")  # type: ignore[method-assign]
+        PairedTransport.prepare = marked(PairedTransport.prepare, "transport.prepare")  # type: ignore[method-assign]
+        producer_module.m.encode = marked(producer_module.m.encode, "encode")
     else:
         receive = PairedTransport.receive
         scatter_from = kernels.scatter_from
