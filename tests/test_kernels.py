@@ -334,13 +334,13 @@ def test_values_of_an_mla_pool_are_refused_and_an_unknown_part_too() -> None:
 
 
 def test_a_prepared_gather_knows_whether_its_kernel_was_launched_and_its_chunks_share_it() -> None:
-    # float64 rows of 3: a specialization no other test launches, so it starts uncompiled.
+    # One warp a program: a specialization no other test launches, so it starts uncompiled.
     pools = [[[torch.ones(4, 2, 3, dtype=torch.float64, device=DEVICE) for _ in range(2)]]]
     table = PoolTable(pools, Layout.TOKEN_MAJOR)
     index = torch.arange(2, dtype=torch.int64, device=DEVICE)
     key = torch.zeros(2, 2, 1, 3, dtype=torch.float64, device=DEVICE)
     value = key.clone()
-    prepared = prepare_gather_into(table, index * 0, index, key, value)
+    prepared = prepare_gather_into(table, index * 0, index, key, value, tuning=Tuning(warps=1))
     first = prepared.for_layers(0, 1)
     assert not prepared.compiled and not first.compiled
     first.launch()
