@@ -143,20 +143,15 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     return first, end
 
 
-def check_index_tensors(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
-    """Refuse index tensors of the wrong kind (dtype, shape, device); their values are checked
-    by `check_indices` or `ranges_fit`."""
+def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """int64 [4] on the pools' device: the smallest and largest replica index, then slot
+    (zeros when there are none). Queued, not read (three small kernels): a caller can read it
+    with other values in one round trip and pass it to `ranges_fit`."""
     for name, index in (("replica", replica), ("slot", slots)):
         if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
             raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
-
-
-def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """int64 [4] on the pools' device: the smallest and largest replica index, then slot
-    (zeros when there are none). Queued, not read (three small kernels)."""
-    check_index_tensors(table, replica, slots)
     if not slots.numel():
         return torch.zeros(4, dtype=torch.int64, device=table.device)
     (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
@@ -164,8 +159,7 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
 
 
 def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
-    """Whether index ranges (smallest and largest replica, then slot: `index_ranges` read
-    back, or the same worked out on the host) lie inside the pools."""
+    """Whether `index_ranges`, read back, lie inside the pools."""
     replica_min, replica_max, slot_min, slot_max = (int(value) for value in ranges)
     return replica_min >= 0 and replica_max < table.replicas and slot_min >= 0 and slot_max < table.geometry.slots
 

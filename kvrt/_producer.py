@@ -161,35 +161,26 @@ async def _all_gathers_queued(item: BufferedItem) -> None:
         item.gathers.queue_through(None)
 
 
-def _lookup_key_and_ranges(
-    input_tokens: torch.Tensor, roi: torch.Tensor | None, replica: torch.Tensor, slots: torch.Tensor
+def _lookup_key_and(
+    input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor
 ) -> tuple[np.ndarray, list[int]]:
-    """The lookup key (the tokens the roi selects) and the index ranges (smallest and largest
-    replica, then slot), on the host, from one copy back: one wait for the device. The ranges
-    are reduced on the device (copying the indexes back costs more than the kernels), and a
-    GPU copy lands in pinned memory (a pageable copy of a long prompt's tokens took 0.15 ms
-    on an H200 host)."""
+    """The lookup key (the tokens the roi selects, on the host) and a few int64 device values,
+    read back together: one wait for the device, not two."""
     tokens = input_tokens.detach()
+    if tokens.device != values.device:
+        return masked_tokens(input_tokens, roi), _to_host(values).tolist()
+    parts = [tokens.to(torch.int64), values]
+    if roi is not None:  # applied on the host: a boolean mask on the device would wait too
+        parts.insert(1, roi.to(device=values.device, dtype=torch.int64))
+    host = _to_host(torch.cat(parts))
     count = tokens.numel()
-    if slots.numel():
-        (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
-        ranges = [torch.stack((replica_min, replica_max, slot_min, slot_max))]
-    else:
-        ranges = [torch.zeros(4, dtype=torch.int64, device=slots.device)]
-    if tokens.device == slots.device:
-        parts = [tokens.to(torch.int64)]
-        if roi is not None:  # applied on the host: a boolean mask on the device would wait too
-            parts.append(roi.to(device=slots.device, dtype=torch.int64))
-        host = _to_host(torch.cat([*parts, *ranges]))
-        key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
-    else:
-        key = masked_tokens(input_tokens, roi)
-        host = _to_host(ranges[0])
-    return key, host[len(host) - 4 :].tolist()
+    key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
+    return key, host[len(host) - values.numel() :].tolist()
 
 
 def _to_host(values: torch.Tensor) -> np.ndarray:
-    """`values` on the host, waiting for the device's stream once."""
+    """`values` on the host, waiting for the device's stream once. A GPU copy lands in pinned
+    memory (a pageable copy of a long prompt's tokens took 0.15 ms on an H200 host)."""
     if values.device.type != "cuda":
         return values.numpy()
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # cached by torch once freed
@@ -430,9 +421,9 @@ class Producer(AsyncService):
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
         from kvrt.kernels.paged_kv import (
-            check_index_tensors,
             check_indices,
             gather_into_any,
+            index_ranges,
             per_token,
             prepare_gather_into,
             ranges_fit,
@@ -450,8 +441,7 @@ class Producer(AsyncService):
             # The lookup key and the index check come back in one round trip, before anything
             # else: bad indexes are refused before anything is allocated or sent, and a later
             # read would wait for the gathers.
-            check_index_tensors(pools, replicas, slots)
-            masked, ranges = _lookup_key_and_ranges(input_tokens, roi, replicas, slots)
+            masked, ranges = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
             if not ranges_fit(pools, ranges):
                 check_indices(pools, replicas, slots)  # raises, naming the index
         # The item's buffer is laid out first and the KV gathered straight into it: one pass

@@ -97,6 +97,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def same_pools(table: PoolTable, other: PoolTable) -> bool:
+    """Every pool of every replica, copy and layer holds the same bits in both tables."""
+    return all(
+        same_bits(got, want)
+        for got_copies, want_copies in zip(table.pools, other.pools, strict=True)
+        for got_layers, want_layers in zip(got_copies, want_copies, strict=True)
+        for got, want in zip(got_layers, want_layers, strict=True)
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(case=cases())
 def test_gather_equals_its_reference_and_writes_every_element(case: dict[str, object]) -> None:
@@ -119,10 +129,7 @@ def test_scatter_equals_its_reference_and_touches_nothing_else(case: dict[str, o
     staging = random_pool(shape, table.dtype, generator)
     scatter(table, staging, replica, slots, heads=heads, tuning=case["tuning"])  # type: ignore[arg-type]
     scatter_reference(expected_table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
-    for got, want in zip(table.pools, expected_table.pools, strict=True):
-        for got_copy, want_copy in zip(got, want, strict=True):
-            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
-                assert same_bits(got_layer, want_layer)
+    assert same_pools(table, expected_table)
 
 
 @pytest.mark.parametrize("replicas", [1, 4], ids=["dp1", "dp4"])
@@ -215,10 +222,7 @@ def test_scatter_from_separate_key_and_value_equals_the_reference(case: dict[str
     scatter_from(table, key, value, replica, slots)
     parts = [key[:, :tokens]] if g.kv == 1 else [key[:, :tokens], value[:, :tokens]]
     scatter_reference(expected_table, torch.stack(parts, dim=2), replica, slots)
-    for got, want in zip(table.pools, expected_table.pools, strict=True):
-        for got_copy, want_copy in zip(got, want, strict=True):
-            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
-                assert same_bits(got_layer, want_layer)
+    assert same_pools(table, expected_table)
 
 
 def layer_chunks(layers: int, cut: int) -> list[tuple[int, int]]:
@@ -258,10 +262,7 @@ def test_scattering_layer_chunks_one_by_one_equals_scattering_them_all(case: dic
     for chunk in layer_chunks(table.layers, cut):
         scatter_from(table, key, value, replica, slots, layers=chunk)
     scatter_from(expected_table, key, value, replica, slots)
-    for got, want in zip(table.pools, expected_table.pools, strict=True):
-        for got_copy, want_copy in zip(got, want, strict=True):
-            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
-                assert same_bits(got_layer, want_layer)
+    assert same_pools(table, expected_table)
 
 
 def test_a_layer_range_outside_the_pools_is_refused(small_table: PoolTable) -> None:
@@ -309,10 +310,7 @@ def test_scattering_keys_and_values_apart_chunk_by_chunk_equals_scattering_them_
         if g.kv == 2:
             scatter_from(table, key, value, replica, slots, layers=chunk, part="value")
     scatter_from(expected_table, key, value, replica, slots)
-    for got, want in zip(table.pools, expected_table.pools, strict=True):
-        for got_copy, want_copy in zip(got, want, strict=True):
-            for got_layer, want_layer in zip(got_copy, want_copy, strict=True):
-                assert same_bits(got_layer, want_layer)
+    assert same_pools(table, expected_table)
 
 
 def test_a_prepared_gather_refuses_layers_outside_its_own(small_table: PoolTable) -> None:

@@ -112,18 +112,16 @@ async def test_slots_out_of_range_are_refused_before_the_item_is_taken() -> None
 
 
 @pytest.mark.parametrize("with_roi", [False, True], ids=["tokens", "roi"])
-@pytest.mark.parametrize("count", [0, 10])
-def test_the_lookup_key_and_the_index_ranges_come_back_in_one_read(with_roi: bool, count: int) -> None:
+def test_the_lookup_key_and_the_index_ranges_come_back_in_one_read(with_roi: bool) -> None:
     from kvrt._item import masked_tokens
-    from kvrt._producer import _lookup_key_and_ranges
+    from kvrt._producer import _lookup_key_and
 
-    tokens = torch.arange(count, dtype=torch.int64) * 7
-    roi = (torch.arange(count) % 3 == 0) if with_roi else None
-    replica = torch.arange(count) % 4
-    slots = torch.arange(count).flip(0) * 5 + 2
-    key, ranges = _lookup_key_and_ranges(tokens, roi, replica, slots)
+    tokens = torch.arange(10, dtype=torch.int64) * 7
+    roi = (torch.arange(10) % 3 == 0) if with_roi else None
+    ranges = torch.tensor([0, 3, -1, 40])
+    key, values = _lookup_key_and(tokens, roi, ranges)
     assert key.tolist() == masked_tokens(tokens, roi).tolist()
-    assert ranges == ([0, 3, 2, 47] if count else [0, 0, 0, 0])
+    assert values == [0, 3, -1, 40]
 
 
 class _Launch:

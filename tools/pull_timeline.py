@@ -104,7 +104,7 @@ def _patch(device: str, side: str) -> Clock:
             launch(self)
             clock.host_mark("gather queued")
 
-        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and_ranges"):
+        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and"):
             setattr(producer_module, name, marked(getattr(producer_module, name), name))
         kernels.check_indices = marked(kernels.check_indices, "check_indices")
         pack_empty = producer_module.pack_empty
