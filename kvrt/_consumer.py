@@ -798,7 +798,7 @@ class Consumer(AsyncService):
                     tensor.record_stream(stream)
                 # A chunk's keys are scattered as soon as they landed, while its values are
                 # still on the wire: after the last byte only the last values are left to write.
-                for chunk in layer_chunks(deliver.key, deliver.value, segments, apart=True):
+                for chunk in layer_chunks(deliver.key, deliver.value, segments):
                     stream.wait_event(landed[chunk.ready])
                     scatter_from(into, key, value, replicas[:count], slots[:count],
                                  layers=(chunk.first, chunk.end), part=chunk.part, check=False)  # fmt: skip

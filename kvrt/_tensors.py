@@ -191,14 +191,14 @@ def _dtype_of(meta: TensorMeta) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class LayerChunk:
-    """Layers [first, end) of an item's key and value (or of one of them: `part`), and the
-    payload segments (indexes in send order) that carry them: `ready` is the last of those,
-    so a receiver that saw it land has the whole chunk (segments land in send order)."""
+    """Layers [first, end) of an item's key or value (`part`), and the payload segments
+    (indexes in send order) that carry them: `ready` is the last of those, so a receiver that
+    saw it land has the whole chunk (segments land in send order)."""
 
     first: int
     end: int
     ready: int
-    part: Literal["key", "value"] | None = None
+    part: Literal["key", "value"]
 
 
 def chunked_layers(layers: int) -> int:
@@ -292,30 +292,25 @@ def check_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> N
         raise RemoteProtocolError(f"payload segments cover {position} of {payload_bytes} bytes")
 
 
-def layer_chunks(
-    key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]], *, apart: bool = False
-) -> list[LayerChunk]:
-    """For a receiver of `segments` (checked) in send order: consecutive layers grouped by the
-    segment after whose landing all of their key and value bytes are there. With `apart`,
-    keys and values are grouped each on their own (`part`), in landing order: a receiver can
-    then use a chunk's keys while its values are still on the wire."""
+def layer_chunks(key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]]) -> list[LayerChunk]:
+    """For a receiver of `segments` (checked) in send order: consecutive layers of the key,
+    and of the value, grouped by the segment after whose landing all of their bytes are there,
+    in landing order. Keys and values are grouped apart: a receiver can use a chunk's keys
+    while its values are still on the wire."""
     layers = key.shape[0] if key.shape else 0
     metas: list[tuple[Literal["key", "value"], TensorMeta]] = [("key", key)]
-    if value.shape and value.shape[0] == layers:
-        metas.append(("value", value))
-    ranges = [(part, meta.offset, _nbytes(meta.shape[1:], _dtype_of(meta))) for part, meta in metas]
-    groups = [ranges] if not apart else [[one] for one in ranges]
+    if value.shape and value.shape[0] == layers and _nbytes(value.shape[1:], _dtype_of(value)):
+        metas.append(("value", value))  # MLA items carry an empty value: nothing to write
     chunks: list[LayerChunk] = []
-    for group in groups:
-        part = group[0][0] if apart else None
+    for part, meta in metas:
+        layer_bytes = _nbytes(meta.shape[1:], _dtype_of(meta))
         grouped: list[LayerChunk] = []
         for layer in range(layers):
-            ready = 0
-            for _, start, layer_bytes in group:
-                first_byte, end_byte = start + layer * layer_bytes, start + (layer + 1) * layer_bytes
-                for index, (offset, nbytes) in enumerate(segments):
-                    if offset < end_byte and first_byte < offset + nbytes:
-                        ready = max(ready, index)
+            first_byte, end_byte = meta.offset + layer * layer_bytes, meta.offset + (layer + 1) * layer_bytes
+            carriers = (
+                i for i, (offset, nbytes) in enumerate(segments) if offset < end_byte and first_byte < offset + nbytes
+            )
+            ready = max(carriers, default=0)
             if grouped and grouped[-1].ready == ready and grouped[-1].end == layer:
                 grouped[-1] = LayerChunk(grouped[-1].first, layer + 1, ready, part)
             else:

@@ -91,11 +91,13 @@ def run_gpu_consumer_that_dies(
 PULL_LAYERS, PULL_TOKENS, PULL_HEADS, PULL_DIM, PULL_SLOTS, PULL_REPLICAS = 4, 4096, 8, 128, 8192, 4
 
 
-def pull_request(seed: int) -> tuple[list[list[list[torch.Tensor]]], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-major dp=4 pools (on the CPU, from a seed), and a request spread over them:
-    its tokens, per-token replica and slot."""
+def pull_request(
+    seed: int, mla: bool = False
+) -> tuple[list[list[list[torch.Tensor]]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-major (or MLA) dp=4 pools (on the CPU, from a seed), and a request spread over
+    them: its tokens, per-token replica and slot."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (PULL_SLOTS, 2 * PULL_HEADS, PULL_DIM)
+    shape = (PULL_SLOTS, PULL_DIM) if mla else (PULL_SLOTS, 2 * PULL_HEADS, PULL_DIM)
     pools = [[[torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(PULL_LAYERS)]]
              for _ in range(PULL_REPLICAS)]  # fmt: skip
     replica = torch.randint(0, PULL_REPLICAS, (PULL_TOKENS,), generator=generator)
@@ -103,14 +105,17 @@ def pull_request(seed: int) -> tuple[list[list[list[torch.Tensor]]], torch.Tenso
     return pools, kv_tokens(seed, PULL_TOKENS), replica, slots
 
 
-def run_gpu_publisher(device: str, seed: int, chunk_bytes: int, control: multiprocessing.connection.Connection) -> None:
-    """Publish `pull_request(seed)` from pools on `device` in chunks of `chunk_bytes`; serve until told to stop."""
+def run_gpu_publisher(
+    device: str, seed: int, chunk_bytes: int, mla: bool, control: multiprocessing.connection.Connection
+) -> None:
+    """Publish `pull_request(seed, mla)` from pools on `device` in chunks of `chunk_bytes`;
+    serve until told to stop."""
     from kvrt.kernels.paged_kv import Layout, PoolTable
 
     torch.cuda.set_device(device)
-    pools, tokens, replica, slots = pull_request(seed)
+    pools, tokens, replica, slots = pull_request(seed, mla)
     table = PoolTable([[[pool.to(device) for pool in layers] for layers in copies] for copies in pools],
-                      Layout.TOKEN_MAJOR)  # fmt: skip
+                      Layout.MLA if mla else Layout.TOKEN_MAJOR)  # fmt: skip
 
     async def main() -> None:
         async with kvrt.Producer(device=device, buffer_bytes=1 << 40) as producer:

@@ -199,16 +199,20 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 40, 16 << 20], ids=["whole", "layer-by-layer"])
+@pytest.mark.parametrize(
+    ("chunk_bytes", "mla"),
+    [(1 << 40, False), (16 << 20, False), (1 << 20, True)],
+    ids=["whole", "layer-by-layer", "mla-layer-by-layer"],
+)
 async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
-    chunk_bytes: int,
+    chunk_bytes: int, mla: bool
 ) -> None:
     from kvrt.kernels.paged_kv import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)
     control, child = spawn.Pipe()
-    process = spawn.Process(target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, child), daemon=True)
+    process = spawn.Process(target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, mla, child), daemon=True)
     await asyncio.to_thread(process.start)
     try:
         assert await asyncio.to_thread(control.poll, 180), "GPU publisher did not start"
@@ -216,12 +220,13 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
 
         def build() -> tuple[Any, ...]:  # in a thread: generating 1 GiB of pools is no work for the loop
             torch.cuda.set_device(CONSUMER_DEVICE)
-            pools, tokens, replica, slots = pull_request(5)
+            pools, tokens, replica, slots = pull_request(5, mla)
             shape = pools[0][0][0].shape
+            copies = 2 if mla else 1  # MLA: every card of the replica's group gets the latents
             target = PoolTable(
-                [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]]
-                 for _ in range(3)],
-                Layout.TOKEN_MAJOR,
+                [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]
+                  for _ in range(copies)] for _ in range(3)],
+                Layout.MLA if mla else Layout.TOKEN_MAJOR,
             )  # fmt: skip
             into_slots = torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
             torch.cuda.synchronize(CONSUMER_DEVICE)
@@ -235,13 +240,14 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
         def check() -> None:  # in a thread: reading back and comparing 64 MiB is no work for the loop
             # Read on the caller's stream, with no synchronize of kvrt's streams: the pull's fence orders it.
             torch.cuda.set_device(CONSUMER_DEVICE)
-            landed = [target.pools[2][0][layer][into_slots].cpu() for layer in range(PULL_LAYERS)]
-            for layer in range(PULL_LAYERS):
-                want = torch.empty_like(landed[layer])
-                for r in range(len(pools)):
-                    chosen = (replica == r).nonzero().flatten()
-                    want[chosen] = pools[r][0][layer][slots[chosen]]
-                assert same_bits(landed[layer], want)
+            for copy in range(target.copies):
+                landed = [target.pools[2][copy][layer][into_slots].cpu() for layer in range(PULL_LAYERS)]
+                for layer in range(PULL_LAYERS):
+                    want = torch.empty_like(landed[layer])
+                    for r in range(len(pools)):
+                        chosen = (replica == r).nonzero().flatten()
+                        want[chosen] = pools[r][0][layer][slots[chosen]]
+                    assert same_bits(landed[layer], want)
             assert not target.pools[0][0][0].any() and not target.pools[1][0][0].any()
 
         await asyncio.to_thread(check)

@@ -165,26 +165,17 @@ def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_s
         assert segments == []
         return
     assert chunk_of == sorted(chunk_of)  # sent in gather order
+    # Keys and values are grouped apart, in landing order; each part's chunks tile the layers
+    # and wait for exactly the last segment that carries their own bytes, which is the
+    # segment of the chunk they were gathered in; keys are ready before the values after them.
     chunks = layer_chunks(key, value, segments)
-    assert chunks[0].first == 0 and chunks[-1].end == layers
-    assert all(a.end == b.first and a.ready < b.ready for a, b in itertools.pairwise(chunks))
-    for chunk in chunks:  # the segment a chunk waits for is sent after every byte of its layers
-        for layer in range(chunk.first, chunk.end):
-            for meta in (key, value) if kv == 2 else (key,):
-                layer_bytes = packed.tensors[2].nbytes // layers  # type: ignore[union-attr]
-                first = meta.offset + layer * layer_bytes
-                carriers = [i for i, (o, n) in enumerate(segments) if o < first + layer_bytes and first < o + n]
-                assert layer_bytes == 0 or max(carriers) <= chunk.ready
-        assert plan[chunk_of[chunk.ready]] == (chunk.first, chunk.end) or tokens == 0
-    # Apart: each part's chunks tile the layers and wait for exactly the last segment that
-    # carries their own bytes, so keys are ready before the values sent after them.
-    apart = layer_chunks(key, value, segments, apart=True)
-    assert [chunk.ready for chunk in apart] == sorted(chunk.ready for chunk in apart)
+    assert [chunk.ready for chunk in chunks] == sorted(chunk.ready for chunk in chunks)
+    assert {chunk.part for chunk in chunks} == ({"key", "value"} if kv == 2 else {"key"})  # MLA: no values
     layer_bytes = packed.tensors[2].nbytes // layers  # type: ignore[union-attr]
     for part, meta in (("key", key), ("value", value)) if kv == 2 else (("key", key),):
-        mine = [chunk for chunk in apart if chunk.part == part]
+        mine = [chunk for chunk in chunks if chunk.part == part]
         assert mine[0].first == 0 and mine[-1].end == layers
-        assert all(a.end == b.first for a, b in itertools.pairwise(mine))
+        assert all(a.end == b.first and a.ready < b.ready for a, b in itertools.pairwise(mine))
         for chunk in mine:
             last = 0
             for layer in range(chunk.first, chunk.end):
@@ -192,9 +183,10 @@ def test_layer_segments_tile_the_payload_and_each_chunk_is_ready_after_its_own_s
                 carriers = [i for i, (o, n) in enumerate(segments) if o < first + layer_bytes and first < o + n]
                 last = max([last, *carriers])
             assert chunk.ready == last or layer_bytes == 0
+            assert plan[chunk_of[chunk.ready]] == (chunk.first, chunk.end) or tokens == 0
     if kv == 2 and tokens:
-        key_ready = next(chunk.ready for chunk in apart if chunk.part == "key")
-        value_ready = next(chunk.ready for chunk in apart if chunk.part == "value")
+        key_ready = next(chunk.ready for chunk in chunks if chunk.part == "key")
+        value_ready = next(chunk.ready for chunk in chunks if chunk.part == "value")
         assert key_ready < value_ready
 
 
