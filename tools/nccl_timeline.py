@@ -1,0 +1,120 @@
+"""Where the time of `kvrt bench nccl` goes at one item size: host and GPU timestamps of both sides.
+
+python3 tools/nccl_timeline.py OUT_DIR [SIZE_MIB]     (two CUDA devices; default 1024)
+
+Runs the benchmark for one size with its producer and consumer patched to note, on the host's
+monotonic clock: each item's send (called, posted) and its GPU completion on the send stream;
+each Deliver's arrival, its receive posted, and its landing (GPU); the start and end of the
+timed `drop_select`s. GPU times are mapped to the host clock as in `tools/pull_timeline.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing.connection
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pull_timeline import Clock, _TimedEvent  # a sibling tool
+
+OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-nccl-timeline"))
+
+
+def _sizes() -> tuple[int, ...]:
+    return (int(os.environ.get("KVRT_TIMELINE_SIZE_MIB", "1024")),)
+
+
+def _patch(device: str, side: str) -> Clock:
+    from kvrt._bench import nccl
+    from kvrt.transports.paired import PairedTransport
+
+    nccl.SIZES_MIB = _sizes()  # type: ignore[misc]
+    nccl.LATENCY_REQUESTS = 30  # type: ignore[misc]
+    torch.cuda.Event = _TimedEvent  # type: ignore[misc]
+    clock = Clock(torch.device(device))
+    count = [0]
+    if side == "producer":
+        send = PairedTransport.send
+
+        async def timed_send(self: Any, peer: bytes, item: Any) -> Any:
+            index = count[0]
+            count[0] += 1
+            clock.host_mark(f"send {index} called")
+            frames = await send(self, peer, item)
+            clock.host_mark(f"send {index} posted")
+            assert self._streams is not None
+            done = _TimedEvent()
+            done.record(self._streams[0])
+            clock.gpu_mark(f"send {index} done (gpu)", done)
+            return frames
+
+        PairedTransport.send = timed_send  # type: ignore[method-assign]
+    else:
+        receive = PairedTransport.receive
+        consume = nccl._consume
+
+        def timed_receive(self: Any, deliver: Any, frames: Any) -> Any:
+            index = count[0]
+            count[0] += 1
+            clock.host_mark(f"deliver {index} arrives")
+            arrival = receive(self, deliver, frames)
+            clock.host_mark(f"receive {index} posted")
+            for event in arrival.landed:
+                clock.gpu_mark(f"item {index} landed (gpu)", event)
+            return arrival
+
+        async def timed_consume(consumer: Any, items: int, in_flight: int) -> float:
+            clock.host_mark("drop_selects start")
+            seconds = await consume(consumer, items, in_flight)
+            clock.host_mark("drop_selects end")
+            return seconds
+
+        PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        nccl._consume = timed_consume  # type: ignore[assignment]
+    return clock
+
+
+def timeline_producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._bench import nccl
+
+    torch.cuda.set_device(nccl.PRODUCER_DEVICE)
+    clock = _patch(nccl.PRODUCER_DEVICE, "producer")
+    try:
+        nccl._producer(store_port, control)
+    finally:
+        (OUT / "timeline-producer.json").write_text(json.dumps(clock.resolve()))
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+    OUT.mkdir(parents=True, exist_ok=True)
+    os.environ["KVRT_TIMELINE_OUT"] = str(OUT)  # the producer process inherits these
+    os.environ["KVRT_TIMELINE_SIZE_MIB"] = sys.argv[2] if len(sys.argv) > 2 else "1024"
+    from kvrt._bench import nccl
+
+    torch.cuda.set_device(nccl.CONSUMER_DEVICE)
+    clock = _patch(nccl.CONSUMER_DEVICE, "consumer")
+    nccl._producer = timeline_producer  # type: ignore[assignment]
+    result = nccl.main(argparse.Namespace(json=None, plot=None, in_flight=None))
+    marks = [("C " + name, at) for name, at in clock.resolve()]
+    marks += [("P " + name, at) for name, at in json.loads((OUT / "timeline-producer.json").read_text())]
+    marks.sort(key=lambda mark: mark[1])
+    starts = [at for name, at in marks if name == "C drop_selects start"]
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else float("inf")
+        print(f"\n-- pass {index}")
+        for name, at in marks:
+            if start - 0.002 <= at < end:
+                print(f"  {1e3 * (at - start):8.2f} ms  {name}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
