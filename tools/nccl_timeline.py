@@ -1,6 +1,6 @@
 """Where the time of `kvrt bench nccl` goes at one item size: host and GPU timestamps of both sides.
 
-python3 tools/nccl_timeline.py OUT_DIR [SIZE_MIB]     (two CUDA devices; default 1024)
+python3 tools/nccl_timeline.py OUT_DIR [SIZE_MIB [LAYERS]]     (two CUDA devices; default 1024 32)
 
 Runs the benchmark for one size with its producer and consumer patched to note, on the host's
 monotonic clock: each item's send (called, posted) and its GPU completion on the send stream;
@@ -26,19 +26,43 @@ from pull_timeline import Clock, _TimedEvent  # a sibling tool
 OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-nccl-timeline"))
 
 
-def _sizes() -> tuple[int, ...]:
-    return (int(os.environ.get("KVRT_TIMELINE_SIZE_MIB", "1024")),)
+def _cases() -> tuple[tuple[int, int], ...]:
+    size_mib, layers = os.environ.get("KVRT_TIMELINE_CASE", "1024 32").split()
+    return ((int(size_mib), int(layers)),)
 
 
 def _patch(device: str, side: str) -> Clock:
     from kvrt._bench import nccl
     from kvrt.transports.paired import PairedTransport
 
-    nccl.SIZES_MIB = _sizes()  # type: ignore[misc]
+    nccl.CASES = _cases()  # type: ignore[misc]
     nccl.LATENCY_REQUESTS = 30  # type: ignore[misc]
     torch.cuda.Event = _TimedEvent  # type: ignore[misc]
     clock = Clock(torch.device(device))
     count = [0]
+    from kvrt._protocol import ProducerCore
+    from kvrt._zmqio import SocketIO
+
+    socket_send, socket_next, core_receive = SocketIO.send, SocketIO.next, ProducerCore.receive
+
+    async def timed_socket_send(self: Any, frames: Any, deadline: float | None = None) -> bool:
+        sent = await socket_send(self, frames, deadline)
+        clock.host_mark(f"control message sent ({len(frames)} frames)")
+        return sent
+
+    async def timed_socket_next(self: Any, deadline: float | None) -> Any:
+        frames = await socket_next(self, deadline)
+        clock.host_mark(f"control message read ({len(frames or ())} frames)")
+        return frames
+
+    def timed_core_receive(self: Any, *args: Any) -> Any:
+        out = core_receive(self, *args)
+        clock.host_mark(f"core answered ({len(out)} messages)")
+        return out
+
+    SocketIO.send = timed_socket_send  # type: ignore[method-assign]
+    SocketIO.next = timed_socket_next  # type: ignore[method-assign]
+    ProducerCore.receive = timed_core_receive  # type: ignore[method-assign]
     if side == "producer":
         send = PairedTransport.send
 
@@ -96,7 +120,8 @@ def main() -> int:
     OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
     OUT.mkdir(parents=True, exist_ok=True)
     os.environ["KVRT_TIMELINE_OUT"] = str(OUT)  # the producer process inherits these
-    os.environ["KVRT_TIMELINE_SIZE_MIB"] = sys.argv[2] if len(sys.argv) > 2 else "1024"
+    size_mib, layers = (sys.argv[2:] + ["1024", "32"][len(sys.argv[2:]) :])[:2]
+    os.environ["KVRT_TIMELINE_CASE"] = f"{size_mib} {layers}"
     from kvrt._bench import nccl
 
     torch.cuda.set_device(nccl.CONSUMER_DEVICE)

@@ -3,10 +3,13 @@
 Two processes, the producer on cuda:0 and the consumer on cuda:1. For each size, first the
 reference: a 2-rank NCCL group made the same way kvrt makes its pairs, and `count` back-to-
 back send/recv of that many bytes, timed on the receiver from a barrier to the last
-completion. Then kvrt: the producer buffers `count` items of that size (key and value
-[1, tokens, 8, 128] bf16; 4 KiB a token), and the consumer drop-selects them all with
-`in_flight` requests outstanding, timed the same way, on the second of two such passes
-(the first warms the consumer's allocator up, as the reference allocates before timing). GB/s counts payload bytes once.
+completion. Then kvrt: the producer buffers `count` items of that size, shaped like a real
+model's KV (key and value [32 layers, tokens, 8 heads, 128] bf16: 128 KiB a token, so a
+1 GiB item is 8192 tokens), and the consumer drop-selects them all with `in_flight`
+requests outstanding, timed the same way, on the second of two such passes (the first
+warms the consumer's allocator up, as the reference allocates before timing). GB/s counts
+payload bytes once. A last row moves 1 GiB items of one layer (262144 tokens each): a
+drop-select names its tokens, so there the 2 MiB query of each request shows.
 Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
 """
 
@@ -30,8 +33,9 @@ import torch
 from kvrt._bench import _plot
 
 MIB: Final = 1 << 20
-SIZES_MIB: Final = (1, 4, 16, 64, 256, 1024)
-BYTES_PER_TOKEN: Final = 4096
+CASES: Final = ((1, 32), (4, 32), (16, 32), (64, 32), (256, 32), (1024, 32), (1024, 1))
+"""(item MiB, layers): items of 8 KV heads x 128, bf16, K and V (4 KiB a token and layer)."""
+LAYER_BYTES_PER_TOKEN: Final = 4096
 SMALL_TOKENS: Final = 16
 LATENCY_REQUESTS: Final = 300
 PRODUCER_DEVICE: Final = "cuda:0"
@@ -50,13 +54,15 @@ def _count(size_mib: int) -> int:
     return max(8, min(256, (4096 // size_mib)))
 
 
-def _tokens(size_mib: int) -> int:
-    return size_mib * MIB // BYTES_PER_TOKEN
+def _tokens(size_mib: int, layers: int) -> int:
+    return size_mib * MIB // (layers * LAYER_BYTES_PER_TOKEN)
 
 
-def _item(index: int, tokens: int, device: str) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None]:
+def _item(
+    index: int, tokens: int, layers: int, device: str
+) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None]:
     input_tokens = torch.arange(tokens, device=device) + (index << 32)
-    key = torch.full((1, tokens, 8, 128), float(index % 7), dtype=torch.bfloat16, device=device)
+    key = torch.full((layers, tokens, 8, 128), float(index % 7), dtype=torch.bfloat16, device=device)
     return input_tokens, None, key, key.clone(), None
 
 
@@ -92,7 +98,7 @@ def _warm_p2p(group: Any, rank: int, device: str) -> None:
 
 def _raw_sends(group: Any) -> None:
     _warm_p2p(group, 0, PRODUCER_DEVICE)
-    for size_mib in SIZES_MIB:
+    for size_mib, _ in CASES:
         count, nbytes = _count(size_mib), size_mib * MIB
         buffers = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
         _barrier(group, PRODUCER_DEVICE)
@@ -102,10 +108,10 @@ def _raw_sends(group: Any) -> None:
         torch.cuda.synchronize(PRODUCER_DEVICE)
 
 
-def _raw_receives(group: Any) -> dict[int, float]:
+def _raw_receives(group: Any) -> list[float]:
     _warm_p2p(group, 1, CONSUMER_DEVICE)
-    seconds = {}
-    for size_mib in SIZES_MIB:
+    seconds = []
+    for size_mib, _ in CASES:
         count, nbytes = _count(size_mib), size_mib * MIB
         buffers = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
         _barrier(group, CONSUMER_DEVICE)
@@ -114,7 +120,7 @@ def _raw_receives(group: Any) -> dict[int, float]:
         for work in works:
             work.wait()
         torch.cuda.synchronize(CONSUMER_DEVICE)
-        seconds[size_mib] = time.perf_counter() - started
+        seconds.append(time.perf_counter() - started)
     return seconds
 
 
@@ -128,15 +134,15 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     async def main() -> None:
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
             control.send(producer.endpoint)
-            for size_mib in SIZES_MIB:
+            for size_mib, layers in CASES:
                 for phase in PHASES:
                     for index in range(_count(size_mib)):
-                        await producer.insert(*_item(index, _tokens(size_mib), PRODUCER_DEVICE))
+                        await producer.insert(*_item(index, _tokens(size_mib, layers), layers, PRODUCER_DEVICE))
                     torch.cuda.synchronize(PRODUCER_DEVICE)
                     control.send(("ready", size_mib, phase))
                     await asyncio.to_thread(control.recv)  # consumer took them
             for index in range(LATENCY_REQUESTS):
-                await producer.insert(*_item(index, SMALL_TOKENS, PRODUCER_DEVICE))
+                await producer.insert(*_item(index, SMALL_TOKENS, 1, PRODUCER_DEVICE))
             control.send(("ready", 0))
             await asyncio.to_thread(control.recv)
 
@@ -183,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
-                for size_mib in SIZES_MIB:
+                for case, (size_mib, layers) in enumerate(CASES):
                     count, nbytes = _count(size_mib), size_mib * MIB
                     for phase in PHASES:
                         message = await asyncio.to_thread(control.recv)
@@ -195,16 +201,19 @@ def main(args: argparse.Namespace) -> int:
                             await asyncio.sleep(WATCHDOG_S)
                         kvrt_s = await _consume(consumer, count, in_flight)
                         control.send("next")
-                    item_bytes = _tokens(size_mib) * (BYTES_PER_TOKEN + 8)
+                    tokens = _tokens(size_mib, layers)
+                    item_bytes = tokens * (layers * LAYER_BYTES_PER_TOKEN + 8)
                     row = {
                         "size_mib": size_mib,
+                        "layers": layers,
+                        "tokens": tokens,
                         "count": count,
-                        "raw_gbps": count * nbytes / raw_seconds[size_mib] / 1e9,
+                        "raw_gbps": count * nbytes / raw_seconds[case] / 1e9,
                         "kvrt_gbps": count * item_bytes / kvrt_s / 1e9,
                     }
                     row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
                     rows.append(row)
-                    print(f"  {size_mib:5d} MiB x {count:3d}: raw {row['raw_gbps']:7.1f} GB/s, "
+                    print(f"  {size_mib:5d} MiB ({layers} layers) x {count:3d}: raw {row['raw_gbps']:7.1f} GB/s, "
                           f"kvrt {row['kvrt_gbps']:7.1f} GB/s ({100 * row['ratio']:.0f}%)",
                           file=sys.stderr, flush=True)  # fmt: skip
                 assert await asyncio.to_thread(control.recv) == ("ready", 0)
@@ -227,23 +236,26 @@ def main(args: argparse.Namespace) -> int:
         if producer.is_alive():
             producer.kill()
     print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}, {in_flight} in flight")
-    print(f"{'size':>9} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | {'kvrt/raw':>8} | goal")
-    print("-" * 62)
-    goals = {16: ">= 90%", 1024: ">= 95%"}
+    print(f"{'size':>9} | {'layers':>6} | {'tokens':>6} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | "
+          f"{'kvrt/raw':>8} | goal")  # fmt: skip
+    print("-" * 80)
+    goals = {(16, 32): ">= 90%", (1024, 32): ">= 95%"}
     for row in rows:
-        size = int(row["size_mib"])
+        size, layers = int(row["size_mib"]), int(row["layers"])
         print(
-            f"{size:>5} MiB | {int(row['count']):>5} | {row['raw_gbps']:>5.1f} GB/s | "
-            f"{row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | {goals.get(size, '')}"
+            f"{size:>5} MiB | {layers:>6} | {int(row['tokens']):>6} | {int(row['count']):>5} | "
+            f"{row['raw_gbps']:>5.1f} GB/s | {row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | "
+            f"{goals.get((size, layers), '')}"
         )
     p50, p99 = latency["p50_ms"], latency["p99_ms"]
     print(f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     if args.plot:
-        sizes = [row["size_mib"] for row in rows]
+        shaped = [row for row in rows if row["layers"] == CASES[0][1]]
+        sizes = [row["size_mib"] for row in shaped]
         path = _plot.lines(
             Path(args.plot) / "nccl.png", "NCCL transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
-            {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in rows]),
-             "kvrt": (sizes, [row["kvrt_gbps"] for row in rows])},
+            {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in shaped]),
+             "kvrt": (sizes, [row["kvrt_gbps"] for row in shaped])},
             log_x=True,
         )  # fmt: skip
         print(f"plot: {path}", file=sys.stderr)
