@@ -606,13 +606,13 @@ class Producer(AsyncService):
         while True:
             first = await io.next(core.next_deadline())
             now = self._now()
-            out: list[Outgoing] = []
             if first is not None:
                 for frames in [first, *io.drain()]:
                     if len(frames) >= 2:
-                        out += core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
-            out += core.expire(now)
-            await self._perform(out)
+                        # Answered one by one: a burst's first item goes out (and its transfer
+                        # starts) before the rest of the burst is looked up.
+                        await self._perform(core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now))
+            await self._perform(core.expire(now))
 
     async def _perform(self, out: list[Outgoing]) -> None:
         """Send what the core answered; a peer found unreachable is forgotten (its items return).
