@@ -97,6 +97,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def poisoned_key_and_value(table: PoolTable, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Separate K and V tensors [layers, tokens, heads, head_dim] for `table`, every byte
+    poisoned: an element a gather forgets to write shows up."""
+    g = table.geometry
+    shape = (table.layers, tokens, g.heads, g.head_dim)
+    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    key = poison.view(table.dtype).view(shape)
+    return key, key.clone()
+
+
 def same_pools(table: PoolTable, other: PoolTable) -> bool:
     """Every pool of every replica, copy and layer holds the same bits in both tables."""
     return all(
@@ -198,10 +208,7 @@ def test_gather_into_separate_key_and_value_equals_the_reference(case: dict[str,
     table, replica, slots = build(case)
     tokens = slots.numel()
     g = table.geometry
-    shape = (table.layers, tokens + extra, g.heads, g.head_dim)  # longer than needed: only the first `tokens` move
-    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
-    key = poison.view(table.dtype).view(shape)
-    value = key.clone()
+    key, value = poisoned_key_and_value(table, tokens + extra)  # longer than needed: only the first `tokens` move
     gather_into(table, replica, slots, key, value)
     expected = gather_reference(table, replica, slots)
     assert same_bits(key[:, :tokens], expected[:, :, 0])
@@ -237,10 +244,7 @@ def test_gathering_layer_chunks_one_by_one_equals_gathering_them_all(case: dict[
     table, replica, slots = build(case)
     tokens = slots.numel()
     g = table.geometry
-    shape = (table.layers, tokens, g.heads, g.head_dim)
-    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
-    key = poison.view(table.dtype).view(shape)
-    value = key.clone()
+    key, value = poisoned_key_and_value(table, tokens)
     check_indices(table, replica, slots)
     for chunk in layer_chunks(table.layers, cut):
         gather_into(table, replica, slots, key, value, layers=chunk, check=False)
@@ -279,10 +283,7 @@ def test_gathering_keys_and_values_apart_chunk_by_chunk_equals_gathering_them_to
 ) -> None:
     table, replica, slots = build(case)
     g = table.geometry
-    shape = (table.layers, slots.numel(), g.heads, g.head_dim)
-    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
-    key = poison.view(table.dtype).view(shape)
-    value = key.clone()
+    key, value = poisoned_key_and_value(table, slots.numel())
     parts = ["key", "value"] if g.kv == 2 else ["key"]
     whole = {part: prepare_gather_into(table, replica, slots, key, value, part=part) for part in parts}  # type: ignore[arg-type]
     for first, end in layer_chunks(table.layers, cut):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pull_timeline import Clock, _TimedEvent  # a sibling tool
+from pull_timeline import Clock, _TimedEvent, mark_control_messages  # a sibling tool
 
 OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-nccl-timeline"))
 
@@ -41,27 +41,15 @@ def _patch(device: str, side: str) -> Clock:
     clock = Clock(torch.device(device))
     count = [0]
     from kvrt._protocol import ProducerCore
-    from kvrt._zmqio import SocketIO
 
-    socket_send, socket_next, core_receive = SocketIO.send, SocketIO.next, ProducerCore.receive
-
-    async def timed_socket_send(self: Any, frames: Any, deadline: float | None = None) -> bool:
-        sent = await socket_send(self, frames, deadline)
-        clock.host_mark(f"control message sent ({len(frames)} frames)")
-        return sent
-
-    async def timed_socket_next(self: Any, deadline: float | None) -> Any:
-        frames = await socket_next(self, deadline)
-        clock.host_mark(f"control message read ({len(frames or ())} frames)")
-        return frames
+    mark_control_messages(clock)
+    core_receive = ProducerCore.receive
 
     def timed_core_receive(self: Any, *args: Any) -> Any:
         out = core_receive(self, *args)
         clock.host_mark(f"core answered ({len(out)} messages)")
         return out
 
-    SocketIO.send = timed_socket_send  # type: ignore[method-assign]
-    SocketIO.next = timed_socket_next  # type: ignore[method-assign]
     ProducerCore.receive = timed_core_receive  # type: ignore[method-assign]
     if side == "producer":
         send = PairedTransport.send

@@ -57,23 +57,9 @@ class Clock:
         return marks
 
 
-def _patch(device: str, side: str) -> Clock:
-    import kvrt._producer as producer_module
-    import kvrt.kernels.paged_kv as kernels
-    from kvrt.transports.paired import PairedTransport
-
-    torch.cuda.Event = _TimedEvent  # type: ignore[misc]  # every event kvrt makes can be timed
-    clock = Clock(torch.device(device))
+def mark_control_messages(clock: Clock) -> None:
+    """Note every control message this process sends, and every first one a wait reads."""
     from kvrt._zmqio import SocketIO
-
-    def marked(function: Any, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            clock.host_mark(f"{name} called")
-            result = function(*args, **kwargs)
-            clock.host_mark(f"{name} returns")
-            return result
-
-        return call
 
     socket_send, socket_next = SocketIO.send, SocketIO.next
 
@@ -89,6 +75,26 @@ def _patch(device: str, side: str) -> Clock:
 
     SocketIO.send = timed_socket_send  # type: ignore[method-assign]
     SocketIO.next = timed_socket_next  # type: ignore[method-assign]
+
+
+def _patch(device: str, side: str) -> Clock:
+    import kvrt._producer as producer_module
+    import kvrt.kernels.paged_kv as kernels
+    from kvrt.transports.paired import PairedTransport
+
+    torch.cuda.Event = _TimedEvent  # type: ignore[misc]  # every event kvrt makes can be timed
+    clock = Clock(torch.device(device))
+    mark_control_messages(clock)
+
+    def marked(function: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            clock.host_mark(f"{name} called")
+            result = function(*args, **kwargs)
+            clock.host_mark(f"{name} returns")
+            return result
+
+        return call
+
     if side == "producer":
         publish = producer_module.Producer.publish
         send = PairedTransport.send
