@@ -206,7 +206,7 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     stage_layer_stride,  # words between layers in the staging
     stage_token_stride,  # words between tokens in the staging
     ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
-    KV: tl.constexpr,  # 2, or 1 for MLA
+    KV: tl.constexpr,  # 2, or 1 for MLA and for one part (keys or values) alone
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
     BLOCK: tl.constexpr,  # words of a row moved per step: a power of two
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
