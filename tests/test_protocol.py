@@ -170,11 +170,17 @@ def test_pings_keep_a_consumer_known(pair: Pair) -> None:
     assert pair.producer.peer_count == 1
 
 
-def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
+def pair_and_a_second_consumer() -> tuple[Pair, bytes]:
+    """A connected pair, and the peer id of a second consumer that said hello too."""
     pair = Pair()
     pair.connect()
     other = b"consumer-2"
     pair.send(m.Hello(version=m.PROTOCOL_VERSION), peer=other)
+    return pair, other
+
+
+def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
+    pair, other = pair_and_a_second_consumer()
     item, _ = pair.insert([3])
     pair.drop_select([3])
     pair.send(m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(np.array([3])), timeout_s=None), peer=other)
@@ -184,10 +190,7 @@ def test_an_item_returned_by_a_lost_consumer_goes_to_a_waiting_one() -> None:
 
 
 def test_a_discarded_item_is_gone_whether_buffered_or_in_flight_and_never_returns() -> None:
-    pair = Pair()
-    pair.connect()
-    other = b"consumer-2"
-    pair.send(m.Hello(version=m.PROTOCOL_VERSION), peer=other)
+    pair, other = pair_and_a_second_consumer()
     buffered, _ = pair.insert([5])
     pair.producer.discard(buffered)
     assert len(pair.producer.buffer) == 0 and pair.producer.buffer.nbytes == 0
