@@ -281,7 +281,10 @@ class _Link:
                 if future is not None and not future.done():
                     future.set_exception(error)
             case Stray(message=deliver):
-                self._send_nowait(m.Release(item_id=deliver.item_id))
+                # Its bytes are on their way already (an out-of-band transport's send is
+                # posted): they are received all the same, then the item is given back, or the
+                # next receive on the pair would take them for another item's.
+                self._on_deliver(None, deliver, payload)
             case Lost():
                 self.connected.clear()
                 self._fail_all(event)

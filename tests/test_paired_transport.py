@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvrt
+from kvrt import _messages as m
 from tests.conftest import make_kv
 
 
@@ -81,3 +82,38 @@ def test_transport_names_are_checked_against_the_device() -> None:
         kvrt.Producer(transport="carrier-pigeon")
     with pytest.raises(kvrt.InvalidInputError, match="needs a CUDA device"):
         kvrt.Consumer(connect="tcp://127.0.0.1:1", transport="nccl")
+
+
+async def test_a_deliver_that_crosses_a_cancel_is_still_received_so_the_next_item_arrives_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer has sent the bytes by the time the consumer reads a Deliver it no longer
+    waits for: the consumer must still take them off the pair (then give the item back), or
+    its next receive would match the stray send and get another item's bytes."""
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        first, second = torch.tensor([1, 7]), torch.tensor([2, 7])
+        waiting = asyncio.create_task(consumer.drop_select(first, timeout=None))
+        # A miss answered on the same link: the producer holds the waiting request now.
+        assert await consumer.drop_select(torch.tensor([-1])) is None
+        link = consumer._links[0]  # type: ignore[attr-defined]
+        core_receive = link.core.receive
+
+        def the_caller_gives_up_just_before(frame: bytes, now: float) -> object:
+            message = m.decode(frame)
+            if isinstance(message, m.Deliver) and not waiting.done():
+                waiting.cancel()
+                link.core.abandon(message.request_id)  # what its cancellation does, a moment early
+            return core_receive(frame, now)
+
+        monkeypatch.setattr(link.core, "receive", the_caller_gives_up_just_before)
+        await producer.insert(first, None, *make_kv(first, seed=1))
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await producer.insert(second, None, *make_kv(second, seed=2))
+        item = await consumer.drop_select(second, timeout=10)
+        assert item is not None and torch.equal(item.key, make_kv(second, seed=2)[0])
+        given_back = await consumer.drop_select(first, timeout=10)  # the crossed item was given back
+        assert given_back is not None and torch.equal(given_back.key, make_kv(first, seed=1)[0])
