@@ -7,7 +7,10 @@ completion. Then kvrt: the producer buffers `count` items of that size, shaped l
 model's KV (key and value [32 layers, tokens, 8 heads, 128] bf16: 128 KiB a token, so a
 1 GiB item is 8192 tokens), and the consumer drop-selects them all with `in_flight`
 requests outstanding, timed the same way, on the second of two such passes (the first
-warms the consumer's allocator up, as the reference allocates before timing). GB/s counts
+warms the consumer's allocator up, as the reference allocates before timing). Each kvrt
+clock starts right after the consumer took one small starter item over the same pair, as
+the reference's starts right after a barrier on its pair: both sides' loops, threads and
+the pair's NCCL path are awake, not back from the pause between passes. GB/s counts
 payload bytes once. A last row moves 1 GiB items of one layer (262144 tokens each): a
 drop-select names its tokens, so there the 2 MiB query of each request shows.
 Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
@@ -68,6 +71,10 @@ def _item(
 
 def _query(index: int) -> torch.Tensor:
     return torch.arange(4) + (index << 32)
+
+
+STARTER: Final = 1 << 20
+"""The index of the small item the consumer takes right before each timed pass starts."""
 
 
 def _raw_group(store_address: str, rank: int, device: str) -> Any:
@@ -138,6 +145,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                 for phase in PHASES:
                     for index in range(_count(size_mib)):
                         await producer.insert(*_item(index, _tokens(size_mib, layers), layers, PRODUCER_DEVICE))
+                    await producer.insert(*_item(STARTER, SMALL_TOKENS, 1, PRODUCER_DEVICE))
                     torch.cuda.synchronize(PRODUCER_DEVICE)
                     control.send(("ready", size_mib, phase))
                     await asyncio.to_thread(control.recv)  # consumer took them
@@ -199,6 +207,9 @@ def main(args: argparse.Namespace) -> int:
                             # buffers on its own schedule (about every 100 ms); until then the
                             # allocator cannot hand them out again.
                             await asyncio.sleep(WATCHDOG_S)
+                        # As the reference's barrier: the clock starts on a pair that just moved bytes.
+                        if await consumer.drop_select(_query(STARTER)) is None:
+                            raise RuntimeError("the starter item is missing")
                         kvrt_s = await _consume(consumer, count, in_flight)
                         control.send("next")
                     tokens = _tokens(size_mib, layers)
