@@ -305,7 +305,10 @@ class _Link:
         try:
             arrival = self._transport.receive(deliver, payload)
         except ProtocolError as exc:
-            self._give_back(future, deliver, exc)
+            if self._transport.out_of_band:
+                self._start_afresh(future, exc)
+            else:
+                self._give_back(future, deliver, exc)
             return
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
@@ -393,6 +396,22 @@ class _Link:
             self._streams.pop(message.item_id, None)
             self._send_nowait(m.Release(item_id=message.item_id))
             stream.fail(exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc)))
+
+    def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: ProtocolError) -> None:
+        """A Deliver this side refused after its bytes were sent out of band: the pair is out
+        of step (the next receive would take those bytes). Its call fails with `error`, every
+        other pending call too, and a new hello starts a new session: the producer takes back
+        what it had sent, and pairs anew."""
+        if future is not None and not future.done():
+            future.set_exception(error)
+        restart = RemoteProtocolError(
+            f"producer at {self.endpoint} sent a transfer this consumer could not take ({error}); "
+            "the link started a new session"
+        )
+        lost, hello = self.core.start_afresh(restart, self._now())
+        self.connected.clear()
+        self._fail_all(lost)
+        self._send_nowait(hello)
 
     def _start_join(self, welcome: m.Welcome) -> None:
         """Join the transport the producer chose, in a task the link owns (the link keeps

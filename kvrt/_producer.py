@@ -634,6 +634,9 @@ class Producer(AsyncService):
                 frames: Sequence[bytes | memoryview] = ()
                 try:
                     if isinstance(message, m.Welcome):
+                        # A second hello ended the peer's old session first: its pair goes now,
+                        # not after the new one is offered (the peer's identity is the same).
+                        self._release_departed()
                         rendezvous = self._transports[message.transport].offer(send.peer)
                         if rendezvous:
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)

@@ -637,6 +637,7 @@ _CONSUMER_TRANSITIONS: Final[dict[tuple[LinkState, str], LinkState]] = {
     (LinkState.READY, "silence"): LinkState.LOST,
     (LinkState.READY, "bye"): LinkState.LOST,
     (LinkState.READY, "unknown_peer"): LinkState.LOST,
+    (LinkState.READY, "afresh"): LinkState.CONNECTING,
     (LinkState.LOST, "retry"): LinkState.CONNECTING,
     (LinkState.CONNECTING, "close"): LinkState.CLOSED,
     (LinkState.READY, "close"): LinkState.CLOSED,
@@ -810,6 +811,14 @@ class ConsumerCore:
 
     def close(self) -> Lost:
         return self._lose(ClosedError("the consumer was closed while the call was pending"), "close")
+
+    def start_afresh(self, error: KVRTError, now: float) -> tuple[Lost, m.Hello]:
+        """This side can no longer trust the session (a transfer it could not take left an
+        out-of-band pair out of step): every pending request fails with `error`, and the
+        hello to send starts a new session, in which the producer takes back what the old
+        one held and pairs anew."""
+        lost = self._lose(error, "afresh")
+        return lost, self.connect(now)
 
     def _accept_welcome(self, welcome: m.Welcome) -> None:
         self.producer_id = welcome.producer_id

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -117,3 +119,69 @@ async def test_a_deliver_that_crosses_a_cancel_is_still_received_so_the_next_ite
         assert item is not None and torch.equal(item.key, make_kv(second, seed=2)[0])
         given_back = await consumer.drop_select(first, timeout=10)  # the crossed item was given back
         assert given_back is not None and torch.equal(given_back.key, make_kv(first, seed=1)[0])
+
+
+async def test_a_deliver_the_consumer_refuses_fails_its_call_and_the_pair_starts_afresh_losing_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Deliver whose metas do not fit its payload (a broken producer) is refused with a typed
+    error; its bytes were sent all the same, so the pair is out of step: the link says hello
+    again, the producer takes back what it had sent and pairs anew, and the items arrive intact."""
+    from kvrt import _protocol
+
+    deliver_message = _protocol._deliver_message
+    lies: list[int] = []
+
+    def lying_once(request_id: int, item: Any, matched: int) -> m.Deliver:
+        deliver = deliver_message(request_id, item, matched)
+        if lies:
+            return deliver
+        lies.append(item.item_id)
+        beyond = m.TensorMeta(deliver.key.dtype, deliver.key.shape, deliver.payload_bytes)
+        return msgspec.structs.replace(deliver, key=beyond)
+
+    monkeypatch.setattr(_protocol, "_deliver_message", lying_once)
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo", heartbeat_s=0.2) as consumer,
+    ):
+        first, second = torch.tensor([1, 7]), torch.tensor([2, 7])
+        await producer.insert(first, None, *make_kv(first, seed=1))
+        await producer.insert(second, None, *make_kv(second, seed=2))
+        with pytest.raises(kvrt.RemoteProtocolError, match=r"needs \d+ bytes"):
+            await consumer.drop_select(first)
+        link = consumer._links[0]  # type: ignore[attr-defined]
+        await asyncio.wait_for(link.connected.wait(), 10)  # welcomed again, on a new pair
+        for tokens, seed in ((second, 2), (first, 1)):  # the refused item is back in the buffer
+            item = await consumer.drop_select(tokens, timeout=10)
+            assert item is not None and torch.equal(item.key, make_kv(tokens, seed=seed)[0])
+
+
+async def test_a_link_that_went_silent_says_hello_again_and_its_new_pair_carries_items() -> None:
+    """The producer still knows the consumer when its second hello comes: the old session's
+    pair is released, and the pair offered in the new welcome is the one that stays."""
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo", heartbeat_s=0.05) as consumer,
+    ):
+        await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
+        assert await consumer.drop_select(torch.arange(3)) is not None
+        link = consumer._links[0]  # type: ignore[attr-defined]
+        core_receive, core_expire = link.core.receive, link.core.expire
+        deaf, lost = True, asyncio.Event()
+
+        def noting_the_loss(now: float) -> Any:
+            due, gone = core_expire(now)
+            if gone is not None:
+                lost.set()
+            return due, gone
+
+        link.core.receive = lambda frame, now: core_receive(frame, now) if not deaf else None
+        link.core.expire = noting_the_loss
+        await asyncio.wait_for(lost.wait(), 10)  # nothing heard for its timeout
+        deaf = False
+        await asyncio.wait_for(link.connected.wait(), 10)  # welcomed again (same identity)
+        assert producer.stats().peers == 1
+        await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3), seed=5))
+        item = await asyncio.wait_for(consumer.drop_select(torch.arange(3), timeout=10), 20)
+        assert item is not None and torch.equal(item.key, make_kv(torch.arange(3), seed=5)[0])

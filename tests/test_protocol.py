@@ -8,7 +8,7 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
-from kvrt._errors import ErrorCode, PeerLostError
+from kvrt._errors import ErrorCode, PeerLostError, RemoteProtocolError
 from kvrt._item import buffered_item
 from kvrt._protocol import (
     HEARTBEAT_MISSES,
@@ -281,6 +281,22 @@ def test_a_lost_link_says_hello_again_and_recovers(pair: Pair) -> None:
     assert [type(message) for message in due] == [m.Hello]
     pair.deliver(pair.send(due[0]))
     assert pair.consumer.state is LinkState.READY
+
+
+def test_a_link_that_starts_afresh_fails_its_calls_and_its_hello_returns_what_the_producer_sent(pair: Pair) -> None:
+    item, _ = pair.insert([1, 2])
+    request_id, outgoing = pair.drop_select([1, 2])
+    waiting_id, _ = pair.drop_select([7], timeout_s=None)
+    assert pair.deliver(outgoing) == [Replied(request_id, only(outgoing))]
+    lost, hello = pair.consumer.start_afresh(RemoteProtocolError("a transfer it could not take"), pair.now)
+    assert lost.request_ids == (waiting_id,) and isinstance(lost.error, RemoteProtocolError)
+    assert pair.consumer.state is LinkState.CONNECTING
+    events = pair.deliver(pair.send(hello))  # the same identity: a new session
+    assert [type(event) for event in events] == [Welcomed] and pair.consumer.state is LinkState.READY
+    assert pair.producer.buffer.nbytes == item.nbytes and pair.producer.counters.returned_items == 1
+    assert pair.producer.waiting_count == 0
+    _, outgoing = pair.drop_select([1, 2])
+    assert isinstance(only(outgoing), m.Deliver)  # the item is back, for whoever asks
 
 
 def test_a_restarted_producer_fails_pending_calls_and_the_link_reconnects(pair: Pair) -> None:
