@@ -56,6 +56,10 @@ class ChunkGathers(Protocol):
         """Queue now the gathers up to `gather` (None: all) not queued yet; after
         a worker thread queued them, check that it succeeded. Raises `GathersFailed`."""
 
+    @property
+    def failed(self) -> bool:
+        """Whether working them out or queuing them failed (the item's bytes never come)."""
+
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class BufferedItem:

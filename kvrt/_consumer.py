@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,8 @@ class _Reply:
     message: m.Message
     item: KVItem | None = None
     stream: ConsumerStream | None = None
+    items: list[KVItem | None] | None = None
+    """A DeliverMany's: one per query, None for a miss."""
 
 
 _CPU = torch.device("cpu")
@@ -82,6 +84,37 @@ _CPU = torch.device("cpu")
 def _delivered(call: asyncio.Task[_Reply]) -> bool:
     """A finished call that brought an item."""
     return not call.cancelled() and call.exception() is None and call.result().item is not None
+
+
+_BATCH_QUERY_BYTES: Final = 32 << 20
+"""Most token bytes one drop_select_many request carries (a producer drops messages over 64 MiB)."""
+
+
+def _batches(queries: list[bytes | None]) -> list[list[bytes | None]]:
+    """Queries cut into requests of at most `MAX_BATCH` queries and `_BATCH_QUERY_BYTES`."""
+    batches: list[list[bytes | None]] = []
+    size = 0
+    for query in queries:
+        length = 0 if query is None else len(query)
+        if not batches or len(batches[-1]) == m.MAX_BATCH or size + length > _BATCH_QUERY_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(query)
+        size += length
+    return batches
+
+
+def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
+    return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
+
+
+def _item_ids(reply: m.Message) -> list[int]:
+    """The items a reply delivered (to confirm, or to give back)."""
+    if isinstance(reply, m.Deliver):
+        return [reply.item_id]
+    if isinstance(reply, m.DeliverMany):
+        return [hit.item_id for hit in reply.hits if hit is not None]
+    return []
 
 
 OnLanding = Callable[[m.Deliver, Arrival], None]
@@ -184,9 +217,8 @@ class _Link:
             reply = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
-                delivered = future.result().message
-                if isinstance(delivered, m.Deliver):
-                    self.settle(delivered.item_id, keep=False)
+                for item_id in _item_ids(future.result().message):
+                    self.settle(item_id, keep=False)
             else:
                 cancel = self.core.abandon(request_id)
                 if cancel is not None:
@@ -195,8 +227,9 @@ class _Link:
         finally:
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
-        if confirm and isinstance(reply.message, m.Deliver):
-            self.settle(reply.message.item_id, keep=True)
+        if confirm:
+            for item_id in _item_ids(reply.message):
+                self.settle(item_id, keep=True)
         return reply
 
     def settle(self, item_id: int, *, keep: bool) -> None:
@@ -268,6 +301,8 @@ class _Link:
                 self.connected.set()
             case Replied(request_id=request_id, message=m.Deliver() as deliver):
                 self._on_deliver(self._pending.get(request_id), deliver, payload)
+            case Replied(request_id=request_id, message=m.DeliverMany() as batch):
+                self._on_deliver_many(self._pending.get(request_id), batch, payload)
             case Replied(request_id=request_id, message=m.StreamStart() as start):
                 self._on_stream_start(self._pending.get(request_id), start, payload)
             case Streamed(message=message):
@@ -280,11 +315,14 @@ class _Link:
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
                     future.set_exception(error)
-            case Stray(message=deliver):
+            case Stray(message=stray):
                 # Its bytes are on their way already (an out-of-band transport's send is
-                # posted): they are received all the same, then the item is given back, or the
-                # next receive on the pair would take them for another item's.
-                self._on_deliver(None, deliver, payload)
+                # posted): they are received all the same, then the items are given back, or
+                # the next receive on the pair would take them for other items'.
+                if isinstance(stray, m.DeliverMany):
+                    self._on_deliver_many(None, stray, payload)
+                else:
+                    self._on_deliver(None, stray, payload)
             case Lost():
                 self.connected.clear()
                 self._fail_all(event)
@@ -339,6 +377,58 @@ class _Link:
             return
         input_tokens, roi, key, value, hidden = tensors
         future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
+
+    def _on_deliver_many(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
+    ) -> None:
+        """Post the receive of a batch's hits now; complete the call when all have landed."""
+        hit_ids = [hit.item_id for hit in batch.hits if hit is not None]
+        if self._transport is None:
+            self._release(hit_ids)
+            return
+        try:
+            arriving = self._transport.receive_many(batch, payload)
+        except ProtocolError as exc:
+            if self._transport.out_of_band:
+                self._start_afresh(future, exc)
+            else:
+                self._release(hit_ids)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+            return
+        if isinstance(arriving, asyncio.Future) and arriving.done():
+            self._complete_batch(future, batch, arriving.result())  # TCP: already here
+            return
+        task = asyncio.create_task(self._await_batch(future, batch, arriving), name=f"kvrt-receive-{batch.request_id}")
+        self._receives.add(task)
+        task.add_done_callback(self._receives.discard)
+
+    async def _await_batch(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, arriving: Awaitable[list[ItemTensors]]
+    ) -> None:
+        try:
+            landed = await arriving
+        except (ProtocolError, RuntimeError) as exc:
+            hit_ids = [hit.item_id for hit in batch.hits if hit is not None]
+            self._release(hit_ids)
+            if future is not None and not future.done():
+                future.set_exception(translate_torch_error(exc, what=f"receiving a batch of {len(hit_ids)} items"))
+            return
+        self._complete_batch(future, batch, landed)
+
+    def _complete_batch(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, landed: list[ItemTensors]
+    ) -> None:
+        if future is None or future.done():
+            self._release([hit.item_id for hit in batch.hits if hit is not None])
+            return
+        tensors = iter(landed)
+        items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]
+        future.set_result(_Reply(batch, items=items))
+
+    def _release(self, item_ids: Sequence[int]) -> None:
+        for item_id in item_ids:
+            self._send_nowait(m.Release(item_id=item_id))
 
     def _give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
         self._send_nowait(m.Release(item_id=deliver.item_id))
@@ -617,6 +707,45 @@ class Consumer(AsyncService):
         """
         return await self._lookup(input_tokens, roi, timeout, what="drop_select")
 
+    async def drop_select_many(
+        self, queries: Sequence[torch.Tensor | None], rois: Sequence[torch.Tensor | None] | None = None
+    ) -> list[KVItem | None]:
+        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in order.
+
+        For a serving engine that takes the KV of a whole scheduler step: with one producer
+        and no TP group, up to 256 queries travel in one request and the items found come back
+        in one transfer (one header, and over NCCL one operation and one completion), so the
+        per-request costs are paid once per batch, not once per item. Over a paired
+        transport the items of a batch are views of one received buffer, which lives until
+        the last of them is freed. Items are taken in query order, each at most once. With
+        several producers or a TP group, the queries run as that many `drop_select`s, one
+        after the other.
+        """
+        self._check_open()
+        what = "drop_select_many"
+        if not isinstance(queries, Sequence):
+            raise InvalidInputError(
+                f"{what}: queries must be a sequence of token tensors (or None), got {type(queries)}"
+            )
+        if rois is not None and len(rois) != len(queries):
+            raise InvalidInputError(f"{what}: {len(rois)} rois for {len(queries)} queries")
+        lookups = list(zip(queries, rois or [None] * len(queries), strict=True))
+        wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
+        if self._consensus is not None or len(self._links) != 1:
+            # One after the other: a query sees the items the one before it gave back.
+            return [await self._lookup(tokens, roi, 0.0, what=what) for tokens, roi in lookups]
+        timer = _metrics.Timer(what)
+        try:
+            answers = await asyncio.gather(*(self._links[0].call(_batch_request(batch)) for batch in _batches(wire)))
+        except KVRTError as error:
+            self._count_error(error)
+            raise
+        timer.done()
+        items = [item for answer in answers for item in answer.items or ()]
+        for item in items:
+            self._count(item)
+        return items
+
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
         on_landing: OnLanding | None = None,
@@ -633,16 +762,22 @@ class Consumer(AsyncService):
         try:
             item = await self._drop_select(build, waits=timeout != 0, on_landing=on_landing)
         except KVRTError as error:
-            errors = self.counters.errors
-            errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
+            self._count_error(error)
             raise
         timer.done()
+        self._count(item)
+        return item
+
+    def _count(self, item: KVItem | None) -> None:
         if item is not None:
             self.counters.items += 1
             self.counters.bytes += sum(
                 tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None
             )
-        return item
+
+    def _count_error(self, error: KVRTError) -> None:
+        errors = self.counters.errors
+        errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
 
     async def _drop_select(
         self, build: Callable[[int], m.Message], *, waits: bool, on_landing: OnLanding | None = None

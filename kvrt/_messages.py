@@ -164,6 +164,50 @@ class Deliver(Message, frozen=True, tag="deliver"):
     while the last ones are still gathered or on the wire."""
 
 
+MAX_BATCH: Final = 256
+"""Most lookups one `drop_select_many` carries."""
+
+BATCH_ALIGNMENT: Final = 256
+"""Where each hit of a `deliver_many` starts in its payload: a multiple of this many bytes."""
+
+
+class DropSelectMany(Message, frozen=True, tag="drop_select_many"):
+    """Consumer → producer: several `drop_select`s answered at once (timeout 0), all in one
+    `DeliverMany`: a serving engine takes the KV of a whole scheduler step in one request,
+    and the hits travel as one transfer. Each query as `DropSelect.tokens`; None takes the
+    oldest item. Items are taken in query order, each at most once."""
+
+    request_id: RequestId
+    queries: Annotated[list[TokenBytes | None], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class Hit(msgspec.Struct, frozen=True, array_like=True):
+    """One query's item in a `DeliverMany`: as `Deliver`'s fields, its packed tensors at
+    `offset` of the batch's payload (their metas' offsets count from there)."""
+
+    item_id: ItemId
+    matched: Annotated[int, Meta(ge=0)]
+    input_tokens: TensorMeta
+    roi: TensorMeta | None
+    key: TensorMeta
+    value: TensorMeta
+    hidden: TensorMeta | None
+    offset: Annotated[int, Meta(ge=0, le=2**62)]
+    payload_bytes: Annotated[int, Meta(ge=0, le=2**62)]
+
+
+class DeliverMany(Message, frozen=True, tag="deliver_many"):
+    """Producer → consumer: the answer to a `drop_select_many`, one entry per query (None: a
+    miss). The hits' payloads travel together: over TCP one frame per hit after this header,
+    in order; out of band as one payload of `payload_bytes`, each hit at its `offset` (a
+    multiple of `BATCH_ALIGNMENT`), one transfer for all. The consumer answers `Received`
+    for the hits it keeps and `Release` for the others, as for `deliver`."""
+
+    request_id: RequestId
+    hits: Annotated[list[Hit | None], Meta(max_length=MAX_BATCH)]
+    payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
+
+
 class Miss(Message, frozen=True, tag="miss"):
     """Producer → consumer: no item matched before the request's timeout."""
 
@@ -316,7 +360,7 @@ class StreamAbort(Message, frozen=True, tag="stream_abort"):
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
-    | StreamStart | StreamLayer | StreamEnd | StreamAbort
+    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany
 )  # fmt: skip
 
 

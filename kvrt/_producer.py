@@ -135,6 +135,14 @@ class _Gathers:
                 self._ready[self._queued].record(self._stream)
                 self._queued += 1
 
+    @property
+    def failed(self) -> bool:
+        """Whether working out or queuing these gathers failed (the item's bytes never come)."""
+        in_thread = self._in_thread
+        return self._failure is not None or (
+            in_thread is not None and in_thread.done() and in_thread.exception() is not None
+        )
+
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise GathersFailed(str(self._failure)) from self._failure
@@ -642,6 +650,18 @@ class Producer(AsyncService):
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)
                     if isinstance(message, m.StreamStart | m.StreamLayer | m.StreamEnd):
                         frames = _stream_frames(send)
+                    elif isinstance(message, m.DeliverMany):
+                        transport_name = self._core.transport_of(send.peer)
+                        if transport_name is None:
+                            continue  # the peer left meanwhile; the core took the items back
+                        transport = self._transports[transport_name]
+                        for item in send.items:  # a published item is read whole: every gather queued
+                            await _all_gathers_queued(item)
+                        if transport.out_of_band:
+                            await io.send([send.peer, m.encode(message)])
+                            await transport.send_many(send.peer, message, send.items)
+                            continue
+                        frames = await transport.send_many(send.peer, message, send.items)
                     elif send.item is not None:
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:
@@ -669,8 +689,9 @@ class Producer(AsyncService):
                 except GathersFailed:
                     # The consumer may hold a header whose bytes will never come: its pair
                     # cannot be trusted any more. The item is gone (`publish` raises).
-                    assert send.item is not None
-                    self._core.discard(send.item)
+                    for item in (send.item,) if send.item is not None else send.items:
+                        if item.gathers is not None and item.gathers.failed:
+                            self._core.discard(item)
                     out += self._core.peer_unreachable(send.peer, self._now())
             self._release_departed()
         self._update_room()

@@ -58,12 +58,15 @@ MAX_WAITING_REQUESTS: Final = 65536
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """A message for the driver to send to `peer`; for a Deliver or a stream's start, `item`
-    holds the payload; a stream's layers and end carry their tensors in `tensors`."""
+    holds the payload (for a DeliverMany, `items`); a stream's layers and end carry their
+    tensors in `tensors`."""
 
     peer: bytes
     message: m.Message
     item: BufferedItem | None = None
     tensors: tuple[torch.Tensor, ...] = ()
+    items: tuple[BufferedItem, ...] = ()
+    """A DeliverMany's hits, in order."""
 
 
 class PeerState(enum.Enum):
@@ -78,6 +81,7 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
         m.Ping,
         m.Bye,
         m.DropSelect,
+        m.DropSelectMany,
         m.Cancel,
         m.Received,
         m.Release,
@@ -227,6 +231,8 @@ class ProducerCore:
                 return self._forget_peer(peer, now)
             case m.DropSelect():
                 return self._on_drop_select(peer, message, now)
+            case m.DropSelectMany():
+                return self._on_drop_select_many(peer, message)
             case m.Cancel(request_id=request_id):
                 self._drop_waiter(peer, request_id)
                 return []
@@ -373,6 +379,30 @@ class ProducerCore:
         if deadline is not None:
             self._add_timer(deadline, _TimerKind.WAITER, key)
         return []
+
+    def _on_drop_select_many(self, peer: bytes, request: m.DropSelectMany) -> list[Outgoing]:
+        try:
+            queries = [None if tokens is None else m.tokens_from_bytes(tokens) for tokens in request.queries]
+        except ProtocolError as exc:
+            return [self._refuse(peer, request.request_id, exc.code, str(exc))]
+        hits: list[m.Hit | None] = []
+        items: list[BufferedItem] = []
+        offset = 0
+        for query in queries:
+            found = self.buffer.best_match(query)
+            if found is None:
+                self.counters.misses += 1
+                hits.append(None)
+                continue
+            item = found.item
+            self.buffer.take(item)
+            self._peers[peer].in_flight[item.item_id] = item
+            offset = -(-offset // m.BATCH_ALIGNMENT) * m.BATCH_ALIGNMENT
+            hits.append(_hit(item, found.matched, offset))
+            items.append(item)
+            offset += item.nbytes
+        reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset)
+        return [Outgoing(peer, reply, items=tuple(items))]
 
     def _on_received(self, peer: bytes, item_ids: list[int]) -> list[Outgoing]:
         in_flight = self._peers[peer].in_flight
@@ -600,6 +630,12 @@ def _layer_message(item_id: int, layer: int, key: torch.Tensor, value: torch.Ten
     return m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
 
 
+def _hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:
+    input_tokens, roi, key, value, hidden = item.metas
+    assert input_tokens is not None and key is not None and value is not None
+    return m.Hit(item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes)
+
+
 def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deliver:
     input_tokens, roi, key, value, hidden = item.metas
     assert input_tokens is not None and key is not None and value is not None
@@ -667,9 +703,9 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Stray:
-    """A Deliver for a request that is no longer pending: release the item."""
+    """A Deliver (or DeliverMany) for a request that is no longer pending: release its items."""
 
-    message: m.Deliver
+    message: m.Deliver | m.DeliverMany
 
 
 @dataclass(frozen=True, slots=True)
@@ -762,7 +798,7 @@ class ConsumerCore:
                 return None
             case m.Bye(reason=reason):
                 return self._lose(PeerLostError(f"producer at {self.endpoint} closed ({reason})"), "bye")
-            case m.Deliver(request_id=request_id):
+            case m.Deliver(request_id=request_id) | m.DeliverMany(request_id=request_id):
                 if request_id in self._pending:
                     self._pending.discard(request_id)
                     return Replied(request_id, message)

@@ -74,6 +74,23 @@ async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu_over_nccl() 
             assert torch.equal(item.input_tokens, input_tokens)
 
 
+async def test_a_batch_of_every_dtype_arrives_bit_for_bit_in_one_transfer_over_nccl() -> None:
+    items = [(index, 64 + 3 * index, dtype) for index, dtype in enumerate(DTYPES)]
+    async with (
+        producer_process(items) as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        queries = [kv_tokens(index, tokens, CONSUMER_DEVICE) for index, tokens, _ in reversed(items)]
+        arrived = await consumer.drop_select_many([*queries, kv_tokens(99, 4, CONSUMER_DEVICE)])
+        assert arrived[-1] is None
+        for item, (index, tokens, dtype) in zip(arrived, reversed(items), strict=False):
+            input_tokens, key, value, hidden = kv_item(index, tokens, getattr(torch, dtype), CONSUMER_DEVICE)
+            assert item is not None and item.key.device == torch.device(CONSUMER_DEVICE)
+            assert same_bits(item.key, key) and same_bits(item.value, value), dtype
+            assert item.hidden is not None and same_bits(item.hidden, hidden)
+            assert torch.equal(item.input_tokens, input_tokens) and item.matched == tokens
+
+
 def matmuls(count: int) -> None:
     a = torch.randn(8192, 8192, device=CONSUMER_DEVICE, dtype=torch.bfloat16)
     for _ in range(count):

@@ -28,10 +28,12 @@ def main(out: Path) -> int:
     nccl = out / "nccl.json"
     if nccl.exists():
         data = json.loads(nccl.read_text())
-        print("nccl: size MiB | layers | raw GB/s | kvrt GB/s | kvrt/raw")
+        print("nccl: size MiB | layers | raw GB/s | kvrt GB/s | kvrt/raw | batched GB/s | batched/raw")
         for row in data["rows"]:
             size, layers, raw, kvrt = int(row["size_mib"]), int(row.get("layers", 1)), row["raw_gbps"], row["kvrt_gbps"]
-            print(f"  {size:>6} | {layers:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}%")
+            batched = row.get("batched_gbps", 0.0)
+            print(f"  {size:>6} | {layers:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}% | "
+                  f"{batched:12.1f} | {100 * row.get('batched_ratio', 0.0):10.0f}%")  # fmt: skip
         latency = data["latency"]
         print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
     kernels = out / "kernels.json"

@@ -15,12 +15,17 @@ Producer side, all on the producer's event loop:
   issuing their sends and returning none. The producer keeps the item, so its storage,
   until the consumer answers `Received`: a transport may read it until then without
   copying.
+* `send_many`: as `send`, once per DeliverMany, for its hits in order: TCP returns one frame
+  per hit; an out-of-band transport moves them as one payload (each at its hit's offset),
+  in one transfer.
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
 
 Consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
+* `receive_many`: as `receive`, once per DeliverMany: the hits' tensors, in order, once
+  all have landed.
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
   out-of-band transport must post its receives in. Posts now; the returned `Arrival`'s
   `complete` gives the five tensors on the consumer's device, which the consumer then owns.
@@ -40,10 +45,20 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._messages import Deliver
+from kvrt._messages import Deliver, DeliverMany, Hit, TensorMeta
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """input_tokens, roi, key, value, hidden: the order they travel in."""
+
+
+def item_metas(entry: Deliver | Hit) -> tuple[TensorMeta | None, ...]:
+    """The metas of a delivered item's five tensors, in travel order."""
+    return entry.input_tokens, entry.roi, entry.key, entry.value, entry.hidden
+
+
+def batch_hits(message: DeliverMany) -> list[Hit]:
+    """A DeliverMany's hits, in order (its misses left out)."""
+    return [hit for hit in message.hits if hit is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +97,10 @@ class Transport(abc.ABC):
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         """Producer side: start moving `item`; frames to send after its Deliver header."""
 
+    @abc.abstractmethod
+    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+        """Send a DeliverMany's hits (`items`, in order)."""
+
     def forget(self, peer: bytes) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: `peer` left; release what its pair held (nothing by default)."""
 
@@ -91,6 +110,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         """Consumer side: post the receive of one item now."""
+
+    @abc.abstractmethod
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+        """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
 
     async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release threads, streams and pairs."""

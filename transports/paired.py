@@ -34,7 +34,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,15 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
-from kvrt._messages import Deliver
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany
 from kvrt._tensors import check_segments, transfer_segments, unpack_tensor
-from kvrt.transports._base import Arrival, ItemTensors, Transport
+from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
 
 _PRODUCER_RANK = 0
 _CONSUMER_RANK = 1
 _TAG = 0
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
+_T = TypeVar("_T")
 _MAX_PAYLOAD_BYTES = 1 << 40
 """A Deliver announcing more than this (1 TiB) is refused before anything is allocated."""
 
@@ -90,7 +91,8 @@ class _Pair:
 
     pair_id: str
     established: concurrent.futures.Future[Any]
-    sends: deque[tuple[Any, concurrent.futures.Future[Any] | None]] = field(default_factory=deque)
+    sends: deque[tuple[Any, concurrent.futures.Future[Any] | None, torch.Tensor | None]] = field(default_factory=deque)
+    """(work, the thread waiting for it or None, a staging buffer it reads or None)."""
 
 
 class PairedTransport(Transport):
@@ -141,11 +143,8 @@ class PairedTransport(Transport):
         return {"store": f"{self._store_host}:{store.port}", "pair": pair_id, "backend": self.backend}
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        pair = self._pairs.get(peer)
-        if pair is None:
-            raise PeerLostError("the consumer left before its item could be sent")
-        established = pair.established
-        group = established.result() if established.done() else await asyncio.wrap_future(established)
+        group = await self._group_of(peer)
+        pair = self._pairs[peer]
         if item.nbytes == 0:
             return []
         _drop_finished(pair)
@@ -162,12 +161,46 @@ class PairedTransport(Transport):
                             item.gathers.queue_through(item.segment_gathers[index])
                         send_stream.wait_event(item.segment_ready[index])
                     work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
-                    pair.sends.append((work, None))
+                    pair.sends.append((work, None, None))
         else:
             for offset, nbytes in segments:
                 work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
-                pair.sends.append((work, self._waiter.submit(work.wait)))
+                pair.sends.append((work, self._waiter.submit(work.wait), None))
         return []
+
+    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+        """The hits are copied into one staging buffer, each at its offset, and sent as one
+        transfer: one NCCL operation and one completion per batch on either side, however
+        many items it holds."""
+        group = await self._group_of(peer)
+        pair = self._pairs[peer]
+        if message.payload_bytes == 0:
+            return []
+        _drop_finished(pair)
+        hits = batch_hits(message)
+        staging = torch.empty(message.payload_bytes, dtype=torch.uint8, device=self.device)
+        if self._streams is not None:
+            send_stream = self._streams[0]
+            with self._on_device(), torch.cuda.stream(send_stream):
+                for hit, item in zip(hits, items, strict=True):
+                    for ready in _written(item):
+                        send_stream.wait_event(ready)
+                    staging[hit.offset : hit.offset + hit.payload_bytes].copy_(item.storage)
+                work = group.send([staging], _CONSUMER_RANK, _TAG)
+                pair.sends.append((work, None, staging))
+        else:
+            for hit, item in zip(hits, items, strict=True):
+                staging[hit.offset : hit.offset + hit.payload_bytes].copy_(item.storage)
+            work = group.send([staging], _CONSUMER_RANK, _TAG)
+            pair.sends.append((work, self._waiter.submit(work.wait), staging))
+        return []
+
+    async def _group_of(self, peer: bytes) -> Any:
+        pair = self._pairs.get(peer)
+        if pair is None:
+            raise PeerLostError("the consumer left before its item could be sent")
+        established = pair.established
+        return established.result() if established.done() else await asyncio.wrap_future(established)
 
     def forget(self, peer: bytes) -> None:
         pair = self._pairs.pop(peer, None)
@@ -196,23 +229,51 @@ class PairedTransport(Transport):
             ) from None
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
-        if frames:
-            raise RemoteProtocolError(f"a {self.backend} deliver carries no payload frames, {len(frames)} came")
-        if deliver.payload_bytes > _MAX_PAYLOAD_BYTES:
-            raise RemoteProtocolError(f"deliver announces {deliver.payload_bytes} bytes, over {_MAX_PAYLOAD_BYTES}")
-        pair = self._pair
-        if pair is None or not pair.established.done():
-            raise RemoteProtocolError(f"deliver arrived before the {self.backend} pair was established")
         segments = transfer_segments(deliver.segments, deliver.payload_bytes)
         check_segments(segments, deliver.payload_bytes)
-        metas = (deliver.input_tokens, deliver.roi, deliver.key, deliver.value, deliver.hidden)
-        payload = torch.empty(deliver.payload_bytes, dtype=torch.uint8, device=self.device)
-        tensors = self._unpacked(metas, payload)  # refuses lying metas before anything is posted
-        group = pair.established.result()
+        payload, group = self._payload(deliver.payload_bytes, frames)
+        tensors = self._unpacked(item_metas(deliver), payload)  # refuses lying metas before anything is posted
         if not segments:
             done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return Arrival(done)
+        completed, landed = self._post(group, payload, segments)
+        return Arrival(self._after(completed, tensors), tensors if landed else None, tuple(landed))
+
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+        payload, group = self._payload(message.payload_bytes, frames)
+        tensors = []
+        for hit in batch_hits(message):
+            if hit.offset % BATCH_ALIGNMENT or hit.offset + hit.payload_bytes > message.payload_bytes:
+                raise RemoteProtocolError(
+                    f"item {hit.item_id} at offset {hit.offset} ({hit.payload_bytes} bytes) is misplaced "
+                    f"in a batch payload of {message.payload_bytes}"
+                )
+            tensors.append(self._unpacked(item_metas(hit), payload[hit.offset : hit.offset + hit.payload_bytes]))
+        if message.payload_bytes == 0:
+            done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
+            done.set_result(tensors)
+            return done
+        completed, _ = self._post(group, payload, [(0, message.payload_bytes)])
+        return self._after(completed, tensors)
+
+    def _payload(self, payload_bytes: int, frames: Sequence[zmq.Frame]) -> tuple[torch.Tensor, Any]:
+        """A receive buffer for an announced payload, and the pair's group; refuses what
+        cannot be received on this pair before anything is allocated."""
+        if frames:
+            raise RemoteProtocolError(f"a {self.backend} deliver carries no payload frames, {len(frames)} came")
+        if payload_bytes > _MAX_PAYLOAD_BYTES:
+            raise RemoteProtocolError(f"deliver announces {payload_bytes} bytes, over {_MAX_PAYLOAD_BYTES}")
+        pair = self._pair
+        if pair is None or not pair.established.done():
+            raise RemoteProtocolError(f"deliver arrived before the {self.backend} pair was established")
+        return torch.empty(payload_bytes, dtype=torch.uint8, device=self.device), pair.established.result()
+
+    def _post(
+        self, group: Any, payload: torch.Tensor, segments: Sequence[tuple[int, int]]
+    ) -> tuple[Awaitable[None], list[torch.cuda.Event]]:
+        """Post the receives of `payload`'s segments, in order: when all have landed, and (GPU)
+        an event per segment on the receive stream."""
         wait: Callable[[], None]
         landed: list[torch.cuda.Event] = []
         if self._streams is not None:
@@ -239,8 +300,7 @@ class PairedTransport(Transport):
                     work.wait()
 
         # Receives complete in the order they were posted, so one waiting thread suffices.
-        completed = asyncio.wrap_future(self._waiter.submit(wait))
-        return Arrival(self._after(completed, tensors), tensors if landed else None, tuple(landed))
+        return asyncio.wrap_future(self._waiter.submit(wait)), landed
 
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
@@ -249,7 +309,7 @@ class PairedTransport(Transport):
         return input_tokens, roi, key, value, hidden
 
     @staticmethod
-    async def _after(completed: Awaitable[None], tensors: ItemTensors) -> ItemTensors:
+    async def _after(completed: Awaitable[None], tensors: _T) -> _T:
         await completed
         return tensors
 
@@ -303,11 +363,19 @@ class PairedTransport(Transport):
             _abort_if_established(established)
 
 
+def _written(item: BufferedItem) -> list[torch.cuda.Event]:
+    """The events after which an item's storage holds its bytes: each gather of a published
+    item, or the inserting stream's."""
+    if item.segment_ready:
+        return list(item.segment_ready)
+    return [] if item.ready_event is None else [item.ready_event]
+
+
 def _drop_finished(pair: _Pair) -> None:
     """Forget sends that completed (they hold their item's storage; a send must stay
     referenced until it ran)."""
     while pair.sends:
-        work, waited = pair.sends[0]
+        work, waited, _ = pair.sends[0]
         if not (work.is_completed() if waited is None else waited.done()):
             return
         pair.sends.popleft()

@@ -11,7 +11,10 @@ warms the consumer's allocator up, as the reference allocates before timing). Ea
 clock starts right after the consumer took one small starter item over the same pair, as
 the reference's starts right after a barrier on its pair: both sides' loops, threads and
 the pair's NCCL path are awake, not back from the pause between passes. GB/s counts
-payload bytes once. A last row moves 1 GiB items of one layer (262144 tokens each): a
+payload bytes once. Then the same items again through `drop_select_many`: BATCH items per
+request (one header, one NCCL operation, one completion), BATCHES_IN_FLIGHT requests
+outstanding, as an engine takes the KV of a scheduler step's requests; timed the same way,
+beside the same reference. A last row moves 1 GiB items of one layer (262144 tokens each): a
 drop-select names its tokens, so there the 2 MiB query of each request shows.
 Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
 """
@@ -44,7 +47,10 @@ LATENCY_REQUESTS: Final = 300
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 _TIMEOUT = datetime.timedelta(seconds=120)
-PHASES: Final = ("warm-up", "timed")
+PHASES: Final = ("warm-up", "timed", "batched warm-up", "batched timed")
+BATCH: Final = 16
+"""Items per drop_select_many in the batched passes."""
+BATCHES_IN_FLIGHT: Final = 4
 WATCHDOG_S: Final = 0.3
 """kvrt moves each size twice and the second pass is timed: the reference's buffers are
 allocated before its clock starts, so the consumer's receive buffers (the caching allocator's
@@ -174,6 +180,25 @@ async def _consume(consumer: Any, count: int, in_flight: int) -> float:
     return time.perf_counter() - started
 
 
+async def _consume_batched(consumer: Any, count: int) -> float:
+    slots = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+
+    async def one(first: int) -> None:
+        async with slots:
+            items = await consumer.drop_select_many(
+                [_query(index) for index in range(first, min(count, first + BATCH))]
+            )
+            if any(item is None for item in items):
+                raise RuntimeError(f"an item of the batch from {first} is missing")
+
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for first in range(0, count, BATCH):
+            group.create_task(one(first))
+    torch.cuda.synchronize(CONSUMER_DEVICE)
+    return time.perf_counter() - started
+
+
 def main(args: argparse.Namespace) -> int:
     from torch._C._distributed_c10d import TCPStore
 
@@ -199,10 +224,11 @@ def main(args: argparse.Namespace) -> int:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 for case, (size_mib, layers) in enumerate(CASES):
                     count, nbytes = _count(size_mib), size_mib * MIB
+                    timings: dict[str, float] = {}
                     for phase in PHASES:
                         message = await asyncio.to_thread(control.recv)
                         assert message == ("ready", size_mib, phase)
-                        if phase == "timed":
+                        if phase.endswith("timed"):
                             # NCCL's watchdog thread drops its references to finished receives'
                             # buffers on its own schedule (about every 100 ms); until then the
                             # allocator cannot hand them out again.
@@ -210,7 +236,10 @@ def main(args: argparse.Namespace) -> int:
                         # As the reference's barrier: the clock starts on a pair that just moved bytes.
                         if await consumer.drop_select(_query(STARTER)) is None:
                             raise RuntimeError("the starter item is missing")
-                        kvrt_s = await _consume(consumer, count, in_flight)
+                        if phase.startswith("batched"):
+                            timings[phase] = await _consume_batched(consumer, count)
+                        else:
+                            timings[phase] = await _consume(consumer, count, in_flight)
                         control.send("next")
                     tokens = _tokens(size_mib, layers)
                     item_bytes = tokens * (layers * LAYER_BYTES_PER_TOKEN + 8)
@@ -220,12 +249,15 @@ def main(args: argparse.Namespace) -> int:
                         "tokens": tokens,
                         "count": count,
                         "raw_gbps": count * nbytes / raw_seconds[case] / 1e9,
-                        "kvrt_gbps": count * item_bytes / kvrt_s / 1e9,
+                        "kvrt_gbps": count * item_bytes / timings["timed"] / 1e9,
+                        "batched_gbps": count * item_bytes / timings["batched timed"] / 1e9,
                     }
                     row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
+                    row["batched_ratio"] = row["batched_gbps"] / row["raw_gbps"]
                     rows.append(row)
                     print(f"  {size_mib:5d} MiB ({layers} layers) x {count:3d}: raw {row['raw_gbps']:7.1f} GB/s, "
-                          f"kvrt {row['kvrt_gbps']:7.1f} GB/s ({100 * row['ratio']:.0f}%)",
+                          f"kvrt {row['kvrt_gbps']:7.1f} GB/s ({100 * row['ratio']:.0f}%), "
+                          f"batched {row['batched_gbps']:7.1f} GB/s ({100 * row['batched_ratio']:.0f}%)",
                           file=sys.stderr, flush=True)  # fmt: skip
                 assert await asyncio.to_thread(control.recv) == ("ready", 0)
                 latencies = []
@@ -246,17 +278,18 @@ def main(args: argparse.Namespace) -> int:
         producer.join(60)
         if producer.is_alive():
             producer.kill()
-    print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}, {in_flight} in flight")
+    print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}; kvrt: drop_select, "
+          f"{in_flight} in flight; batched: drop_select_many of {BATCH}, {BATCHES_IN_FLIGHT} in flight")  # fmt: skip
     print(f"{'size':>9} | {'layers':>6} | {'tokens':>6} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | "
-          f"{'kvrt/raw':>8} | goal")  # fmt: skip
-    print("-" * 80)
+          f"{'kvrt/raw':>8} | {'batched':>10} | {'batched/raw':>11} | goal")  # fmt: skip
+    print("-" * 108)
     goals = {(16, 32): ">= 90%", (1024, 32): ">= 95%"}
     for row in rows:
         size, layers = int(row["size_mib"]), int(row["layers"])
         print(
             f"{size:>5} MiB | {layers:>6} | {int(row['tokens']):>6} | {int(row['count']):>5} | "
             f"{row['raw_gbps']:>5.1f} GB/s | {row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | "
-            f"{goals.get((size, layers), '')}"
+            f"{row['batched_gbps']:>5.1f} GB/s | {100 * row['batched_ratio']:>10.0f}% | {goals.get((size, layers), '')}"
         )
     p50, p99 = latency["p50_ms"], latency["p99_ms"]
     print(f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
@@ -266,7 +299,8 @@ def main(args: argparse.Namespace) -> int:
         path = _plot.lines(
             Path(args.plot) / "nccl.png", "NCCL transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
             {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in shaped]),
-             "kvrt": (sizes, [row["kvrt_gbps"] for row in shaped])},
+             "kvrt": (sizes, [row["kvrt_gbps"] for row in shaped]),
+             f"kvrt, drop_select_many of {BATCH}": (sizes, [row["batched_gbps"] for row in shaped])},
             log_x=True,
         )  # fmt: skip
         print(f"plot: {path}", file=sys.stderr)
