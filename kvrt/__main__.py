@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write PNG plots into DIR (default docs/bench; needs matplotlib)",
     )  # fmt: skip
     bench.add_argument("--in-flight", type=int, default=None, help="requests in flight (nccl; default 8)")
+    bench.add_argument("--batch", type=int, default=None, help="items per drop_select_many (nccl; default 16)")
     bench.set_defaults(run=_bench)
     add_commands(commands)
     return parser

@@ -200,12 +200,16 @@ class DeliverMany(Message, frozen=True, tag="deliver_many"):
     """Producer → consumer: the answer to a `drop_select_many`, one entry per query (None: a
     miss). The hits' payloads travel together: over TCP one frame per hit after this header,
     in order; out of band as one payload of `payload_bytes`, each hit at its `offset` (a
-    multiple of `BATCH_ALIGNMENT`), one transfer for all. The consumer answers `Received`
+    multiple of `BATCH_ALIGNMENT`), in a few transfers (`segments`). The consumer answers `Received`
     for the hits it keeps and `Release` for the others, as for `deliver`."""
 
     request_id: RequestId
     hits: Annotated[list[Hit | None], Meta(max_length=MAX_BATCH)]
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
+    segments: Annotated[list[Segment], Meta(max_length=MAX_BATCH)] = []
+    """Out of band: the payload moves as these (offset, nbytes) ranges, one transfer each, in
+    this order; each hit lies inside one of them (small hits share one, a large hit has its
+    own). Empty: one transfer of the whole payload."""
 
 
 class Miss(Message, frozen=True, tag="miss"):

@@ -401,7 +401,8 @@ class ProducerCore:
             hits.append(_hit(item, found.matched, offset))
             items.append(item)
             offset += item.nbytes
-        reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset)
+        segments = batch_segments([(hit.offset, hit.payload_bytes) for hit in hits if hit is not None])
+        reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset, segments=segments)
         return [Outgoing(peer, reply, items=tuple(items))]
 
     def _on_received(self, peer: bytes, item_ids: list[int]) -> list[Outgoing]:
@@ -628,6 +629,35 @@ def _tokens_bytes(item: BufferedItem) -> int:
 
 def _layer_message(item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> m.StreamLayer:
     return m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
+
+
+BATCH_SEGMENT_BYTES: Final = 64 << 20
+"""A batch's hits under this size share transfers of about this size (packed by the sender: a
+transfer's fixed cost is paid once for many small items); a larger hit travels alone,
+straight from its own buffer (no packing copy)."""
+
+
+def batch_segments(hits: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The transfers of a batch whose hits are at these (offset, nbytes), in order."""
+    segments: list[tuple[int, int]] = []
+    start = end = None
+    for offset, nbytes in hits:
+        if nbytes == 0:
+            continue
+        if nbytes >= BATCH_SEGMENT_BYTES:
+            if start is not None and end is not None:
+                segments.append((start, end - start))
+                start = end = None
+            segments.append((offset, nbytes))
+            continue
+        start = offset if start is None else start
+        end = offset + nbytes
+        if end - start >= BATCH_SEGMENT_BYTES:
+            segments.append((start, end - start))
+            start = end = None
+    if start is not None and end is not None:
+        segments.append((start, end - start))
+    return segments
 
 
 def _hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:

@@ -10,6 +10,7 @@ tensor is built.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -122,14 +123,47 @@ def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed
     return packed
 
 
-def unpack_tensor(metas: Sequence[TensorMeta | None], payload: torch.Tensor) -> list[torch.Tensor | None]:
-    """Views of the tensors `metas` describe inside `payload`, a 1-D uint8 tensor on any device
-    (an aligned allocation); refuses metadata that does not fit or is misaligned."""
-    dtypes = _checked_dtypes(metas, payload.numel())
-    return [
-        None if meta is None or dtype is None else _view(payload, meta, dtype)
-        for meta, dtype in zip(metas, dtypes, strict=True)
-    ]
+def unpack_tensor(
+    metas: Sequence[TensorMeta | None], payload: torch.Tensor, *, at: int = 0, end: int | None = None,
+    typed: dict[torch.dtype, torch.Tensor] | None = None,
+) -> list[torch.Tensor | None]:  # fmt: skip
+    """Views of the tensors `metas` describe inside `payload[at:end]`, `payload` a 1-D uint8
+    tensor on any device (an aligned allocation, `at` a multiple of 16); refuses metadata that
+    does not fit or is misaligned. `typed` caches the payload's views as each dtype: one view
+    op per tensor after the first of its dtype (a batch of items shares one cache)."""
+    check_metas(metas, (payload.numel() if end is None else end) - at)
+    return views_at(metas, payload, at=at, typed={} if typed is None else typed)
+
+
+def check_metas(metas: Sequence[TensorMeta | None], available: int) -> None:
+    """Refuse metadata that does not fit in `available` bytes or is misaligned."""
+    _checked_dtypes(metas, available)
+
+
+def views_at(
+    metas: Sequence[TensorMeta | None], payload: torch.Tensor, *, at: int, typed: dict[torch.dtype, torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """`unpack_tensor` for metas already checked."""
+    views: list[torch.Tensor | None] = []
+    for meta in metas:
+        if meta is None:
+            views.append(None)
+            continue
+        dtype = DTYPES[meta.dtype]
+        flat = typed.get(dtype)
+        if flat is None:  # the payload's whole elements of this dtype (an aligned allocation)
+            whole = payload.numel() - payload.numel() % dtype.itemsize
+            flat = typed[dtype] = payload[:whole].view(dtype)
+        offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
+        views.append(flat.as_strided(meta.shape, _contiguous_strides(meta.shape), offset))  # one op, the cheapest
+    return views
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return strides
 
 
 def _checked_dtypes(metas: Sequence[TensorMeta | None], available: int) -> list[torch.dtype | None]:
@@ -290,6 +324,25 @@ def check_segments(segments: Sequence[tuple[int, int]], payload_bytes: int) -> N
         position = offset + nbytes
     if position != payload_bytes:
         raise RemoteProtocolError(f"payload segments cover {position} of {payload_bytes} bytes")
+
+
+def check_batch_segments(
+    segments: Sequence[tuple[int, int]], hits: Sequence[tuple[int, int]], payload_bytes: int
+) -> None:
+    """Refuse a batch's transfers that are out of order, overlap or reach past the payload, and
+    hits (offset, nbytes) that do not lie inside one of them."""
+    position = 0
+    for offset, nbytes in segments:
+        if offset < position or nbytes < 1 or offset + nbytes > payload_bytes:
+            raise RemoteProtocolError(
+                f"batch segment ({offset}, {nbytes}) is out of order or past {payload_bytes} bytes"
+            )
+        position = offset + nbytes
+    starts = [offset for offset, _ in segments]
+    for offset, nbytes in hits:
+        index = bisect.bisect_right(starts, offset) - 1
+        if nbytes and (index < 0 or offset + nbytes > starts[index] + segments[index][1]):
+            raise RemoteProtocolError(f"the hit at ({offset}, {nbytes}) is not inside one transfer of its batch")
 
 
 def layer_chunks(key: TensorMeta, value: TensorMeta, segments: Sequence[tuple[int, int]]) -> list[LayerChunk]:

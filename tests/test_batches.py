@@ -11,6 +11,9 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
+from kvrt import _protocol
+from kvrt._protocol import batch_segments
+from kvrt._tensors import check_batch_segments
 from tests.conftest import make_kv
 from tests.test_protocol import Pair
 
@@ -60,6 +63,23 @@ def test_an_item_goes_to_one_query_of_a_batch_and_returns_when_its_consumer_leav
     pair.connect()
     (out,) = pair.send(message)
     assert isinstance(out.message, m.DeliverMany) and out.items == (item,)
+
+
+def test_small_hits_share_transfers_and_a_large_hit_travels_alone() -> None:
+    mib = 1 << 20
+    hits = [(0, 20 * mib), (20 * mib, 30 * mib), (50 * mib, 30 * mib), (80 * mib, 100 * mib), (180 * mib, 1 * mib)]
+    assert batch_segments(hits) == [(0, 80 * mib), (80 * mib, 100 * mib), (180 * mib, 1 * mib)]
+    assert batch_segments([(0, 0), (256, 10)]) == [(256, 10)]  # an empty hit moves nothing
+    check_batch_segments(batch_segments(hits), hits, 181 * mib)
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [([(0, 10), (5, 10)], "out of order"), ([(0, 10), (10, 300)], "past"), ([(0, 8), (256, 10)], "not inside")],
+)
+def test_batch_transfers_that_miss_a_hit_or_overlap_are_refused(segments: list[tuple[int, int]], message: str) -> None:
+    with pytest.raises(kvrt.RemoteProtocolError, match=message):
+        check_batch_segments(segments, [(0, 10), (256, 10)], 266)
 
 
 def test_a_batch_with_a_bad_query_is_refused_whole_and_takes_nothing() -> None:
@@ -123,6 +143,28 @@ async def test_rois_apply_and_none_takes_the_oldest_items(linked: tuple[kvrt.Pro
     assert [None if item is None else int(item.input_tokens[0]) for item in items] == [2, 0, 1]
     assert await consumer.drop_select_many([None]) == [None]
     assert await consumer.drop_select_many([]) == []
+
+
+async def test_hits_packed_together_and_hits_sent_alone_all_arrive_intact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_protocol, "BATCH_SEGMENT_BYTES", 4096)  # items of 4 KiB or more travel alone
+    planned: list[list[tuple[int, int]]] = []
+    plan = _protocol.batch_segments
+    monkeypatch.setattr(_protocol, "batch_segments", lambda hits: planned.append(plan(hits)) or planned[-1])
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        sizes = [1, 40, 2, 3, 64, 1, 1]  # tokens, about 90 bytes each: 64 tokens travel alone
+        queries = [torch.arange(tokens) + 1000 * index for index, tokens in enumerate(sizes)]
+        for index, query in enumerate(queries):
+            await producer.insert(query, None, *make_kv(query, seed=index))
+        items = await consumer.drop_select_many(queries)
+        (segments,) = planned
+        assert 2 < len(segments) < len(sizes)  # some hits packed together, one alone
+        for index, (tokens, item) in enumerate(zip(sizes, items, strict=True)):
+            key, value, hidden = make_kv(torch.arange(tokens) + 1000 * index, seed=index)
+            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+            assert item.hidden is not None and hidden is not None and torch.equal(item.hidden, hidden)
 
 
 async def test_more_queries_than_one_request_carries_are_split_and_all_answered(

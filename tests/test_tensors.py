@@ -24,6 +24,7 @@ from kvrt._tensors import (
     pack_empty,
     tensor_bytes,
     unpack,
+    unpack_tensor,
 )
 
 CPU = torch.device("cpu")
@@ -112,6 +113,32 @@ def test_a_payload_at_an_odd_address_still_yields_the_right_values() -> None:
     storage[1:] = bytes(tensor_bytes(packed.storage))
     (received,) = unpack(packed.metas, memoryview(storage)[1:])
     assert received is not None and torch.equal(received, torch.arange(7, dtype=torch.float64))
+
+
+def test_items_packed_back_to_back_in_one_device_payload_come_back_as_views_of_it() -> None:
+    """A batch: items at aligned offsets of one payload, their views sharing its typed views."""
+    items = [
+        (torch.arange(5), None, random_bits((2, 5, 3, 4), torch.bfloat16), random_bits((2, 0, 3, 4), torch.bfloat16),
+         random_bits((5, 7), torch.float32)),
+        (torch.arange(9), torch.ones(9, dtype=torch.bool), random_bits((1, 9, 2), torch.float16),
+         random_bits((1, 9, 2), torch.float16), None),
+    ]  # fmt: skip
+    packs = [pack(tensors, CPU) for tensors in items]
+    offsets = [0, -(-packs[0].storage.numel() // 256) * 256]
+    payload = torch.zeros(offsets[1] + packs[1].storage.numel() + 3, dtype=torch.uint8)  # a length no dtype divides
+    for packed, offset in zip(packs, offsets, strict=True):
+        payload[offset : offset + packed.storage.numel()] = packed.storage
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    for tensors, packed, offset in zip(items, packs, offsets, strict=True):
+        views = unpack_tensor(packed.metas, payload, at=offset, end=offset + packed.storage.numel(), typed=typed)
+        for original, view in zip(tensors, views, strict=True):
+            assert (original is None and view is None) or (
+                same_bits(view, original)  # type: ignore[arg-type]
+                and view is not None
+                and view.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
+            )
+    with pytest.raises(RemoteProtocolError, match="the payload has"):
+        unpack_tensor(packs[1].metas, payload, at=offsets[1], end=offsets[1] + 64)
 
 
 def test_metadata_that_reaches_past_the_payload_is_refused() -> None:

@@ -4,8 +4,10 @@ python3 tools/nccl_timeline.py OUT_DIR [SIZE_MIB [LAYERS]]     (two CUDA devices
 
 Runs the benchmark for one size with its producer and consumer patched to note, on the host's
 monotonic clock: each item's send (called, posted) and its GPU completion on the send stream;
-each Deliver's arrival, its receive posted, and its landing (GPU); the start and end of the
-timed `drop_select`s. GPU times are mapped to the host clock as in `tools/pull_timeline.py`.
+each Deliver's arrival, its receive posted, and its landing (GPU); the same for each batch of
+the batched passes (its staging copy's end on the producer's GPU, its completion on the
+consumer's loop; KVRT_BATCH sets the batch size); the start and end of each pass. GPU times
+are mapped to the host clock as in `tools/pull_timeline.py`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ def _patch(device: str, side: str) -> Clock:
             return frames
 
         PairedTransport.send = timed_send  # type: ignore[method-assign]
+        send_many = PairedTransport.send_many
+        batches = [0]
+
+        async def timed_send_many(self: Any, peer: bytes, message: Any, items: Any) -> Any:
+            index = batches[0]
+            batches[0] += 1
+            clock.host_mark(f"batch {index} send called ({len(items)} items)")
+            frames = await send_many(self, peer, message, items)
+            clock.host_mark(f"batch {index} send posted")
+            assert self._streams is not None
+            copied = _TimedEvent()
+            copied.record(self._streams[0])
+            clock.gpu_mark(f"batch {index} staged (gpu)", copied)
+            return frames
+
+        PairedTransport.send_many = timed_send_many  # type: ignore[method-assign]
     else:
         receive = PairedTransport.receive
         consume = nccl._consume
@@ -87,8 +105,38 @@ def _patch(device: str, side: str) -> Clock:
             clock.host_mark("drop_selects end")
             return seconds
 
+        receive_many = PairedTransport.receive_many
+        consume_batched = nccl._consume_batched
+        batches = [0]
+
+        def timed_receive_many(self: Any, message: Any, frames: Any) -> Any:
+            index = batches[0]
+            batches[0] += 1
+            clock.host_mark(f"batch {index} header arrives")
+            arriving = receive_many(self, message, frames)
+            clock.host_mark(f"batch {index} receive posted")
+            assert self._streams is not None
+            landed = _TimedEvent()
+            landed.record(self._streams[1])
+            clock.gpu_mark(f"batch {index} landed (gpu)", landed)
+
+            async def noted() -> Any:
+                tensors = await arriving
+                clock.host_mark(f"batch {index} completed")
+                return tensors
+
+            return noted()
+
+        async def timed_consume_batched(consumer: Any, items: int, batch: int) -> float:
+            clock.host_mark("drop_selects start")
+            seconds = await consume_batched(consumer, items, batch)
+            clock.host_mark("drop_selects end")
+            return seconds
+
         PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        PairedTransport.receive_many = timed_receive_many  # type: ignore[method-assign]
         nccl._consume = timed_consume  # type: ignore[assignment]
+        nccl._consume_batched = timed_consume_batched  # type: ignore[assignment]
     return clock
 
 
@@ -115,7 +163,7 @@ def main() -> int:
     torch.cuda.set_device(nccl.CONSUMER_DEVICE)
     clock = _patch(nccl.CONSUMER_DEVICE, "consumer")
     nccl._producer = timeline_producer  # type: ignore[assignment]
-    result = nccl.main(argparse.Namespace(json=None, plot=None, in_flight=None))
+    result = nccl.main(argparse.Namespace(json=None, plot=None, in_flight=None, batch=os.environ.get("KVRT_BATCH")))
     marks = [("C " + name, at) for name, at in clock.resolve()]
     marks += [("P " + name, at) for name, at in json.loads((OUT / "timeline-producer.json").read_text())]
     marks.sort(key=lambda mark: mark[1])

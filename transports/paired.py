@@ -43,8 +43,15 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
-from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany
-from kvrt._tensors import check_segments, transfer_segments, unpack_tensor
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit
+from kvrt._tensors import (
+    check_batch_segments,
+    check_metas,
+    check_segments,
+    transfer_segments,
+    unpack_tensor,
+    views_at,
+)
 from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
 
 _PRODUCER_RANK = 0
@@ -169,30 +176,42 @@ class PairedTransport(Transport):
         return []
 
     async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
-        """The hits are copied into one staging buffer, each at its offset, and sent as one
-        transfer: one NCCL operation and one completion per batch on either side, however
-        many items it holds."""
+        """One NCCL operation per segment of the batch: small hits are copied into one staging
+        buffer per segment, each at its offset, so their fixed costs are paid once per
+        segment, not per item; a large hit is sent from its own buffer."""
         group = await self._group_of(peer)
         pair = self._pairs[peer]
         if message.payload_bytes == 0:
             return []
         _drop_finished(pair)
-        hits = batch_hits(message)
-        staging = torch.empty(message.payload_bytes, dtype=torch.uint8, device=self.device)
-        if self._streams is not None:
-            send_stream = self._streams[0]
-            with self._on_device(), torch.cuda.stream(send_stream):
-                for hit, item in zip(hits, items, strict=True):
-                    for ready in _written(item):
-                        send_stream.wait_event(ready)
-                    staging[hit.offset : hit.offset + hit.payload_bytes].copy_(item.storage)
-                work = group.send([staging], _CONSUMER_RANK, _TAG)
-                pair.sends.append((work, None, staging))
-        else:
-            for hit, item in zip(hits, items, strict=True):
-                staging[hit.offset : hit.offset + hit.payload_bytes].copy_(item.storage)
-            work = group.send([staging], _CONSUMER_RANK, _TAG)
-            pair.sends.append((work, self._waiter.submit(work.wait), staging))
+        hits = iter(zip(batch_hits(message), items, strict=True))
+        hit = next(hits, None)
+        with contextlib.ExitStack() as on_stream:
+            send_stream = None
+            if self._streams is not None:
+                send_stream = self._streams[0]
+                on_stream.enter_context(self._on_device())
+                on_stream.enter_context(torch.cuda.stream(send_stream))
+            for start, nbytes in transfer_segments(message.segments, message.payload_bytes):
+                inside: list[tuple[Hit, BufferedItem]] = []
+                while hit is not None and hit[0].offset < start + nbytes:
+                    inside.append(hit)
+                    hit = next(hits, None)
+                if send_stream is not None:
+                    for _, item in inside:
+                        for ready in _written(item):
+                            send_stream.wait_event(ready)
+                if len(inside) == 1 and (inside[0][0].offset, inside[0][0].payload_bytes) == (start, nbytes):
+                    buffer, staging = inside[0][1].storage, None  # a large hit, straight from its own buffer
+                    if send_stream is not None:
+                        buffer.record_stream(send_stream)
+                else:  # small hits, packed into one transfer
+                    buffer = staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    for entry, item in inside:
+                        staging[entry.offset - start : entry.offset - start + entry.payload_bytes].copy_(item.storage)
+                work = group.send([buffer], _CONSUMER_RANK, _TAG)
+                waited = None if send_stream is not None else self._waiter.submit(work.wait)
+                pair.sends.append((work, waited, staging))
         return []
 
     async def _group_of(self, peer: bytes) -> Any:
@@ -241,20 +260,23 @@ class PairedTransport(Transport):
         return Arrival(self._after(completed, tensors), tensors if landed else None, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+        hits = batch_hits(message)
+        segments = transfer_segments(message.segments, message.payload_bytes)
+        # Everything is checked before anything is posted.
+        check_batch_segments(segments, [(hit.offset, hit.payload_bytes) for hit in hits], message.payload_bytes)
+        for hit in hits:
+            if hit.offset % BATCH_ALIGNMENT:
+                raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
+            check_metas(item_metas(hit), hit.payload_bytes)
         payload, group = self._payload(message.payload_bytes, frames)
-        tensors = []
-        for hit in batch_hits(message):
-            if hit.offset % BATCH_ALIGNMENT or hit.offset + hit.payload_bytes > message.payload_bytes:
-                raise RemoteProtocolError(
-                    f"item {hit.item_id} at offset {hit.offset} ({hit.payload_bytes} bytes) is misplaced "
-                    f"in a batch payload of {message.payload_bytes}"
-                )
-            tensors.append(self._unpacked(item_metas(hit), payload[hit.offset : hit.offset + hit.payload_bytes]))
-        if message.payload_bytes == 0:
+        completed = self._post(group, payload, segments)[0] if segments else None
+        # The views are made while the bytes travel; the hits share the payload's typed views.
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        tensors = [_five(views_at(item_metas(hit), payload, at=hit.offset, typed=typed)) for hit in hits]
+        if completed is None:
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return done
-        completed, _ = self._post(group, payload, [(0, message.payload_bytes)])
         return self._after(completed, tensors)
 
     def _payload(self, payload_bytes: int, frames: Sequence[zmq.Frame]) -> tuple[torch.Tensor, Any]:
@@ -304,9 +326,7 @@ class PairedTransport(Transport):
 
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
-        input_tokens, roi, key, value, hidden = unpack_tensor(metas, payload)
-        assert input_tokens is not None and key is not None and value is not None
-        return input_tokens, roi, key, value, hidden
+        return _five(unpack_tensor(metas, payload))
 
     @staticmethod
     async def _after(completed: Awaitable[None], tensors: _T) -> _T:
@@ -361,6 +381,12 @@ class PairedTransport(Transport):
             self._setup.submit(_abort_if_established, established)
         except RuntimeError:  # closing: the set-up threads are gone, abort here
             _abort_if_established(established)
+
+
+def _five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
+    input_tokens, roi, key, value, hidden = tensors
+    assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
+    return input_tokens, roi, key, value, hidden
 
 
 def _written(item: BufferedItem) -> list[torch.cuda.Event]:

@@ -11,7 +11,7 @@ warms the consumer's allocator up, as the reference allocates before timing). Ea
 clock starts right after the consumer took one small starter item over the same pair, as
 the reference's starts right after a barrier on its pair: both sides' loops, threads and
 the pair's NCCL path are awake, not back from the pause between passes. GB/s counts
-payload bytes once. Then the same items again through `drop_select_many`: BATCH items per
+payload bytes once. Then the same items again through `drop_select_many`: BATCH (or --batch) items per
 request (one header, one NCCL operation, one completion), BATCHES_IN_FLIGHT requests
 outstanding, as an engine takes the KV of a scheduler step's requests; timed the same way,
 beside the same reference. A last row moves 1 GiB items of one layer (262144 tokens each): a
@@ -180,20 +180,20 @@ async def _consume(consumer: Any, count: int, in_flight: int) -> float:
     return time.perf_counter() - started
 
 
-async def _consume_batched(consumer: Any, count: int) -> float:
+async def _consume_batched(consumer: Any, count: int, batch: int) -> float:
     slots = asyncio.Semaphore(BATCHES_IN_FLIGHT)
 
     async def one(first: int) -> None:
         async with slots:
             items = await consumer.drop_select_many(
-                [_query(index) for index in range(first, min(count, first + BATCH))]
+                [_query(index) for index in range(first, min(count, first + batch))]
             )
             if any(item is None for item in items):
                 raise RuntimeError(f"an item of the batch from {first} is missing")
 
     started = time.perf_counter()
     async with asyncio.TaskGroup() as group:
-        for first in range(0, count, BATCH):
+        for first in range(0, count, batch):
             group.create_task(one(first))
     torch.cuda.synchronize(CONSUMER_DEVICE)
     return time.perf_counter() - started
@@ -208,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
         print("kvrt bench nccl needs two CUDA devices", file=sys.stderr)
         return 1
     in_flight = int(getattr(args, "in_flight", None) or 8)
+    batch = int(getattr(args, "batch", None) or BATCH)
     torch.cuda.set_device(CONSUMER_DEVICE)
     host_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT)
     control, child = spawn.Pipe()
@@ -237,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
                         if await consumer.drop_select(_query(STARTER)) is None:
                             raise RuntimeError("the starter item is missing")
                         if phase.startswith("batched"):
-                            timings[phase] = await _consume_batched(consumer, count)
+                            timings[phase] = await _consume_batched(consumer, count, batch)
                         else:
                             timings[phase] = await _consume(consumer, count, in_flight)
                         control.send("next")
@@ -279,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
         if producer.is_alive():
             producer.kill()
     print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}; kvrt: drop_select, "
-          f"{in_flight} in flight; batched: drop_select_many of {BATCH}, {BATCHES_IN_FLIGHT} in flight")  # fmt: skip
+          f"{in_flight} in flight; batched: drop_select_many of {batch}, {BATCHES_IN_FLIGHT} in flight")  # fmt: skip
     print(f"{'size':>9} | {'layers':>6} | {'tokens':>6} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | "
           f"{'kvrt/raw':>8} | {'batched':>10} | {'batched/raw':>11} | goal")  # fmt: skip
     print("-" * 108)
@@ -300,11 +301,11 @@ def main(args: argparse.Namespace) -> int:
             Path(args.plot) / "nccl.png", "NCCL transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
             {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in shaped]),
              "kvrt": (sizes, [row["kvrt_gbps"] for row in shaped]),
-             f"kvrt, drop_select_many of {BATCH}": (sizes, [row["batched_gbps"] for row in shaped])},
+             f"kvrt, drop_select_many of {batch}": (sizes, [row["batched_gbps"] for row in shaped])},
             log_x=True,
         )  # fmt: skip
         print(f"plot: {path}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "latency": latency, "in_flight": in_flight}, out, indent=2)
+            json.dump({"rows": rows, "latency": latency, "in_flight": in_flight, "batch": batch}, out, indent=2)
     return 0
