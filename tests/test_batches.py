@@ -66,11 +66,11 @@ def test_an_item_goes_to_one_query_of_a_batch_and_returns_when_its_consumer_leav
 
 
 def test_small_hits_share_transfers_and_a_large_hit_travels_alone() -> None:
-    mib = 1 << 20
-    hits = [(0, 20 * mib), (20 * mib, 30 * mib), (50 * mib, 30 * mib), (80 * mib, 100 * mib), (180 * mib, 1 * mib)]
-    assert batch_segments(hits) == [(0, 80 * mib), (80 * mib, 100 * mib), (180 * mib, 1 * mib)]
+    unit = _protocol.BATCH_SEGMENT_BYTES // 8
+    hits = [(0, 2 * unit), (2 * unit, 3 * unit), (5 * unit, 3 * unit), (8 * unit, 10 * unit), (18 * unit, unit)]
+    assert batch_segments(hits) == [(0, 8 * unit), (8 * unit, 10 * unit), (18 * unit, unit)]
     assert batch_segments([(0, 0), (256, 10)]) == [(256, 10)]  # an empty hit moves nothing
-    check_batch_segments(batch_segments(hits), hits, 181 * mib)
+    check_batch_segments(batch_segments(hits), hits, 19 * unit)
 
 
 @pytest.mark.parametrize(
