@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,29 @@ def rank_main(rank: int, port: int, variant: str, results: Any) -> None:
         del works
     except Exception as error:  # a diagnostic: report and go on
         print(f"rank {rank} {variant}: coalescing failed: {error!r}"[:300], flush=True)
+    # 1 GiB operations queued back to back, as a transfer of big items posts them: the host
+    # time of each call, alone and with a kvrt-like thread blocked on an event meanwhile.
+    big = [torch.ones(1 << 30, dtype=torch.uint8, device=device) for _ in range(4)]
+    for waiting in (False, True):
+        group.allreduce([torch.ones(1, device=device)]).wait()
+        torch.cuda.synchronize()
+        calls: list[float] = []
+        waiter = None
+        for index, buffer in enumerate(big):
+            started = time.perf_counter()
+            work = group.send([buffer], peer, 0) if rank == 0 else group.recv([buffer], peer, 0)
+            calls.append(time.perf_counter() - started)
+            if waiting and index == 0:
+                finished = torch.cuda.Event(blocking=True)
+                work.wait()
+                finished.record()
+                waiter = threading.Thread(target=finished.synchronize)
+                waiter.start()
+        torch.cuda.synchronize()
+        if waiter is not None:
+            waiter.join()
+        out[f"queued_1gib_{'beside_a_waiter' if waiting else 'alone'}_us"] = median_us(calls[1:])
+    del big
     out["event_create_record_us"], _ = timed(lambda: torch.cuda.Event().record())
     cached = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     del cached
