@@ -6,16 +6,16 @@ back send/recv of that many bytes, timed on the receiver from a barrier to the l
 completion. Then kvrt: the producer buffers `count` items of that size, shaped like a real
 model's KV (key and value [32 layers, tokens, 8 heads, 128] bf16: 128 KiB a token, so a
 1 GiB item is 8192 tokens), and the consumer drop-selects them all with `in_flight`
-requests outstanding, timed the same way, on the second of two such passes (the first
-warms the consumer's allocator up, as the reference allocates before timing). Each kvrt
-clock starts right after the consumer took one small starter item over the same pair, as
-the reference's starts right after a barrier on its pair: both sides' loops, threads and
-the pair's NCCL path are awake, not back from the pause between passes. GB/s counts
-payload bytes once. Then the same items again through `drop_select_many`: BATCH (or --batch) items per
-request (one header, one NCCL operation, one completion), BATCHES_IN_FLIGHT requests
-outstanding, as an engine takes the KV of a scheduler step's requests; timed the same way,
-beside the same reference. A last row moves 1 GiB items of one layer (262144 tokens each): a
-drop-select names its tokens, so there the 2 MiB query of each request shows.
+requests outstanding, timed the same way. Then the same items again through
+`drop_select_many`: BATCH (or --batch) items per request, BATCHES_IN_FLIGHT requests
+outstanding, as an engine takes the KV of a scheduler step's requests. Each variant runs
+once untimed (it warms the consumer's allocator up, as the reference allocates before
+timing), then REPEATS timed passes, as does the reference; a row gives the medians. Each
+kvrt clock starts right after the consumer took one small starter item over the same pair,
+as the reference's starts right after a barrier on its pair: both sides' loops, threads and
+the pair's NCCL path are awake, not back from the pause between passes. GB/s counts payload
+bytes once. A last row moves 1 GiB items of one layer (262144 tokens each): a drop-select
+names its tokens, so there the 2 MiB query of each request shows.
 Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
 """
 
@@ -47,7 +47,10 @@ LATENCY_REQUESTS: Final = 300
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 _TIMEOUT = datetime.timedelta(seconds=120)
-PHASES: Final = ("warm-up", "timed", "batched warm-up", "batched timed")
+REPEATS: Final = 3
+"""Timed runs of each variant at each size (the reference's too); a row gives their median: a
+run of small items lasts ~15 ms, and one stall of the host moves a single run by points."""
+PHASES: Final = ("warm-up", *["timed"] * REPEATS, "batched warm-up", *["batched timed"] * REPEATS)
 BATCH: Final = 16
 """Items per drop_select_many in the batched passes."""
 BATCHES_IN_FLIGHT: Final = 4
@@ -114,26 +117,31 @@ def _raw_sends(group: Any) -> None:
     for size_mib, _ in CASES:
         count, nbytes = _count(size_mib), size_mib * MIB
         buffers = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
-        _barrier(group, PRODUCER_DEVICE)
-        works = [group.send([buffer], 1, 0) for buffer in buffers]
-        for work in works:
-            work.wait()
-        torch.cuda.synchronize(PRODUCER_DEVICE)
+        for _ in range(REPEATS):
+            _barrier(group, PRODUCER_DEVICE)
+            works = [group.send([buffer], 1, 0) for buffer in buffers]
+            for work in works:
+                work.wait()
+            torch.cuda.synchronize(PRODUCER_DEVICE)
 
 
 def _raw_receives(group: Any) -> list[float]:
+    """The median of REPEATS timed runs per size."""
     _warm_p2p(group, 1, CONSUMER_DEVICE)
     seconds = []
     for size_mib, _ in CASES:
         count, nbytes = _count(size_mib), size_mib * MIB
         buffers = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
-        _barrier(group, CONSUMER_DEVICE)
-        started = time.perf_counter()
-        works = [group.recv([buffer], 0, 0) for buffer in buffers]
-        for work in works:
-            work.wait()
-        torch.cuda.synchronize(CONSUMER_DEVICE)
-        seconds.append(time.perf_counter() - started)
+        runs = []
+        for _ in range(REPEATS):
+            _barrier(group, CONSUMER_DEVICE)
+            started = time.perf_counter()
+            works = [group.recv([buffer], 0, 0) for buffer in buffers]
+            for work in works:
+                work.wait()
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            runs.append(time.perf_counter() - started)
+        seconds.append(statistics.median(runs))
     return seconds
 
 
@@ -225,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 for case, (size_mib, layers) in enumerate(CASES):
                     count, nbytes = _count(size_mib), size_mib * MIB
-                    timings: dict[str, float] = {}
+                    timings: dict[str, list[float]] = {phase: [] for phase in PHASES}
                     for phase in PHASES:
                         message = await asyncio.to_thread(control.recv)
                         assert message == ("ready", size_mib, phase)
@@ -238,9 +246,9 @@ def main(args: argparse.Namespace) -> int:
                         if await consumer.drop_select(_query(STARTER)) is None:
                             raise RuntimeError("the starter item is missing")
                         if phase.startswith("batched"):
-                            timings[phase] = await _consume_batched(consumer, count, batch)
+                            timings[phase].append(await _consume_batched(consumer, count, batch))
                         else:
-                            timings[phase] = await _consume(consumer, count, in_flight)
+                            timings[phase].append(await _consume(consumer, count, in_flight))
                         control.send("next")
                     tokens = _tokens(size_mib, layers)
                     item_bytes = tokens * (layers * LAYER_BYTES_PER_TOKEN + 8)
@@ -250,8 +258,8 @@ def main(args: argparse.Namespace) -> int:
                         "tokens": tokens,
                         "count": count,
                         "raw_gbps": count * nbytes / raw_seconds[case] / 1e9,
-                        "kvrt_gbps": count * item_bytes / timings["timed"] / 1e9,
-                        "batched_gbps": count * item_bytes / timings["batched timed"] / 1e9,
+                        "kvrt_gbps": count * item_bytes / statistics.median(timings["timed"]) / 1e9,
+                        "batched_gbps": count * item_bytes / statistics.median(timings["batched timed"]) / 1e9,
                     }
                     row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
                     row["batched_ratio"] = row["batched_gbps"] / row["raw_gbps"]
