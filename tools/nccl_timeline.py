@@ -7,7 +7,8 @@ monotonic clock: each item's send (called, posted) and its GPU completion on the
 each Deliver's arrival, its receive posted, and its landing (GPU); the same for each batch of
 the batched passes (its staging copy's end on the producer's GPU, its completion on the
 consumer's loop; KVRT_BATCH sets the batch size); the start and end of each pass. GPU times
-are mapped to the host clock as in `tools/pull_timeline.py`.
+are mapped to the host clock as in `tools/pull_timeline.py`. KVRT_TIMELINE_HOST_ONLY=1 notes
+host times only, with kvrt's own events left as they are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def _patch(device: str, side: str) -> Clock:
 
     nccl.CASES = _cases()  # type: ignore[misc]
     nccl.LATENCY_REQUESTS = 30  # type: ignore[misc]
-    torch.cuda.Event = _TimedEvent  # type: ignore[misc]
+    host_only = os.environ.get("KVRT_TIMELINE_HOST_ONLY") == "1"
+    if not host_only:  # timing events cost more to record: KVRT_TIMELINE_HOST_ONLY=1 keeps kvrt's own
+        torch.cuda.Event = _TimedEvent  # type: ignore[misc]
     clock = Clock(torch.device(device))
     count = [0]
     from kvrt._protocol import ProducerCore
@@ -63,9 +66,10 @@ def _patch(device: str, side: str) -> Clock:
             frames = await send(self, peer, item)
             clock.host_mark(f"send {index} posted")
             assert self._streams is not None
-            done = _TimedEvent()
-            done.record(self._streams[0])
-            clock.gpu_mark(f"send {index} done (gpu)", done)
+            if not host_only:
+                done = _TimedEvent()
+                done.record(self._streams[0])
+                clock.gpu_mark(f"send {index} done (gpu)", done)
             return frames
 
         PairedTransport.send = timed_send  # type: ignore[method-assign]
@@ -79,9 +83,10 @@ def _patch(device: str, side: str) -> Clock:
             frames = await send_many(self, peer, message, items)
             clock.host_mark(f"batch {index} send posted")
             assert self._streams is not None
-            copied = _TimedEvent()
-            copied.record(self._streams[0])
-            clock.gpu_mark(f"batch {index} staged (gpu)", copied)
+            if not host_only:
+                copied = _TimedEvent()
+                copied.record(self._streams[0])
+                clock.gpu_mark(f"batch {index} staged (gpu)", copied)
             return frames
 
         PairedTransport.send_many = timed_send_many  # type: ignore[method-assign]
@@ -95,7 +100,7 @@ def _patch(device: str, side: str) -> Clock:
             clock.host_mark(f"deliver {index} arrives")
             arrival = receive(self, deliver, frames)
             clock.host_mark(f"receive {index} posted")
-            for event in arrival.landed:
+            for event in arrival.landed if not host_only else ():
                 clock.gpu_mark(f"item {index} landed (gpu)", event)
             return arrival
 
@@ -116,9 +121,10 @@ def _patch(device: str, side: str) -> Clock:
             arriving = receive_many(self, message, frames)
             clock.host_mark(f"batch {index} receive posted")
             assert self._streams is not None
-            landed = _TimedEvent()
-            landed.record(self._streams[1])
-            clock.gpu_mark(f"batch {index} landed (gpu)", landed)
+            if not host_only:
+                landed = _TimedEvent()
+                landed.record(self._streams[1])
+                clock.gpu_mark(f"batch {index} landed (gpu)", landed)
 
             async def noted() -> Any:
                 tensors = await arriving
