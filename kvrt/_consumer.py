@@ -14,9 +14,9 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Self
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import torch
 import torch.distributed as dist
@@ -355,11 +355,7 @@ class _Link:
         if isinstance(arriving, asyncio.Future) and arriving.done():
             self._complete(future, deliver, arriving.result())  # TCP: already here
             return
-        task = asyncio.create_task(
-            self._await_receive(future, deliver, arriving), name=f"kvrt-receive-{deliver.item_id}"
-        )
-        self._receives.add(task)
-        task.add_done_callback(self._receives.discard)
+        self._own_receive(self._await_receive(future, deliver, arriving), f"kvrt-receive-{deliver.item_id}")
 
     async def _await_receive(
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, arriving: Awaitable[ItemTensors]
@@ -382,9 +378,8 @@ class _Link:
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
     ) -> None:
         """Post the receive of a batch's hits now; complete the call when all have landed."""
-        hit_ids = [hit.item_id for hit in batch.hits if hit is not None]
         if self._transport is None:
-            self._release(hit_ids)
+            self._release(_item_ids(batch))
             return
         try:
             arriving = self._transport.receive_many(batch, payload)
@@ -392,14 +387,18 @@ class _Link:
             if self._transport.out_of_band:
                 self._start_afresh(future, exc)
             else:
-                self._release(hit_ids)
+                self._release(_item_ids(batch))
                 if future is not None and not future.done():
                     future.set_exception(exc)
             return
         if isinstance(arriving, asyncio.Future) and arriving.done():
             self._complete_batch(future, batch, arriving.result())  # TCP: already here
             return
-        task = asyncio.create_task(self._await_batch(future, batch, arriving), name=f"kvrt-receive-{batch.request_id}")
+        self._own_receive(self._await_batch(future, batch, arriving), f"kvrt-receive-{batch.request_id}")
+
+    def _own_receive(self, landing: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `landing` in a task the link owns (closing cancels it)."""
+        task = asyncio.create_task(landing, name=name)
         self._receives.add(task)
         task.add_done_callback(self._receives.discard)
 
@@ -409,7 +408,7 @@ class _Link:
         try:
             landed = await arriving
         except (ProtocolError, RuntimeError) as exc:
-            hit_ids = [hit.item_id for hit in batch.hits if hit is not None]
+            hit_ids = _item_ids(batch)
             self._release(hit_ids)
             if future is not None and not future.done():
                 future.set_exception(translate_torch_error(exc, what=f"receiving a batch of {len(hit_ids)} items"))
@@ -420,7 +419,7 @@ class _Link:
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, landed: list[ItemTensors]
     ) -> None:
         if future is None or future.done():
-            self._release([hit.item_id for hit in batch.hits if hit is not None])
+            self._release(_item_ids(batch))
             return
         tensors = iter(landed)
         items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]

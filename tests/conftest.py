@@ -8,6 +8,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +111,24 @@ async def producer() -> AsyncIterator[kvrt.Producer]:
 async def consumer(producer: kvrt.Producer) -> AsyncIterator[kvrt.Consumer]:
     async with kvrt.Consumer(connect=producer.endpoint) as started:
         yield started
+
+
+def give_up_when_its_reply_comes(
+    monkeypatch: pytest.MonkeyPatch, consumer: kvrt.Consumer, call: asyncio.Task[Any], reply: type[Any]
+) -> None:
+    """Make `call` give up just before its link reads the `reply` it waits for, as if its
+    caller cancelled it while that reply was on the way (the race, made certain): the reply
+    then arrives for a request the link no longer waits for."""
+    from kvrt import _messages as m
+
+    link = consumer._links[0]  # type: ignore[attr-defined]
+    core_receive = link.core.receive
+
+    def the_caller_gives_up_just_before(frame: bytes, now: float) -> object:
+        message = m.decode(frame)
+        if isinstance(message, reply) and not call.done():
+            call.cancel()
+            link.core.abandon(message.request_id)  # what its cancellation does, a moment early
+        return core_receive(frame, now)
+
+    monkeypatch.setattr(link.core, "receive", the_caller_gives_up_just_before)

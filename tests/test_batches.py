@@ -14,7 +14,7 @@ from kvrt import _messages as m
 from kvrt import _protocol
 from kvrt._protocol import batch_segments
 from kvrt._tensors import check_batch_segments
-from tests.conftest import make_kv
+from tests.conftest import give_up_when_its_reply_comes, make_kv
 from tests.test_protocol import Pair
 
 
@@ -190,28 +190,19 @@ async def test_bad_input_is_refused_before_anything_is_taken(linked: tuple[kvrt.
     assert producer.stats().items == 1
 
 
-async def test_a_batch_that_crosses_its_cancel_is_received_and_given_back_intact() -> None:
+async def test_a_batch_that_crosses_its_cancel_is_received_and_given_back_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     async with (
         kvrt.Producer(transport="gloo") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
     ):
         for index in range(3):
             await producer.insert(torch.tensor([index]), None, *make_kv(torch.tensor([index]), seed=index))
-        link = consumer._links[0]  # type: ignore[attr-defined]
-        core_receive = link.core.receive
         batch = asyncio.create_task(consumer.drop_select_many([torch.tensor([0]), torch.tensor([1])]))
-
-        def the_caller_gives_up_just_before(frame: bytes, now: float) -> object:
-            message = m.decode(frame)
-            if isinstance(message, m.DeliverMany) and not batch.done():
-                batch.cancel()
-                link.core.abandon(message.request_id)  # what its cancellation does, a moment early
-            return core_receive(frame, now)
-
-        link.core.receive = the_caller_gives_up_just_before
+        give_up_when_its_reply_comes(monkeypatch, consumer, batch, m.DeliverMany)
         with pytest.raises(asyncio.CancelledError):
             await batch
-        link.core.receive = core_receive
         (third,) = await consumer.drop_select_many([torch.tensor([2])])
         assert third is not None and torch.equal(third.key, make_kv(torch.tensor([2]), seed=2)[0])
         for index in (1, 0):  # back in the buffer once their bytes landed here

@@ -11,7 +11,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
-from tests.conftest import make_kv
+from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 
 async def test_items_move_over_a_pair_built_on_demand_and_arrive_equal() -> None:
@@ -100,17 +100,7 @@ async def test_a_deliver_that_crosses_a_cancel_is_still_received_so_the_next_ite
         waiting = asyncio.create_task(consumer.drop_select(first, timeout=None))
         # A miss answered on the same link: the producer holds the waiting request now.
         assert await consumer.drop_select(torch.tensor([-1])) is None
-        link = consumer._links[0]  # type: ignore[attr-defined]
-        core_receive = link.core.receive
-
-        def the_caller_gives_up_just_before(frame: bytes, now: float) -> object:
-            message = m.decode(frame)
-            if isinstance(message, m.Deliver) and not waiting.done():
-                waiting.cancel()
-                link.core.abandon(message.request_id)  # what its cancellation does, a moment early
-            return core_receive(frame, now)
-
-        monkeypatch.setattr(link.core, "receive", the_caller_gives_up_just_before)
+        give_up_when_its_reply_comes(monkeypatch, consumer, waiting, m.Deliver)
         await producer.insert(first, None, *make_kv(first, seed=1))
         with pytest.raises(asyncio.CancelledError):
             await waiting
