@@ -64,6 +64,14 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             await settle(consumer)
             results.put((rank, "one_missing", (summary(item), producer.stats().items)))
 
+            # A batch: each of its queries is agreed as a drop_select's would be, in order.
+            if rank != missing_rank(world):
+                await insert(producer, tokens(2000, 6), rank)
+            await insert(producer, tokens(3000, 4 + rank), rank)
+            items = await consumer.drop_select_many([tokens(2000, 6), tokens(3000, 10), tokens(4000, 3)])
+            await settle(consumer)
+            results.put((rank, "batch", ([summary(item) for item in items], producer.stats().items)))
+
             # Random rounds, several lookups in flight on every rank.
             rng = random.Random(99)
             expected: list[int] = []

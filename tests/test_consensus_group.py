@@ -62,6 +62,13 @@ def check_one_missing(seen: dict[str, dict[int, Any]], world: int) -> None:
         assert items_left == (0 if rank == missing_rank(world) else 1)  # the others' items went back
 
 
+def check_batch(seen: dict[str, dict[int, Any]], world: int) -> None:
+    for rank, (outcomes, items_left) in seen["batch"].items():
+        assert outcomes == [("miss",), ("item", 4, 4, 4, 4), ("miss",)]  # the shortest prefix, 4 tokens, cut
+        before = seen["one_missing"][rank][1]  # what the scenario before left in the buffer
+        assert items_left == before + (0 if rank == missing_rank(world) else 1)  # the first query's items went back
+
+
 def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
     for matched, expected in seen["random_rounds"].values():
         assert len(matched) == RANDOM_ROUNDS
@@ -89,6 +96,11 @@ def test_a_rank_missing_the_item_makes_it_a_miss_everywhere_and_nothing_is_lost(
 
 
 @pytest.mark.timeout(240)
+def test_a_batch_of_lookups_is_agreed_query_by_query_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
+    check_batch(seen, WORLD)
+
+
+@pytest.mark.timeout(240)
 def test_random_rounds_with_lookups_in_flight_agree_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
     check_random_rounds(seen)
 
@@ -104,6 +116,7 @@ def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
     seen = run_group(2, "nccl")
     check_different_prefixes(seen)
     check_one_missing(seen, 2)
+    check_batch(seen, 2)
     check_random_rounds(seen)
     check_producer_failing(seen)
 
