@@ -150,8 +150,7 @@ class PairedTransport(Transport):
         return {"store": f"{self._store_host}:{store.port}", "pair": pair_id, "backend": self.backend}
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        group = await self._group_of(peer)
-        pair = self._pairs[peer]
+        pair, group = await self._pair_of(peer)
         if item.nbytes == 0:
             return []
         _drop_finished(pair)
@@ -179,8 +178,7 @@ class PairedTransport(Transport):
         """One NCCL operation per segment of the batch: small hits are copied into one staging
         buffer per segment, each at its offset, so their fixed costs are paid once per
         segment, not per item; a large hit is sent from its own buffer."""
-        group = await self._group_of(peer)
-        pair = self._pairs[peer]
+        pair, group = await self._pair_of(peer)
         if message.payload_bytes == 0:
             return []
         _drop_finished(pair)
@@ -214,12 +212,13 @@ class PairedTransport(Transport):
                 pair.sends.append((work, waited, staging))
         return []
 
-    async def _group_of(self, peer: bytes) -> Any:
+    async def _pair_of(self, peer: bytes) -> tuple[_Pair, Any]:
+        """`peer`'s pair and its group, once established."""
         pair = self._pairs.get(peer)
         if pair is None:
             raise PeerLostError("the consumer left before its item could be sent")
         established = pair.established
-        return established.result() if established.done() else await asyncio.wrap_future(established)
+        return pair, established.result() if established.done() else await asyncio.wrap_future(established)
 
     def forget(self, peer: bytes) -> None:
         pair = self._pairs.pop(peer, None)
