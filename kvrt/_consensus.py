@@ -2,17 +2,25 @@
 
 Each rank runs its own consumer against its own producer and may see a different result
 for the same request (a shorter prefix, a miss, a lost producer). Before any rank uses
-its result, the group agrees with one `all_reduce(MIN)` over a small int64 tensor, two
-values per lookup:
+its result, the group agrees with one `all_reduce(MIN)` over a small int64 tensor, one
+value per lookup that holds the negated status above the matched length in tokens:
 
-    matched_i = matched tokens (0 unless OK), or -1 while this rank has no result yet
-    worst_i   = -((status * world_size + rank) << 16 | backlog)
+    not ready yet (this rank has no result)   NOT_READY, the smallest int64
+    status S other than OK, seen by rank R     -1 - ((S * world_size + R) << 16 | backlog)
+    OK with M tokens matched                   M << 16 | (0xFFFF - backlog)
 
-MIN over `matched_i` is -1 unless every rank has its result, else the shortest match
-(tokens, never blocks). MIN over `worst_i` is the worst status (the largest code) and,
-among ranks with it, the highest rank, so the message can name one. In the first row the
-low bits carry the sender's backlog (lookups it has waiting), and MIN hands every rank the
-same one: it sizes the next round.
+MIN is NOT_READY unless every rank has its result. Otherwise it is negative when any rank
+failed: the worst status (the largest code) and, among ranks with it, the highest rank, so
+the message can name one; the match does not matter then (every rank returns that error).
+When every rank matched, MIN is the shortest match (tokens, never blocks). In the first row
+the low bits carry the sender's backlog (lookups it has waiting), and MIN hands every rank
+the same one: it sizes the next round.
+
+Why one value and not a (matched, -status) pair: gloo's ring all_reduce cuts the tensor
+into 2 x world_size segments and sends each non-empty one around the ring, so its cost
+grows with the values up to 2 x world_size of them (4 ranks on a 2-core host: 0.8-1.0 ms
+for 1 value, 1.4 ms for 2, 2.6-3.0 ms for 3, ~5 ms from 8 on). One lookup at a time then
+costs a 1-value collective, a round of 16 lookups a 16-value one.
 
 Lookups are numbered in call order, which is the same on every rank (TP ranks run the
 same schedule). A round covers a window of lookups from the oldest undecided one; a rank
@@ -20,8 +28,7 @@ enters a round only once its own oldest undecided lookup has a result, so every 
 eventually enters, and that lookup is decided in the round. Lookups in flight together
 are decided together: never more than one collective per lookup, fewer as concurrency
 rises. The window moves and resizes from the reduced tensor alone, so identically on every
-rank. One lookup at a time costs a 2-value collective: gloo takes several times longer
-once a tensor has 3 values or more (measured on 4 ranks: 0.5 ms against 3 ms).
+rank.
 
 `ConsensusWindow` is that bookkeeping without any collective (tested on its own);
 `GroupConsensus` drives it with a process group. It issues each collective from the event
@@ -62,7 +69,9 @@ _BACKLOG_MEMORY_ROUNDS: Final = 4
 """Rounds over which the largest reported backlog sizes the window."""
 
 _NOT_MATCHED: Final = 0
-_NOT_READY: Final = -1
+_NOT_READY: Final = -(1 << 63)
+MAX_MATCHED_TOKENS: Final = (1 << (63 - _BACKLOG_BITS)) - 1
+"""The longest match one value can carry above the backlog bits."""
 
 
 class Status(enum.IntEnum):
@@ -97,11 +106,16 @@ class Outcome:
     status: Status
     matched_tokens: int = _NOT_MATCHED
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.matched_tokens <= MAX_MATCHED_TOKENS:
+            raise ValueError(f"matched_tokens must be in [0, {MAX_MATCHED_TOKENS}], got {self.matched_tokens}")
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What the group agreed for one lookup: the worst status (and a rank that saw it), and
-    the shortest matched length in tokens (0 unless every rank matched)."""
+    """What the group agreed for one lookup: the worst status (and a rank that saw it, -1
+    when every rank matched), and the shortest matched length in tokens (0 unless every rank
+    matched)."""
 
     status: Status
     matched_tokens: int
@@ -156,33 +170,40 @@ class ConsensusWindow:
         return self.start in self._outcomes
 
     def values_to_reduce(self) -> list[int]:
-        """This rank's contribution to the round over [start, start + rows)."""
+        """This rank's contribution to the round over [start, start + rows), one value a lookup."""
         values: list[int] = []
         backlog = min(self._registered - self.start, _BACKLOG_MASK)
         for sequence in range(self.start, self.start + self.rows):
             outcome = self._outcomes.get(sequence)
             if outcome is None or sequence in self._decided:
-                values += [_NOT_READY, 0]  # 0: neutral for MIN among values <= 0
+                values.append(_NOT_READY)
                 continue
-            matched = outcome.matched_tokens if outcome.status is Status.OK else _NOT_MATCHED
-            worst = (outcome.status * self.world_size + self.rank) << _BACKLOG_BITS
-            if sequence == self.start:
-                worst |= backlog
-            values += [matched, -worst]
+            low = backlog if sequence == self.start else 0
+            if outcome.status is Status.OK:
+                values.append(outcome.matched_tokens << _BACKLOG_BITS | (_BACKLOG_MASK - low))
+            else:
+                values.append(-1 - ((outcome.status * self.world_size + self.rank) << _BACKLOG_BITS | low))
         return values
 
     def apply(self, reduced: list[int]) -> dict[int, Decision]:
         """Decisions of a round, from the reduced values; moves and resizes the window."""
         decisions: dict[int, Decision] = {}
-        backlog = (-reduced[1]) & _BACKLOG_MASK  # the start row is ready on every rank
+        backlog = 0
         for offset in range(self.rows):
             sequence = self.start + offset
-            matched, negative_worst = reduced[2 * offset], reduced[2 * offset + 1]
-            if matched == _NOT_READY or sequence in self._decided:
+            value = reduced[offset]
+            if value == _NOT_READY or sequence in self._decided:
                 continue
-            status_code, rank = divmod(-negative_worst >> _BACKLOG_BITS, self.world_size)
-            status = Status(status_code)
-            decisions[sequence] = Decision(status, matched if status is Status.OK else _NOT_MATCHED, rank)
+            if value >= 0:
+                decision = Decision(Status.OK, value >> _BACKLOG_BITS, rank=-1)
+                low = _BACKLOG_MASK - (value & _BACKLOG_MASK)
+            else:
+                status_code, rank = divmod((-1 - value) >> _BACKLOG_BITS, self.world_size)
+                decision = Decision(Status(status_code), _NOT_MATCHED, rank)
+                low = (-1 - value) & _BACKLOG_MASK
+            if offset == 0:
+                backlog = low  # the start row is ready on every rank
+            decisions[sequence] = decision
             self._decided.add(sequence)
             self._outcomes.pop(sequence, None)
         while self.start in self._decided:

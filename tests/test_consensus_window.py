@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvrt
-from kvrt._consensus import ROWS, ConsensusWindow, Decision, Outcome, Status, error_for, status_of
+from kvrt._consensus import MAX_MATCHED_TOKENS, ROWS, ConsensusWindow, Decision, Outcome, Status, error_for, status_of
 from kvrt._item import KVItem, truncate
 
 
@@ -28,7 +28,7 @@ def test_the_group_takes_the_shortest_match_in_tokens() -> None:
     for window, matched in zip(windows, [40, 17, 33], strict=True):
         window.record(window.register(), Outcome(Status.OK, matched))
     decisions = all_reduce_min(windows)
-    assert decisions == [{0: Decision(Status.OK, 17, decisions[0][0].rank)}] * 3
+    assert decisions == [{0: Decision(Status.OK, 17, rank=-1)}] * 3
 
 
 def test_a_miss_on_one_rank_is_a_miss_on_all_and_names_the_rank() -> None:
@@ -88,13 +88,35 @@ def test_waves_of_concurrent_lookups_take_one_round_each_once_the_window_knows_t
     assert rounds_per_wave[2:] == [1, 1, 1, 1]
 
 
-def test_one_lookup_at_a_time_costs_a_two_value_collective() -> None:
+def test_one_lookup_at_a_time_costs_a_one_value_collective() -> None:
     windows = group(4)
     for _ in range(3):
         for window in windows:
             window.record(window.register(), Outcome(Status.OK, 5))
-        assert all(len(window.values_to_reduce()) == 2 for window in windows)
+        assert all(len(window.values_to_reduce()) == 1 for window in windows)
         all_reduce_min(windows)
+
+
+def test_a_failed_rank_decides_the_lookup_whatever_the_others_matched() -> None:
+    windows = group(4)
+    outcomes = [
+        Outcome(Status.OK, 0),
+        Outcome(Status.TIMEOUT),
+        Outcome(Status.OK, MAX_MATCHED_TOKENS),
+        Outcome(Status.MISS),
+    ]
+    for window, outcome in zip(windows, outcomes, strict=True):
+        window.record(window.register(), outcome)
+    assert all(decisions[0] == Decision(Status.TIMEOUT, 0, 1) for decisions in all_reduce_min(windows))
+
+
+def test_the_longest_match_a_value_can_carry_survives_the_round_and_a_longer_one_is_refused() -> None:
+    windows = group(2)
+    for window in windows:
+        window.record(window.register(), Outcome(Status.OK, MAX_MATCHED_TOKENS))
+    assert all(decisions[0] == Decision(Status.OK, MAX_MATCHED_TOKENS, -1) for decisions in all_reduce_min(windows))
+    with pytest.raises(ValueError, match="matched_tokens"):
+        Outcome(Status.OK, MAX_MATCHED_TOKENS + 1)
 
 
 def test_random_finishing_orders_give_every_rank_the_same_decisions() -> None:
@@ -137,7 +159,7 @@ def test_the_window_is_bounded_in_rows() -> None:
         for _ in range(10 * ROWS):
             window.record(window.register(), Outcome(Status.MISS))
     all_reduce_min(windows)
-    assert all(window.rows == ROWS and len(window.values_to_reduce()) == 2 * ROWS for window in windows)
+    assert all(window.rows == ROWS and len(window.values_to_reduce()) == ROWS for window in windows)
 
 
 @pytest.mark.parametrize(
