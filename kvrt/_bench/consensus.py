@@ -8,7 +8,8 @@ same run on the same ranks:
 * bare: one `all_reduce(MIN)` of a 2-int tensor per lookup (the PR's approach, no kvrt):
   the floor for one lookup at a time;
 * kvrt: `GroupConsensus.decide`, one lookup at a time, then 16 in flight per rank (lookups
-  in flight together share a collective).
+  in flight together share a collective), in bursts of 16: each burst starts when the
+  previous one is decided, and a block times whole bursts only.
 
 The variants take turns in blocks (4 blocks of count / 4 lookups each), so that drift in
 the host's load touches them alike. The figure is time per lookup on rank 0 (median over
@@ -125,6 +126,9 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
         one_rounds = many_rounds = 0
         many_elapsed = 0.0
         block = count // BLOCKS
+        # Whole bursts only: a block's last burst of fewer than IN_FLIGHT lookups would time
+        # lookups with fewer in flight than the row says (and cost a round of its own).
+        many_block = block // IN_FLIGHT * IN_FLIGHT
         for _ in range(BLOCKS):
             reference += _time_all_gather_object(block)
             dist.barrier()
@@ -134,7 +138,7 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
             one_latencies += latencies
             one_rounds += rounds
             dist.barrier()
-            _, elapsed, rounds = asyncio.run(_time_kvrt(block, IN_FLIGHT))
+            _, elapsed, rounds = asyncio.run(_time_kvrt(many_block, IN_FLIGHT))
             many_elapsed += elapsed
             many_rounds += rounds
             dist.barrier()
@@ -146,8 +150,9 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
                     "bare_all_reduce_s": statistics.median(bare),
                     "kvrt_one_s": statistics.median(one_latencies),
                     "kvrt_one_rounds": one_rounds,
-                    "kvrt_in_flight_per_lookup_s": many_elapsed / count,
+                    "kvrt_in_flight_per_lookup_s": many_elapsed / (many_block * BLOCKS),
                     "kvrt_in_flight_rounds": many_rounds,
+                    "kvrt_in_flight_lookups": many_block * BLOCKS,
                     "lookups": count,
                 }
             )
@@ -192,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{name:<{width}} | {seconds * 1e3:>7.3f} ms | {ratio:>12} | {goal}")
     print(
         f"collectives: {measured['kvrt_one_rounds']} for {count} lookups one at a time, "
-        f"{measured['kvrt_in_flight_rounds']} for {count} lookups {IN_FLIGHT} in flight"
+        f"{measured['kvrt_in_flight_rounds']} for {measured['kvrt_in_flight_lookups']} lookups {IN_FLIGHT} in flight"
     )
     if args.plot:
         path = _plot.bars(
