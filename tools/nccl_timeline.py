@@ -8,7 +8,9 @@ each Deliver's arrival, its receive posted, and its landing (GPU); the same for 
 the batched passes (its staging copy's end on the producer's GPU, its completion on the
 consumer's loop; KVRT_BATCH sets the batch size); the start and end of each pass. GPU times
 are mapped to the host clock as in `tools/pull_timeline.py`. KVRT_TIMELINE_HOST_ONLY=1 notes
-host times only, with kvrt's own events left as they are.
+host times only, with kvrt's own events left as they are. Last, for each side: the wall and
+the thread CPU time of each transport call and of the NCCL calls inside it (medians): a wall
+well above the CPU time is time spent waiting (for the GIL, a lock, a core), not working.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import multiprocessing.connection
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,7 @@ def _patch(device: str, side: str) -> Clock:
     from kvrt._protocol import ProducerCore
 
     mark_control_messages(clock)
+    _cost_group_calls(side)
     core_receive = ProducerCore.receive
 
     def timed_core_receive(self: Any, *args: Any) -> Any:
@@ -146,6 +150,82 @@ def _patch(device: str, side: str) -> Clock:
     return clock
 
 
+COSTS: dict[str, list[tuple[float, float]]] = {}
+"""(wall, thread CPU) seconds of each call, by name."""
+
+
+def _costed(name: str, call: Any) -> Any:
+    def costed(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            COSTS.setdefault(name, []).append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+    return costed
+
+
+class _CostedGroup:
+    """A pair's process group whose send and recv note their wall and thread CPU time."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self.send = _costed("group.send", group.send)
+        self.recv = _costed("group.recv", group.recv)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def _cost_group_calls(side: str) -> None:
+    from kvrt.transports.paired import PairedTransport
+
+    establish = PairedTransport._establish
+    PairedTransport._establish = lambda self, *args: _CostedGroup(establish(self, *args))  # type: ignore[method-assign]
+    if side == "producer":
+        send, send_many = PairedTransport.send, PairedTransport.send_many
+
+        async def costed_send(self: Any, peer: bytes, item: Any) -> Any:
+            await self._pair_of(peer)  # established: what is left is the call's own cost
+            return await _costed("transport.send", lambda: _first_step(send(self, peer, item)))()
+
+        async def costed_send_many(self: Any, peer: bytes, message: Any, items: Any) -> Any:
+            await self._pair_of(peer)
+            return await _costed("transport.send_many", lambda: _first_step(send_many(self, peer, message, items)))()
+
+        PairedTransport.send = costed_send  # type: ignore[method-assign]
+        PairedTransport.send_many = costed_send_many  # type: ignore[method-assign]
+    else:
+        PairedTransport.receive = _costed("transport.receive", PairedTransport.receive)  # type: ignore[method-assign]
+        PairedTransport.receive_many = _costed("transport.receive_many", PairedTransport.receive_many)  # type: ignore[method-assign]
+
+
+def _first_step(coroutine: Any) -> Any:
+    """Run a coroutine that does not suspend (its pair is established) to its end, now."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        value = done.value
+
+        async def result() -> Any:
+            return value
+
+        return result()
+    raise RuntimeError("the transport call suspended: its pair was not established")
+
+
+def cost_table(costs: dict[str, list[tuple[float, float]]]) -> str:
+    lines = []
+    for name, samples in sorted(costs.items()):
+        walls = sorted(wall for wall, _ in samples)
+        cpus = sorted(cpu for _, cpu in samples)
+        lines.append(
+            f"  {name:<24} {len(samples):5d} calls: wall p50 {1e6 * walls[len(walls) // 2]:7.1f} us, "
+            f"p90 {1e6 * walls[9 * len(walls) // 10]:7.1f} us; thread CPU p50 {1e6 * cpus[len(cpus) // 2]:7.1f} us"
+        )
+    return "\n".join(lines)
+
+
 def timeline_producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
     from kvrt._bench import nccl
 
@@ -155,6 +235,7 @@ def timeline_producer(store_port: int, control: multiprocessing.connection.Conne
         nccl._producer(store_port, control)
     finally:
         (OUT / "timeline-producer.json").write_text(json.dumps(clock.resolve()))
+        (OUT / "costs-producer.json").write_text(json.dumps(COSTS))
 
 
 def main() -> int:
@@ -180,6 +261,10 @@ def main() -> int:
         for name, at in marks:
             if start - 0.002 <= at < end:
                 print(f"  {1e3 * (at - start):8.2f} ms  {name}")
+    print("\nhost cost of the transport's calls, consumer:")
+    print(cost_table(COSTS))
+    print("producer:")
+    print(cost_table(json.loads((OUT / "costs-producer.json").read_text())))
     return result
 
 
