@@ -152,8 +152,8 @@ def views_at(
         dtype = DTYPES[meta.dtype]
         flat = typed.get(dtype)
         if flat is None:  # the payload's whole elements of this dtype (an aligned allocation)
-            whole = payload.numel() - payload.numel() % dtype.itemsize
-            flat = typed[dtype] = payload[:whole].view(dtype)
+            spare = payload.numel() % dtype.itemsize
+            flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
         offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
         views.append(flat.as_strided(meta.shape, _contiguous_strides(meta.shape), offset))  # one op, the cheapest
     return views

@@ -1,8 +1,12 @@
-"""Worker threads that queue GPU work off the event loop."""
+"""Threads kvrt owns: workers that queue GPU work off the event loop, and a waiter for transfers."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -14,3 +18,64 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(device,)
     )
+
+
+class Waiter:
+    """One kvrt-owned thread that runs blocking waits in order (a transfer's completion), each
+    resolving an asyncio future on its loop when it returns.
+
+    Leaner than an executor plus `asyncio.wrap_future` (no concurrent future, no condition
+    variable, one callback onto the loop), which a transfer pays once on the loop's thread.
+    And what a wait closes over is freed here, on this thread: an NCCL work, when freed,
+    drops its tensors from C++, which takes the GIL back while the loop may be wanting it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], asyncio.Future[None]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def wait(self, blocking: Callable[[], object]) -> asyncio.Future[None]:
+        """Run `blocking` on the thread after the waits queued before it; the future is done
+        (or failed with its error) once it returned. Call from the event loop."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._closed:
+            future.set_exception(RuntimeError(f"{self._name} is closed"))
+            return future
+        if self._thread is None:
+            # A daemon: a wait on a GPU whose peer died must not hold the interpreter's exit.
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put((blocking, future))
+        return future
+
+    def close(self) -> None:
+        """End the thread once the waits already queued have run."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            blocking, future = job
+            del job
+            error: BaseException | None = None
+            try:
+                blocking()
+            except BaseException as raised:  # handed to the waiting task, whatever it is
+                error = raised
+            del blocking  # the closure and what it holds are freed here, off the loop
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, future, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits any more
+            del future, error
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

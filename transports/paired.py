@@ -52,6 +52,7 @@ from kvrt._tensors import (
     unpack_tensor,
     views_at,
 )
+from kvrt._threads import Waiter
 from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
 
 _PRODUCER_RANK = 0
@@ -98,7 +99,7 @@ class _Pair:
 
     pair_id: str
     established: concurrent.futures.Future[Any]
-    sends: deque[tuple[Any, concurrent.futures.Future[Any] | None, torch.Tensor | None]] = field(default_factory=deque)
+    sends: deque[tuple[Any, asyncio.Future[None] | None, torch.Tensor | None]] = field(default_factory=deque)
     """(work, the thread waiting for it or None, a staging buffer it reads or None)."""
 
 
@@ -121,7 +122,7 @@ class PairedTransport(Transport):
         self._pairs: dict[bytes, _Pair] = {}
         self._pair: _Pair | None = None
         self._setup = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvrt-pair")
-        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-transfer")
+        self._waiter = Waiter("kvrt-transfer")
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         if backend == "nccl":
             with torch.cuda.device(device):
@@ -157,10 +158,11 @@ class PairedTransport(Transport):
         segments = transfer_segments(item.segments, item.storage.numel())
         if self._streams is not None:
             send_stream = self._streams[0]
-            with self._on_device(), torch.cuda.stream(send_stream):
+            # No record_stream here: this stream only waits, NCCL's reads the storage, and the
+            # work (kept in pair.sends until it completed) holds the storage till then.
+            with self._on_device(), _OnStream(send_stream):
                 if item.ready_event is not None and not item.segment_ready:
                     send_stream.wait_event(item.ready_event)
-                item.storage.record_stream(send_stream)
                 for index, (offset, nbytes) in enumerate(segments):
                     if item.segment_ready:  # a published chunk leaves as soon as it is gathered
                         if item.gathers is not None:  # its gather queued just now, if not yet
@@ -171,7 +173,7 @@ class PairedTransport(Transport):
         else:
             for offset, nbytes in segments:
                 work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
-                pair.sends.append((work, self._waiter.submit(work.wait), None))
+                pair.sends.append((work, self._waited_send(work), None))
         return []
 
     async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
@@ -189,7 +191,7 @@ class PairedTransport(Transport):
             if self._streams is not None:
                 send_stream = self._streams[0]
                 on_stream.enter_context(self._on_device())
-                on_stream.enter_context(torch.cuda.stream(send_stream))
+                on_stream.enter_context(_OnStream(send_stream))
             for start, nbytes in transfer_segments(message.segments, message.payload_bytes):
                 inside: list[tuple[Hit, BufferedItem]] = []
                 while hit is not None and hit[0].offset < start + nbytes:
@@ -201,16 +203,21 @@ class PairedTransport(Transport):
                             send_stream.wait_event(ready)
                 if len(inside) == 1 and (inside[0][0].offset, inside[0][0].payload_bytes) == (start, nbytes):
                     buffer, staging = inside[0][1].storage, None  # a large hit, straight from its own buffer
-                    if send_stream is not None:
-                        buffer.record_stream(send_stream)
                 else:  # small hits, packed into one transfer
                     buffer = staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                     for entry, item in inside:
                         staging[entry.offset - start : entry.offset - start + entry.payload_bytes].copy_(item.storage)
                 work = group.send([buffer], _CONSUMER_RANK, _TAG)
-                waited = None if send_stream is not None else self._waiter.submit(work.wait)
+                waited = None if send_stream is not None else self._waited_send(work)
                 pair.sends.append((work, waited, staging))
         return []
+
+    def _waited_send(self, work: Any) -> asyncio.Future[None]:
+        """gloo: a send's work answers `is_completed` only once waited for; a kvrt thread does.
+        Its failure is the pair's (the peer is lost, the group aborted), reported there."""
+        waited = self._waiter.wait(work.wait)
+        waited.add_done_callback(_outcome_seen)
+        return waited
 
     async def _pair_of(self, peer: bytes) -> tuple[_Pair, Any]:
         """`peer`'s pair and its group, once established."""
@@ -295,15 +302,17 @@ class PairedTransport(Transport):
     ) -> tuple[Awaitable[None], list[torch.cuda.Event]]:
         """Post the receives of `payload`'s segments, in order: when all have landed, and (GPU)
         an event per segment on the receive stream."""
-        wait: Callable[[], None]
         landed: list[torch.cuda.Event] = []
+        works: list[Any] = []
+        wait: Callable[[], object]
         if self._streams is not None:
             receive_stream = self._streams[1]
-            with self._on_device(), torch.cuda.stream(receive_stream):
-                payload.record_stream(receive_stream)
+            with self._on_device(), _OnStream(receive_stream):
+                payload.record_stream(receive_stream)  # this stream waits for the receives (below)
                 for offset, nbytes in segments:
                     work = group.recv([payload[offset : offset + nbytes]], _PRODUCER_RANK, _TAG)
                     work.wait()  # the receive stream waits for NCCL's; the host does not
+                    works.append(work)
                     event = torch.cuda.Event()
                     event.record(receive_stream)
                     landed.append(event)
@@ -312,16 +321,21 @@ class PairedTransport(Transport):
                 # switch took 2.2 ms beside it, under a microsecond without it).
                 finished = torch.cuda.Event(blocking=True)
                 finished.record(receive_stream)
-            wait = finished.synchronize
+
+            def wait() -> None:
+                finished.synchronize()
+                works.clear()  # on the waiting thread: see Waiter
+
         else:  # gloo
-            works = [group.recv([payload[start : start + size]], _PRODUCER_RANK, _TAG) for start, size in segments]
+            works += [group.recv([payload[start : start + size]], _PRODUCER_RANK, _TAG) for start, size in segments]
 
             def wait() -> None:
                 for work in works:
                     work.wait()
+                works.clear()
 
         # Receives complete in the order they were posted, so one waiting thread suffices.
-        return asyncio.wrap_future(self._waiter.submit(wait)), landed
+        return self._waiter.wait(wait), landed
 
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
@@ -340,7 +354,7 @@ class PairedTransport(Transport):
             self._release(self._pair)
             self._pair = None
         self._setup.shutdown(wait=False)  # queued aborts still run
-        self._waiter.shutdown(wait=False, cancel_futures=True)
+        self._waiter.close()
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -382,6 +396,24 @@ class PairedTransport(Transport):
             _abort_if_established(established)
 
 
+class _OnStream:
+    """`stream` current on its device (the current device) inside the block: `torch.cuda.stream`
+    without its lookups of the current device (which ask whether CUDA is available, and read
+    the environment, each time: ~20 us a transfer on an H200 host, on the loop's thread)."""
+
+    __slots__ = ("_previous", "_stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        self._previous = torch.cuda.current_stream(self._stream.device)
+        torch.cuda.set_stream(self._stream)
+
+    def __exit__(self, *_: object) -> None:
+        torch.cuda.set_stream(self._previous)
+
+
 def _five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
     input_tokens, roi, key, value, hidden = tensors
     assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
@@ -394,6 +426,11 @@ def _written(item: BufferedItem) -> list[torch.cuda.Event]:
     if item.segment_ready:
         return list(item.segment_ready)
     return [] if item.ready_event is None else [item.ready_event]
+
+
+def _outcome_seen(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _drop_finished(pair: _Pair) -> None:
