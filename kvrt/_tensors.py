@@ -11,6 +11,7 @@ tensor is built.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -155,15 +156,17 @@ def views_at(
             spare = payload.numel() % dtype.itemsize
             flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
         offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
-        views.append(flat.as_strided(meta.shape, _contiguous_strides(meta.shape), offset))  # one op, the cheapest
+        shape = tuple(meta.shape)
+        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))  # one op, the cheapest
     return views
 
 
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+@functools.lru_cache(maxsize=1024)  # a batch's items share few shapes: look each up once
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = [1] * len(shape)
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
-    return strides
+    return tuple(strides)
 
 
 def _checked_dtypes(metas: Sequence[TensorMeta | None], available: int) -> list[torch.dtype | None]:

@@ -167,6 +167,37 @@ async def test_hits_packed_together_and_hits_sent_alone_all_arrive_intact(monkey
             assert item.hidden is not None and hidden is not None and torch.equal(item.hidden, hidden)
 
 
+async def test_hits_back_to_back_are_packed_by_one_copy_and_arrive_intact(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed: list[int] = []
+    cat = torch.cat
+
+    def counted_cat(tensors: list[torch.Tensor], **kwargs: torch.Tensor) -> torch.Tensor:
+        if "out" in kwargs:
+            packed.append(len(tensors))
+        return cat(tensors, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counted_cat)
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        # 32 tokens and a float32 key and value [2, 32, 2, 4]: 4352 bytes, a multiple of the
+        # batch alignment, so the next item starts right after; 3 tokens leave a gap after them.
+        sizes = [32, 32, 32, 3, 32, 32]
+        expected = []
+        for index, tokens in enumerate(sizes):
+            query = torch.arange(tokens) + 1000 * index
+            generator = torch.Generator().manual_seed(index)
+            key, value = (torch.randn(2, tokens, 2, 4, generator=generator) for _ in range(2))
+            await producer.insert(query, None, key, value)
+            expected.append((query, key, value))
+        items = await consumer.drop_select_many([query for query, _, _ in expected])
+        assert packed == [4, 2]  # two runs of back-to-back hits (the gap ends the first), one copy each
+        for item, (query, key, value) in zip(items, expected, strict=True):
+            assert item is not None and torch.equal(item.input_tokens, query)
+            assert torch.equal(item.key, key) and torch.equal(item.value, value)
+
+
 async def test_more_queries_than_one_request_carries_are_split_and_all_answered(
     linked: tuple[kvrt.Producer, kvrt.Consumer],
 ) -> None:

@@ -205,8 +205,7 @@ class PairedTransport(Transport):
                     buffer, staging = inside[0][1].storage, None  # a large hit, straight from its own buffer
                 else:  # small hits, packed into one transfer
                     buffer = staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    for entry, item in inside:
-                        staging[entry.offset - start : entry.offset - start + entry.payload_bytes].copy_(item.storage)
+                    _pack_hits(staging, start, inside)
                 work = group.send([buffer], _CONSUMER_RANK, _TAG)
                 waited = None if send_stream is not None else self._waited_send(work)
                 pair.sends.append((work, waited, staging))
@@ -309,18 +308,20 @@ class PairedTransport(Transport):
             receive_stream = self._streams[1]
             with self._on_device(), _OnStream(receive_stream):
                 payload.record_stream(receive_stream)  # this stream waits for the receives (below)
-                for offset, nbytes in segments:
+                for index, (offset, nbytes) in enumerate(segments):
                     work = group.recv([payload[offset : offset + nbytes]], _PRODUCER_RANK, _TAG)
                     work.wait()  # the receive stream waits for NCCL's; the host does not
                     works.append(work)
-                    event = torch.cuda.Event()
-                    event.record(receive_stream)
-                    landed.append(event)
+                    if index < len(segments) - 1:
+                        event = torch.cuda.Event()
+                        event.record(receive_stream)
+                        landed.append(event)
                 # The waiting thread sleeps until this one fires: a spinning wait (CUDA's
                 # default) contends with the loop's own CUDA calls (on an H200 host a device
                 # switch took 2.2 ms beside it, under a microsecond without it).
                 finished = torch.cuda.Event(blocking=True)
                 finished.record(receive_stream)
+                landed.append(finished)  # the last segment's landing is the end of them all
 
             def wait() -> None:
                 finished.synchronize()
@@ -418,6 +419,26 @@ def _five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
     input_tokens, roi, key, value, hidden = tensors
     assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
     return input_tokens, roi, key, value, hidden
+
+
+def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, BufferedItem]]) -> None:
+    """Copy each hit's bytes to its offset in `staging` (which starts at batch offset `start`):
+    one `torch.cat` per run of hits that lie back to back, so a batch of small items costs a
+    launch or two, not one copy per item (~25 us of host time each on an H200 host)."""
+    runs: list[tuple[int, list[torch.Tensor]]] = []  # (first byte, storages back to back from there)
+    end = -1
+    for entry, item in hits:
+        if entry.offset != end:
+            runs.append((entry.offset, []))
+        runs[-1][1].append(item.storage)
+        end = entry.offset + entry.payload_bytes
+    for first, storages in runs:
+        end = first + sum(storage.numel() for storage in storages)
+        target = staging[first - start : end - start]
+        if len(storages) == 1:
+            target.copy_(storages[0])
+        else:
+            torch.cat(storages, out=target)
 
 
 def _written(item: BufferedItem) -> list[torch.cuda.Event]:
