@@ -10,7 +10,9 @@ Shapes (token axis in capitals):
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import torch
@@ -19,6 +21,9 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
 from kvrt._tensors import Packed, pack
+
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
+"""The wire's int64 tokens are little-endian: a native int64 tensor's bytes are them as they are."""
 
 _INTEGER_DTYPES = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
@@ -96,7 +101,10 @@ def query_bytes(input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, 
             raise InvalidInputError(f"{what}: roi was given without input_tokens")
         return None
     check_tokens(input_tokens, roi, what=what)
-    query = tokens_to_bytes(masked_tokens(input_tokens, roi))
+    if _LITTLE_ENDIAN and roi is None and input_tokens.dtype == torch.int64 and input_tokens.device.type == "cpu":
+        query = input_tokens.detach().numpy().tobytes()  # tokens_to_bytes, without its no-op conversions
+    else:
+        query = tokens_to_bytes(masked_tokens(input_tokens, roi))
     if len(query) > MAX_TOKENS * TOKEN_BYTES:
         raise InvalidInputError(f"{what}: {len(query) // TOKEN_BYTES} masked tokens is over the limit of {MAX_TOKENS}")
     return query

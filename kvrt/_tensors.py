@@ -138,7 +138,9 @@ def unpack_tensor(
 
 def check_metas(metas: Sequence[TensorMeta | None], available: int) -> None:
     """Refuse metadata that does not fit in `available` bytes or is misaligned."""
-    _checked_dtypes(metas, available)
+    for meta in metas:
+        if meta is not None:
+            _check_meta(meta, available)
 
 
 def views_at(
@@ -155,8 +157,8 @@ def views_at(
         if flat is None:  # the payload's whole elements of this dtype (an aligned allocation)
             spare = payload.numel() % dtype.itemsize
             flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
-        offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
         shape = tuple(meta.shape)
+        offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
         views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))  # one op, the cheapest
     return views
 
@@ -170,19 +172,24 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _checked_dtypes(metas: Sequence[TensorMeta | None], available: int) -> list[torch.dtype | None]:
-    dtypes = [None if meta is None else _dtype_of(meta) for meta in metas]
-    for meta, dtype in zip(metas, dtypes, strict=True):
-        if meta is None or dtype is None:
-            continue
-        end = meta.offset + _nbytes(meta.shape, dtype)
-        if end > available:
-            raise RemoteProtocolError(
-                f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
-                f"the payload has {available}"
-            )
-        if meta.offset % dtype.itemsize:
-            raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
-    return dtypes
+    return [None if meta is None else _check_meta(meta, available) for meta in metas]
+
+
+def _check_meta(meta: TensorMeta, available: int) -> torch.dtype:
+    """`meta`'s dtype, once it is known, aligned and inside `available` bytes."""
+    dtype = DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise RemoteProtocolError(f"unknown dtype {meta.dtype!r} in tensor metadata")
+    size = dtype.itemsize
+    if meta.offset % size:
+        raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
+    end = meta.offset + math.prod(meta.shape) * size
+    if end > available:
+        raise RemoteProtocolError(
+            f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
+            f"the payload has {available}"
+        )
+    return dtype
 
 
 def unpack(metas: Sequence[TensorMeta | None], buffer: memoryview) -> list[torch.Tensor | None]:

@@ -8,8 +8,8 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
-from kvrt._errors import ErrorCode, PeerLostError, RemoteProtocolError
-from kvrt._item import buffered_item
+from kvrt._errors import ErrorCode, InvalidInputError, PeerLostError, RemoteProtocolError
+from kvrt._item import buffered_item, query_bytes
 from kvrt._protocol import (
     HEARTBEAT_MISSES,
     ConsumerCore,
@@ -370,3 +370,18 @@ def test_query_arrays_match_what_the_buffer_indexes() -> None:
     core.buffer.add(item)
     found = core.buffer.best_match(np.array([2**62], dtype=np.int64))
     assert found is not None and found.item is item
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [torch.tensor([2**62, -5, 7]), torch.arange(10)[::3], torch.tensor([1, 2], dtype=torch.int32), torch.tensor([])],
+    ids=["int64", "strided int64", "int32", "empty float"],
+)
+def test_a_query_travels_as_little_endian_int64_whatever_its_tensor(tokens: torch.Tensor) -> None:
+    if tokens.dtype.is_floating_point:
+        with pytest.raises(InvalidInputError, match="integer tensor"):
+            query_bytes(tokens, None, what="drop_select")
+        return
+    wire = query_bytes(tokens, None, what="drop_select")
+    assert wire == np.array(tokens.tolist(), dtype="<i8").tobytes()
+    assert m.tokens_from_bytes(wire).tolist() == tokens.tolist()

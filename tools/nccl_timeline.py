@@ -198,6 +198,29 @@ def _cost_group_calls(side: str) -> None:
     else:
         PairedTransport.receive = _costed("transport.receive", PairedTransport.receive)  # type: ignore[method-assign]
         PairedTransport.receive_many = _costed("transport.receive_many", PairedTransport.receive_many)  # type: ignore[method-assign]
+    # The pieces of a batch's handling, each side: where its host time goes.
+    import kvrt._consumer as consumer_module
+    import kvrt._messages as messages
+    import kvrt.transports.paired as paired
+    from kvrt._consumer import _Link
+    from kvrt._protocol import ConsumerCore, ProducerCore
+
+    for owner, name in (
+        (PairedTransport, "_payload"),
+        (PairedTransport, "_post"),
+        (paired, "views_at"),
+        (paired, "check_metas"),
+        (paired, "_pack_hits"),
+        (paired, "_drop_finished"),
+        (consumer_module, "query_bytes"),
+        (_Link, "_complete_batch"),
+        (_Link, "_on_deliver_many"),
+        (ConsumerCore, "receive"),
+        (ProducerCore, "receive"),
+        (messages, "encode"),
+        (messages, "decode"),
+    ):
+        setattr(owner, name, _costed(f"{getattr(owner, '__name__', owner)}.{name}", getattr(owner, name)))
 
 
 def _first_step(coroutine: Any) -> Any:
