@@ -176,19 +176,16 @@ def _checked_dtypes(metas: Sequence[TensorMeta | None], available: int) -> list[
 
 
 def _check_meta(meta: TensorMeta, available: int) -> torch.dtype:
-    """`meta`'s dtype, once it is known, aligned and inside `available` bytes."""
-    dtype = DTYPES.get(meta.dtype)
-    if dtype is None:
-        raise RemoteProtocolError(f"unknown dtype {meta.dtype!r} in tensor metadata")
-    size = dtype.itemsize
-    if meta.offset % size:
-        raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
-    end = meta.offset + math.prod(meta.shape) * size
+    """`meta`'s dtype, once it is known, inside `available` bytes and aligned."""
+    dtype = _dtype_of(meta)
+    end = meta.offset + _nbytes(meta.shape, dtype)
     if end > available:
         raise RemoteProtocolError(
             f"tensor {meta.dtype}{list(meta.shape)} at offset {meta.offset} needs {end} bytes, "
             f"the payload has {available}"
         )
+    if meta.offset % dtype.itemsize:
+        raise RemoteProtocolError(f"tensor {meta.dtype} at offset {meta.offset} is misaligned for its dtype")
     return dtype
 
 
