@@ -183,18 +183,16 @@ def _cost_group_calls(side: str) -> None:
     establish = PairedTransport._establish
     PairedTransport._establish = lambda self, *args: _CostedGroup(establish(self, *args))  # type: ignore[method-assign]
     if side == "producer":
-        send, send_many = PairedTransport.send, PairedTransport.send_many
 
-        async def costed_send(self: Any, peer: bytes, item: Any) -> Any:
-            await self._pair_of(peer)  # established: what is left is the call's own cost
-            return await _costed("transport.send", lambda: _first_step(send(self, peer, item)))()
+        def costed_send(name: str, send: Any) -> Any:
+            async def costed(self: Any, peer: bytes, *args: Any) -> Any:
+                await self._pair_of(peer)  # established: what is left is the call's own cost
+                return await _costed(name, lambda: _first_step(send(self, peer, *args)))()
 
-        async def costed_send_many(self: Any, peer: bytes, message: Any, items: Any) -> Any:
-            await self._pair_of(peer)
-            return await _costed("transport.send_many", lambda: _first_step(send_many(self, peer, message, items)))()
+            return costed
 
-        PairedTransport.send = costed_send  # type: ignore[method-assign]
-        PairedTransport.send_many = costed_send_many  # type: ignore[method-assign]
+        PairedTransport.send = costed_send("transport.send", PairedTransport.send)  # type: ignore[method-assign]
+        PairedTransport.send_many = costed_send("transport.send_many", PairedTransport.send_many)  # type: ignore[method-assign]
     else:
         PairedTransport.receive = _costed("transport.receive", PairedTransport.receive)  # type: ignore[method-assign]
         PairedTransport.receive_many = _costed("transport.receive_many", PairedTransport.receive_many)  # type: ignore[method-assign]
