@@ -152,15 +152,61 @@ def views_at(
         if meta is None:
             views.append(None)
             continue
-        dtype = DTYPES[meta.dtype]
-        flat = typed.get(dtype)
-        if flat is None:  # the payload's whole elements of this dtype (an aligned allocation)
-            spare = payload.numel() % dtype.itemsize
-            flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
-        shape = tuple(meta.shape)
-        offset = flat.storage_offset() + (at + meta.offset) // dtype.itemsize
+        flat, offset, shape = _placed(meta, payload, at, typed)
         views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))  # one op, the cheapest
     return views
+
+
+def batch_views(
+    entries: Sequence[tuple[Sequence[TensorMeta | None], int]], payload: torch.Tensor
+) -> list[list[torch.Tensor | None]]:
+    """`views_at` for each (metas, at) of a batch, metas already checked. A run of entries
+    laid out alike at evenly spaced offsets (a scheduler step's requests often are) gets each
+    of its tensors from one strided view split by one `unbind`: one call into torch per
+    tensor of the run instead of one per tensor of each entry (a view of a CUDA tensor costs
+    microseconds of host time, mostly in the call)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views: list[list[torch.Tensor | None]] = []
+    start = 0
+    while start < len(entries):
+        metas, at = entries[start]
+        end = start + 1
+        step = entries[end][1] - at if end < len(entries) else 0
+        while end < len(entries) and entries[end][1] - entries[end - 1][1] == step and entries[end][0] == metas:
+            end += 1
+        if end - start == 1 or step <= 0 or any(meta is not None and step % _itemsize(meta) for meta in metas):
+            views += [views_at(metas_of, payload, at=at_of, typed=typed) for metas_of, at_of in entries[start:end]]
+            start = end
+            continue
+        columns: list[Sequence[torch.Tensor | None]] = []
+        for meta in metas:
+            if meta is None:
+                columns.append([None] * (end - start))
+                continue
+            flat, offset, shape = _placed(meta, payload, at, typed)
+            run = flat.as_strided((end - start, *shape), (step // flat.itemsize, *_contiguous_strides(shape)), offset)
+            columns.append(run.unbind(0))
+        views += [list(row) for row in zip(*columns, strict=True)]
+        start = end
+    return views
+
+
+def _placed(
+    meta: TensorMeta, payload: torch.Tensor, at: int, typed: dict[torch.dtype, torch.Tensor]
+) -> tuple[torch.Tensor, int | torch.SymInt, tuple[int, ...]]:
+    """The payload's view as `meta`'s dtype (made once per dtype, kept in `typed`), the element
+    offset where `meta`'s tensor starts in it (`at` counted in bytes from the payload's start),
+    and its shape."""
+    dtype = DTYPES[meta.dtype]
+    flat = typed.get(dtype)
+    if flat is None:  # the payload's whole elements of this dtype (an aligned allocation)
+        spare = payload.numel() % dtype.itemsize
+        flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
+    return flat, flat.storage_offset() + (at + meta.offset) // dtype.itemsize, tuple(meta.shape)
+
+
+def _itemsize(meta: TensorMeta) -> int:
+    return DTYPES[meta.dtype].itemsize
 
 
 @functools.lru_cache(maxsize=1024)  # a batch's items share few shapes: look each up once

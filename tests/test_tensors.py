@@ -15,6 +15,7 @@ from kvrt._tensors import (
     DTYPES,
     PACK_ALIGN_BYTES,
     Packed,
+    batch_views,
     check_segments,
     chunk_plan,
     chunked_layers,
@@ -139,6 +140,39 @@ def test_items_packed_back_to_back_in_one_device_payload_come_back_as_views_of_i
             )
     with pytest.raises(RemoteProtocolError, match="the payload has"):
         unpack_tensor(packs[1].metas, payload, at=offsets[1], end=offsets[1] + 64)
+
+
+def test_a_batch_of_items_laid_out_alike_comes_back_as_views_of_their_own_bytes() -> None:
+    """Runs of alike items (one strided view and an unbind per tensor) and the odd ones between
+    and after them (one view each) come back as the items that were packed, views of the payload."""
+
+    def item(seed: int, tokens: int, hidden: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(seed)
+        kv = (2, tokens, 3, 4)
+        return [torch.arange(tokens) + seed, None, random_bits(kv, torch.bfloat16), random_bits(kv, torch.bfloat16),
+                random_bits((tokens, 5), torch.float32) if hidden else None]  # fmt: skip
+
+    items = [item(seed, 7, False) for seed in range(3)] + [item(3, 9, True)] + [item(seed, 7, False) for seed in (4, 5)]
+    packs = [pack(tensors, CPU) for tensors in items]
+    offsets, end = [], 0
+    for packed in packs:
+        offsets.append(end)
+        end += -(-packed.storage.numel() // 256) * 256
+    payload = torch.zeros(end + 5, dtype=torch.uint8)
+    for packed, offset in zip(packs, offsets, strict=True):
+        payload[offset : offset + packed.storage.numel()] = packed.storage
+    views = batch_views([(packed.metas, offset) for packed, offset in zip(packs, offsets, strict=True)], payload)
+    assert len(views) == len(items)
+    for tensors, got in zip(items, views, strict=True):
+        for original, view in zip(tensors, got, strict=True):
+            assert (original is None and view is None) or (
+                view is not None
+                and same_bits(view, original)  # type: ignore[arg-type]
+                and view.is_contiguous()
+                and view.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
+            )
+    views[1][2].fill_(0)  # each is its own view: writing one leaves its neighbours alone
+    assert same_bits(views[0][2], items[0][2]) and same_bits(views[2][2], items[2][2])  # type: ignore[arg-type]
 
 
 def test_metadata_that_reaches_past_the_payload_is_refused() -> None:

@@ -45,12 +45,12 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit
 from kvrt._tensors import (
+    batch_views,
     check_batch_segments,
     check_metas,
     check_segments,
     transfer_segments,
     unpack_tensor,
-    views_at,
 )
 from kvrt._threads import Waiter
 from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
@@ -269,15 +269,17 @@ class PairedTransport(Transport):
         segments = transfer_segments(message.segments, message.payload_bytes)
         # Everything is checked before anything is posted.
         check_batch_segments(segments, [(hit.offset, hit.payload_bytes) for hit in hits], message.payload_bytes)
-        for hit in hits:
+        entries = [(item_metas(hit), hit.offset) for hit in hits]
+        checked = None
+        for hit, (metas, _) in zip(hits, entries, strict=True):
             if hit.offset % BATCH_ALIGNMENT:
                 raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
-            check_metas(item_metas(hit), hit.payload_bytes)
+            if (metas, hit.payload_bytes) != checked:  # hits laid out alike are checked once
+                check_metas(metas, hit.payload_bytes)
+                checked = (metas, hit.payload_bytes)
         payload, group = self._payload(message.payload_bytes, frames)
         completed = self._post(group, payload, segments)[0] if segments else None
-        # The views are made while the bytes travel; the hits share the payload's typed views.
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        tensors = [_five(views_at(item_metas(hit), payload, at=hit.offset, typed=typed)) for hit in hits]
+        tensors = [_five(views) for views in batch_views(entries, payload)]  # while the bytes travel
         if completed is None:
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
