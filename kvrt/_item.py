@@ -101,8 +101,9 @@ def query_bytes(input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, 
             raise InvalidInputError(f"{what}: roi was given without input_tokens")
         return None
     check_tokens(input_tokens, roi, what=what)
-    if _LITTLE_ENDIAN and roi is None and input_tokens.dtype == torch.int64 and input_tokens.device.type == "cpu":
-        query = input_tokens.detach().numpy().tobytes()  # tokens_to_bytes, without its no-op conversions
+    if _LITTLE_ENDIAN and roi is None and input_tokens.dtype == torch.int64 and input_tokens.is_cpu:
+        # tokens_to_bytes without its no-op conversions (an integer tensor never requires grad)
+        query = input_tokens.numpy().tobytes()
     else:
         query = tokens_to_bytes(masked_tokens(input_tokens, roi))
     if len(query) > MAX_TOKENS * TOKEN_BYTES:
