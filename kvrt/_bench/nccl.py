@@ -5,17 +5,19 @@ reference: a 2-rank NCCL group made the same way kvrt makes its pairs, and `coun
 back send/recv of that many bytes, timed on the receiver from a barrier to the last
 completion. Then kvrt: the producer buffers `count` items of that size, shaped like a real
 model's KV (key and value [32 layers, tokens, 8 heads, 128] bf16: 128 KiB a token, so a
-1 GiB item is 8192 tokens), and the consumer drop-selects them all with `in_flight`
-requests outstanding, timed the same way. Then the same items again through
-`drop_select_many`: BATCH (or --batch) items per request, BATCHES_IN_FLIGHT requests
-outstanding, as an engine takes the KV of a scheduler step's requests. Each variant runs
-once untimed (it warms the consumer's allocator up, as the reference allocates before
-timing), then REPEATS timed passes, as does the reference; a row gives the medians. Each
-kvrt clock starts right after the consumer took one small starter item over the same pair,
-as the reference's starts right after a barrier on its pair: both sides' loops, threads and
-the pair's NCCL path are awake, not back from the pause between passes. GB/s counts payload
-bytes once. A last row moves 1 GiB items of one layer (262144 tokens each): a drop-select
-names its tokens, so there the 2 MiB query of each request shows.
+1 GiB item is 8192 tokens), and the consumer drop-selects them all with `in_flight` requests
+outstanding, timed the same way (the queries' token tensors are made before the clock
+starts, as an engine holds its requests' tokens before it asks for their KV). Then the same
+items again through `drop_select_many`: BATCH (or --batch) items per request,
+BATCHES_IN_FLIGHT requests outstanding, as an engine takes the KV of a scheduler step's
+requests. Each variant runs once untimed (it warms the consumer's allocator up, as the
+reference allocates before timing), then REPEATS timed passes, as does the reference; a row
+gives the medians. Each kvrt clock starts right after the consumer took one small starter
+item over the same pair, as the reference's starts right after a barrier on its pair: both
+sides' loops, threads and the pair's NCCL path are awake, not back from the pause between
+passes. GB/s counts payload bytes once. A last row moves 1 GiB items of one layer (262144
+tokens each): a drop-select names its tokens, so there the 2 MiB query of each request
+shows.
 Small-item latency: sequential drop-selects of 64 KiB items, p50 and p99.
 """
 
@@ -173,10 +175,11 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
 
 async def _consume(consumer: Any, count: int, in_flight: int) -> float:
     slots = asyncio.Semaphore(in_flight)
+    queries = [_query(index) for index in range(count)]  # an engine holds its requests' tokens already
 
     async def one(index: int) -> None:
         async with slots:
-            item = await consumer.drop_select(_query(index))
+            item = await consumer.drop_select(queries[index])
             if item is None:
                 raise RuntimeError(f"item {index} missing")
 
@@ -190,12 +193,11 @@ async def _consume(consumer: Any, count: int, in_flight: int) -> float:
 
 async def _consume_batched(consumer: Any, count: int, batch: int) -> float:
     slots = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+    queries = [_query(index) for index in range(count)]  # an engine holds its requests' tokens already
 
     async def one(first: int) -> None:
         async with slots:
-            items = await consumer.drop_select_many(
-                [_query(index) for index in range(first, min(count, first + batch))]
-            )
+            items = await consumer.drop_select_many(queries[first : first + batch])
             if any(item is None for item in items):
                 raise RuntimeError(f"an item of the batch from {first} is missing")
 
