@@ -6,11 +6,12 @@ Runs the benchmark for one size with its producer and consumer patched to note, 
 monotonic clock: each item's send (called, posted) and its GPU completion on the send stream;
 each Deliver's arrival, its receive posted, and its landing (GPU); the same for each batch of
 the batched passes (its staging copy's end on the producer's GPU, its completion on the
-consumer's loop; KVRT_BATCH sets the batch size); the start and end of each pass. GPU times
-are mapped to the host clock as in `tools/pull_timeline.py`. KVRT_TIMELINE_HOST_ONLY=1 notes
-host times only, with kvrt's own events left as they are. Last, for each side: the wall and
-the thread CPU time of each transport call and of the NCCL calls inside it (medians): a wall
-well above the CPU time is time spent waiting (for the GIL, a lock, a core), not working.
+consumer's loop; KVRT_BATCH sets the batch size); the start and end of each pass; the garbage
+collector's passes over generations 1 and 2. GPU times are mapped to the host clock as in
+`tools/pull_timeline.py`. KVRT_TIMELINE_HOST_ONLY=1 notes host times only, with kvrt's own
+events left as they are. Last, for each side: the wall and the thread CPU time of each
+transport call and of the NCCL calls inside it (medians): a wall well above the CPU time is
+time spent waiting (for the GIL, a lock, a core), not working.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _patch(device: str, side: str) -> Clock:
 
     mark_control_messages(clock)
     _cost_group_calls(side)
+    _mark_collections(clock)
     core_receive = ProducerCore.receive
 
     def timed_core_receive(self: Any, *args: Any) -> Any:
@@ -206,7 +208,7 @@ def _cost_group_calls(side: str) -> None:
     for owner, name in (
         (PairedTransport, "_payload"),
         (PairedTransport, "_post"),
-        (paired, "views_at"),
+        (paired, "batch_views"),
         (paired, "check_metas"),
         (paired, "_pack_hits"),
         (paired, "_drop_finished"),
@@ -219,6 +221,17 @@ def _cost_group_calls(side: str) -> None:
         (messages, "decode"),
     ):
         setattr(owner, name, _costed(f"{getattr(owner, '__name__', owner)}.{name}", getattr(owner, name)))
+
+
+def _mark_collections(clock: Clock) -> None:
+    """Note the garbage collector's passes of generations 1 and 2 (each stops the process)."""
+    import gc
+
+    def noted(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] > 0:
+            clock.host_mark(f"gc generation {info['generation']} {phase}")
+
+    gc.callbacks.append(noted)
 
 
 def _first_step(coroutine: Any) -> Any:
