@@ -74,40 +74,42 @@ class ProducerStats:
 
 
 class _Gathers:
-    """A published item's gathers in send order, each followed by its event.
+    """A published item's gathers in send order (planned by `publish`), each followed by its
+    event.
 
-    Worked out once, by whichever needs them first: the item's first send (right after its
-    Deliver header left) or `publish` itself. When every launch was compiled before, they
-    are queued on the loop, each right before the sends of its bytes, so the first chunk is on
-    the wire before the last is even gathered. Else a worker thread queues them all: a first
-    launch compiles, for about a second, and the loop must not wait for that.
+    When every launch was compiled before, they are queued on the loop, each right before the
+    sends of its bytes (the first by `publish` itself), so the first chunk is on the wire
+    before the last is even gathered. Else a worker thread queues them all, once the item's
+    first send or `publish` asks: a first launch compiles, for about a second, and the loop
+    must not wait for that.
     """
 
     def __init__(
         self,
-        plan: Callable[[], list[PreparedGather]],
+        launches: list[PreparedGather],
         ready: list[torch.cuda.Event],
         stream: torch.cuda.Stream,
         thread: Callable[[], concurrent.futures.Executor],
     ) -> None:
-        self._plan = plan
+        self._launches = launches
         self._ready = ready
         self._stream = stream
         self._thread = thread
-        self._launches: list[PreparedGather] | None = None
+        self._compiled = all(launch.compiled for launch in launches)
         self._queued = 0
         self._in_thread: concurrent.futures.Future[None] | None = None
         self._failure: BaseException | None = None
 
+    @property
+    def compiled(self) -> bool:
+        """Whether every launch was compiled before (else a worker thread queues them)."""
+        return self._compiled
+
     def prepare(self) -> concurrent.futures.Future[None] | None:
-        if self._launches is None and self._failure is None:
-            try:
-                self._launches = self._plan()
-            except Exception as exc:  # reported to every send and to publish
-                self._failure = exc
-            else:
-                if not all(launch.compiled for launch in self._launches):
-                    self._in_thread = self._thread().submit(self._queue, None)
+        """The worker thread's queuing of every gather, started on the first call, when they
+        must compile; None when the loop queues them."""
+        if not self._compiled and self._in_thread is None:
+            self._in_thread = self._thread().submit(self._queue, None)
         self._raise_failure()
         return self._in_thread
 
@@ -127,7 +129,6 @@ class _Gathers:
 
     def _queue(self, through: int | None) -> None:
         launches = self._launches
-        assert launches is not None
         last = len(launches) - 1 if through is None else through
         with torch.cuda.stream(self._stream):
             while self._queued <= last:
@@ -137,7 +138,7 @@ class _Gathers:
 
     @property
     def failed(self) -> bool:
-        """Whether working out or queuing these gathers failed (the item's bytes never come)."""
+        """Whether queuing these gathers failed (the item's bytes never come)."""
         in_thread = self._in_thread
         return self._failure is not None or (
             in_thread is not None and in_thread.done() and in_thread.exception() is not None
@@ -149,8 +150,8 @@ class _Gathers:
 
 
 async def _gathers_prepared(item: BufferedItem) -> None:
-    """A published item's gathers worked out, and queued already if a worker thread queues
-    them (at once for other items). Raises `GathersFailed`."""
+    """A published item's gathers queued already if a worker thread queues them (at once for
+    other items). Raises `GathersFailed`."""
     if item.gathers is None:
         return
     in_thread = item.gathers.prepare()
@@ -171,30 +172,44 @@ async def _all_gathers_queued(item: BufferedItem) -> None:
 
 def _lookup_key_and(
     input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor
-) -> tuple[np.ndarray, list[int]]:
+) -> Callable[[], tuple[np.ndarray, list[int]]]:
     """The lookup key (the tokens the roi selects, on the host) and a few int64 device values,
-    read back together: one wait for the device, not two."""
+    read back together (one wait for the device, not two): queued now, the call that returns
+    waits for them, so that the host can work out other things while they travel."""
     tokens = input_tokens.detach()
     if tokens.device != values.device:
-        return masked_tokens(input_tokens, roi), _to_host(values).tolist()
+        key, read_values = masked_tokens(input_tokens, roi), _to_host(values)
+        return lambda: (key, read_values().tolist())
     parts = [tokens.to(torch.int64), values]
     if roi is not None:  # applied on the host: a boolean mask on the device would wait too
         parts.insert(1, roi.to(device=values.device, dtype=torch.int64))
-    host = _to_host(torch.cat(parts))
+    read = _to_host(torch.cat(parts))
     count = tokens.numel()
-    key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
-    return key, host[len(host) - values.numel() :].tolist()
+
+    def result() -> tuple[np.ndarray, list[int]]:
+        host = read()
+        key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
+        return key, host[len(host) - values.numel() :].tolist()
+
+    return result
 
 
-def _to_host(values: torch.Tensor) -> np.ndarray:
-    """`values` on the host, waiting for the device's stream once. A GPU copy lands in pinned
-    memory (a pageable copy of a long prompt's tokens took 0.15 ms on an H200 host)."""
+def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
+    """`values` on the host, the copy queued now: the call that returns waits for the device's
+    stream once. A GPU copy lands in pinned memory (a pageable copy of a long prompt's tokens
+    took 0.15 ms on an H200 host)."""
     if values.device.type != "cuda":
-        return values.numpy()
+        return values.numpy
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # cached by torch once freed
     host.copy_(values, non_blocking=True)
-    torch.cuda.current_stream(values.device).synchronize()
-    return host.numpy().copy()  # the pinned block goes back to torch's cache; the key may live long
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(values.device))
+
+    def result() -> np.ndarray:
+        copied.synchronize()
+        return host.numpy().copy()  # the pinned block goes back to torch's cache; the key may live long
+
+    return result
 
 
 def _stream_frames(send: Outgoing) -> list[memoryview]:
@@ -401,9 +416,10 @@ class Producer(AsyncService):
 
         A published request travels in chunks of whole layers holding about `chunk_bytes` of
         K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands. With `taper`, the first and
-        last chunks are a quarter of that: the first is on the wire sooner, and the last
-        leaves less to scatter once the wire is idle."""
+        and a pulling consumer scatters it as soon as it lands. With `taper`, the last chunk
+        is a quarter of that: it leaves less to scatter once the wire is idle. (The first
+        chunk's gather runs while the request's header travels, so a small first chunk buys
+        nothing.)"""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -445,13 +461,12 @@ class Producer(AsyncService):
             raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         await self._wait_for_room(timeout)
         self._reclaim()
+        read_back = None
         if self.device.type == "cuda":
-            # The lookup key and the index check come back in one round trip, before anything
-            # else: bad indexes are refused before anything is allocated or sent, and a later
-            # read would wait for the gathers.
-            masked, ranges = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
-            if not ranges_fit(pools, ranges):
-                check_indices(pools, replicas, slots)  # raises, naming the index
+            # The lookup key and the index ranges come back in one read, queued first: the
+            # item's layout and its gathers' plan are worked out while they travel. Nothing is
+            # launched on the pools, or buffered, before the indexes are known to be in range.
+            read_back = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
         # The item's buffer is laid out first and the KV gathered straight into it: one pass
         # over the bytes, no staging copy.
         g, tokens = pools.geometry, slots.numel()
@@ -471,10 +486,10 @@ class Producer(AsyncService):
             item_roi.copy_(roi)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_first=self._taper, small_last=self._taper)
+        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
-        if self.device.type == "cuda":
+        if read_back is not None:
             # A chunk's keys and values are gathered apart, each before its own segment (the
             # values follow the keys in the payload): the first segment leaves once the first
             # chunk's keys are gathered, half of the first gather.
@@ -483,18 +498,25 @@ class Producer(AsyncService):
                 chunk * len(parts) + (1 if len(parts) == 2 and offset >= value_meta.offset else 0)
                 for (offset, _), chunk in zip(segments, segment_chunks, strict=True)
             ]
-
-            def plan() -> list[PreparedGather]:
-                # Planned once for every layer; a chunk only moves the grid (no new checks,
-                # views or compilation per chunk).
-                whole = [prepare_gather_into(pools, replicas, slots, key, value, part=part) for part in parts]
-                return [part.for_layers(first, end) for first, end in chunks for part in whole]
-
-            ready = [torch.cuda.Event() for _ in range(len(chunks) * len(parts))]
-            # Nothing is planned or queued yet: a waiting pull gets its Deliver header first,
-            # and the send path plans the gathers and queues each right before the sends of its
-            # bytes, while the header travels and the consumer posts its receives.
-            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
+            # Planned once for every layer; a chunk only moves the grid (no new checks, views
+            # or compilation per chunk). Planned here, while the read back travels: the first
+            # send queues its gather as soon as the Deliver header has left.
+            whole = [prepare_gather_into(pools, replicas, slots, key, value, part=part) for part in parts]
+            launches = [part.for_layers(first, end) for first, end in chunks for part in whole]
+            ready = [torch.cuda.Event() for _ in launches]
+            masked, ranges = read_back()
+            if not ranges_fit(pools, ranges):
+                check_indices(pools, replicas, slots)  # raises, naming the index
+            # The send path queues each gather right before the sends of its bytes. The first
+            # one is queued now, when its kernel is compiled already: it runs while the Deliver
+            # header travels and the consumer posts its receives (a first launch compiles, for
+            # about a second, in a worker thread, after the header left).
+            gathers = _Gathers(launches, ready, torch.cuda.current_stream(self.device), self._gather_thread)
+            if segment_gathers and gathers.compiled:
+                try:
+                    gathers.queue_through(segment_gathers[0])
+                except GathersFailed as failed:
+                    raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)
@@ -506,7 +528,7 @@ class Producer(AsyncService):
             item.segment_ready = [ready[gather] for gather in segment_gathers]
             item.segment_gathers = segment_gathers
             item.gathers = gathers
-        # Buffered before its gathers are worked out: a waiting pull gets its Deliver header
+        # Buffered before the other gathers are queued: a waiting pull gets its Deliver header
         # first and posts its receives while they are queued.
         await self._buffer(item)
         if gathers is not None:

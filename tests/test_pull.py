@@ -119,7 +119,7 @@ def test_the_lookup_key_and_the_index_ranges_come_back_in_one_read(with_roi: boo
     tokens = torch.arange(10, dtype=torch.int64) * 7
     roi = (torch.arange(10) % 3 == 0) if with_roi else None
     ranges = torch.tensor([0, 3, -1, 40])
-    key, values = _lookup_key_and(tokens, roi, ranges)
+    key, values = _lookup_key_and(tokens, roi, ranges)()
     assert key.tolist() == masked_tokens(tokens, roi).tolist()
     assert values == [0, 3, -1, 40]
 
@@ -146,7 +146,7 @@ async def test_compiled_gathers_are_queued_chunk_by_chunk_as_their_sends_need_th
 
     log: list[str] = []
     launches = [_Launch(log, f"chunk {index}") for index in range(3)]
-    gathers = _Gathers(lambda: launches, launches, None, lambda: concurrent.futures.ThreadPoolExecutor(1))  # type: ignore[arg-type]
+    gathers = _Gathers(launches, launches, None, lambda: concurrent.futures.ThreadPoolExecutor(1))  # type: ignore[arg-type]
     assert gathers.prepare() is None  # all compiled: the loop queues them itself
     gathers.queue_through(0)
     assert log == ["chunk 0", "chunk 0 ready"]
@@ -167,7 +167,7 @@ async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None
     launches = [_Launch(log, "chunk 0"), _Launch(log, "chunk 1", compiled=False)]
     launches[1].launch = lambda: threads.append(threading.current_thread().name)  # type: ignore[method-assign]
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gather") as pool:
-        gathers = _Gathers(lambda: launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        gathers = _Gathers(launches, launches, None, lambda: pool)  # type: ignore[arg-type]
         in_thread = gathers.prepare()
         assert in_thread is not None
         await asyncio.wrap_future(in_thread)
@@ -185,7 +185,7 @@ async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compile
     log: list[str] = []
     launches = [_Launch(log, "chunk 0", compiled=compiled, fails=True)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        gathers = _Gathers(lambda: launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        gathers = _Gathers(launches, launches, None, lambda: pool)  # type: ignore[arg-type]
         item = type("Item", (), {"gathers": gathers})()
 
         async def send() -> None:  # what the producer's send path does before each chunk

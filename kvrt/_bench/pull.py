@@ -8,7 +8,7 @@ waiting when the producer publishes; end to end is from the start of `publish` (
 to the pull's return with its scatter finished (consumer), both on the host's monotonic
 clock. Each row publishes in chunks of a different size (`register_pools(chunk_bytes=,
 taper=)`): one chunk is gather, then transfer, then scatter; smaller chunks pipeline them
-across layers, and tapered plans make the first and last chunks a quarter size. Every plan
+across layers, and tapered plans make the last chunk a quarter size. Every plan
 runs ROUNDS times, the plans taking turns (the caching allocators warm up as in steady
 serving: NCCL keeps a sent buffer referenced for a while after the send); a row gives the
 median and the best.
@@ -41,7 +41,7 @@ REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
 PLANS: Final = ((1 << 20, False), (1024, False), (1024, True), (512, False), (512, True))
 """(chunk MiB, taper) to publish in; the first is the whole request at once. With taper, the
-first and last chunks are a quarter size."""
+last chunk is a quarter size."""
 ROUNDS: Final = 5
 """Rounds of every plan, taken in turns; a row shows the median and the best."""
 WARMUP_TOKENS: Final = 64
