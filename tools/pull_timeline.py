@@ -110,23 +110,12 @@ def _patch(device: str, side: str) -> Clock:
             launch(self)
             clock.host_mark("gather queued")
 
-        for name in ("masked_tokens", "layer_segments", "check_tokens", "_lookup_key_and"):
+        for name in ("masked_tokens", "layer_segments", "check_tokens"):
             setattr(producer_module, name, marked(getattr(producer_module, name), name))
+        lookup_key_and = marked(producer_module._lookup_key_and, "read back queued")
+        producer_module._lookup_key_and = lambda *args: marked(lookup_key_and(*args), "read back waited")
         kernels.check_indices = marked(kernels.check_indices, "check_indices")
-        pack_empty = producer_module.pack_empty
-
-        def counted_pack_empty(*args: Any, **kwargs: Any) -> Any:
-            """Says whether the item's buffer came from the caching allocator or from cudaMalloc."""
-            before = torch.cuda.memory_stats()
-            clock.host_mark("pack_empty called")
-            result = pack_empty(*args, **kwargs)
-            after = torch.cuda.memory_stats()
-            counts = {key: after.get(key, 0) - before.get(key, 0) for key in ("num_device_alloc", "num_device_free",
-                      "num_alloc_retries", "num_sync_all_streams")}  # fmt: skip
-            clock.host_mark(f"pack_empty returns {counts}")
-            return result
-
-        producer_module.pack_empty = counted_pack_empty
+        producer_module.pack_empty = marked(producer_module.pack_empty, "pack_empty")
         kernels.per_token = marked(kernels.per_token, "per_token")
 
         async def timed_send(self: Any, peer: bytes, item: Any) -> Any:
