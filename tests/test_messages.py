@@ -42,6 +42,29 @@ def test_every_message_survives_encode_then_decode(message: m.Message) -> None:
     assert m.decode(m.encode(message)) == message
 
 
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda message: type(message).__name__)
+def test_decoded_messages_are_not_tracked_by_the_cycle_collector(message: m.Message) -> None:
+    """Plain data that never refers back to itself: tracking it would only bring the next
+    collection nearer."""
+    import gc
+
+    decoded = m.decode(m.encode(message))
+    assert not gc.is_tracked(decoded)
+    if isinstance(decoded, m.Deliver):
+        assert not gc.is_tracked(decoded.key)
+
+
+def test_a_batch_reply_and_its_hits_are_not_tracked_by_the_cycle_collector() -> None:
+    import gc
+
+    meta = m.TensorMeta("float16", [2, 3, 4, 8])
+    hit = m.Hit(item_id=1, matched=3, input_tokens=m.TensorMeta("int64", [3]), roi=None, key=meta, value=meta,
+                hidden=None, offset=0, payload_bytes=400)  # fmt: skip
+    decoded = m.decode(m.encode(m.DeliverMany(request_id=3, hits=[hit, None], payload_bytes=400)))
+    assert isinstance(decoded, m.DeliverMany) and decoded.hits[0] == hit
+    assert not gc.is_tracked(decoded) and not gc.is_tracked(decoded.hits[0]) and not gc.is_tracked(decoded.hits[0].key)
+
+
 def test_an_unknown_tag_is_a_remote_protocol_error() -> None:
     frame = msgspec.msgpack.encode([m.PROTOCOL_VERSION, {"type": "launch_missiles"}])
     with pytest.raises(RemoteProtocolError, match="launch_missiles"):
