@@ -735,7 +735,10 @@ class Consumer(AsyncService):
             return [await self._lookup(tokens, roi, 0.0, what=what) for tokens, roi in lookups]
         timer = _metrics.Timer(what)
         try:
-            answers = await asyncio.gather(*(self._links[0].call(_batch_request(batch)) for batch in _batches(wire)))
+            calls = [self._links[0].call(_batch_request(batch)) for batch in _batches(wire)]
+            # One request (up to 256 queries) is awaited as it is: a task around it would cost
+            # the loop a task and a hop per batch.
+            answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         except KVRTError as error:
             self._count_error(error)
             raise
