@@ -174,7 +174,7 @@ def batch_views(
         step = entries[end][1] - at if end < len(entries) else 0
         while end < len(entries) and entries[end][1] - entries[end - 1][1] == step and entries[end][0] == metas:
             end += 1
-        if end - start == 1 or step <= 0 or any(meta is not None and step % _itemsize(meta) for meta in metas):
+        if end - start == 1 or step <= 0 or any(meta is not None and step % _dtype_of(meta).itemsize for meta in metas):
             views += [views_at(metas_of, payload, at=at_of, typed=typed) for metas_of, at_of in entries[start:end]]
             start = end
             continue
@@ -203,10 +203,6 @@ def _placed(
         spare = payload.numel() % dtype.itemsize
         flat = typed[dtype] = (payload[: payload.numel() - spare] if spare else payload).view(dtype)
     return flat, flat.storage_offset() + (at + meta.offset) // dtype.itemsize, tuple(meta.shape)
-
-
-def _itemsize(meta: TensorMeta) -> int:
-    return DTYPES[meta.dtype].itemsize
 
 
 @functools.lru_cache(maxsize=1024)  # a batch's items share few shapes: look each up once
