@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -144,16 +145,21 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
 
 
 def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """int64 [4] on the pools' device: the smallest and largest replica index, then slot
-    (zeros when there are none). Queued, not read (three small kernels): a caller can read it
-    with other values in one round trip and pass it to `ranges_fit`."""
+    """int64 [4] where the indexes are: the smallest and largest replica index, then slot
+    (zeros when there are none). On the pools' device it is queued, not read (three small
+    kernels): a caller can read it with other values in one round trip and pass it to
+    `ranges_fit`. Indexes on the host (both of them) are reduced there: no round trip."""
+    on_host = replica.device.type == "cpu" and slots.device.type == "cpu"
     for name, index in (("replica", replica), ("slot", slots)):
-        if index.dtype != torch.int64 or index.dim() != 1 or index.device != table.device:
-            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device}")
+        if index.dtype != torch.int64 or index.dim() != 1 or not (on_host or index.device == table.device):
+            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device} or on the host")
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
     if not slots.numel():
-        return torch.zeros(4, dtype=torch.int64, device=table.device)
+        return torch.zeros(4, dtype=torch.int64, device=slots.device)
+    if on_host:  # numpy: the check through torch took 0.2 ms for 32k tokens on an H200 host
+        ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
+        return torch.tensor(ranges, dtype=torch.int64)
     (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
     return torch.stack((replica_min, replica_max, slot_min, slot_max))
 
@@ -338,6 +344,8 @@ def _plan(
     first_layer, end_layer = (0, table.layers) if layers is None else layers
     if tokens == 0 or end_layer == first_layer:
         return None
+    if slots.device != table.device or replica.device != table.device:
+        raise InvalidInputError(f"a kernel reads its replica and slot indexes on {table.device}, not the host's")
     g = table.geometry
     kv = g.kv if part is None else 1
     row_offset = g.v_offset if part == "value" else 0

@@ -40,7 +40,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import chunk_plan, layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._tensors import chunk_plan, host_to_device, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -74,43 +74,48 @@ class ProducerStats:
 
 
 class _Gathers:
-    """A published item's gathers in send order (planned by `publish`), each followed by its
-    event.
+    """A published item's gathers in send order, each followed by its event, planned when
+    first needed: by the send path right after the Deliver header left, so that the header
+    does not wait for the planning (or by `publish`, once the item is buffered).
 
     When every launch was compiled before, they are queued on the loop, each right before the
-    sends of its bytes (the first by `publish` itself), so the first chunk is on the wire
-    before the last is even gathered. Else a worker thread queues them all, once the item's
-    first send or `publish` asks: a first launch compiles, for about a second, and the loop
-    must not wait for that.
+    sends of its bytes, so the first chunk is on the wire before the last is even gathered.
+    Else a worker thread queues them all, once the item's first send or `publish` asks: a
+    first launch compiles, for about a second, and the loop must not wait for that.
     """
 
     def __init__(
         self,
-        launches: list[PreparedGather],
+        plan: Callable[[], list[PreparedGather]],
         ready: list[torch.cuda.Event],
         stream: torch.cuda.Stream,
         thread: Callable[[], concurrent.futures.Executor],
     ) -> None:
-        self._launches = launches
+        self._plan = plan
+        self._launches: list[PreparedGather] = []
         self._ready = ready
         self._stream = stream
         self._thread = thread
-        self._compiled = all(launch.compiled for launch in launches)
+        self._compiled: bool | None = None
         self._queued = 0
         self._in_thread: concurrent.futures.Future[None] | None = None
         self._failure: BaseException | None = None
 
-    @property
-    def compiled(self) -> bool:
-        """Whether every launch was compiled before (else a worker thread queues them)."""
-        return self._compiled
+    def _planned(self) -> None:
+        if self._compiled is None and self._failure is None:
+            try:
+                self._launches = self._plan()
+                self._compiled = all(launch.compiled for launch in self._launches)
+            except Exception as exc:  # a plan that cannot be made fails every send, and publish
+                self._failure = exc
 
     def prepare(self) -> concurrent.futures.Future[None] | None:
         """The worker thread's queuing of every gather, started on the first call, when they
         must compile; None when the loop queues them."""
+        self._planned()
+        self._raise_failure()
         if not self._compiled and self._in_thread is None:
             self._in_thread = self._thread().submit(self._queue, None)
-        self._raise_failure()
         return self._in_thread
 
     def queue_through(self, gather: int | None) -> None:
@@ -171,25 +176,32 @@ async def _all_gathers_queued(item: BufferedItem) -> None:
 
 
 def _lookup_key_and(
-    input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor
+    input_tokens: torch.Tensor, roi: torch.Tensor | None, values: torch.Tensor | None
 ) -> Callable[[], tuple[np.ndarray, list[int]]]:
-    """The lookup key (the tokens the roi selects, on the host) and a few int64 device values,
-    read back together (one wait for the device, not two): queued now, the call that returns
-    waits for them, so that the host can work out other things while they travel."""
+    """The lookup key (the tokens the roi selects, on the host) and a few int64 device values
+    (or none), read back together (one wait for the device, not two): queued now, the call
+    that returns waits for them, so that the host can work out other things while they
+    travel. Tokens on the host cost no read back."""
     tokens = input_tokens.detach()
-    if tokens.device != values.device:
+    if values is None and tokens.device.type == "cpu":
+        key = masked_tokens(input_tokens, roi)
+        return lambda: (key, [])
+    if values is not None and tokens.device != values.device:
         key, read_values = masked_tokens(input_tokens, roi), _to_host(values)
         return lambda: (key, read_values().tolist())
-    parts = [tokens.to(torch.int64), values]
+    parts = [tokens.to(torch.int64)]
     if roi is not None:  # applied on the host: a boolean mask on the device would wait too
-        parts.insert(1, roi.to(device=values.device, dtype=torch.int64))
+        parts.append(roi.to(device=tokens.device, dtype=torch.int64))
+    if values is not None:
+        parts.append(values)
     read = _to_host(torch.cat(parts))
     count = tokens.numel()
+    values_at = count if roi is None else 2 * count
 
     def result() -> tuple[np.ndarray, list[int]]:
         host = read()
-        key = host[:count] if roi is None else host[:count][host[count : 2 * count].astype(bool)]
-        return key, host[len(host) - values.numel() :].tolist()
+        key = host[:count] if roi is None else host[:count][host[count:values_at].astype(bool)]
+        return key, host[values_at:].tolist()
 
     return result
 
@@ -289,6 +301,7 @@ class Producer(AsyncService):
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._taper = False
+        self._small_first = False
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
@@ -410,16 +423,18 @@ class Producer(AsyncService):
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
-    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
+    def register_pools(
+        self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False,
+        small_first: bool = False,
+    ) -> None:  # fmt: skip
         """Register the engine's KV pools once (every replica, every layer): `publish` then
         takes a finished prefill straight from them.
 
         A published request travels in chunks of whole layers holding about `chunk_bytes` of
         K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands. With `taper`, the last chunk
-        is a quarter of that: it leaves less to scatter once the wire is idle. (The first
-        chunk's gather runs while the request's header travels, so a small first chunk buys
-        nothing.)"""
+        and a pulling consumer scatters it as soon as it lands. With `small_first`, the first
+        chunk is a quarter of that: the wire starts once its keys are gathered. With `taper`,
+        the last chunk is a quarter of that: it leaves less to scatter once the wire is idle."""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -427,6 +442,7 @@ class Producer(AsyncService):
         self._pools = pools
         self._chunk_bytes = chunk_bytes
         self._taper = bool(taper)
+        self._small_first = bool(small_first)
 
     async def publish(
         self,
@@ -444,6 +460,8 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
+        if not isinstance(slots, torch.Tensor):
+            raise InvalidInputError(f"publish: slots must be a 1-D int64 tensor, got {type(slots).__name__}")
         from kvrt.kernels.paged_kv import (
             check_indices,
             gather_into_any,
@@ -463,10 +481,19 @@ class Producer(AsyncService):
         self._reclaim()
         read_back = None
         if self.device.type == "cuda":
-            # The lookup key and the index ranges come back in one read, queued first: the
+            ranges = None
+            if slots.device.type == "cpu" and replicas.device.type == "cpu":
+                # Indexes on the host, as an engine's scheduler holds a request's pages: checked
+                # here, with no device round trip, and copied to the pools' device on the
+                # caller's stream, which the gathers run after.
+                check_indices(pools, replicas, slots)
+                replicas, slots = (host_to_device(index, self.device) for index in (replicas, slots))
+            else:
+                ranges = index_ranges(pools, replicas, slots)
+            # The lookup key (and the index ranges) come back in one read, queued first: the
             # item's layout and its gathers' plan are worked out while they travel. Nothing is
             # launched on the pools, or buffered, before the indexes are known to be in range.
-            read_back = _lookup_key_and(input_tokens, roi, index_ranges(pools, replicas, slots))
+            read_back = _lookup_key_and(input_tokens, roi, ranges)
         # The item's buffer is laid out first and the KV gathered straight into it: one pass
         # over the bytes, no staging copy.
         g, tokens = pools.geometry, slots.numel()
@@ -481,12 +508,15 @@ class Producer(AsyncService):
         _, _, key_meta, value_meta, _ = packed.metas
         assert item_tokens is not None and key is not None and value is not None
         assert key_meta is not None and value_meta is not None
-        item_tokens.copy_(input_tokens)
-        if item_roi is not None and roi is not None:
-            item_roi.copy_(roi)
+        for into, source in ((item_tokens, input_tokens), (item_roi, roi)):
+            if into is not None and source is not None:
+                if source.device.type == "cpu" and into.device.type == "cuda":
+                    into.copy_(host_to_device(source, into.device))
+                else:
+                    into.copy_(source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._taper)
+        chunks = chunk_plan(pools.layers, per_chunk, small_first=self._small_first, small_last=self._taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if read_back is not None:
@@ -498,25 +528,21 @@ class Producer(AsyncService):
                 chunk * len(parts) + (1 if len(parts) == 2 and offset >= value_meta.offset else 0)
                 for (offset, _), chunk in zip(segments, segment_chunks, strict=True)
             ]
-            # Planned once for every layer; a chunk only moves the grid (no new checks, views
-            # or compilation per chunk). Planned here, while the read back travels: the first
-            # send queues its gather as soon as the Deliver header has left.
-            whole = [prepare_gather_into(pools, replicas, slots, key, value, part=part) for part in parts]
-            launches = [part.for_layers(first, end) for first, end in chunks for part in whole]
-            ready = [torch.cuda.Event() for _ in launches]
-            masked, ranges = read_back()
-            if not ranges_fit(pools, ranges):
+
+            def plan(replicas: torch.Tensor = replicas, slots: torch.Tensor = slots) -> list[PreparedGather]:
+                """Planned once for every layer; a chunk only moves the grid (no new checks,
+                views or compilation per chunk)."""
+                whole = [prepare_gather_into(pools, replicas, slots, key, value, part=part) for part in parts]
+                return [part.for_layers(first, end) for first, end in chunks for part in whole]
+
+            ready = [torch.cuda.Event() for _ in range(len(chunks) * len(parts))]
+            masked, read_ranges = read_back()
+            if read_ranges and not ranges_fit(pools, read_ranges):
                 check_indices(pools, replicas, slots)  # raises, naming the index
-            # The send path queues each gather right before the sends of its bytes. The first
-            # one is queued now, when its kernel is compiled already: it runs while the Deliver
-            # header travels and the consumer posts its receives (a first launch compiles, for
-            # about a second, in a worker thread, after the header left).
-            gathers = _Gathers(launches, ready, torch.cuda.current_stream(self.device), self._gather_thread)
-            if segment_gathers and gathers.compiled:
-                try:
-                    gathers.queue_through(segment_gathers[0])
-                except GathersFailed as failed:
-                    raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
+            # The send path plans the gathers once the Deliver header has left (the consumer
+            # posts its receives meanwhile) and queues each right before the sends of its
+            # bytes; a first launch compiles, for about a second, in a worker thread.
+            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)

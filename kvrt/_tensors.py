@@ -94,6 +94,17 @@ class Packed:
     metas: tuple[TensorMeta | None, ...]
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` on the current stream, without waiting for the
+    stream: from pageable memory CUDA stages the bytes before the call returns, so the caller
+    may change `host` at once. A pinned `host` is copied to pageable memory first (an
+    asynchronous copy would read it later). (Staging through a pinned block of torch's host
+    cache cost ~0.1 ms a tensor on an H200 host.)"""
+    if host.is_pinned():
+        host = host.clone()
+    return host.to(device, non_blocking=True)
+
+
 def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device: torch.device) -> Packed:
     """One new buffer on `device` laid out for tensors of these shapes and dtypes (None stays
     None), and views of them: for a caller that fills them in place."""

@@ -106,10 +106,11 @@ def pull_request(
 
 
 def run_gpu_publisher(
-    device: str, seed: int, chunk_bytes: int, mla: bool, control: multiprocessing.connection.Connection
-) -> None:
-    """Publish `pull_request(seed, mla)` from pools on `device` in chunks of `chunk_bytes`;
-    serve until told to stop."""
+    device: str, seed: int, chunk_bytes: int, mla: bool, host_indexes: bool,
+    control: multiprocessing.connection.Connection,
+) -> None:  # fmt: skip
+    """Publish `pull_request(seed, mla)` from pools on `device` in chunks of `chunk_bytes`,
+    its tokens and indexes on the host or on `device`; serve until told to stop."""
     from kvrt.kernels.paged_kv import Layout, PoolTable
 
     torch.cuda.set_device(device)
@@ -120,7 +121,10 @@ def run_gpu_publisher(
     async def main() -> None:
         async with kvrt.Producer(device=device, buffer_bytes=1 << 40) as producer:
             producer.register_pools(table, chunk_bytes=chunk_bytes)
-            await producer.publish(tokens.to(device), slots.to(device), replica.to(device))
+            if host_indexes:
+                await producer.publish(tokens, slots, replica)
+            else:
+                await producer.publish(tokens.to(device), slots.to(device), replica.to(device))
             control.send(producer.endpoint)
             await asyncio.to_thread(_receive, control)
 

@@ -217,19 +217,21 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
 
 
 @pytest.mark.parametrize(
-    ("chunk_bytes", "mla"),
-    [(1 << 40, False), (16 << 20, False), (1 << 20, True)],
-    ids=["whole", "layer-by-layer", "mla-layer-by-layer"],
+    ("chunk_bytes", "mla", "host_indexes"),
+    [(1 << 40, False, False), (16 << 20, False, False), (1 << 20, True, False), (16 << 20, False, True)],
+    ids=["whole", "layer-by-layer", "mla-layer-by-layer", "layer-by-layer-indexes-on-the-host"],
 )
 async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
-    chunk_bytes: int, mla: bool
+    chunk_bytes: int, mla: bool, host_indexes: bool
 ) -> None:
     from kvrt.kernels.paged_kv import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)
     control, child = spawn.Pipe()
-    process = spawn.Process(target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, mla, child), daemon=True)
+    process = spawn.Process(
+        target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, mla, host_indexes, child), daemon=True
+    )
     await asyncio.to_thread(process.start)
     try:
         assert await asyncio.to_thread(control.poll, 180), "GPU publisher did not start"
@@ -245,7 +247,7 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
                   for _ in range(copies)] for _ in range(3)],
                 Layout.MLA if mla else Layout.TOKEN_MAJOR,
             )  # fmt: skip
-            into_slots = torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
+            into_slots = torch.randperm(shape[0], device="cpu" if host_indexes else CONSUMER_DEVICE)[: tokens.numel()]
             torch.cuda.synchronize(CONSUMER_DEVICE)
             return pools, tokens, replica, slots, target, into_slots
 

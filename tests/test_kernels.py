@@ -200,13 +200,22 @@ def small_table() -> PoolTable:
         ([0], [3, 4], "1 replica indexes for 2 slots"),
     ],
 )
+@pytest.mark.parametrize("where", [DEVICE, "cpu"], ids=["on-the-pools-device", "on-the-host"])
 def test_indexes_out_of_range_are_refused_before_launch(
-    small_table: PoolTable, replica: list[int], slots: list[int], message: str
+    small_table: PoolTable, replica: list[int], slots: list[int], message: str, where: str
 ) -> None:
-    replica_tensor = torch.tensor(replica, dtype=torch.int64, device=DEVICE)
-    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    replica_tensor = torch.tensor(replica, dtype=torch.int64, device=where)
+    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=where)
     with pytest.raises(InvalidInputError, match=message):
         gather(small_table, replica_tensor, slot_tensor)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="on the CPU the host is the pools' device")
+def test_a_kernel_refuses_indexes_left_on_the_host(small_table: PoolTable) -> None:
+    index = torch.zeros(1, dtype=torch.int64)
+    check_indices(small_table, index, index)  # in range: checked on the host
+    with pytest.raises(InvalidInputError, match="reads its replica and slot indexes on cuda"):
+        gather(small_table, index, index)
 
 
 def test_a_head_range_outside_the_pools_is_refused(small_table: PoolTable) -> None:

@@ -122,6 +122,9 @@ def test_the_lookup_key_and_the_index_ranges_come_back_in_one_read(with_roi: boo
     key, values = _lookup_key_and(tokens, roi, ranges)()
     assert key.tolist() == masked_tokens(tokens, roi).tolist()
     assert values == [0, 3, -1, 40]
+    key, values = _lookup_key_and(tokens, roi, None)()  # indexes checked on the host: the key alone
+    assert key.tolist() == masked_tokens(tokens, roi).tolist()
+    assert values == []
 
 
 class _Launch:
@@ -146,8 +149,16 @@ async def test_compiled_gathers_are_queued_chunk_by_chunk_as_their_sends_need_th
 
     log: list[str] = []
     launches = [_Launch(log, f"chunk {index}") for index in range(3)]
-    gathers = _Gathers(launches, launches, None, lambda: concurrent.futures.ThreadPoolExecutor(1))  # type: ignore[arg-type]
+
+    def plan() -> list[_Launch]:
+        log.append("planned")
+        return launches
+
+    gathers = _Gathers(plan, launches, None, lambda: concurrent.futures.ThreadPoolExecutor(1))  # type: ignore[arg-type]
+    assert log == []  # planned when the first send needs it, after its header left
     assert gathers.prepare() is None  # all compiled: the loop queues them itself
+    assert log == ["planned"]
+    log.clear()
     gathers.queue_through(0)
     assert log == ["chunk 0", "chunk 0 ready"]
     gathers.queue_through(0)  # queued once
@@ -167,7 +178,7 @@ async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None
     launches = [_Launch(log, "chunk 0"), _Launch(log, "chunk 1", compiled=False)]
     launches[1].launch = lambda: threads.append(threading.current_thread().name)  # type: ignore[method-assign]
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gather") as pool:
-        gathers = _Gathers(launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        gathers = _Gathers(lambda: launches, launches, None, lambda: pool)  # type: ignore[arg-type]
         in_thread = gathers.prepare()
         assert in_thread is not None
         await asyncio.wrap_future(in_thread)
@@ -175,8 +186,11 @@ async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None
     assert threads[0].startswith("gather")
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["on-the-loop", "in-a-thread"])
-async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compiled: bool) -> None:
+@pytest.mark.parametrize(
+    ("compiled", "planned"), [(True, True), (False, True), (True, False)],
+    ids=["on-the-loop", "in-a-thread", "not-planned"],
+)  # fmt: skip
+async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compiled: bool, planned: bool) -> None:
     import concurrent.futures
 
     from kvrt._buffer import GathersFailed
@@ -184,8 +198,14 @@ async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compile
 
     log: list[str] = []
     launches = [_Launch(log, "chunk 0", compiled=compiled, fails=True)]
+
+    def plan() -> list[_Launch]:
+        if not planned:
+            raise RuntimeError("chunk 0 failed to launch: no plan")
+        return launches
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        gathers = _Gathers(launches, launches, None, lambda: pool)  # type: ignore[arg-type]
+        gathers = _Gathers(plan, launches, None, lambda: pool)  # type: ignore[arg-type]
         item = type("Item", (), {"gathers": gathers})()
 
         async def send() -> None:  # what the producer's send path does before each chunk

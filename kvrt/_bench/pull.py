@@ -7,9 +7,12 @@ them at random; the consumer's pool is one replica of 32768 slots. The consumer'
 waiting when the producer publishes; end to end is from the start of `publish` (producer)
 to the pull's return with its scatter finished (consumer), both on the host's monotonic
 clock. Each row publishes in chunks of a different size (`register_pools(chunk_bytes=,
-taper=)`): one chunk is gather, then transfer, then scatter; smaller chunks pipeline them
-across layers, and tapered plans make the last chunk a quarter size. Every plan
-runs ROUNDS times, the plans taking turns (the caching allocators warm up as in steady
+small_first=, taper=)`): one chunk is gather, then transfer, then scatter; smaller chunks
+pipeline them across layers, and the first or last chunk can be a quarter size. The
+request's tokens and indexes (replica and slot per token, on both sides) are on the GPUs,
+or on the hosts as an engine's scheduler holds them (then `publish` checks them with no
+device round trip and copies them over on the caller's stream). Every plan runs ROUNDS
+times, the plans taking turns (the caching allocators warm up as in steady
 serving: NCCL keeps a sent buffer referenced for a while after the send); a row gives the
 median and the best.
 """
@@ -25,7 +28,7 @@ import multiprocessing.connection
 import statistics
 import sys
 import time
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -39,9 +42,27 @@ DIM: Final = 128
 PRODUCER_SLOTS: Final = 16384
 REPLICAS: Final = 4
 RAW_REPEATS: Final = 3
-PLANS: Final = ((1 << 20, False), (1024, False), (1024, True), (512, False), (512, True))
-"""(chunk MiB, taper) to publish in; the first is the whole request at once. With taper, the
-last chunk is a quarter size."""
+
+
+class Plan(NamedTuple):
+    """How a row publishes: chunks of `chunk_mib` (a quarter of that first or last, when
+    asked), the request's tokens and indexes on the host or on the GPU."""
+
+    chunk_mib: int
+    small_first: bool
+    small_last: bool
+    on_host: bool
+
+
+PLANS: Final = (
+    Plan(1 << 20, False, False, False),  # the whole request at once
+    Plan(1024, False, False, False),
+    Plan(1024, False, False, True),
+    Plan(1024, True, False, False),
+    Plan(1024, True, False, True),
+    Plan(1024, True, True, True),
+    Plan(512, False, False, True),
+)
 ROUNDS: Final = 5
 """Rounds of every plan, taken in turns; a row shows the median and the best."""
 WARMUP_TOKENS: Final = 64
@@ -76,6 +97,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     for r in range(REPLICAS):
         chosen = (replica == r).nonzero().flatten()
         slots[chosen] = torch.randperm(PRODUCER_SLOTS, device=PRODUCER_DEVICE)[: chosen.numel()]
+    host_replica, host_slots, host_tokens = replica.cpu(), slots.cpu(), torch.arange(TOKENS)
 
     async def main() -> None:
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
@@ -87,11 +109,15 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                                    slots[:WARMUP_TOKENS], replica[:WARMUP_TOKENS])  # fmt: skip
             control.send("warmed")
             while (command := await asyncio.to_thread(control.recv)) != "stop":
-                _, chunk_mib, taper = command
-                producer.register_pools(pools, chunk_bytes=chunk_mib << 20, taper=taper)
+                _, (chunk_mib, small_first, small_last, on_host) = command
+                producer.register_pools(pools, chunk_bytes=chunk_mib << 20, small_first=small_first, taper=small_last)
+                tokens = host_tokens if on_host else torch.arange(TOKENS, device=PRODUCER_DEVICE)
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 started = time.perf_counter()
-                await producer.publish(torch.arange(TOKENS, device=PRODUCER_DEVICE), slots, replica)
+                if on_host:
+                    await producer.publish(tokens, host_slots, host_replica)
+                else:
+                    await producer.publish(tokens, slots, replica)
                 control.send(started)
 
     asyncio.run(main())
@@ -148,17 +174,19 @@ def main(args: argparse.Namespace) -> int:
                 warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
                 warm = await consumer.pull(torch.arange(WARMUP_TOKENS) - WARMUP_TOKENS, into=target, slots=warm_slots)
                 assert warm is not None
-                timings: dict[tuple[int, bool], list[float]] = {plan: [] for plan in PLANS}
+                timings: dict[Plan, list[float]] = {plan: [] for plan in PLANS}
+                host_slots = torch.arange(TOKENS)
+                device_slots = host_slots.to(CONSUMER_DEVICE)
                 for _ in range(ROUNDS):
-                    for chunk_mib, taper in PLANS:
+                    for plan in PLANS:
                         pull = asyncio.create_task(consumer.pull(
-                            torch.arange(TOKENS), into=target, slots=torch.arange(TOKENS, device=CONSUMER_DEVICE),
+                            torch.arange(TOKENS), into=target, slots=host_slots if plan.on_host else device_slots,
                             timeout=60,
                         ))  # fmt: skip
                         # A health check on the same link answers after the producer took in the
                         # pull's request (one connection keeps order): the pull is waiting now.
                         await consumer._links[0].call(lambda request_id: m.Health(request_id=request_id))
-                        control.send(("publish", chunk_mib, taper))
+                        control.send(("publish", tuple(plan)))
                         item = await pull
                         torch.cuda.synchronize(CONSUMER_DEVICE)
                         ended = time.perf_counter()
@@ -166,10 +194,12 @@ def main(args: argparse.Namespace) -> int:
                         if item is None or item.matched != TOKENS:
                             raise RuntimeError("the published request did not arrive")
                         del item
-                        timings[(chunk_mib, taper)].append(ended - started)
-                for (chunk_mib, taper), seconds in timings.items():
-                    rows.append({"chunk_mib": min(chunk_mib, KV_BYTES >> 20), "taper": taper,
-                                 "end_to_end_s": statistics.median(seconds), "best_s": min(seconds)})  # fmt: skip
+                        timings[plan].append(ended - started)
+                for plan, seconds in timings.items():
+                    rows.append({"chunk_mib": min(plan.chunk_mib, KV_BYTES >> 20), "small_first": plan.small_first,
+                                 "taper": plan.small_last, "indexes_on_host": plan.on_host,
+                                 "end_to_end_s": statistics.median(seconds),
+                                 "best_s": min(seconds)})  # fmt: skip
 
         asyncio.run(run())
         result["raw_s"] = min(raw)
@@ -191,9 +221,11 @@ def main(args: argparse.Namespace) -> int:
           f"({KV_BYTES >> 20} MiB), {where}")  # fmt: skip
     print(f"raw NCCL send/recv of the same bytes: {raw_s * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
     print(f"kvrt, publish -> pull end to end (gather, NCCL, scatter), by chunk plan; median of {ROUNDS} rounds:")
-    print("    chunk | tapered |  end to end |     GB/s | of raw | best | goal")
+    print("    chunk | small first, last | indexes |  end to end |     GB/s | of raw | best | goal")
     for row in rows:
-        print(f" {row['chunk_mib']:5.0f} MiB | {'yes' if row['taper'] else 'no':>7} | "
+        edges = f"{'yes' if row['small_first'] else 'no'}, {'yes' if row['taper'] else 'no'}"
+        print(f" {row['chunk_mib']:5.0f} MiB | {edges:>17} | "
+              f"{'host' if row['indexes_on_host'] else 'GPU':>7} | "
               f"{row['end_to_end_s'] * 1e3:8.2f} ms | {row['gbps']:8.1f} | {100 * row['ratio']:5.0f}% | "
               f"{100 * row['best_ratio']:3.0f}% | >= 85%")  # fmt: skip
     if args.json:
