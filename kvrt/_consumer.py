@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Self
 
@@ -147,7 +148,7 @@ class _Link:
         self._transport: Transport | None = None
         self._connect_timeout_s = connect_timeout_s
         self._join_task: asyncio.Task[None] | None = None
-        self._receives: set[asyncio.Task[None]] = set()
+        self._arrivals: set[asyncio.Future[Any]] = set()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._monitor = None if curve is None else secure_client(self._socket, curve)
@@ -253,9 +254,11 @@ class _Link:
             self._fail_all(self.core.close())
             if was_ready:
                 self._send_nowait(m.Bye(reason="consumer closed"))
-        owned = [task for task in (self._task, self._join_task, *self._receives) if task is not None]
+        owned = [task for task in (self._task, self._join_task) if task is not None]
         for task in owned:
             task.cancel()
+        for arriving in list(self._arrivals):
+            arriving.cancel()
         for task in owned:
             with contextlib.suppress(asyncio.CancelledError, KVRTError):
                 await task
@@ -352,26 +355,25 @@ class _Link:
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
             on_landing(deliver, arrival)
         arriving = arrival.complete
-        if isinstance(arriving, asyncio.Future) and arriving.done():
-            self._complete(future, deliver, arriving.result())  # TCP: already here
-            return
-        self._own_receive(self._await_receive(future, deliver, arriving), f"kvrt-receive-{deliver.item_id}")
+        if arriving.done():
+            self._landed(future, deliver, arriving)  # TCP: already here
+        else:
+            self._own_arrival(arriving, functools.partial(self._landed, future, deliver))
 
-    async def _await_receive(
-        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, arriving: Awaitable[ItemTensors]
+    def _landed(
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, arriving: asyncio.Future[ItemTensors]
     ) -> None:
-        try:
-            tensors = await arriving
-        except (ProtocolError, RuntimeError) as exc:
-            self._give_back(future, deliver, translate_torch_error(exc, what=f"receiving item {deliver.item_id}"))
+        """An item's receive ended: complete the call, or give the item back with the reason."""
+        if arriving.cancelled():
+            return  # the link closed; its calls failed already
+        error = arriving.exception()
+        if error is not None:
+            self._give_back(future, deliver, translate_torch_error(error, what=f"receiving item {deliver.item_id}"))
             return
-        self._complete(future, deliver, tensors)
-
-    def _complete(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, tensors: ItemTensors) -> None:
         if future is None or future.done():
             self._send_nowait(m.Release(item_id=deliver.item_id))
             return
-        input_tokens, roi, key, value, hidden = tensors
+        input_tokens, roi, key, value, hidden = arriving.result()
         future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
 
     def _on_deliver_many(
@@ -391,37 +393,34 @@ class _Link:
                 if future is not None and not future.done():
                     future.set_exception(exc)
             return
-        if isinstance(arriving, asyncio.Future) and arriving.done():
-            self._complete_batch(future, batch, arriving.result())  # TCP: already here
-            return
-        self._own_receive(self._await_batch(future, batch, arriving), f"kvrt-receive-{batch.request_id}")
+        if arriving.done():
+            self._batch_landed(future, batch, arriving)  # TCP: already here
+        else:
+            self._own_arrival(arriving, functools.partial(self._batch_landed, future, batch))
 
-    def _own_receive(self, landing: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `landing` in a task the link owns (closing cancels it)."""
-        task = asyncio.create_task(landing, name=name)
-        self._receives.add(task)
-        task.add_done_callback(self._receives.discard)
+    def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
+        """Call `landed` when a posted receive ends, from the future's own callback (no task,
+        no extra hop of the loop); closing the link cancels it."""
+        self._arrivals.add(arriving)
+        arriving.add_done_callback(self._arrivals.discard)
+        arriving.add_done_callback(landed)
 
-    async def _await_batch(
-        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, arriving: Awaitable[list[ItemTensors]]
+    def _batch_landed(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, arriving: asyncio.Future[list[ItemTensors]]
     ) -> None:
-        try:
-            landed = await arriving
-        except (ProtocolError, RuntimeError) as exc:
+        if arriving.cancelled():
+            return
+        error = arriving.exception()
+        if error is not None:
             hit_ids = _item_ids(batch)
             self._release(hit_ids)
             if future is not None and not future.done():
-                future.set_exception(translate_torch_error(exc, what=f"receiving a batch of {len(hit_ids)} items"))
+                future.set_exception(translate_torch_error(error, what=f"receiving a batch of {len(hit_ids)} items"))
             return
-        self._complete_batch(future, batch, landed)
-
-    def _complete_batch(
-        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, landed: list[ItemTensors]
-    ) -> None:
         if future is None or future.done():
             self._release(_item_ids(batch))
             return
-        tensors = iter(landed)
+        tensors = iter(arriving.result())
         items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]
         future.set_result(_Reply(batch, items=items))
 
@@ -978,7 +977,9 @@ class Consumer(AsyncService):
             item = await self._lookup(input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands)
         finally:
             for job in queued:  # the caller's later work on these slots comes after the writes
-                done: torch.cuda.Event = await asyncio.shield(asyncio.wrap_future(job))
+                # Queued long before the last byte landed, as a rule: then no wrapping future
+                # and its hops of the loop (three, after the item itself completed).
+                done: torch.cuda.Event = job.result() if job.done() else await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
         return item, bool(queued)
 

@@ -7,8 +7,11 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import torch
+
+_T = TypeVar("_T")
 
 
 def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPoolExecutor:
@@ -31,14 +34,21 @@ class Waiter:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], asyncio.Future[None]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], asyncio.Future[Any], object] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def wait(self, blocking: Callable[[], object]) -> asyncio.Future[None]:
+    @overload
+    def wait(self, blocking: Callable[[], object]) -> asyncio.Future[None]: ...
+    @overload
+    def wait(self, blocking: Callable[[], object], result: _T) -> asyncio.Future[_T]: ...
+    def wait(self, blocking: Callable[[], object], result: object = None) -> asyncio.Future[Any]:
         """Run `blocking` on the thread after the waits queued before it; the future is done
-        (or failed with its error) once it returned. Call from the event loop."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with `result` (or failed with its error) once it returned. Call from the event loop.
+        A caller completes its own work from the future's callbacks: no task, no extra hop."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if self._closed:
             future.set_exception(RuntimeError(f"{self._name} is closed"))
             return future
@@ -46,7 +56,7 @@ class Waiter:
             # A daemon: a wait on a GPU whose peer died must not hold the interpreter's exit.
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        self._jobs.put((blocking, future))
+        self._jobs.put((blocking, future, result))
         return future
 
     def close(self) -> None:
@@ -57,7 +67,7 @@ class Waiter:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            blocking, future = job
+            blocking, future, result = job
             del job
             error: BaseException | None = None
             try:
@@ -66,16 +76,16 @@ class Waiter:
                 error = raised
             del blocking  # the closure and what it holds are freed here, off the loop
             try:
-                future.get_loop().call_soon_threadsafe(_settle, future, error)
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:
                 pass  # the loop is closed: nobody waits any more
-            del future, error
+            del future, result, error
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

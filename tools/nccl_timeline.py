@@ -213,7 +213,7 @@ def _cost_group_calls(side: str) -> None:
         (paired, "_pack_hits"),
         (paired, "_drop_finished"),
         (consumer_module, "query_bytes"),
-        (_Link, "_complete_batch"),
+        (_Link, "_batch_landed"),
         (_Link, "_on_deliver_many"),
         (ConsumerCore, "receive"),
         (ProducerCore, "receive"),

@@ -168,6 +168,18 @@ def _patch(device: str, side: str) -> Clock:
             clock.gpu_mark(f"scatter {kwargs.get('layers')} done (gpu)", done)
 
         PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        import kvrt._threads
+        from kvrt._consumer import Consumer
+
+        kvrt._threads._settle = marked(kvrt._threads._settle, "a wait's outcome on the loop")
+        pull = Consumer.pull
+
+        async def timed_pull(self: Any, *args: Any, **kwargs: Any) -> Any:
+            item = await pull(self, *args, **kwargs)
+            clock.host_mark("pull returns")
+            return item
+
+        Consumer.pull = timed_pull  # type: ignore[method-assign]
         from kvrt._protocol import ConsumerCore
 
         ConsumerCore.receive = marked(ConsumerCore.receive, "ConsumerCore.receive")  # type: ignore[method-assign]

@@ -38,7 +38,8 @@ Both: `aclose` when the producer or consumer closes.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Sequence
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,9 @@ def batch_hits(message: DeliverMany) -> list[Hit]:
 class Arrival:
     """A posted receive."""
 
-    complete: Awaitable[ItemTensors]
-    """The five tensors, once the whole item has landed."""
+    complete: asyncio.Future[ItemTensors]
+    """The five tensors, once the whole item has landed (done already when they came with
+    the header)."""
     early: ItemTensors | None = None
     """GPU transports: the same tensors at once, to be read only on a stream that waited on
     the `landed` event of the segments it reads."""
@@ -112,7 +114,7 @@ class Transport(abc.ABC):
         """Consumer side: post the receive of one item now."""
 
     @abc.abstractmethod
-    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
 
     async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)

@@ -32,7 +32,7 @@ import contextlib
 import datetime
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -261,10 +261,10 @@ class PairedTransport(Transport):
             done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return Arrival(done)
-        completed, landed = self._post(group, payload, segments)
-        return Arrival(self._after(completed, tensors), tensors if landed else None, tuple(landed))
+        completed, landed = self._post(group, payload, segments, tensors)
+        return Arrival(completed, tensors if landed else None, tuple(landed))
 
-    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         hits = batch_hits(message)
         segments = transfer_segments(message.segments, message.payload_bytes)
         # Everything is checked before anything is posted.
@@ -278,13 +278,15 @@ class PairedTransport(Transport):
                 check_metas(metas, hit.payload_bytes)
                 checked = (metas, hit.payload_bytes)
         payload, group = self._payload(message.payload_bytes, frames)
-        completed = self._post(group, payload, segments)[0] if segments else None
-        tensors = [_five(views) for views in batch_views(entries, payload)]  # while the bytes travel
-        if completed is None:
+        tensors: list[ItemTensors] = []
+        if not segments:
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
-            return done
-        return self._after(completed, tensors)
+        else:
+            done = self._post(group, payload, segments, tensors)[0]
+        # Made while the bytes travel: the future hands the list over only once they landed.
+        tensors += [_five(views) for views in batch_views(entries, payload)]
+        return done
 
     def _payload(self, payload_bytes: int, frames: Sequence[zmq.Frame]) -> tuple[torch.Tensor, Any]:
         """A receive buffer for an announced payload, and the pair's group; refuses what
@@ -299,10 +301,10 @@ class PairedTransport(Transport):
         return torch.empty(payload_bytes, dtype=torch.uint8, device=self.device), pair.established.result()
 
     def _post(
-        self, group: Any, payload: torch.Tensor, segments: Sequence[tuple[int, int]]
-    ) -> tuple[Awaitable[None], list[torch.cuda.Event]]:
-        """Post the receives of `payload`'s segments, in order: when all have landed, and (GPU)
-        an event per segment on the receive stream."""
+        self, group: Any, payload: torch.Tensor, segments: Sequence[tuple[int, int]], result: _T
+    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:
+        """Post the receives of `payload`'s segments, in order: a future done with `result`
+        when all have landed, and (GPU) an event per segment on the receive stream."""
         landed: list[torch.cuda.Event] = []
         works: list[Any] = []
         wait: Callable[[], object]
@@ -338,16 +340,11 @@ class PairedTransport(Transport):
                 works.clear()
 
         # Receives complete in the order they were posted, so one waiting thread suffices.
-        return self._waiter.wait(wait), landed
+        return self._waiter.wait(wait, result), landed
 
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
         return _five(unpack_tensor(metas, payload))
-
-    @staticmethod
-    async def _after(completed: Awaitable[None], tensors: _T) -> _T:
-        await completed
-        return tensors
 
     async def aclose(self) -> None:
         for pair in self._pairs.values():

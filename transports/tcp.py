@@ -10,7 +10,7 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 import torch
 import zmq
@@ -46,7 +46,7 @@ class TcpTransport(Transport):
         done.set_result(self._unpacked(deliver, frames[0]))
         return Arrival(done)
 
-    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> Awaitable[list[ItemTensors]]:
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         hits = batch_hits(message)
         if len(frames) != len(hits):
             raise RemoteProtocolError(
