@@ -101,7 +101,8 @@ class _Gathers:
         self._in_thread: concurrent.futures.Future[None] | None = None
         self._failure: BaseException | None = None
 
-    def _planned(self) -> None:
+    def plan(self) -> None:
+        """Plan the launches now (else the first `prepare` does); a failure is kept for it."""
         if self._compiled is None and self._failure is None:
             try:
                 self._launches = self._plan()
@@ -112,7 +113,7 @@ class _Gathers:
     def prepare(self) -> concurrent.futures.Future[None] | None:
         """The worker thread's queuing of every gather, started on the first call, when they
         must compile; None when the loop queues them."""
-        self._planned()
+        self.plan()
         self._raise_failure()
         if not self._compiled and self._in_thread is None:
             self._in_thread = self._thread().submit(self._queue, None)
@@ -301,7 +302,6 @@ class Producer(AsyncService):
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._taper = False
-        self._small_first = False
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
@@ -423,18 +423,16 @@ class Producer(AsyncService):
             transport.prepare(item)
         await self._perform(self._core.insert(item, self._now()))
 
-    def register_pools(
-        self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False,
-        small_first: bool = False,
-    ) -> None:  # fmt: skip
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
         takes a finished prefill straight from them.
 
         A published request travels in chunks of whole layers holding about `chunk_bytes` of
         K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands. With `small_first`, the first
-        chunk is a quarter of that: the wire starts once its keys are gathered. With `taper`,
-        the last chunk is a quarter of that: it leaves less to scatter once the wire is idle."""
+        and a pulling consumer scatters it as soon as it lands. With `taper`, the last chunk
+        is a quarter of that: it leaves less to scatter once the wire is idle. (A small first
+        chunk bought nothing on an H200 pair: while the first segment travels, the later
+        gathers share the producer's memory bandwidth with it whatever its size.)"""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -442,7 +440,6 @@ class Producer(AsyncService):
         self._pools = pools
         self._chunk_bytes = chunk_bytes
         self._taper = bool(taper)
-        self._small_first = bool(small_first)
 
     async def publish(
         self,
@@ -516,7 +513,7 @@ class Producer(AsyncService):
                     into.copy_(source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_first=self._small_first, small_last=self._taper)
+        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if read_back is not None:
@@ -536,13 +533,16 @@ class Producer(AsyncService):
                 return [part.for_layers(first, end) for first, end in chunks for part in whole]
 
             ready = [torch.cuda.Event() for _ in range(len(chunks) * len(parts))]
+            # The send path queues each gather right before the sends of its bytes, once the
+            # Deliver header has left (the consumer posts its receives meanwhile); a first
+            # launch compiles, for about a second, in a worker thread. They are planned now
+            # while index ranges travel back from the device, else after the header left.
+            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
+            if ranges is not None:
+                gathers.plan()
             masked, read_ranges = read_back()
             if read_ranges and not ranges_fit(pools, read_ranges):
                 check_indices(pools, replicas, slots)  # raises, naming the index
-            # The send path plans the gathers once the Deliver header has left (the consumer
-            # posts its receives meanwhile) and queues each right before the sends of its
-            # bytes; a first launch compiles, for about a second, in a worker thread.
-            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
         else:
             masked = masked_tokens(input_tokens, roi)
             gather_into_any(pools, replicas, slots, key, value)

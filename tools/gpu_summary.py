@@ -46,11 +46,10 @@ def main(out: Path) -> int:
     pull = out / "pull.json"
     if pull.exists():
         data = json.loads(pull.read_text())
-        print(f"pull: raw NCCL {data['raw_s'] * 1e3:.2f} ms; chunk MiB | small first, last | indexes "
-              "| end to end (median) | of raw | best")  # fmt: skip
+        print(f"pull: raw NCCL {data['raw_s'] * 1e3:.2f} ms; chunk MiB | tapered | indexes | end to end (median) "
+              "| of raw | best")  # fmt: skip
         for row in data["rows"]:
-            edges = f"{'yes' if row.get('small_first') else 'no'}, {'yes' if row.get('taper') else 'no'}"
-            print(f"  {row['chunk_mib']:>6.0f} | {edges:>17} | "
+            print(f"  {row['chunk_mib']:>6.0f} | {'yes' if row.get('taper') else 'no':>7} | "
                   f"{'host' if row.get('indexes_on_host') else 'GPU':>7} | "
                   f"{row['end_to_end_s'] * 1e3:7.2f} ms | {100 * row['ratio']:5.0f}% | "
                   f"{100 * row.get('best_ratio', row['ratio']):3.0f}%")  # fmt: skip
