@@ -174,6 +174,7 @@ class _Link:
             raise translate_zmq_error(exc, endpoint=self.endpoint) from None
         self._send_nowait(self.core.connect(self._now()))
         self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
+        self._task.add_done_callback(self._run_ended)
         try:
             async with asyncio.timeout(connect_timeout_s):
                 await self._welcomed.wait()
@@ -260,6 +261,9 @@ class _Link:
         for arriving in list(self._arrivals):
             arriving.cancel()
         for task in owned:
+            if task.done() and not task.cancelled():
+                task.exception()  # an error of its own was reported where it ended: not raised again
+                continue
             with contextlib.suppress(asyncio.CancelledError, KVRTError):
                 await task
         for transport in self._transports.values():
@@ -553,6 +557,16 @@ class _Link:
             future = self._pending.get(request_id)
             if future is not None and not future.done():
                 future.set_exception(fresh_copy(lost.error))
+
+    def _run_ended(self, task: asyncio.Task[None]) -> None:
+        """The link's task ended by an error it did not expect (a bug): every call and stream
+        waiting on it fails now, instead of waiting for an answer nobody will read."""
+        if task.cancelled() or task.exception() is None:
+            return
+        failure = task.exception()
+        log.error("the link to %s stopped: %r", self.endpoint, failure, extra={"endpoint": self.endpoint})
+        error = ClosedError(f"the link to {self.endpoint} stopped: {type(failure).__name__}: {failure}")
+        self._fail_all(Lost(error, tuple(self._pending)))
 
     def _task_failure(self) -> BaseException | None:
         if self._task is None or self._task.cancelled():

@@ -97,3 +97,22 @@ async def test_an_item_nobody_takes_expires_after_its_time_to_live_and_is_counte
 def test_a_time_to_live_must_be_positive() -> None:
     with pytest.raises(kvrt.InvalidInputError, match="item_ttl_s"):
         kvrt.Producer(item_ttl_s=0)
+
+
+async def test_a_link_stopped_by_an_unexpected_error_fails_its_waiting_calls_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvrt.transports.tcp import TcpTransport
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug in the transport")
+
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        monkeypatch.setattr(TcpTransport, "receive", broken)
+        waiting = asyncio.create_task(consumer.drop_select(torch.arange(4), None, timeout=None))
+        await insert_tokens(producer, torch.arange(4))
+        with pytest.raises(kvrt.ClosedError, match="stopped: RuntimeError: a bug in the transport"):
+            async with asyncio.timeout(10):
+                await waiting
+        with pytest.raises(kvrt.ClosedError, match="stopped"):  # and later calls say so at once
+            await consumer.drop_select(torch.arange(4))
