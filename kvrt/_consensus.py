@@ -361,7 +361,12 @@ class GroupConsensus:
             self._break(error)
             return
         self.rounds += 1
-        for sequence, decision in self.window.apply(reduced).items():
+        try:
+            decisions = self.window.apply(reduced)
+        except ValueError as error:  # a value no rank of this version sends (a status it does not know)
+            self._break(error)
+            return
+        for sequence, decision in decisions.items():
             future = self._waiting.pop(sequence, None)
             if future is not None and not future.done():
                 future.set_result(decision)

@@ -142,3 +142,31 @@ def run_rank_that_loses_its_peer(rank: int, port: int, results: Any) -> None:
                 results.put(tuple(outcomes))
 
     asyncio.run(lookups())
+
+
+def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
+    """A one-rank gloo group whose round carries a status this version does not know (as a
+    rank of another version could send): the lookup reports what it raised."""
+    from kvrt._consensus import GroupConsensus, Outcome, Status
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    async def lookup() -> None:
+        consensus = GroupConsensus(dist.group.WORLD)
+        consensus.start()
+        consensus.window.values_to_reduce = lambda: [-1 - (99 << 16)]  # type: ignore[method-assign]
+        try:
+            async with asyncio.timeout(30):
+                await consensus.decide(consensus.register(), Outcome(Status.OK, 4))
+            results.put(("decided",))
+        except kvrt.KVRTError as error:
+            results.put(summary(error))
+        finally:
+            await consensus.aclose()
+
+    try:
+        asyncio.run(lookup())
+    finally:
+        dist.destroy_process_group()

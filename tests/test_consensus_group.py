@@ -142,3 +142,20 @@ def test_a_rank_that_dies_fails_the_others_lookups_instead_of_hanging() -> None:
     assert first_s < 30  # the group's timeout (3 s) or gloo's own detection, not for ever
     assert second[:2] == ("error", "PeerLostError")  # the group is broken: at once, no new collective
     assert second_s - first_s < 1
+
+
+@pytest.mark.timeout(120)
+def test_a_round_with_a_status_this_version_does_not_know_fails_the_lookup_instead_of_hanging() -> None:
+    from tests._consensus_ranks import run_rank_that_reads_an_unknown_status
+
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    process = spawn.Process(target=run_rank_that_reads_an_unknown_status, args=(free_port(), results))
+    process.start()
+    try:
+        outcome = results.get(timeout=60)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert outcome[:2] == ("error", "PeerLostError") and "99 is not a valid Status" in outcome[2]
