@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kvrt._errors import InvalidInputError
+from kvrt._tensors import host_to_device
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -168,6 +169,16 @@ def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
     """Whether `index_ranges`, read back, lie inside the pools."""
     replica_min, replica_max, slot_min, slot_max = (int(value) for value in ranges)
     return replica_min >= 0 and replica_max < table.replicas and slot_min >= 0 and slot_max < table.geometry.slots
+
+
+def checked_indexes(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`check_indices`, then the indexes on the pools' device, where the kernels read them:
+    indexes on the host are checked there (no device round trip) and copied over on the
+    current stream, without waiting for it."""
+    check_indices(table, replica, slots)
+    if table.device.type == "cuda" and slots.device.type == "cpu":
+        return host_to_device(replica, table.device), host_to_device(slots, table.device)
+    return replica, slots
 
 
 def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
@@ -610,6 +621,8 @@ def scatter_reference(
 
 def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
     """Per-token replica indexes, from one replica for every token or a tensor of them."""
+    if not isinstance(slots, torch.Tensor):
+        raise InvalidInputError(f"slots must be a 1-D int64 tensor, got {type(slots).__name__}")
     return torch.full_like(slots, replica) if isinstance(replica, int) else replica
 
 

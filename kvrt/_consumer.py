@@ -55,7 +55,7 @@ from kvrt._protocol import (
 )
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, StreamAbortedError
-from kvrt._tensors import host_to_device, layer_chunks, transfer_segments, unpack
+from kvrt._tensors import layer_chunks, transfer_segments, unpack
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -928,14 +928,10 @@ class Consumer(AsyncService):
         hold a partial request)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import check_indices, per_token, scatter_from_any
+        from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any
 
-        if not isinstance(slots, torch.Tensor):
-            raise InvalidInputError(f"pull: slots must be a 1-D int64 tensor, got {type(slots).__name__}")
-        replicas = per_token(replica, slots)
-        check_indices(into, replicas, slots)  # bad slots are refused before any item is taken
-        if into.device.type == "cuda" and slots.device.type == "cpu":  # host indexes: the kernels read them there
-            replicas, slots = (host_to_device(index, into.device) for index in (replicas, slots))
+        # Bad slots are refused before any item is taken.
+        replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
         if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None:
             item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
         else:

@@ -74,9 +74,10 @@ class ProducerStats:
 
 
 class _Gathers:
-    """A published item's gathers in send order, each followed by its event, planned when
-    first needed: by the send path right after the Deliver header left, so that the header
-    does not wait for the planning (or by `publish`, once the item is buffered).
+    """A published item's gathers in send order, each followed by its event. `publish` plans
+    them while the index ranges travel back from the device; else the first `prepare` does
+    (the send path's, right after the Deliver header left, or `publish`'s once the item is
+    buffered), so that the header never waits for the planning alone.
 
     When every launch was compiled before, they are queued on the loop, each right before the
     sends of its bytes, so the first chunk is on the wire before the last is even gathered.
@@ -457,10 +458,9 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        if not isinstance(slots, torch.Tensor):
-            raise InvalidInputError(f"publish: slots must be a 1-D int64 tensor, got {type(slots).__name__}")
         from kvrt.kernels.paged_kv import (
             check_indices,
+            checked_indexes,
             gather_into_any,
             index_ranges,
             per_token,
@@ -483,8 +483,7 @@ class Producer(AsyncService):
                 # Indexes on the host, as an engine's scheduler holds a request's pages: checked
                 # here, with no device round trip, and copied to the pools' device on the
                 # caller's stream, which the gathers run after.
-                check_indices(pools, replicas, slots)
-                replicas, slots = (host_to_device(index, self.device) for index in (replicas, slots))
+                replicas, slots = checked_indexes(pools, replicas, slots)
             else:
                 ranges = index_ranges(pools, replicas, slots)
             # The lookup key (and the index ranges) come back in one read, queued first: the

@@ -111,10 +111,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                 tokens = host_tokens if on_host else torch.arange(TOKENS, device=PRODUCER_DEVICE)
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 started = time.perf_counter()
-                if on_host:
-                    await producer.publish(tokens, host_slots, host_replica)
-                else:
-                    await producer.publish(tokens, slots, replica)
+                await producer.publish(tokens, *((host_slots, host_replica) if on_host else (slots, replica)))
                 control.send(started)
 
     asyncio.run(main())
