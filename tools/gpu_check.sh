@@ -2,6 +2,11 @@
 # Every GPU test and benchmark of kvrt, in one call on a host with two GPUs; a short table last.
 # Run from the repo root on the GPU host, with the wheels from ../shared/gpu/fetch-wheels in .whl/:
 #   bash tools/gpu_check.sh            (results and logs under $OUT, or /tmp/kvrt-gpu)
+# A before/after comparison in one call (machines of one kind differ by several points, so
+# only runs in the same call compare): make the baseline here first,
+#   mkdir _ab && git archive REV | tar -x -C _ab        (_ab/ is ignored: carry it)
+# then on the GPU host `bash tools/gpu_check.sh ab BENCH [ROUNDS]` runs `kvrt bench BENCH`
+# with the working tree and with _ab in turns, ROUNDS times each (2 by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvrt-gpu}
@@ -18,6 +23,25 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
   timeout 330 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+fi
+if [ "$only" = ab ]; then
+  bench=${2:-nccl}
+  rounds=${3:-2}
+  [ -d _ab ] || { echo "ab: no _ab/ here (see the header of this script)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kvrt-ab ./_ab > "$OUT/ab-install.log" 2>&1 \
+    || { tail -5 "$OUT/ab-install.log"; exit 1; }
+  for round in $(seq "$rounds"); do
+    for side in new old; do
+      log="$OUT/ab-$bench-$side-$round.log"
+      if [ "$side" = old ]; then  # from /tmp: the working tree's kvrt must not be importable from the current directory
+        (cd /tmp && PYTHONPATH="/tmp/kvrt-ab:${PYTHONPATH:-}" timeout 240 python3 -m kvrt bench "$bench" > "$log" 2>&1)
+      else
+        timeout 240 python3 -m kvrt bench "$bench" > "$log" 2>&1
+      fi
+      grep -E "MiB \||raw NCCL send|p50|vs reference|kvrt," "$log" | sed "s/^/$side $round: /" || tail -5 "$log"
+    done
+  done
+  exit 0
 fi
 if [ "$only" = pull ]; then
   timeout 240 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tail -12
