@@ -28,7 +28,9 @@ Consumer side, on the consumer's event loop:
   all have landed.
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
   out-of-band transport must post its receives in. Posts now; the returned `Arrival`'s
-  `complete` gives the five tensors on the consumer's device, which the consumer then owns.
+  `complete` is a future of the loop, done with the five tensors on the consumer's device
+  (which the consumer then owns) once they landed: the consumer completes the call from its
+  done-callback, so a transport hands out a future, not a coroutine.
   A GPU transport also hands out the tensors at once with an event per payload segment,
   so that a pull can scatter the first layers while the last are still on the wire.
 
