@@ -23,28 +23,27 @@ def group(size: int) -> list[ConsensusWindow]:
     return [ConsensusWindow(rank=rank, world_size=size) for rank in range(size)]
 
 
+def one_lookup(outcomes: list[Outcome]) -> list[dict[int, Decision]]:
+    """One lookup, rank r seeing outcomes[r], and one round: what each rank decided."""
+    windows = group(len(outcomes))
+    for window, outcome in zip(windows, outcomes, strict=True):
+        window.record(window.register(), outcome)
+    return all_reduce_min(windows)
+
+
 def test_the_group_takes_the_shortest_match_in_tokens() -> None:
-    windows = group(3)
-    for window, matched in zip(windows, [40, 17, 33], strict=True):
-        window.record(window.register(), Outcome(Status.OK, matched))
-    decisions = all_reduce_min(windows)
+    decisions = one_lookup([Outcome(Status.OK, matched) for matched in [40, 17, 33]])
     assert decisions == [{0: Decision(Status.OK, 17, rank=-1)}] * 3
 
 
 def test_a_miss_on_one_rank_is_a_miss_on_all_and_names_the_rank() -> None:
-    windows = group(4)
-    for window in windows:
-        outcome = Outcome(Status.MISS) if window.rank == 2 else Outcome(Status.OK, 10)
-        window.record(window.register(), outcome)
-    assert all(decisions[0] == Decision(Status.MISS, 0, 2) for decisions in all_reduce_min(windows))
+    outcomes = [Outcome(Status.MISS) if rank == 2 else Outcome(Status.OK, 10) for rank in range(4)]
+    assert one_lookup(outcomes) == [{0: Decision(Status.MISS, 0, 2)}] * 4
 
 
 def test_the_worst_status_wins_over_a_miss() -> None:
-    windows = group(3)
     outcomes = [Outcome(Status.MISS), Outcome(Status.PEER_LOST), Outcome(Status.OK, 5)]
-    for window, outcome in zip(windows, outcomes, strict=True):
-        window.record(window.register(), outcome)
-    assert all(decisions[0] == Decision(Status.PEER_LOST, 0, 1) for decisions in all_reduce_min(windows))
+    assert one_lookup(outcomes) == [{0: Decision(Status.PEER_LOST, 0, 1)}] * 3
 
 
 def test_a_round_decides_only_lookups_every_rank_has_finished() -> None:
@@ -98,16 +97,13 @@ def test_one_lookup_at_a_time_costs_a_one_value_collective() -> None:
 
 
 def test_a_failed_rank_decides_the_lookup_whatever_the_others_matched() -> None:
-    windows = group(4)
     outcomes = [
         Outcome(Status.OK, 0),
         Outcome(Status.TIMEOUT),
         Outcome(Status.OK, MAX_MATCHED_TOKENS),
         Outcome(Status.MISS),
     ]
-    for window, outcome in zip(windows, outcomes, strict=True):
-        window.record(window.register(), outcome)
-    assert all(decisions[0] == Decision(Status.TIMEOUT, 0, 1) for decisions in all_reduce_min(windows))
+    assert one_lookup(outcomes) == [{0: Decision(Status.TIMEOUT, 0, 1)}] * 4
 
 
 def test_the_longest_match_a_value_can_carry_survives_the_round_and_a_longer_one_is_refused() -> None:
