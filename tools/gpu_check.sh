@@ -28,16 +28,19 @@ if [ "$only" = ab ]; then
   bench=${2:-nccl}
   rounds=${3:-2}
   [ -d _ab ] || { echo "ab: no _ab/ here (see the header of this script)"; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kvrt-ab ./_ab > "$OUT/ab-install.log" 2>&1 \
-    || { tail -5 "$OUT/ab-install.log"; exit 1; }
+  # Both sides installed apart, run from /tmp: the editable install's import hook would hand
+  # the working tree's kvrt to the old side's child processes (the benchmarks spawn them).
+  python3 -m pip uninstall -y -q kvrt > "$OUT/ab-install.log" 2>&1
+  for side in new old; do
+    source=. && [ "$side" = old ] && source=./_ab
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "/tmp/kvrt-$side" "$source" \
+      >> "$OUT/ab-install.log" 2>&1 || { tail -5 "$OUT/ab-install.log"; exit 1; }
+  done
   for round in $(seq "$rounds"); do
     for side in new old; do
       log="$OUT/ab-$bench-$side-$round.log"
-      if [ "$side" = old ]; then  # from /tmp: the working tree's kvrt must not be importable from the current directory
-        (cd /tmp && PYTHONPATH="/tmp/kvrt-ab:${PYTHONPATH:-}" timeout 240 python3 -m kvrt bench "$bench" > "$log" 2>&1)
-      else
-        timeout 240 python3 -m kvrt bench "$bench" > "$log" 2>&1
-      fi
+      (cd /tmp && PYTHONPATH="/tmp/kvrt-$side:${PYTHONPATH:-}" timeout 240 python3 -m kvrt bench "$bench" > "$log" 2>&1)
+      (cd /tmp && PYTHONPATH="/tmp/kvrt-$side:${PYTHONPATH:-}" python3 -c 'import kvrt; print(kvrt.__file__)') | sed "s/^/$side: kvrt from /"
       grep -E "MiB \||raw NCCL send|p50|vs reference|kvrt," "$log" | sed "s/^/$side $round: /" || tail -5 "$log"
     done
   done
