@@ -100,6 +100,7 @@ def test_bench_writes_json_and_a_png_plot(tmp_path: pytest.TempPathFactory) -> N
     assert "vs reference" in result.stdout
     measured = json.loads(report.read_text())
     assert measured["all_gather_object_s"] > 0 and measured["lookups"] == 100
+    assert measured["bare_rounds_per_lookup_s"] > 0  # the floor of the in-flight row, same run
     assert (plots / "consensus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
