@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pull_timeline import Clock, _TimedEvent, mark_control_messages  # a sibling tool
+from pull_timeline import Clock, _TimedEvent, mark_control_messages, mark_waiter_wakes  # a sibling tool
 
 OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-nccl-timeline"))
 
@@ -108,6 +108,7 @@ def _patch(device: str, side: str) -> Clock:
             clock.host_mark(f"receive {index} posted")
             for event in arrival.landed if not host_only else ():
                 clock.gpu_mark(f"item {index} landed (gpu)", event)
+            arrival.complete.add_done_callback(lambda _: clock.host_mark(f"item {index} completed"))
             return arrival
 
         async def timed_consume(consumer: Any, items: int, in_flight: int) -> float:
@@ -141,6 +142,7 @@ def _patch(device: str, side: str) -> Clock:
             clock.host_mark("drop_selects end")
             return seconds
 
+        mark_waiter_wakes(clock)
         PairedTransport.receive = timed_receive  # type: ignore[method-assign]
         PairedTransport.receive_many = timed_receive_many  # type: ignore[method-assign]
         nccl._consume = timed_consume  # type: ignore[assignment]

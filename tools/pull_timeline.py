@@ -77,6 +77,23 @@ def mark_control_messages(clock: Clock) -> None:
     SocketIO.next = timed_socket_next  # type: ignore[method-assign]
 
 
+def mark_waiter_wakes(clock: Clock) -> None:
+    """Note when kvrt's waiter thread returns from each blocking wait (a transfer's landing
+    seen by the host), before it hands the outcome to the loop."""
+    from kvrt._threads import Waiter
+
+    wait = Waiter.wait
+
+    def timed_wait(self: Any, blocking: Any, result: Any = None) -> Any:
+        def marked() -> None:
+            blocking()
+            clock.host_mark("waiter woke")
+
+        return wait(self, marked, result)
+
+    Waiter.wait = timed_wait  # type: ignore[method-assign,assignment]
+
+
 def _patch(device: str, side: str) -> Clock:
     import kvrt._producer as producer_module
     import kvrt.kernels.paged_kv as kernels
@@ -168,6 +185,7 @@ def _patch(device: str, side: str) -> Clock:
             clock.gpu_mark(f"scatter {kwargs.get('layers')} done (gpu)", done)
 
         PairedTransport.receive = timed_receive  # type: ignore[method-assign]
+        mark_waiter_wakes(clock)
         import kvrt._threads
         from kvrt._consumer import Consumer
 
