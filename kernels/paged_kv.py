@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -335,7 +335,7 @@ class _Launch:
         """The same launch over layers [first, end): the staging is indexed by pool layer, so
         only the grid and `first_layer` change (and not what Triton compiled it for)."""
         args = (*self.args[:_FIRST_LAYER_ARG], first, *self.args[_FIRST_LAYER_ARG + 1 :])
-        return replace(self, grid=(self.grid[0], end - first), args=args)
+        return _Launch((self.grid[0], end - first), args, self.constants, self.warps, self.key)
 
 
 _FIRST_LAYER_ARG: Final = 6
@@ -392,7 +392,7 @@ def _plan(
     )
     constants = {"ROW": row, "KV": kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
     launch = _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
-    return replace(launch, key=launch.signature())
+    return _Launch(launch.grid, args, constants, tuning.warps, launch.signature())
 
 
 def _launch(
