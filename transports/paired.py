@@ -317,17 +317,25 @@ class PairedTransport(Transport):
                     work.wait()  # the receive stream waits for NCCL's; the host does not
                     works.append(work)
                     if index < len(segments) - 1:
-                        event = torch.cuda.Event()
+                        event = torch.cuda.Event(blocking=index == len(segments) - 2)
                         event.record(receive_stream)
                         landed.append(event)
-                # The waiting thread sleeps until this one fires: a spinning wait (CUDA's
-                # default) contends with the loop's own CUDA calls (on an H200 host a device
-                # switch took 2.2 ms beside it, under a microsecond without it).
-                finished = torch.cuda.Event(blocking=True)
+                # The waiting thread sleeps (a blocking event) until the last segment but one
+                # has landed, then spins on the last: a sleeper wakes 150-260 us after its
+                # event, a spinner 30-50 us (`tools/completion_latency.py`), and for a chunked
+                # item (a pull) that wake-up is what its caller waits for at the end (a pull
+                # returned 0.2 ms sooner, in turns with the sleeping wait in one run). Only
+                # then: a spinning wait contends with the loop's own CUDA calls (on an H200
+                # host a device switch took 2.2 ms beside it, under a microsecond without it),
+                # so a one-segment item keeps sleeping.
+                finished = torch.cuda.Event(blocking=len(segments) == 1)
                 finished.record(receive_stream)
                 landed.append(finished)  # the last segment's landing is the end of them all
+                before_last = landed[-2] if len(landed) > 1 else None
 
             def wait() -> None:
+                if before_last is not None:
+                    before_last.synchronize()
                 finished.synchronize()
                 works.clear()  # on the waiting thread: see Waiter
 
