@@ -324,10 +324,10 @@ class PairedTransport(Transport):
                 # has landed, then spins on the last: a sleeper wakes 150-260 us after its
                 # event, a spinner 30-50 us (`tools/completion_latency.py`), and for a chunked
                 # item (a pull) that wake-up is what its caller waits for at the end (a pull
-                # returned 0.2 ms sooner, in turns with the sleeping wait in one run). Only
-                # then: a spinning wait contends with the loop's own CUDA calls (on an H200
-                # host a device switch took 2.2 ms beside it, under a microsecond without it),
-                # so a one-segment item keeps sleeping.
+                # returned 0.2 ms sooner, in turns with the sleeping wait in one run). It spins
+                # for one segment at most, and a one-segment item keeps sleeping throughout,
+                # because a spinning wait contends with the loop's own CUDA calls (on an H200
+                # host a device switch took 2.2 ms beside it, under a microsecond without it).
                 finished = torch.cuda.Event(blocking=len(segments) == 1)
                 finished.record(receive_stream)
                 landed.append(finished)  # the last segment's landing is the end of them all
