@@ -13,7 +13,8 @@ import pytest
 from tests._consensus_ranks import FAILING_RANK, RANDOM_ROUNDS, missing_rank, run_rank
 
 WORLD = 4
-SCENARIOS = 4
+SCENARIOS = ("different_prefix", "one_missing", "batch", "random_rounds", "producer_failing")
+"""What every rank of `tests._consensus_ranks.scenarios` reports, in order."""
 
 
 def free_port() -> int:
@@ -33,7 +34,7 @@ def run_group(world: int, backend: str) -> dict[str, dict[int, Any]]:
         process.start()
     reports: dict[str, dict[int, Any]] = defaultdict(dict)
     try:
-        for _ in range(world * SCENARIOS):
+        for _ in range(world * len(SCENARIOS)):
             rank, scenario, report = results.get(timeout=180)
             assert scenario != "crashed", f"rank {rank} crashed: {report}"
             reports[scenario][rank] = report
@@ -44,6 +45,10 @@ def run_group(world: int, backend: str) -> dict[str, dict[int, Any]]:
             process.join(30)
             if process.is_alive():
                 process.kill()
+    every_rank = tuple(range(world))
+    assert {scenario: tuple(sorted(reports[scenario])) for scenario in SCENARIOS} == dict.fromkeys(
+        SCENARIOS, every_rank
+    )
     return reports
 
 
