@@ -46,6 +46,7 @@ import asyncio
 import collections
 import concurrent.futures
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -274,6 +275,22 @@ class GroupConsensus:
 
     async def decide(self, sequence: int, outcome: Outcome) -> Decision:
         """Record this rank's outcome for lookup `sequence` and wait for the group's decision."""
+        return await self._decision(sequence, outcome)
+
+    async def decide_many(self, sequences: Sequence[int], outcomes: Sequence[Outcome]) -> list[Decision]:
+        """`decide` for lookups that wait together (a batch's): their outcomes are recorded in
+        one go, so they share a round once the window has their size, and one wait covers them
+        all (no task per lookup)."""
+        waiting = [self._decision(sequence, outcome) for sequence, outcome in zip(sequences, outcomes, strict=True)]
+        decided: list[Decision] = []
+        for decision in await asyncio.gather(*waiting, return_exceptions=True):  # every failure retrieved
+            if isinstance(decision, BaseException):
+                raise decision
+            decided.append(decision)
+        return decided
+
+    def _decision(self, sequence: int, outcome: Outcome) -> asyncio.Future[Decision]:
+        """Record `outcome` for lookup `sequence`: the future of the group's decision."""
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         if self._closed:
             future.set_exception(ClosedError("the consumer was closed while its TP group was agreeing"))
@@ -283,7 +300,7 @@ class GroupConsensus:
             self._waiting[sequence] = future
             self.window.record(sequence, outcome)
             self._start_round_soon()
-        return await future
+        return future
 
     def abandon(self, sequence: int, outcome: Outcome) -> None:
         """Record an outcome whose caller will not wait for the decision (it was cancelled):

@@ -729,8 +729,11 @@ class Consumer(AsyncService):
         in one transfer (one header, and over NCCL one operation and one completion), so the
         per-request costs are paid once per batch, not once per item. Over a paired
         transport the items of a batch are views of one received buffer, which lives until
-        the last of them is freed. Items are taken in query order, each at most once. With
-        several producers or a TP group, the queries run as that many `drop_select`s, one
+        the last of them is freed. Items are taken in query order, each at most once. In a TP
+        group (one producer) the batch is taken the same way and its lookups are agreed
+        together: one round once the group's window knows batches of that size (the first
+        batch after single lookups takes two), where one `drop_select` after the other took a
+        round each. With several producers the queries run as that many `drop_select`s, one
         after the other.
         """
         self._check_open()
@@ -743,23 +746,77 @@ class Consumer(AsyncService):
             raise InvalidInputError(f"{what}: {len(rois)} rois for {len(queries)} queries")
         lookups = list(zip(queries, rois or [None] * len(queries), strict=True))
         wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
-        if self._consensus is not None or len(self._links) != 1:
+        if len(self._links) != 1:
             # One after the other: a query sees the items the one before it gave back.
             return [await self._lookup(tokens, roi, 0.0, what=what) for tokens, roi in lookups]
         timer = _metrics.Timer(what)
         try:
-            calls = [self._links[0].call(_batch_request(batch)) for batch in _batches(wire)]
-            # One request (up to 256 queries) is awaited as it is: a task around it would cost
-            # the loop a task and a hop per batch.
-            answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+            if self._consensus is not None:
+                items = await self._agreed_drop_select_many(wire, self._consensus)
+            else:
+                calls = [self._links[0].call(_batch_request(batch)) for batch in _batches(wire)]
+                # One request (up to 256 queries) is awaited as it is: a task around it would
+                # cost the loop a task and a hop per batch.
+                answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+                items = [item for answer in answers for item in answer.items or ()]
         except KVRTError as error:
             self._count_error(error)
             raise
         timer.done()
-        items = [item for answer in answers for item in answer.items or ()]
         for item in items:
             self._count(item)
         return items
+
+    async def _agreed_drop_select_many(
+        self, wire: list[bytes | None], consensus: GroupConsensus
+    ) -> list[KVItem | None]:
+        """drop_select_many for a TP group (one producer): take the batch unconfirmed, agree
+        its lookups together, then keep each item cut to its agreed length, or give it back.
+        A lookup that failed on any rank fails the whole call on every rank, as a failed
+        request fails it outside a group."""
+        link = self._links[0]
+        sequences = [consensus.register() for _ in wire]
+        taken: list[tuple[KVItem | None, int | None]] = []  # (item, its id) per query
+        error: KVRTError | None = None
+        try:
+            for batch in _batches(wire):
+                reply = await link.call(_batch_request(batch), confirm=False)
+                assert isinstance(reply.message, m.DeliverMany) and reply.items is not None
+                hits = reply.message.hits
+                taken += [
+                    (item, None if hit is None else hit.item_id) for item, hit in zip(reply.items, hits, strict=True)
+                ]
+        except asyncio.CancelledError as cancelled:
+            for _, item_id in taken:
+                if item_id is not None:
+                    link.settle(item_id, keep=False)
+            for sequence in sequences:
+                consensus.abandon(sequence, Outcome(status_of(cancelled)))
+            raise
+        except KVRTError as failure:
+            error = failure
+            outcomes = [Outcome(status_of(failure))] * len(wire)
+        else:
+            outcomes = [Outcome(Status.MISS) if item is None else Outcome(Status.OK, item.matched) for item, _ in taken]
+        kept = [False] * len(taken)
+        try:
+            decisions = await consensus.decide_many(sequences, outcomes)
+            for decision, outcome in zip(decisions, outcomes, strict=True):
+                if decision.status not in (Status.OK, Status.MISS):
+                    raise error_for(decision, outcome, error)
+            items: list[KVItem | None] = []
+            for index, ((item, _), decision) in enumerate(zip(taken, decisions, strict=True)):
+                if decision.status is Status.OK:
+                    assert item is not None  # OK on every rank, this one's included
+                    kept[index] = True
+                    items.append(truncate(item, decision.matched_tokens))
+                else:
+                    items.append(None)
+            return items
+        finally:
+            for (_, item_id), keep in zip(taken, kept, strict=True):
+                if item_id is not None:
+                    link.settle(item_id, keep=keep)
 
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,

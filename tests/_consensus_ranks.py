@@ -7,6 +7,7 @@ the same order, and reports what it saw to the parent through `results`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from typing import Any
@@ -64,13 +65,22 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             await settle(consumer)
             results.put((rank, "one_missing", (summary(item), producer.stats().items)))
 
-            # A batch: each of its queries is agreed as a drop_select's would be, in order.
+            # A batch: each of its queries is agreed as a drop_select's would be, all of them
+            # together (rounds: the group's collectives each batch took).
             if rank != missing_rank(world):
                 await insert(producer, tokens(2000, 6), rank)
             await insert(producer, tokens(3000, 4 + rank), rank)
+            consensus = consumer._consensus
+            assert consensus is not None
+            before = consensus.rounds
             items = await consumer.drop_select_many([tokens(2000, 6), tokens(3000, 10), tokens(4000, 3)])
+            rounds = [consensus.rounds - before]
             await settle(consumer)
-            results.put((rank, "batch", ([summary(item) for item in items], producer.stats().items)))
+            before = consensus.rounds
+            misses = await consumer.drop_select_many([tokens(6000, 2), tokens(6100, 2), tokens(6200, 2)])
+            rounds.append(consensus.rounds - before)
+            outcomes = [summary(item) for item in [*items, *misses]]
+            results.put((rank, "batch", (outcomes, producer.stats().items, rounds)))
 
             # Random rounds, several lookups in flight on every rank.
             rng = random.Random(99)
@@ -88,16 +98,25 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             matched = [None if item is None else item.matched for item in outcomes]
             results.put((rank, "random_rounds", (matched, expected)))
 
-            # One rank's producer fails: that error, on every rank.
+            # One rank's producer fails: that error, on every rank, for a lookup and for a
+            # batch; the other ranks' items go back to their producers.
             if rank == FAILING_RANK:
                 await producer.aclose()
             else:
                 await insert(producer, tokens(5000, 8), rank)
-            try:
-                item = await consumer.drop_select(tokens(5000, 8))
-                results.put((rank, "producer_failing", summary(item)))
-            except kvrt.KVRTError as error:
-                results.put((rank, "producer_failing", summary(error)))
+            held = None if rank == FAILING_RANK else producer.stats().items
+            seen: list[Any] = []
+            for lookup in (consumer.drop_select(tokens(5000, 8)), consumer.drop_select_many([tokens(5000, 8)])):
+                try:
+                    seen.append(summary(await lookup))  # type: ignore[arg-type]
+                except kvrt.KVRTError as error:
+                    seen.append(summary(error))
+            # One more lookup (it fails too): its request follows the give-backs on the same
+            # connection, so the producer has taken them in once it answered.
+            with contextlib.suppress(kvrt.KVRTError):
+                await consumer.drop_select(tokens(-10_000, 4))
+            seen.append(None if held is None else producer.stats().items - held)
+            results.put((rank, "producer_failing", tuple(seen)))
 
 
 def run_rank(rank: int, world: int, port: int, results: Any, backend: str = "gloo") -> None:

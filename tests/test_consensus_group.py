@@ -68,10 +68,14 @@ def check_one_missing(seen: dict[str, dict[int, Any]], world: int) -> None:
 
 
 def check_batch(seen: dict[str, dict[int, Any]], world: int) -> None:
-    for rank, (outcomes, items_left) in seen["batch"].items():
-        assert outcomes == [("miss",), ("item", 4, 4, 4, 4), ("miss",)]  # the shortest prefix, 4 tokens, cut
+    for rank, (outcomes, items_left, rounds) in seen["batch"].items():
+        # The shortest prefix of the second query, 4 tokens, cut; the second batch misses.
+        assert outcomes == [("miss",), ("item", 4, 4, 4, 4), ("miss",), ("miss",), ("miss",), ("miss",)]
         before = seen["one_missing"][rank][1]  # what the scenario before left in the buffer
         assert items_left == before + (0 if rank == missing_rank(world) else 1)  # the first query's items went back
+        # Agreed together: the first batch after single lookups takes two rounds (the first
+        # tells every rank the batch's size), the next one round; one after the other, three.
+        assert rounds == [2, 1]
 
 
 def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
@@ -81,9 +85,12 @@ def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
 
 
 def check_producer_failing(seen: dict[str, dict[int, Any]]) -> None:
-    for rank, (kind, error_type, message) in seen["producer_failing"].items():
-        assert (kind, error_type) == ("error", "PeerLostError")
-        assert ("closed" if rank == FAILING_RANK else f"rank {FAILING_RANK}") in message
+    for rank, (*lookups, items_left) in seen["producer_failing"].items():
+        assert len(lookups) == 2  # a drop_select, then a drop_select_many
+        for kind, error_type, message in lookups:
+            assert (kind, error_type) == ("error", "PeerLostError")
+            assert ("closed" if rank == FAILING_RANK else f"rank {FAILING_RANK}") in message
+        assert items_left == (None if rank == FAILING_RANK else 0)  # each failed lookup gave its item back
 
 
 @pytest.mark.timeout(240)
@@ -101,7 +108,7 @@ def test_a_rank_missing_the_item_makes_it_a_miss_everywhere_and_nothing_is_lost(
 
 
 @pytest.mark.timeout(240)
-def test_a_batch_of_lookups_is_agreed_query_by_query_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
+def test_a_batch_of_lookups_is_agreed_together_in_one_round_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
     check_batch(seen, WORLD)
 
 
