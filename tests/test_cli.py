@@ -101,6 +101,7 @@ def test_bench_writes_json_and_a_png_plot(tmp_path: pytest.TempPathFactory) -> N
     measured = json.loads(report.read_text())
     assert measured["all_gather_object_s"] > 0 and measured["lookups"] == 100
     assert measured["bare_rounds_per_lookup_s"] > 0  # the floor of the in-flight row, same run
+    assert measured["kvrt_per_call_per_lookup_s"] > 0 and measured["kvrt_per_call_rounds"] > 0
     assert (plots / "consensus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
