@@ -40,7 +40,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import chunk_plan, host_to_device, layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._tensors import chunk_plan, copy_from_host, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -507,7 +507,7 @@ class Producer(AsyncService):
         for into, source in ((item_tokens, input_tokens), (item_roi, roi)):
             if into is not None and source is not None:
                 if source.device.type == "cpu" and into.device.type == "cuda":
-                    into.copy_(host_to_device(source, into.device))
+                    copy_from_host(into, source)
                 else:
                     into.copy_(source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
