@@ -119,6 +119,9 @@ class StreamState:
     layers: int
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    ready: list[torch.cuda.Event | None] = field(default_factory=list)
+    """GPU: per layer, the event after which its key and value hold their bytes (recorded on
+    the prefill's stream); a GPU send of the layer waits on it, the prefill never waits."""
     reader: bytes | None = None
 
     @property

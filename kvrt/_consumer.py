@@ -109,6 +109,11 @@ def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
     return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
 
 
+def _outcome_seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _item_ids(reply: m.Message) -> list[int]:
     """The items a reply delivered (to confirm, or to give back)."""
     if isinstance(reply, m.Deliver):
@@ -328,6 +333,8 @@ class _Link:
                 # the next receive on the pair would take them for other items'.
                 if isinstance(stray, m.DeliverMany):
                     self._on_deliver_many(None, stray, payload)
+                elif isinstance(stray, m.StreamStart):
+                    self._on_stream_start(None, stray, payload)  # gives it back
                 else:
                     self._on_deliver(None, stray, payload)
             case Lost():
@@ -464,11 +471,19 @@ class _Link:
 
     def _on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
         stream = self._streams.get(message.item_id)
-        if stream is None:
-            return  # a stream this side gave back: nothing to do
+        transport = self._transport
+        out_of_band = transport is not None and transport.out_of_band
+        if stream is None:  # a stream this side gave back
+            if out_of_band and transport is not None:
+                self._receive_stray(transport, message, payload)
+            return
         try:
             match message:
                 case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
+                    if out_of_band:
+                        assert transport is not None
+                        self._receive_layer(stream, transport, layer, key_meta, value_meta, payload)
+                        return
                     if len(payload) != 2:
                         raise RemoteProtocolError(f"stream_layer needs 2 frames, {len(payload)} came")
                     (key,) = unpack([key_meta], payload[0].buffer)
@@ -476,6 +491,10 @@ class _Link:
                     assert key is not None and value is not None
                     stream.deliver_layer(layer, key.to(self._device), value.to(self._device))
                 case m.StreamEnd(hidden=hidden_meta):
+                    if out_of_band:
+                        assert transport is not None
+                        self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
+                        return
                     hidden = None
                     if hidden_meta is not None:
                         (hidden,) = unpack([hidden_meta], payload[0].buffer)
@@ -486,8 +505,89 @@ class _Link:
                     stream.fail(StreamAbortedError(f"producer at {self.endpoint} aborted the stream: {reason}"))
         except (ProtocolError, IndexError) as exc:
             self._streams.pop(message.item_id, None)
-            self._send_nowait(m.Release(item_id=message.item_id))
-            stream.fail(exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc)))
+            error = exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc))
+            stream.fail(error)
+            if out_of_band:  # its bytes are on the way: the pair is out of step
+                self._start_afresh(None, error)
+            else:
+                self._send_nowait(m.Release(item_id=message.item_id))
+
+    def _receive_layer(
+        self, stream: ConsumerStream, transport: Transport, layer: int,
+        key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        """Post a streamed layer's receive (out of band). On a GPU the reader gets it at once,
+        with the event of its landing; on CPU (gloo) once it landed."""
+        if not 0 <= layer < stream.layers:
+            raise RemoteProtocolError(f"stream_layer {layer} of a stream of {stream.layers}")
+        arrival = transport.receive_tensors((key_meta, value_meta), payload)
+        stream.arriving = arrival.complete
+        if arrival.landed is not None:
+            key, value = arrival.tensors
+            stream.deliver_layer(layer, key, value, arrival.landed)
+
+        def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
+            error = None if arriving.cancelled() else arriving.exception()
+            if error is not None:
+                self._stream_lost(stream, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
+            elif not arriving.cancelled() and arrival.landed is None:
+                key, value = arriving.result()
+                stream.deliver_layer(layer, key, value)
+
+        self._own_arrival(arrival.complete, landed)
+
+    def _receive_end(
+        self, stream: ConsumerStream, item_id: int, transport: Transport,
+        hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        """A stream's end (out of band): it finishes once everything posted for it landed,
+        the hidden states last."""
+        if hidden_meta is not None:
+            stream.arriving = transport.receive_tensors((hidden_meta,), payload).complete
+        elif payload:
+            raise RemoteProtocolError(f"a {transport.name} stream_end carries no frames, {len(payload)} came")
+        last = stream.arriving
+
+        def landed(arriving: asyncio.Future[list[torch.Tensor]] | None) -> None:
+            if arriving is not None and arriving.cancelled():
+                return
+            error = None if arriving is None else arriving.exception()
+            if error is not None:
+                self._stream_lost(stream, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
+                return
+            stream.finish(None if hidden_meta is None or arriving is None else arriving.result()[0])
+
+        if last is None or last.done():
+            landed(last)
+        elif hidden_meta is not None:
+            self._own_arrival(last, landed)
+        else:
+            last.add_done_callback(landed)  # owned already: it is a layer's
+
+    def _receive_stray(
+        self, transport: Transport, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
+    ) -> None:
+        """The tensors of a stream this side gave back are on their way all the same (out of
+        band): they are received and dropped, or the next receive on the pair would take them."""
+        metas: tuple[m.TensorMeta, ...]
+        match message:
+            case m.StreamLayer(key=key_meta, value=value_meta):
+                metas = (key_meta, value_meta)
+            case m.StreamEnd(hidden=hidden_meta) if hidden_meta is not None:
+                metas = (hidden_meta,)
+            case _:
+                return
+        try:
+            self._own_arrival(transport.receive_tensors(metas, payload).complete, _outcome_seen)
+        except ProtocolError as exc:
+            self._start_afresh(None, exc)
+
+    def _stream_lost(self, stream: ConsumerStream, error: KVRTError) -> None:
+        for item_id, known in list(self._streams.items()):
+            if known is stream:
+                del self._streams[item_id]
+                self._send_nowait(m.Release(item_id=item_id))
+        stream.fail(error)
 
     def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: ProtocolError) -> None:
         """A Deliver this side refused after its bytes were sent out of band: the pair is out

@@ -227,12 +227,9 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
 
 
 def _stream_frames(send: Outgoing) -> list[memoryview]:
-    """A stream message's frames: the tokens at the head of the item's buffer (start), or the
-    tensors it carries (a layer's key and value; the end's hidden), as bytes."""
-    if isinstance(send.message, m.StreamStart):
-        assert send.item is not None
-        return [tensor_bytes(send.item.storage[: send.message.payload_bytes].cpu())]
-    return [tensor_bytes(tensor.cpu()) for tensor in send.tensors]
+    """A stream start's frame: the tokens at the head of the item's buffer (on the host)."""
+    assert isinstance(send.message, m.StreamStart) and send.item is not None
+    return [tensor_bytes(send.item.storage[: send.message.payload_bytes].cpu())]
 
 
 def _host_of(endpoint: str) -> str:
@@ -569,6 +566,24 @@ class Producer(AsyncService):
         for transport in self._transports.values():
             transport.reclaim()
 
+    async def _host_frames(self, send: Outgoing) -> list[memoryview]:
+        """A stream message's tensors as frames for an in-band transport. GPU tensors are
+        copied to the host in a kvrt thread once the prefill wrote them: the loop never waits
+        for the device."""
+        tensors = send.tensors
+        if all(tensor.device.type == "cpu" for tensor in tensors):
+            return [tensor_bytes(tensor) for tensor in tensors]
+        ready = send.ready
+        if ready is None:  # written on this thread's current stream, which the copy must follow
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensors[0].device))
+
+        def to_host() -> list[memoryview]:
+            ready.synchronize()
+            return [tensor_bytes(tensor.cpu()) for tensor in tensors]
+
+        return await asyncio.wrap_future(self._gather_thread().submit(to_host))
+
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._gathers is None:
             self._gathers = gpu_worker(self.device, "kvrt-gather")
@@ -579,7 +594,8 @@ class Producer(AsyncService):
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
-        Streams move over TCP for now (a stream's reader must use the TCP transport)."""
+        A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
+        wrote it (see `kvrt._streams`); others get it as frames, over TCP."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         if not isinstance(layers, int) or layers <= 0:
@@ -590,8 +606,10 @@ class Producer(AsyncService):
         await self._perform(self._core.open_stream(item, self._now()))
         return ProducerStream(self, item, layers, int(input_tokens.numel()))
 
-    async def _stream_layer(self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor) -> None:
-        await self._perform(self._core.stream_layer(item, key, value))
+    async def _stream_layer(
+        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
+        await self._perform(self._core.stream_layer(item, key, value, ready))
 
     async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         stream = item.stream
@@ -695,8 +713,20 @@ class Producer(AsyncService):
                         rendezvous = self._transports[message.transport].offer(send.peer)
                         if rendezvous:
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)
-                    if isinstance(message, m.StreamStart | m.StreamLayer | m.StreamEnd):
+                    if isinstance(message, m.StreamStart):
                         frames = _stream_frames(send)
+                    elif isinstance(message, m.StreamLayer | m.StreamEnd):
+                        transport_name = self._core.transport_of(send.peer)
+                        if transport_name is None:
+                            continue  # the peer left meanwhile; the core took the stream back
+                        transport = self._transports[transport_name]
+                        if transport.out_of_band and send.tensors:
+                            # The header first, as for a Deliver: the consumer posts the receive
+                            # while the send waits (on the GPU) for the prefill to write the layer.
+                            await io.send([send.peer, m.encode(message)])
+                            await transport.send_tensors(send.peer, send.tensors, send.ready)
+                            continue
+                        frames = await self._host_frames(send)
                     elif isinstance(message, m.DeliverMany):
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:

@@ -65,6 +65,8 @@ class Outgoing:
     message: m.Message
     item: BufferedItem | None = None
     tensors: tuple[torch.Tensor, ...] = ()
+    ready: torch.cuda.Event | None = None
+    """GPU: the event after which `tensors` hold their bytes (a send waits on it)."""
     items: tuple[BufferedItem, ...] = ()
     """A DeliverMany's hits, in order."""
 
@@ -516,17 +518,21 @@ class ProducerCore:
         self.streams.add(item)
         return self._serve_waiters(item, now)
 
-    def stream_layer(self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor) -> list[Outgoing]:
-        """The next layer of an open stream; its reader, if any, gets it now."""
+    def stream_layer(
+        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None = None
+    ) -> list[Outgoing]:
+        """The next layer of an open stream (GPU: written once `ready` fired); its reader, if
+        any, gets it now."""
         stream = item.stream
         assert stream is not None and len(stream.keys) < stream.layers
         layer = len(stream.keys)
         stream.keys.append(key)
         stream.values.append(value)
+        stream.ready.append(ready)
         self.streams.grow(item, int(key.nbytes + value.nbytes))
         if stream.reader is None:
             return []
-        return [Outgoing(stream.reader, _layer_message(item.item_id, layer, key, value), tensors=(key, value))]
+        return [_layer_outgoing(stream.reader, item.item_id, layer, key, value, ready)]
 
     def finish_stream(self, item: BufferedItem, whole: BufferedItem, now: float) -> list[Outgoing]:
         """An open stream ended; `whole` is the same request as one complete item (same id).
@@ -542,9 +548,7 @@ class ProducerCore:
         whole.inserted_at = item.inserted_at
         self.buffer.add_taken(whole)
         self._peers[reader].in_flight[whole.item_id] = whole
-        hidden = () if whole.hidden is None else (whole.hidden,)
-        end = m.StreamEnd(item_id=whole.item_id, hidden=None if whole.hidden is None else tensor_meta(whole.hidden))
-        return [Outgoing(reader, end, tensors=hidden)]
+        return [_end_outgoing(reader, whole)]
 
     def abort_stream(self, item: BufferedItem, reason: str) -> list[Outgoing]:
         """The prefill behind an open stream failed: its reader learns why; the stream is gone."""
@@ -565,8 +569,8 @@ class ProducerCore:
         stream.reader = peer
         self._peers[peer].in_flight[item.item_id] = item
         out = [Outgoing(peer, _start_message(request_id, item, matched, stream.layers), item)]
-        for layer, (key, value) in enumerate(zip(stream.keys, stream.values, strict=True)):
-            out.append(Outgoing(peer, _layer_message(item.item_id, layer, key, value), tensors=(key, value)))
+        for layer, (key, value, ready) in enumerate(zip(stream.keys, stream.values, stream.ready, strict=True)):
+            out.append(_layer_outgoing(peer, item.item_id, layer, key, value, ready))
         return out
 
     def _stream_whole(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
@@ -576,11 +580,8 @@ class ProducerCore:
         layers = item.key.shape[0]
         out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
         for layer in range(layers):
-            key, value = item.key[layer], item.value[layer]
-            out.append(Outgoing(peer, _layer_message(item.item_id, layer, key, value), tensors=(key, value)))
-        hidden = () if item.hidden is None else (item.hidden,)
-        end = m.StreamEnd(item_id=item.item_id, hidden=None if item.hidden is None else tensor_meta(item.hidden))
-        out.append(Outgoing(peer, end, tensors=hidden))
+            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], item.ready_event))
+        out.append(_end_outgoing(peer, item))
         return out
 
     def _drop_waiter(self, peer: bytes, request_id: int) -> None:
@@ -627,8 +628,19 @@ def _tokens_bytes(item: BufferedItem) -> int:
     return max(meta_end(meta) for meta in item.metas[:2] if meta is not None)
 
 
-def _layer_message(item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> m.StreamLayer:
-    return m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
+def _layer_outgoing(
+    peer: bytes, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
+) -> Outgoing:
+    message = m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
+    return Outgoing(peer, message, tensors=(key, value), ready=ready)
+
+
+def _end_outgoing(peer: bytes, whole: BufferedItem) -> Outgoing:
+    """A stream's end, with the whole item's hidden states if it has them."""
+    if whole.hidden is None:
+        return Outgoing(peer, m.StreamEnd(item_id=whole.item_id))
+    end = m.StreamEnd(item_id=whole.item_id, hidden=tensor_meta(whole.hidden))
+    return Outgoing(peer, end, tensors=(whole.hidden,), ready=whole.ready_event)
 
 
 BATCH_SEGMENT_BYTES: Final = 256 << 20
@@ -733,9 +745,10 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Stray:
-    """A Deliver (or DeliverMany) for a request that is no longer pending: release its items."""
+    """A Deliver, DeliverMany or StreamStart for a request that is no longer pending: release
+    its items (a stream's layers that follow are dropped)."""
 
-    message: m.Deliver | m.DeliverMany
+    message: m.Deliver | m.DeliverMany | m.StreamStart
 
 
 @dataclass(frozen=True, slots=True)
@@ -828,7 +841,11 @@ class ConsumerCore:
                 return None
             case m.Bye(reason=reason):
                 return self._lose(PeerLostError(f"producer at {self.endpoint} closed ({reason})"), "bye")
-            case m.Deliver(request_id=request_id) | m.DeliverMany(request_id=request_id):
+            case (
+                m.Deliver(request_id=request_id)
+                | m.DeliverMany(request_id=request_id)
+                | m.StreamStart(request_id=request_id)
+            ):
                 if request_id in self._pending:
                     self._pending.discard(request_id)
                     return Replied(request_id, message)

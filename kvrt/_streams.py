@@ -10,6 +10,14 @@ Consumer side (`Consumer.open_stream`): `await stream.layer(i)`, or `async for l
 value in stream`, while later layers are still in flight; `await stream.finished()` gives the
 hidden states. If the prefill aborts, every wait raises `StreamAbortedError` and the layers
 already received are dropped.
+
+On GPUs (a GPU producer, a consumer paired over NCCL) no host waits for a layer: `put_layer`
+copies it on the prefill's current stream and records an event there; the layer's send,
+queued at once on kvrt's send stream, waits for that event on the GPU, and the consumer
+posted its receive when the layer's header came, long before the prefill wrote it. So the
+transfer starts when the layer is written. `layer(i)` returns as soon as the receive is
+posted and makes the caller's current stream (or the one it names) wait for the landing:
+decode work queued after it reads the layer, and the host never waited for the wire.
 """
 
 from __future__ import annotations
@@ -44,17 +52,21 @@ class ConsumerStream:
         self.layers = layers
         self._confirm = confirm
         loop = asyncio.get_running_loop()
-        self._layers: list[asyncio.Future[tuple[torch.Tensor, torch.Tensor]]] = [
-            loop.create_future() for _ in range(layers)
-        ]
+        self._layers: list[asyncio.Future[_Layer]] = [loop.create_future() for _ in range(layers)]
         self._end: asyncio.Future[torch.Tensor | None] = loop.create_future()
         self._error: KVRTError | None = None
+        self.arriving: asyncio.Future[list[torch.Tensor]] | None = None
+        """Out-of-band links: the receive posted last for this stream (receives land in the
+        order they were posted, so its landing is the landing of everything before it)."""
 
     # -- what the link calls, in arrival order ------------------------------------------
 
-    def deliver_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def deliver_layer(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None = None
+    ) -> None:
+        """Layer `layer` is here (or, with `landed`, will be once that event fired)."""
         if 0 <= layer < self.layers and not self._layers[layer].done():
-            self._layers[layer].set_result((key, value))
+            self._layers[layer].set_result((key, value, landed))
 
     def finish(self, hidden: torch.Tensor | None) -> None:
         if not self._end.done():
@@ -76,11 +88,16 @@ class ConsumerStream:
 
     # -- what the caller uses -------------------------------------------------------------
 
-    async def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s key and value, [tokens, heads, head_dim] each, once it arrived."""
+    async def layer(self, index: int, *, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s key and value, [tokens, heads, head_dim] each, once it arrived; on a
+        GPU, once its receive is posted, with `stream` (default: the current one) made to wait
+        for its landing."""
         if not 0 <= index < self.layers:
             raise IndexError(f"layer {index} of a stream of {self.layers}")
-        return await asyncio.shield(self._layers[index])  # a cancelled waiter leaves the layer to others
+        key, value, landed = await asyncio.shield(self._layers[index])  # a cancelled waiter leaves it to others
+        if landed is not None:
+            (stream if stream is not None else torch.cuda.current_stream(key.device)).wait_event(landed)
+        return key, value
 
     async def finished(self) -> torch.Tensor | None:
         """Wait for the end of the stream; its hidden states (None if the item has none)."""
@@ -90,6 +107,10 @@ class ConsumerStream:
         for index in range(self.layers):
             key, value = await self.layer(index)
             yield index, key, value
+
+
+_Layer = tuple[torch.Tensor, torch.Tensor, "torch.cuda.Event | None"]
+"""A delivered layer: key, value, and (GPU) the event of its landing."""
 
 
 class ProducerStream:
@@ -104,7 +125,9 @@ class ProducerStream:
         self._ended = False
 
     async def put_layer(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Publish the next layer, [tokens, heads, head_dim] each; copied before this returns."""
+        """Publish the next layer, [tokens, heads, head_dim] each; copied before this returns
+        (on a GPU producer: the copy queued on the current stream, which is not made to wait;
+        the caller may overwrite its tensors in later work on that stream)."""
         if self._ended:
             raise InvalidInputError("the stream has ended")
         if self.published == self.layers:
@@ -113,7 +136,7 @@ class ProducerStream:
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
                 raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
         self.published += 1
-        await self._producer._stream_layer(self._item, _owned(key), _owned(value))
+        await self._producer._stream_layer(self._item, *_owned(key, value, self._producer.device))
 
     async def finish(self, hidden: torch.Tensor | None = None) -> None:
         """End the stream after its last layer; `hidden` [tokens, hidden] travels with the end."""
@@ -131,5 +154,23 @@ class ProducerStream:
             await self._producer._abort_stream(self._item, reason)
 
 
-def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().clone()
+def _owned(
+    key: torch.Tensor, value: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    """A layer's own copy on the producer's device. On a GPU: one block [2, ...] when key and
+    value are alike, so that the layer travels as one transfer without packing, copied on the
+    current stream, and the event after the copy."""
+    if device.type != "cuda":
+        return key.detach().cpu().contiguous().clone(), value.detach().cpu().contiguous().clone(), None
+    with torch.cuda.device(device):
+        if key.shape == value.shape and key.dtype == value.dtype:
+            block = torch.empty((2, *key.shape), dtype=key.dtype, device=device)
+            block[0].copy_(key, non_blocking=True)
+            block[1].copy_(value, non_blocking=True)
+            own_key, own_value = block[0], block[1]
+        else:
+            own_key = key.detach().to(device, copy=True).contiguous()
+            own_value = value.detach().to(device, copy=True).contiguous()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+    return own_key, own_value, ready

@@ -21,7 +21,7 @@ from typing import Final, Literal
 import torch
 
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import MAX_SEGMENTS, TensorMeta
+from kvrt._messages import BATCH_ALIGNMENT, MAX_SEGMENTS, TensorMeta
 
 _WIRE_DTYPE_NAMES: Final = (
     "bool",
@@ -79,6 +79,38 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
 def meta_end(meta: TensorMeta) -> int:
     """Where the bytes of the tensor `meta` describes end in its packed buffer."""
     return meta.offset + _nbytes(meta.shape, _dtype_of(meta))
+
+
+def back_to_back(metas: Sequence[TensorMeta]) -> tuple[list[TensorMeta], int]:
+    """Tensors sent on their own (a stream's layer: key and value) laid one after the other
+    in one payload, each at a multiple of `BATCH_ALIGNMENT`: their metas placed there, and the
+    payload's size. Both ends compute it, so that an out-of-band transport moves them as one
+    transfer. Refuses unknown dtypes."""
+    placed: list[TensorMeta] = []
+    end = 0
+    for meta in metas:
+        offset = -(-end // BATCH_ALIGNMENT) * BATCH_ALIGNMENT
+        placed.append(TensorMeta(dtype=meta.dtype, shape=meta.shape, offset=offset))
+        end = offset + _nbytes(meta.shape, _dtype_of(meta))
+    return placed, end
+
+
+def span_of(tensors: Sequence[torch.Tensor], placed: Sequence[TensorMeta], nbytes: int) -> torch.Tensor | None:
+    """The `nbytes` bytes holding `tensors` as a uint8 tensor, if they already lie where
+    `placed` says, in one storage (a stream's layer copied into one block); else None."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    start = first.storage_offset() * first.element_size()
+    for tensor, meta in zip(tensors, placed, strict=True):
+        if (
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.storage_offset() * tensor.element_size() != start + meta.offset
+        ):
+            return None
+    if start + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (nbytes,), (1,))
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

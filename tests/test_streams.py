@@ -1,13 +1,20 @@
-"""Layer-wise streams on CPU over TCP: decode reads layer i while prefill still computes layer i+1."""
+"""Layer-wise streams on CPU: decode reads layer i while prefill still computes layer i+1.
+
+Every test runs over TCP (layers as frames) and over a gloo pair (layers out of band, one
+transfer each, as over NCCL on GPUs)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
 
 import kvrt
+from kvrt import _messages as m
+from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
 
@@ -15,6 +22,23 @@ LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
 def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(layer)
     return torch.randn(TOKENS, HEADS, DIM, generator=generator), torch.randn(TOKENS, HEADS, DIM, generator=generator)
+
+
+@pytest.fixture(params=["tcp", "gloo"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def producer(transport: str) -> AsyncIterator[kvrt.Producer]:
+    async with kvrt.Producer(bind="tcp://127.0.0.1:0", transport=transport) as started:
+        yield started
+
+
+@pytest.fixture
+async def consumer(producer: kvrt.Producer, transport: str) -> AsyncIterator[kvrt.Consumer]:
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as started:
+        yield started
 
 
 async def settle(consumer: kvrt.Consumer) -> None:
@@ -128,15 +152,17 @@ async def test_a_streaming_request_takes_a_finished_item_layer_by_layer(
     assert await reader.finished() is None
 
 
-async def test_a_reader_that_leaves_mid_stream_hands_it_to_the_next_reader(producer: kvrt.Producer) -> None:
+async def test_a_reader_that_leaves_mid_stream_hands_it_to_the_next_reader(
+    producer: kvrt.Producer, transport: str
+) -> None:
     tokens = torch.arange(600, 600 + TOKENS)
     stream = await producer.open_stream(tokens, layers=LAYERS)
     await stream.put_layer(*layer_kv(0))
-    async with kvrt.Consumer(connect=producer.endpoint) as first:
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as first:
         reader = await first.open_stream(tokens)
         assert reader is not None
         await reader.layer(0)
-    async with kvrt.Consumer(connect=producer.endpoint) as second:
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as second:
         reader = await second.open_stream(tokens)  # the first said bye: the stream is back, layers kept
         assert reader is not None
         assert torch.equal((await reader.layer(0))[0], layer_kv(0)[0])
@@ -168,3 +194,65 @@ async def test_bad_layers_are_refused_clearly(producer: kvrt.Producer) -> None:
         await stream.finish()
     with pytest.raises(kvrt.InvalidInputError, match="layers must be a positive int"):
         await producer.open_stream(torch.arange(3), layers=0)
+
+
+# -- over a pair: layers out of band --------------------------------------------------------
+
+
+async def test_over_a_pair_each_layer_and_the_end_travel_out_of_band_in_one_transfer_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvrt.transports.paired import PairedTransport
+
+    received: list[int] = []
+    receive_tensors = PairedTransport.receive_tensors
+
+    def counting(self: PairedTransport, metas: Any, frames: Any) -> Any:
+        received.append(len(frames))
+        return receive_tensors(self, metas, frames)
+
+    monkeypatch.setattr(PairedTransport, "receive_tensors", counting)
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        tokens = torch.arange(800, 800 + TOKENS)
+        stream = await producer.open_stream(tokens, layers=LAYERS)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        hidden = torch.randn(TOKENS, 3)
+        await stream.finish(hidden)
+        got = await reader.finished()
+        assert got is not None and torch.equal(got, hidden)
+        values = [(await reader.layer(layer))[1] for layer in range(LAYERS)]
+        assert all(torch.equal(value, layer_kv(layer)[1]) for layer, value in enumerate(values))
+    assert received == [0] * (LAYERS + 1)  # one posted receive per layer and one for the end; no frames
+
+
+async def test_a_stream_whose_reader_gave_up_as_it_came_goes_back_with_its_layers(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = torch.arange(900, 900 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    for layer in range(2):
+        await stream.put_layer(*layer_kv(layer))
+    opening = asyncio.create_task(consumer.open_stream(tokens))
+    give_up_when_its_reply_comes(monkeypatch, consumer, opening, m.StreamStart)
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    # The two layers came all the same (over a pair: their bytes): received and dropped, so
+    # the next transfer on the link is read right.
+    other = torch.tensor([5, 5])
+    await producer.insert(other, None, *make_kv(other, seed=3))
+    item = await consumer.drop_select(other, timeout=10)
+    assert item is not None and torch.equal(item.value, make_kv(other, seed=3)[1])
+    reader = await consumer.open_stream(tokens, timeout=10)  # given back, its layers kept
+    assert reader is not None
+    for layer in range(2, LAYERS):
+        await stream.put_layer(*layer_kv(layer))
+    await stream.finish()
+    keys = [(await reader.layer(layer))[0] for layer in range(LAYERS)]
+    assert all(torch.equal(key, layer_kv(layer)[0]) for layer, key in enumerate(keys))
+    assert await reader.finished() is None

@@ -21,11 +21,18 @@ Producer side, all on the producer's event loop:
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
+* `send_tensors` (`out_of_band` transports): a stream's layer (its key and value) or its
+  end's hidden states, right after that message's header left, under the same lock; the
+  send waits on the GPU for `ready` (the layer written on the prefill's stream), never the
+  host. In-band transports never get it: the producer sends those bytes as frames.
 
 Consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
 * `receive_many`: as `receive`, once per DeliverMany: the hits' tensors, in order, once
   all have landed.
+* `receive_tensors` (`out_of_band` transports): once per such stream message, in arrival
+  order, as `receive`: the tensors at once, an event for their landing (GPU), and a future
+  done once they landed.
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
   out-of-band transport must post its receives in. Posts now; the returned `Arrival`'s
   `complete` is a future of the loop, done with the five tensors on the consumer's device
@@ -79,6 +86,18 @@ class Arrival:
     send order, recorded on the receive stream after that segment's receive."""
 
 
+@dataclass(frozen=True, slots=True)
+class TensorsArrival:
+    """A posted receive of a stream message's tensors (`receive_tensors`)."""
+
+    complete: asyncio.Future[list[torch.Tensor]]
+    """The tensors, once they landed."""
+    tensors: list[torch.Tensor]
+    """The same tensors at once: on a GPU, to be read on a stream that waited on `landed`."""
+    landed: torch.cuda.Event | None = None
+    """GPU: recorded on the receive stream after the tensors' receive."""
+
+
 class Transport(abc.ABC):
     name: str
     """What the handshake calls it: "tcp", "nccl", "gloo"."""
@@ -104,6 +123,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
         """Send a DeliverMany's hits (`items`, in order)."""
+
+    async def send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        """Out-of-band transports: move a stream message's tensors, as one transfer, once
+        `ready` fired (see `kvrt._tensors.back_to_back` for where each lies in it)."""
+        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
+
+    def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
+        """Out-of-band transports: post the receive of a stream message's tensors now."""
+        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
 
     def forget(self, peer: bytes) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: `peer` left; release what its pair held (nothing by default)."""

@@ -43,17 +43,20 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
-from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, TensorMeta
 from kvrt._tensors import (
+    back_to_back,
     batch_views,
     check_batch_segments,
     check_metas,
     check_segments,
+    span_of,
+    tensor_meta,
     transfer_segments,
     unpack_tensor,
 )
 from kvrt._threads import Waiter
-from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
+from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, item_metas
 
 _PRODUCER_RANK = 0
 _CONSUMER_RANK = 1
@@ -211,6 +214,31 @@ class PairedTransport(Transport):
                 pair.sends.append((work, waited, staging))
         return []
 
+    async def send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        """One operation for a stream message's tensors: straight from their block when they
+        lie back to back in it (a layer `put_layer` copied), else packed on the send stream
+        (a finished item's layer, whose key and value lie apart)."""
+        pair, group = await self._pair_of(peer)
+        placed, nbytes = back_to_back([tensor_meta(tensor) for tensor in tensors])
+        if nbytes == 0:
+            return
+        _drop_finished(pair)
+        with contextlib.ExitStack() as on_stream:
+            if self._streams is not None:
+                send_stream = self._streams[0]
+                on_stream.enter_context(self._on_device())
+                on_stream.enter_context(_OnStream(send_stream))
+                if ready is not None:
+                    send_stream.wait_event(ready)  # the prefill's stream wrote them; it never waits here
+            buffer = span_of(tensors, placed, nbytes)
+            if buffer is None:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                for tensor, meta in zip(tensors, placed, strict=True):
+                    buffer[meta.offset : meta.offset + tensor.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            work = group.send([buffer], _CONSUMER_RANK, _TAG)
+            waited = None if self._streams is not None else self._waited_send(work)
+            pair.sends.append((work, waited, buffer))  # the buffer's storage lives till the send ran
+
     def _waited_send(self, work: Any) -> asyncio.Future[None]:
         """gloo: a send's work answers `is_completed` only once waited for; a kvrt thread does.
         Its failure is the pair's (the peer is lost, the group aborted), reported there."""
@@ -287,6 +315,17 @@ class PairedTransport(Transport):
         # Made while the bytes travel: the future hands the list over only once they landed.
         tensors += [_five(views) for views in batch_views(entries, payload)]
         return done
+
+    def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
+        placed, nbytes = back_to_back(metas)
+        payload, group = self._payload(nbytes, frames)
+        tensors = [tensor for tensor in unpack_tensor(placed, payload) if tensor is not None]
+        if nbytes == 0:
+            done: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
+            done.set_result(tensors)
+            return TensorsArrival(done, tensors)
+        completed, landed = self._post(group, payload, [(0, nbytes)], tensors)
+        return TensorsArrival(completed, tensors, landed[-1] if landed else None)
 
     def _payload(self, payload_bytes: int, frames: Sequence[zmq.Frame]) -> tuple[torch.Tensor, Any]:
         """A receive buffer for an announced payload, and the pair's group; refuses what
