@@ -129,3 +129,51 @@ def run_gpu_publisher(
             await asyncio.to_thread(_receive, control)
 
     asyncio.run(main())
+
+
+def stream_layer_kv(index: int, layer: int, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value of layer `layer` of stream `index`, [tokens, 8, 128], on the CPU from a seed
+    (so that both processes know them bit for bit)."""
+    generator = torch.Generator().manual_seed(1000 * index + layer)
+    shape = (tokens, 8, 128)
+    if dtype.is_floating_point:
+        return tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))  # type: ignore[return-value]
+    return tuple(torch.randint(0, 127, shape, generator=generator).to(dtype) for _ in range(2))  # type: ignore[return-value]
+
+
+GPU_CYCLES_PER_MS = 2_000_000
+"""`torch.cuda._sleep` cycles for about a millisecond (an H200 runs at up to 1.98 GHz)."""
+
+
+def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
+    """A prefill on `device` that streams layers on command: ("stream", index, dtype name,
+    layers, tokens, milliseconds of GPU work before each layer, layers after which it aborts
+    or None). The host queues the whole prefill at once, as an engine does; the GPU's stream
+    runs it. Answers "streamed" once it queued it all; "stats": (items, in flight); "stop"
+    ends it."""
+
+    async def main() -> None:
+        torch.cuda.set_device(device)
+        async with kvrt.Producer(device=device, heartbeat_s=heartbeat_s, buffer_bytes=1 << 40) as producer:
+            control.send(producer.endpoint)
+            while (command := await asyncio.to_thread(_receive, control)) not in (None, "stop"):
+                if command == "stats":
+                    stats = producer.stats()
+                    control.send((stats.items, stats.in_flight))
+                    continue
+                _, index, dtype_name, layers, tokens, work_ms, abort_after = command
+                kv = [stream_layer_kv(index, layer, tokens, getattr(torch, dtype_name)) for layer in range(layers)]
+                on_device = [(key.to(device), value.to(device)) for key, value in kv]
+                stream = await producer.open_stream(kv_tokens(index, tokens), layers=layers)
+                for layer, (key, value) in enumerate(on_device):
+                    if work_ms:
+                        torch.cuda._sleep(work_ms * GPU_CYCLES_PER_MS)
+                    await stream.put_layer(key, value)
+                    if abort_after == layer + 1:
+                        await stream.abort("the prefill ran out of memory")
+                        break
+                else:
+                    await stream.finish(torch.full((tokens, 4), float(index), device=device))
+                control.send("streamed")
+
+    asyncio.run(main())

@@ -50,6 +50,10 @@ if [ "$only" = pull ]; then
   timeout 240 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tail -12
   exit 0
 fi
+if [ "$only" = stream ]; then
+  timeout 200 python3 -m kvrt bench stream --json "$OUT/stream.json" 2>&1 | tail -12
+  exit 0
+fi
 if [ "$only" = kernels ]; then
   timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
   exit 0
@@ -71,5 +75,6 @@ if [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
   timeout 200 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tee "$OUT/bench-pull.log"
+  timeout 200 python3 -m kvrt bench stream --json "$OUT/stream.json" 2>&1 | tee "$OUT/bench-stream.log"
 fi
 python3 tools/gpu_summary.py "$OUT"

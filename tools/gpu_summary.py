@@ -53,6 +53,14 @@ def main(out: Path) -> int:
                   f"{'host' if row.get('indexes_on_host') else 'GPU':>7} | "
                   f"{row['end_to_end_s'] * 1e3:7.2f} ms | {100 * row['ratio']:5.0f}% | "
                   f"{100 * row.get('best_ratio', row['ratio']):3.0f}%")  # fmt: skip
+    stream = out / "stream.json"
+    if stream.exists():
+        data = json.loads(stream.read_text())
+        print(f"stream: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms; last layer computed -> received:")
+        for mode in ("stream", "whole"):
+            row = data[mode]
+            print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
+                  f"= {row['layers']:5.2f}x one layer{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
     return 0
 
 

@@ -1,0 +1,236 @@
+"""`kvrt bench stream`: a simulated prefill on cuda:0 streamed layer by layer to cuda:1, beside
+the same prefill followed by a whole-request transfer, and beside raw NCCL of one layer's
+bytes, all in the same run.
+
+The prefill: 32 layers, each one bf16 matmul of an 8B model's layer at 8k tokens
+([8192 x 4096] @ [4096 x 53248]: the ~3.6 TFLOP of a Llama-3-8B layer's projections), whose
+output's first columns are the layer's K and V (8192 tokens x 8 heads x 128, 32 MiB a layer).
+The metric, per the issue: from the last layer computed (a CUDA event after its matmul, read
+on the producer's host) to the last layer received (a CUDA event on the consumer's stream
+after the layer's landing, read on the consumer's host), both on the host's monotonic clock.
+Streaming: the reader is waiting, `put_layer` after each layer's matmul. Whole request: the
+same prefill writes K and V into one [32, 8192, 8, 128] pair, then `insert`, which a waiting
+`drop_select` takes. The goal (DESIGN): streaming within 1.5x one layer's transfer time, that
+is, raw NCCL send/recv of one layer's bytes on the same pair (timed as the other benchmarks
+time raw NCCL: after a barrier, on the receiver's host, median of its repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import statistics
+import sys
+import time
+from typing import Any, Final
+
+import torch
+
+from kvrt._bench._processes import free_port, join
+from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
+
+LAYERS: Final = 32
+TOKENS: Final = 8192
+HEADS: Final = 8
+DIM: Final = 128
+HIDDEN: Final = 4096
+PROJECTIONS: Final = 53248
+"""Output columns of the one matmul standing for a layer: 2 * 8192 * 4096 * 53248 flops is
+what Llama-3-8B's q, k, v, o, gate, up and down projections cost at 8k tokens."""
+KV_COLUMNS: Final = HEADS * DIM
+LAYER_BYTES: Final = 2 * TOKENS * KV_COLUMNS * 2
+RAW_REPEATS: Final = 21
+ROUNDS: Final = 7
+PRODUCER_DEVICE: Final = "cuda:0"
+CONSUMER_DEVICE: Final = "cuda:1"
+MODES: Final = ("stream", "whole")
+
+spawn = multiprocessing.get_context("spawn")
+
+
+def _when(event: torch.cuda.Event) -> float:
+    """The host's clock once `event` fired (a spinning wait: microseconds late, not 100s)."""
+    event.synchronize()
+    return time.perf_counter()
+
+
+def _raw_sends(group: Any) -> None:
+    one = torch.ones(LAYER_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
+    layers = [torch.ones(LAYER_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(LAYERS)]
+    for buffers in ([one], layers):
+        for _ in range(RAW_REPEATS):
+            _barrier(group, PRODUCER_DEVICE)
+            for work in [group.send([buffer], 1, 0) for buffer in buffers]:
+                work.wait()
+            torch.cuda.synchronize(PRODUCER_DEVICE)
+
+
+def _raw_receives(group: Any) -> tuple[float, float]:
+    """One layer's bytes alone, and 32 layers' back to back (per layer): medians."""
+    one = torch.empty(LAYER_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE)
+    layers = [torch.empty(LAYER_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(LAYERS)]
+    medians = []
+    for buffers in ([one], layers):
+        runs = []
+        for _ in range(RAW_REPEATS):
+            _barrier(group, CONSUMER_DEVICE)
+            started = time.perf_counter()
+            for work in [group.recv([buffer], 0, 0) for buffer in buffers]:
+                work.wait()
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            runs.append(time.perf_counter() - started)
+        medians.append(statistics.median(runs))
+    return medians[0], medians[1] / LAYERS
+
+
+def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._producer import Producer
+
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
+    _warm_p2p(group, 0, PRODUCER_DEVICE)
+    _raw_sends(group)
+    generator = torch.Generator(device=PRODUCER_DEVICE).manual_seed(0)
+    activations = torch.randn((TOKENS, HIDDEN), generator=generator, device=PRODUCER_DEVICE).to(torch.bfloat16)
+    weights = (torch.randn((HIDDEN, PROJECTIONS), generator=generator, device=PRODUCER_DEVICE) / 64).to(torch.bfloat16)
+    keys = torch.empty((LAYERS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
+    values = torch.empty_like(keys)
+
+    def layer_kv() -> tuple[torch.Tensor, torch.Tensor]:
+        out = activations @ weights
+        return out[:, :KV_COLUMNS].view(TOKENS, HEADS, DIM), out[:, KV_COLUMNS : 2 * KV_COLUMNS].view(
+            TOKENS, HEADS, DIM
+        )
+
+    async def main() -> None:
+        async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
+            control.send(producer.endpoint)
+            while (command := await asyncio.to_thread(control.recv)) != "stop":
+                mode, index = command
+                tokens = torch.arange(TOKENS) + index * TOKENS
+                torch.cuda.synchronize(PRODUCER_DEVICE)
+                started = time.perf_counter()
+                computed = torch.cuda.Event()
+                last_computed: asyncio.Future[float] | None = None
+                if mode == "stream":
+                    stream = await producer.open_stream(tokens, layers=LAYERS)
+                    for layer in range(LAYERS):
+                        key, value = layer_kv()
+                        if layer == LAYERS - 1:
+                            computed.record()
+                            last_computed = asyncio.ensure_future(asyncio.to_thread(_when, computed))
+                        await stream.put_layer(key, value)
+                    await stream.finish()
+                else:
+                    for layer in range(LAYERS):
+                        key, value = layer_kv()
+                        keys[layer].copy_(key)
+                        values[layer].copy_(value)
+                    computed.record()
+                    last_computed = asyncio.ensure_future(asyncio.to_thread(_when, computed))
+                    await producer.insert(tokens, None, keys, values, None)
+                assert last_computed is not None
+                computed_at = await last_computed
+                control.send((computed_at, computed_at - started))
+
+    asyncio.run(main())
+
+
+def _from_producer(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
+    """The producer's next message; an error, not a hang, if it died."""
+    if not control.poll(timeout_s):
+        raise RuntimeError(f"the benchmark's producer process said nothing for {timeout_s} s")
+    return control.recv()
+
+
+def main(args: argparse.Namespace) -> int:
+    from torch._C._distributed_c10d import TCPStore
+
+    from kvrt import _messages as m
+    from kvrt._consumer import Consumer
+
+    if torch.cuda.device_count() < 2:
+        print("kvrt bench stream needs two CUDA devices", file=sys.stderr)
+        return 1
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    control, child = spawn.Pipe()
+    producer = spawn.Process(target=_producer, args=(port, child), name="kvrt-bench-stream-producer")
+    producer.start()
+    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    prefills: list[float] = []
+    try:
+        _, group = _raw_group(f"127.0.0.1:{port}", 1, CONSUMER_DEVICE)
+        _warm_p2p(group, 1, CONSUMER_DEVICE)
+        one_layer_s, per_layer_s = _raw_receives(group)
+        endpoint = _from_producer(control)
+
+        async def run() -> None:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+                link = consumer._links[0]
+                for round_index in range(ROUNDS + 1):  # the first round warms both paths up
+                    for mode_index, mode in enumerate(MODES):
+                        index = 2 * round_index + mode_index
+                        tokens = torch.arange(TOKENS) + index * TOKENS
+                        if mode == "stream":
+                            waiting: asyncio.Task[Any] = asyncio.create_task(consumer.open_stream(tokens, timeout=60))
+                        else:
+                            waiting = asyncio.create_task(consumer.drop_select(tokens, timeout=60))
+                        await asyncio.sleep(0)  # the request leaves; the health check's answer proves it read
+                        await link.call(lambda request_id: m.Health(request_id=request_id))
+                        control.send((mode, index))
+                        got = await waiting
+                        if got is None:
+                            raise RuntimeError(f"{mode}: the prefill's KV did not arrive")
+                        if mode == "stream":
+                            for layer in range(LAYERS):
+                                await got.layer(layer)  # the current stream waits for each landing
+                        received = torch.cuda.Event()
+                        received.record()
+                        received_at = await asyncio.to_thread(_when, received)
+                        if mode == "stream":
+                            await got.finished()
+                        del got
+                        computed_at, prefill_s = await asyncio.to_thread(_from_producer, control)
+                        if round_index:
+                            latencies[mode].append(received_at - computed_at)
+                            prefills.append(prefill_s)
+
+        asyncio.run(run())
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        join(producer)
+        del store
+    result: dict[str, Any] = {
+        "layer_bytes": LAYER_BYTES,
+        "raw_one_layer_s": one_layer_s,
+        "raw_per_layer_back_to_back_s": per_layer_s,
+        "prefill_s": statistics.median(prefills),
+    }
+    for mode, seconds in latencies.items():
+        result[mode] = {"median_s": statistics.median(seconds), "best_s": min(seconds), "runs_s": seconds}
+        result[mode]["layers"] = result[mode]["median_s"] / one_layer_s
+    print(f"\nkvrt bench stream — a simulated prefill on {PRODUCER_DEVICE} ({LAYERS} layers, one "
+          f"[{TOKENS}x{HIDDEN}] @ [{HIDDEN}x{PROJECTIONS}] bf16 matmul each), read on {CONSUMER_DEVICE}; "
+          f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16)")  # fmt: skip
+    print(f"prefill, first matmul queued to last computed: {result['prefill_s'] * 1e3:8.2f} ms (median)")
+    print(f"raw NCCL, one layer's bytes alone:             {one_layer_s * 1e3:8.3f} ms  (the goal's unit)")
+    print(f"raw NCCL, {LAYERS} layers back to back, per layer:  {per_layer_s * 1e3:8.3f} ms")
+    print(f"from the last layer computed to the last layer received, median of {ROUNDS} (best):")
+    for mode, label, goal in (
+        ("stream", "streaming (put_layer per layer)", "goal <= 1.5x"),
+        ("whole", "whole request after the prefill", ""),
+    ):
+        row = result[mode]
+        print(f"  {label:34} {row['median_s'] * 1e3:8.3f} ms ({row['best_s'] * 1e3:6.3f}) = "
+              f"{row['layers']:5.2f}x one layer  {goal}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    return 0

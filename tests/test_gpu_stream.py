@@ -1,0 +1,151 @@
+"""Layer-wise streams between two GPUs over NCCL (prefill on cuda:0, decode on cuda:1): each
+layer's transfer starts when the prefill's stream wrote it, and the reader's stream waits for
+its landing; no host waits for either.
+
+Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import kvrt
+from tests._gpu_processes import kv_tokens, run_gpu_streamer, stream_layer_kv
+
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
+
+spawn = multiprocessing.get_context("spawn")
+PRODUCER_DEVICE = "cuda:0"
+CONSUMER_DEVICE = "cuda:1"
+DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
+
+
+@asynccontextmanager
+async def streamer(heartbeat_s: float = 1.0) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess, Any]]:
+    control, child = spawn.Pipe()
+    process = spawn.Process(target=run_gpu_streamer, args=(PRODUCER_DEVICE, heartbeat_s, child), daemon=True)
+    await asyncio.to_thread(process.start)
+    try:
+        assert await asyncio.to_thread(control.poll, 180), "GPU streamer did not start"
+        yield control.recv(), process, control
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        await asyncio.to_thread(process.join, 30)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+async def answer(control: Any) -> Any:
+    assert await asyncio.to_thread(control.poll, 60), "the streamer did not answer"
+    return control.recv()
+
+
+async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
+    """(items, in flight) on the producer once it handled all this consumer sent (a round trip)."""
+    assert await consumer.drop_select(torch.tensor([-1])) is None
+    control.send("stats")
+    return await answer(control)
+
+
+async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_is_still_computed() -> None:
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    layers, tokens = 4, 512
+    async with (
+        streamer() as (endpoint, _, control),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        for index, dtype_name in enumerate(DTYPES):
+            opening = asyncio.create_task(consumer.open_stream(kv_tokens(index, tokens), timeout=30))
+            await asyncio.sleep(0)
+            work_ms = 100 if index == 0 else 0  # GPU work before each layer (the first dtype only)
+            control.send(("stream", index, dtype_name, layers, tokens, work_ms, None))
+            reader = await opening
+            assert reader is not None and reader.layers == layers
+            first = await reader.layer(0)  # the current stream now waits for layer 0's landing
+            first_landed = torch.cuda.Event()
+            first_landed.record()
+            side = torch.cuda.Stream()
+            last = await reader.layer(layers - 1, stream=side)
+            last_landed = torch.cuda.Event()
+            last_landed.record(side)
+            await asyncio.to_thread(first_landed.synchronize)
+            if work_ms:  # three more layers of 100 ms of prefill work were still to run
+                assert not last_landed.query()
+            arrived = [first, *[await reader.layer(layer) for layer in range(1, layers - 1)], last]
+            hidden = await reader.finished()
+            await asyncio.to_thread(side.synchronize)
+            await asyncio.to_thread(torch.cuda.current_stream().synchronize)
+            for layer, (key, value) in enumerate(arrived):
+                want_key, want_value = stream_layer_kv(index, layer, tokens, getattr(torch, dtype_name))
+                assert key.device == torch.device(CONSUMER_DEVICE)
+                assert same_bits(key, want_key) and same_bits(value, want_value), (dtype_name, layer)
+            assert hidden is not None and torch.equal(hidden.cpu(), torch.full((tokens, 4), float(index)))
+            assert await answer(control) == "streamed"
+            assert await held_by_the_producer(consumer, control) == (0, 0)
+
+
+async def test_a_prefill_aborted_midway_fails_the_reader_and_the_pair_stays_in_step() -> None:
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    async with (
+        streamer() as (endpoint, _, control),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
+        await asyncio.sleep(0)
+        control.send(("stream", 0, "bfloat16", 4, 256, 20, 2))  # aborts after 2 of 4 layers
+        reader = await opening
+        assert reader is not None
+        with pytest.raises(kvrt.StreamAbortedError, match="ran out of memory"):
+            await reader.layer(3)
+        with pytest.raises(kvrt.StreamAbortedError):
+            await reader.layer(0)  # what arrived is void
+        assert await answer(control) == "streamed"
+        assert await held_by_the_producer(consumer, control) == (0, 0)
+        # The two layers' bytes were received all the same: the next stream reads right.
+        opening = asyncio.create_task(consumer.open_stream(kv_tokens(1, 256), timeout=30))
+        await asyncio.sleep(0)
+        control.send(("stream", 1, "bfloat16", 2, 256, 0, None))
+        reader = await opening
+        assert reader is not None
+        _, value = await reader.layer(1)
+        await reader.finished()
+        assert same_bits(value, stream_layer_kv(1, 1, 256, torch.bfloat16)[1])
+        assert await answer(control) == "streamed"
+
+
+async def test_a_killed_prefill_fails_the_reader_within_the_heartbeat_timeout() -> None:
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    heartbeat_s = 0.25
+    async with (
+        streamer(heartbeat_s) as (endpoint, process, control),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
+    ):
+        opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
+        await asyncio.sleep(0)
+        control.send(("stream", 0, "bfloat16", 4, 256, 2000, None))  # 2 s of GPU work a layer
+        reader = await opening
+        assert reader is not None
+        await reader.layer(0)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(kvrt.PeerLostError):
+            await reader.finished()
+        assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
