@@ -166,11 +166,16 @@ def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device
 
 
 def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
-    """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each."""
+    """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each, none
+    waited for (a host tensor copied to a GPU as `copy_from_host` does: a plain `copy_` would
+    make the host wait for everything queued on the stream, a whole prefill's work)."""
     packed = pack_empty([None if tensor is None else (tensor.shape, tensor.dtype) for tensor in tensors], device)
     for tensor, view in zip(tensors, packed.tensors, strict=True):
         if tensor is not None and view is not None:
-            view.copy_(tensor.detach())
+            if view.device.type == "cuda" and tensor.device.type == "cpu":
+                copy_from_host(view, tensor.detach())
+            else:
+                view.copy_(tensor.detach())
     return packed
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import kv_tokens, run_gpu_streamer, stream_layer_kv
+from tests._gpu_processes import GPU_CYCLES_PER_MS, kv_tokens, run_gpu_streamer, stream_layer_kv
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
 
@@ -57,6 +57,15 @@ async def answer(control: Any) -> Any:
     return control.recv()
 
 
+async def opened_and_waiting(consumer: kvrt.Consumer, tokens: torch.Tensor) -> asyncio.Task[Any]:
+    """`open_stream` started, and waiting on the producer (a round trip on the same link after
+    its request proves that the producer read it)."""
+    opening = asyncio.create_task(consumer.open_stream(tokens, timeout=30))
+    await asyncio.sleep(0)
+    assert await consumer.drop_select(torch.tensor([-1])) is None
+    return opening
+
+
 async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
     """(items, in flight) on the producer once it handled all this consumer sent (a round trip)."""
     assert await consumer.drop_select(torch.tensor([-1])) is None
@@ -72,8 +81,7 @@ async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):
         for index, dtype_name in enumerate(DTYPES):
-            opening = asyncio.create_task(consumer.open_stream(kv_tokens(index, tokens), timeout=30))
-            await asyncio.sleep(0)
+            opening = await opened_and_waiting(consumer, kv_tokens(index, tokens))
             work_ms = 100 if index == 0 else 0  # GPU work before each layer (the first dtype only)
             control.send(("stream", index, dtype_name, layers, tokens, work_ms, None))
             reader = await opening
@@ -107,8 +115,7 @@ async def test_a_prefill_aborted_midway_fails_the_reader_and_the_pair_stays_in_s
         streamer() as (endpoint, _, control),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):
-        opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
-        await asyncio.sleep(0)
+        opening = await opened_and_waiting(consumer, kv_tokens(0, 256))
         control.send(("stream", 0, "bfloat16", 4, 256, 20, 2))  # aborts after 2 of 4 layers
         reader = await opening
         assert reader is not None
@@ -119,8 +126,7 @@ async def test_a_prefill_aborted_midway_fails_the_reader_and_the_pair_stays_in_s
         assert await answer(control) == "streamed"
         assert await held_by_the_producer(consumer, control) == (0, 0)
         # The two layers' bytes were received all the same: the next stream reads right.
-        opening = asyncio.create_task(consumer.open_stream(kv_tokens(1, 256), timeout=30))
-        await asyncio.sleep(0)
+        opening = await opened_and_waiting(consumer, kv_tokens(1, 256))
         control.send(("stream", 1, "bfloat16", 2, 256, 0, None))
         reader = await opening
         assert reader is not None
@@ -137,8 +143,7 @@ async def test_a_killed_prefill_fails_the_reader_within_the_heartbeat_timeout() 
         streamer(heartbeat_s) as (endpoint, process, control),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
     ):
-        opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
-        await asyncio.sleep(0)
+        opening = await opened_and_waiting(consumer, kv_tokens(0, 256))
         control.send(("stream", 0, "bfloat16", 4, 256, 2000, None))  # 2 s of GPU work a layer
         reader = await opening
         assert reader is not None
@@ -149,3 +154,25 @@ async def test_a_killed_prefill_fails_the_reader_within_the_heartbeat_timeout() 
         with pytest.raises(kvrt.PeerLostError):
             await reader.finished()
         assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+
+
+async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() -> None:
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    tokens = kv_tokens(0, 256)  # on the host, as an engine's scheduler holds them
+    key, value = (tensor.to(PRODUCER_DEVICE) for tensor in stream_layer_kv(0, 0, 256, torch.bfloat16))
+    async with kvrt.Producer(device=PRODUCER_DEVICE) as producer:
+        for attempt in ("stream", "insert"):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1000 * GPU_CYCLES_PER_MS)  # a second of prefill work still queued
+            started = time.monotonic()
+            if attempt == "stream":
+                stream = await producer.open_stream(tokens, layers=2)
+                for _ in range(2):
+                    await stream.put_layer(key, value)
+                await stream.finish(torch.zeros(256, 4, device=PRODUCER_DEVICE))
+            else:
+                await producer.insert(tokens + 1, None, key[None], value[None])
+            took = time.monotonic() - started
+            assert not torch.cuda.current_stream().query(), attempt  # the work is still running
+            assert took < 0.3, (attempt, took)
+        assert producer.stats().items == 2

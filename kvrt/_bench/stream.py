@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
@@ -56,6 +57,17 @@ def _when(event: torch.cuda.Event) -> float:
     """The host's clock once `event` fired (a spinning wait: microseconds late, not 100s)."""
     event.synchronize()
     return time.perf_counter()
+
+
+_STAMPS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stamp")
+
+
+def _stamp(event: torch.cuda.Event) -> asyncio.Future[float]:
+    """`_when(event)`, waited for in a thread that starts now, not when the loop next turns
+    (the event can fire first: its time would read late). The loop is idle when the events
+    of this benchmark fire (both hosts run ahead of their GPUs), so the thread reads the clock
+    as soon as it wakes."""
+    return asyncio.wrap_future(_STAMPS.submit(_when, event))
 
 
 def _raw_sends(group: Any) -> None:
@@ -122,7 +134,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                         key, value = layer_kv()
                         if layer == LAYERS - 1:
                             computed.record()
-                            last_computed = asyncio.ensure_future(asyncio.to_thread(_when, computed))
+                            last_computed = _stamp(computed)
                         await stream.put_layer(key, value)
                     await stream.finish()
                 else:
@@ -131,7 +143,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                         keys[layer].copy_(key)
                         values[layer].copy_(value)
                     computed.record()
-                    last_computed = asyncio.ensure_future(asyncio.to_thread(_when, computed))
+                    last_computed = _stamp(computed)
                     await producer.insert(tokens, None, keys, values, None)
                 assert last_computed is not None
                 computed_at = await last_computed
@@ -192,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
                                 await got.layer(layer)  # the current stream waits for each landing
                         received = torch.cuda.Event()
                         received.record()
-                        received_at = await asyncio.to_thread(_when, received)
+                        received_at = await _stamp(received)
                         if mode == "stream":
                             await got.finished()
                         del got
