@@ -148,8 +148,13 @@ def buffered_item(
     device: torch.device, *, item_id: int, seq: int,
 ) -> BufferedItem:  # fmt: skip
     """An item for the buffer: the five tensors (already checked) packed into one new buffer
-    on `device` (the one copy insert makes), with its lookup key."""
-    return item_from_packed(pack(tensors, device), item_id=item_id, seq=seq)
+    on `device` (the one copy insert makes), with its lookup key: read from the caller's
+    tokens when they are on the host (from the packed copy on a GPU, the read would wait for
+    everything queued on the caller's stream, a whole prefill's work)."""
+    input_tokens, roi = tensors[0], tensors[1]
+    on_host = input_tokens.device.type == "cpu" and (roi is None or roi.device.type == "cpu")
+    masked = masked_tokens(input_tokens, roi).copy() if on_host else None  # the caller may change its tokens
+    return item_from_packed(pack(tensors, device), item_id=item_id, seq=seq, masked=masked)
 
 
 def item_from_packed(packed: Packed, *, item_id: int, seq: int, masked: np.ndarray | None = None) -> BufferedItem:

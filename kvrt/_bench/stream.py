@@ -126,7 +126,8 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                 tokens = torch.arange(TOKENS) + index * TOKENS
                 torch.cuda.synchronize(PRODUCER_DEVICE)
                 started = time.perf_counter()
-                computed = torch.cuda.Event()
+                computed = torch.cuda.Event(enable_timing=True)
+                copied = torch.cuda.Event(enable_timing=True)
                 last_computed: asyncio.Future[float] | None = None
                 if mode == "stream":
                     stream = await producer.open_stream(tokens, layers=LAYERS)
@@ -136,6 +137,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                             computed.record()
                             last_computed = _stamp(computed)
                         await stream.put_layer(key, value)
+                    copied.record()  # after put_layer's copy of the last layer, on the same stream
                     await stream.finish()
                 else:
                     for layer in range(LAYERS):
@@ -145,9 +147,11 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                     computed.record()
                     last_computed = _stamp(computed)
                     await producer.insert(tokens, None, keys, values, None)
+                    copied.record()  # after insert's copy into the item's buffer
                 assert last_computed is not None
                 computed_at = await last_computed
-                control.send((computed_at, computed_at - started))
+                copied.synchronize()
+                control.send((computed_at, computed_at - started, computed.elapsed_time(copied) / 1e3))
 
     asyncio.run(main())
 
@@ -175,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
     producer = spawn.Process(target=_producer, args=(port, child), name="kvrt-bench-stream-producer")
     producer.start()
     latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    copies: dict[str, list[float]] = {mode: [] for mode in MODES}
     prefills: list[float] = []
     try:
         _, group = _raw_group(f"127.0.0.1:{port}", 1, CONSUMER_DEVICE)
@@ -208,9 +213,10 @@ def main(args: argparse.Namespace) -> int:
                         if mode == "stream":
                             await got.finished()
                         del got
-                        computed_at, prefill_s = await asyncio.to_thread(_from_producer, control)
+                        computed_at, prefill_s, copy_s = await asyncio.to_thread(_from_producer, control)
                         if round_index:
                             latencies[mode].append(received_at - computed_at)
+                            copies[mode].append(copy_s)
                             prefills.append(prefill_s)
 
         asyncio.run(run())
@@ -228,6 +234,7 @@ def main(args: argparse.Namespace) -> int:
     for mode, seconds in latencies.items():
         result[mode] = {"median_s": statistics.median(seconds), "best_s": min(seconds), "runs_s": seconds}
         result[mode]["layers"] = result[mode]["median_s"] / one_layer_s
+        result[mode]["copy_s"] = statistics.median(copies[mode])
     print(f"\nkvrt bench stream — a simulated prefill on {PRODUCER_DEVICE} ({LAYERS} layers, one "
           f"[{TOKENS}x{HIDDEN}] @ [{HIDDEN}x{PROJECTIONS}] bf16 matmul each), read on {CONSUMER_DEVICE}; "
           f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16)")  # fmt: skip
@@ -242,6 +249,8 @@ def main(args: argparse.Namespace) -> int:
         row = result[mode]
         print(f"  {label:34} {row['median_s'] * 1e3:8.3f} ms ({row['best_s'] * 1e3:6.3f}) = "
               f"{row['layers']:5.2f}x one layer  {goal}")  # fmt: skip
+    print(f"of which the producer's copy after the last layer (GPU events): put_layer "
+          f"{result['stream']['copy_s'] * 1e3:.3f} ms, insert {result['whole']['copy_s'] * 1e3:.3f} ms")  # fmt: skip
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
