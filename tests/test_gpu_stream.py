@@ -161,11 +161,12 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
     tokens = kv_tokens(0, 256)  # on the host, as an engine's scheduler holds them
     key, value = (tensor.to(PRODUCER_DEVICE) for tensor in stream_layer_kv(0, 0, 256, torch.bfloat16))
     async with kvrt.Producer(device=PRODUCER_DEVICE) as producer:
-        # Each attempt twice; the first only warms up: CUDA loads a kernel's module at its
-        # first launch, and that waits for the device (~the queued second, seen on an H200).
+        # Each attempt twice; the first, with no work queued, only warms up: CUDA loads a
+        # kernel's module at its first launch, and that waits for the device (seen on an H200).
         for index, attempt in enumerate(["stream", "insert"] * 2):
             torch.cuda.synchronize()
-            torch.cuda._sleep(1000 * GPU_CYCLES_PER_MS)  # a second of prefill work still queued
+            if index >= 2:
+                torch.cuda._sleep(1000 * GPU_CYCLES_PER_MS)  # a second of prefill work still queued
             started = time.monotonic()
             if attempt == "stream":
                 stream = await producer.open_stream(tokens + index, layers=2)
