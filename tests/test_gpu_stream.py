@@ -164,7 +164,7 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
         # Each attempt twice; the first, with no work queued, only warms up: CUDA loads a
         # kernel's module at its first launch, and that waits for the device (seen on an H200).
         for index, attempt in enumerate(["stream", "insert"] * 2):
-            torch.cuda.synchronize()
+            await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)  # the last second of work
             if index >= 2:
                 torch.cuda._sleep(1000 * GPU_CYCLES_PER_MS)  # a second of prefill work still queued
             started = time.monotonic()
@@ -180,3 +180,4 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
                 assert not torch.cuda.current_stream().query(), attempt  # the work is still running
                 assert took < 0.3, (attempt, took)
         assert producer.stats().items == 4
+        await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)
