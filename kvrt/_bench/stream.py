@@ -5,32 +5,34 @@ bytes, all in the same run.
 The prefill: 32 layers, each one bf16 matmul of an 8B model's layer at 8k tokens
 ([8192 x 4096] @ [4096 x 53248]: the ~3.6 TFLOP of a Llama-3-8B layer's projections), whose
 output's first columns are the layer's K and V (8192 tokens x 8 heads x 128, 32 MiB a layer).
-The metric, per the issue: from the last layer computed (a CUDA event after its matmul, read
-on the producer's host) to the last layer received (a CUDA event on the consumer's stream
-after the layer's landing, read on the consumer's host), both on the host's monotonic clock.
-Streaming: the reader is waiting, `put_layer` after each layer's matmul. Whole request: the
-same prefill writes K and V into one [32, 8192, 8, 128] pair, then `insert`, which a waiting
-`drop_select` takes. The goal (DESIGN): streaming within 1.5x one layer's transfer time, that
-is, raw NCCL send/recv of one layer's bytes on the same pair (timed as the other benchmarks
-time raw NCCL: after a barrier, on the receiver's host, median of its repeats).
+The metric, per the issue: from the last layer computed (a timestamp the producer's GPU
+writes right after its matmul) to the last layer received (one the consumer's GPU writes on
+the reader's stream once `layer(31)` made it wait for the landing). The two GPUs' clocks
+(`%globaltimer`) are put on one by a ping-pong over NCCL before and after the rounds (its
+drift is printed), so no host thread is in the measurement. Streaming: the reader is
+waiting, `put_layer` after each layer's matmul. Whole request: the same prefill writes K and
+V into one [32, 8192, 8, 128] pair, then `insert`, which a waiting `drop_select` takes; its
+"received" is stamped when `drop_select` returned (the caller has the item then). The goal
+(DESIGN): streaming within 1.5x one layer's transfer time, that is, raw NCCL send/recv of one
+layer's bytes on the same pair, timed the same way (sender's GPU before the send, receiver's
+GPU after the receive, the receive posted first), median of its repeats.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
 import statistics
 import sys
-import time
 from typing import Any, Final
 
 import torch
 
+from kvrt._bench._gpu_clock import Stamps, calibrate
 from kvrt._bench._processes import free_port, join
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
@@ -49,54 +51,43 @@ ROUNDS: Final = 7
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 MODES: Final = ("stream", "whole")
+SENDER_HEAD_START_CYCLES: Final = 400_000
+"""~0.2 ms of GPU sleep before a raw send's timestamp: the receiver has posted its receive by
+then, so the raw time is the transfer's, not the receiver's host's."""
 
 spawn = multiprocessing.get_context("spawn")
 
 
-def _when(event: torch.cuda.Event) -> float:
-    """The host's clock once `event` fired (a spinning wait: microseconds late, not 100s)."""
-    event.synchronize()
-    return time.perf_counter()
-
-
-_STAMPS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stamp")
-
-
-def _stamp(event: torch.cuda.Event) -> asyncio.Future[float]:
-    """`_when(event)`, waited for in a thread that starts now, not when the loop next turns
-    (the event can fire first: its time would read late). The loop is idle when the events
-    of this benchmark fire (both hosts run ahead of their GPUs), so the thread reads the clock
-    as soon as it wakes."""
-    return asyncio.wrap_future(_STAMPS.submit(_when, event))
-
-
-def _raw_sends(group: Any) -> None:
+def _raw_sends(group: Any) -> list[int]:
+    """Rank 0's side of the raw references: a timestamp before each send (one layer alone,
+    RAW_REPEATS times; then 32 layers back to back, RAW_REPEATS times)."""
     one = torch.ones(LAYER_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
     layers = [torch.ones(LAYER_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(LAYERS)]
-    for buffers in ([one], layers):
-        for _ in range(RAW_REPEATS):
+    stamps = Stamps(PRODUCER_DEVICE, 2 * RAW_REPEATS)
+    for case, buffers in enumerate(([one], layers)):
+        for repeat in range(RAW_REPEATS):
             _barrier(group, PRODUCER_DEVICE)
+            torch.cuda._sleep(SENDER_HEAD_START_CYCLES)  # type: ignore[no-untyped-call]
+            stamps.stamp(case * RAW_REPEATS + repeat)
             for work in [group.send([buffer], 1, 0) for buffer in buffers]:
                 work.wait()
             torch.cuda.synchronize(PRODUCER_DEVICE)
+    return stamps.read()
 
 
-def _raw_receives(group: Any) -> tuple[float, float]:
-    """One layer's bytes alone, and 32 layers' back to back (per layer): medians."""
+def _raw_receives(group: Any) -> list[int]:
+    """Rank 1's side: a timestamp after each receive."""
     one = torch.empty(LAYER_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE)
     layers = [torch.empty(LAYER_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(LAYERS)]
-    medians = []
-    for buffers in ([one], layers):
-        runs = []
-        for _ in range(RAW_REPEATS):
+    stamps = Stamps(CONSUMER_DEVICE, 2 * RAW_REPEATS)
+    for case, buffers in enumerate(([one], layers)):
+        for repeat in range(RAW_REPEATS):
             _barrier(group, CONSUMER_DEVICE)
-            started = time.perf_counter()
             for work in [group.recv([buffer], 0, 0) for buffer in buffers]:
                 work.wait()
+            stamps.stamp(case * RAW_REPEATS + repeat)
             torch.cuda.synchronize(CONSUMER_DEVICE)
-            runs.append(time.perf_counter() - started)
-        medians.append(statistics.median(runs))
-    return medians[0], medians[1] / LAYERS
+    return stamps.read()
 
 
 def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
@@ -105,18 +96,19 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     torch.cuda.set_device(PRODUCER_DEVICE)
     _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
     _warm_p2p(group, 0, PRODUCER_DEVICE)
-    _raw_sends(group)
+    calibrate(group, 0, PRODUCER_DEVICE)
+    control.send(_raw_sends(group))
     generator = torch.Generator(device=PRODUCER_DEVICE).manual_seed(0)
     activations = torch.randn((TOKENS, HIDDEN), generator=generator, device=PRODUCER_DEVICE).to(torch.bfloat16)
     weights = (torch.randn((HIDDEN, PROJECTIONS), generator=generator, device=PRODUCER_DEVICE) / 64).to(torch.bfloat16)
     keys = torch.empty((LAYERS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
     values = torch.empty_like(keys)
+    stamps = Stamps(PRODUCER_DEVICE, 1)
 
     def layer_kv() -> tuple[torch.Tensor, torch.Tensor]:
-        out = activations @ weights
-        return out[:, :KV_COLUMNS].view(TOKENS, HEADS, DIM), out[:, KV_COLUMNS : 2 * KV_COLUMNS].view(
-            TOKENS, HEADS, DIM
-        )
+        out = activations @ weights  # its first columns stand for the layer's K and V
+        key, value = out[:, :KV_COLUMNS], out[:, KV_COLUMNS : 2 * KV_COLUMNS]
+        return key.view(TOKENS, HEADS, DIM), value.view(TOKENS, HEADS, DIM)
 
     async def main() -> None:
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
@@ -125,17 +117,17 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                 mode, index = command
                 tokens = torch.arange(TOKENS) + index * TOKENS
                 torch.cuda.synchronize(PRODUCER_DEVICE)
-                started = time.perf_counter()
+                started = torch.cuda.Event(enable_timing=True)
                 computed = torch.cuda.Event(enable_timing=True)
                 copied = torch.cuda.Event(enable_timing=True)
-                last_computed: asyncio.Future[float] | None = None
+                started.record()
                 if mode == "stream":
                     stream = await producer.open_stream(tokens, layers=LAYERS)
                     for layer in range(LAYERS):
                         key, value = layer_kv()
                         if layer == LAYERS - 1:
+                            stamps.stamp(0)
                             computed.record()
-                            last_computed = _stamp(computed)
                         await stream.put_layer(key, value)
                     copied.record()  # after put_layer's copy of the last layer, on the same stream
                     await stream.finish()
@@ -144,16 +136,15 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                         key, value = layer_kv()
                         keys[layer].copy_(key)
                         values[layer].copy_(value)
+                    stamps.stamp(0)
                     computed.record()
-                    last_computed = _stamp(computed)
                     await producer.insert(tokens, None, keys, values, None)
                     copied.record()  # after insert's copy into the item's buffer
-                assert last_computed is not None
-                computed_at = await last_computed
-                copied.synchronize()
-                control.send((computed_at, computed_at - started, computed.elapsed_time(copied) / 1e3))
+                (computed_ns,) = await asyncio.to_thread(stamps.read)
+                control.send((computed_ns, started.elapsed_time(computed) / 1e3, computed.elapsed_time(copied) / 1e3))
 
     asyncio.run(main())
+    calibrate(group, 0, PRODUCER_DEVICE)  # again, for the drift
 
 
 def _from_producer(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
@@ -184,8 +175,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         _, group = _raw_group(f"127.0.0.1:{port}", 1, CONSUMER_DEVICE)
         _warm_p2p(group, 1, CONSUMER_DEVICE)
-        one_layer_s, per_layer_s = _raw_receives(group)
+        offset = calibrate(group, 1, CONSUMER_DEVICE)
+        assert offset is not None
+        received_raw = _raw_receives(group)
+        sent_raw = _from_producer(control)
+        raw = [(received - offset - sent) / 1e9 for sent, received in zip(sent_raw, received_raw, strict=True)]
+        one_layer_s = statistics.median(raw[:RAW_REPEATS])
+        per_layer_s = statistics.median(raw[RAW_REPEATS:]) / LAYERS
         endpoint = _from_producer(control)
+        stamps = Stamps(CONSUMER_DEVICE, 1)
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
@@ -207,15 +205,14 @@ def main(args: argparse.Namespace) -> int:
                         if mode == "stream":
                             for layer in range(LAYERS):
                                 await got.layer(layer)  # the current stream waits for each landing
-                        received = torch.cuda.Event()
-                        received.record()
-                        received_at = await _stamp(received)
+                        stamps.stamp(0)
+                        (received_ns,) = await asyncio.to_thread(stamps.read)
                         if mode == "stream":
                             await got.finished()
                         del got
-                        computed_at, prefill_s, copy_s = await asyncio.to_thread(_from_producer, control)
+                        computed_ns, prefill_s, copy_s = await asyncio.to_thread(_from_producer, control)
                         if round_index:
-                            latencies[mode].append(received_at - computed_at)
+                            latencies[mode].append((received_ns - offset - computed_ns) / 1e9)
                             copies[mode].append(copy_s)
                             prefills.append(prefill_s)
 
@@ -223,13 +220,19 @@ def main(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(OSError):
             control.send("stop")
+    try:
+        drift = calibrate(group, 1, CONSUMER_DEVICE)
+    finally:
         join(producer)
         del store
+    assert drift is not None
     result: dict[str, Any] = {
         "layer_bytes": LAYER_BYTES,
         "raw_one_layer_s": one_layer_s,
         "raw_per_layer_back_to_back_s": per_layer_s,
         "prefill_s": statistics.median(prefills),
+        "clock_offset_ns": offset,
+        "clock_drift_ns": drift - offset,
     }
     for mode, seconds in latencies.items():
         result[mode] = {"median_s": statistics.median(seconds), "best_s": min(seconds), "runs_s": seconds}
@@ -238,7 +241,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nkvrt bench stream — a simulated prefill on {PRODUCER_DEVICE} ({LAYERS} layers, one "
           f"[{TOKENS}x{HIDDEN}] @ [{HIDDEN}x{PROJECTIONS}] bf16 matmul each), read on {CONSUMER_DEVICE}; "
           f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16)")  # fmt: skip
-    print(f"prefill, first matmul queued to last computed: {result['prefill_s'] * 1e3:8.2f} ms (median)")
+    print(f"prefill, first matmul to last computed (GPU):  {result['prefill_s'] * 1e3:8.2f} ms (median)")
+    print(f"GPU clocks: cuda:1 - cuda:0 = {offset / 1e3:.1f} us, moved {(drift - offset) / 1e3:+.1f} us over the run")
     print(f"raw NCCL, one layer's bytes alone:             {one_layer_s * 1e3:8.3f} ms  (the goal's unit)")
     print(f"raw NCCL, {LAYERS} layers back to back, per layer:  {per_layer_s * 1e3:8.3f} ms")
     print(f"from the last layer computed to the last layer received, median of {ROUNDS} (best):")
