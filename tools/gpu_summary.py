@@ -56,7 +56,8 @@ def main(out: Path) -> int:
     stream = out / "stream.json"
     if stream.exists():
         data = json.loads(stream.read_text())
-        print(f"stream: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms; last layer computed -> received:")
+        print(f"stream: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms (GPU clocks, drift "
+              f"{data.get('clock_drift_ns', 0) / 1e3:+.1f} us); last layer computed -> received:")  # fmt: skip
         for mode in ("stream", "whole"):
             row = data[mode]
             print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
