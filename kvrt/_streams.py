@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrt._buffer import BufferedItem
-from kvrt._errors import InvalidInputError, KVRTError
+from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
+from kvrt._tensors import copy_from_host
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
@@ -70,6 +71,10 @@ class ConsumerStream:
 
     def finish(self, hidden: torch.Tensor | None) -> None:
         if not self._end.done():
+            for index, future in enumerate(self._layers):
+                if not future.done():  # a producer that ended early: nobody may wait for ever
+                    future.set_exception(RemoteProtocolError(f"the stream ended without layer {index}"))
+                    future.exception()
             self._end.set_result(hidden)
             self._confirm()
 
@@ -165,12 +170,15 @@ def _owned(
     with torch.cuda.device(device):
         if key.shape == value.shape and key.dtype == value.dtype:
             block = torch.empty((2, *key.shape), dtype=key.dtype, device=device)
-            block[0].copy_(key, non_blocking=True)
-            block[1].copy_(value, non_blocking=True)
             own_key, own_value = block[0], block[1]
         else:
-            own_key = key.detach().to(device, copy=True).contiguous()
-            own_value = value.detach().to(device, copy=True).contiguous()
+            own_key = torch.empty(key.shape, dtype=key.dtype, device=device)
+            own_value = torch.empty(value.shape, dtype=value.dtype, device=device)
+        for into, source in ((own_key, key.detach()), (own_value, value.detach())):
+            if source.device.type == "cpu":
+                copy_from_host(into, source)  # a pinned source is copied before this returns
+            else:
+                into.copy_(source, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     return own_key, own_value, ready

@@ -256,3 +256,12 @@ async def test_a_stream_whose_reader_gave_up_as_it_came_goes_back_with_its_layer
     keys = [(await reader.layer(layer))[0] for layer in range(LAYERS)]
     assert all(torch.equal(key, layer_kv(layer)[0]) for layer, key in enumerate(keys))
     assert await reader.finished() is None
+
+
+async def test_a_stream_that_ends_without_a_layer_fails_that_layer_instead_of_hanging() -> None:
+    stream = kvrt.ConsumerStream(torch.arange(TOKENS), None, TOKENS, 2, confirm=lambda: None)
+    stream.deliver_layer(0, *layer_kv(0))
+    stream.finish(None)  # a producer that skipped layer 1
+    assert torch.equal((await stream.layer(0))[0], layer_kv(0)[0])
+    with pytest.raises(kvrt.RemoteProtocolError, match="without layer 1"):
+        await stream.layer(1)
