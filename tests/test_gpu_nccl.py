@@ -6,20 +6,17 @@ Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._gpu_processes import child_process, kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 
@@ -30,25 +27,8 @@ GIB_TOKENS = 1 << 17
 """Tokens of an item of about 1 GiB: key and value [2, T, 8, 128] bf16 are 512 MiB each."""
 
 
-@asynccontextmanager
-async def producer_process(
-    items: list[tuple[int, int, str]], heartbeat_s: float = 1.0
-) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess, Any]]:
-    control, child = spawn.Pipe()
-    process = spawn.Process(
-        target=run_gpu_producer, args=(PRODUCER_DEVICE, None, heartbeat_s, items, child), daemon=True
-    )
-    await asyncio.to_thread(process.start)
-    try:
-        assert await asyncio.to_thread(control.poll, 180), "GPU producer did not start"
-        yield control.recv(), process, control
-    finally:
-        with contextlib.suppress(OSError):
-            control.send("stop")
-        await asyncio.to_thread(process.join, 30)
-        if process.is_alive():
-            process.kill()
-            await asyncio.to_thread(process.join)
+def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
+    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -228,14 +208,8 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)
-    control, child = spawn.Pipe()
-    process = spawn.Process(
-        target=run_gpu_publisher, args=(PRODUCER_DEVICE, 5, chunk_bytes, mla, host_indexes, child), daemon=True
-    )
-    await asyncio.to_thread(process.start)
-    try:
-        assert await asyncio.to_thread(control.poll, 180), "GPU publisher did not start"
-        endpoint = control.recv()
+    publisher = (PRODUCER_DEVICE, 5, chunk_bytes, mla, host_indexes)
+    async with child_process(run_gpu_publisher, publisher, "GPU publisher") as (endpoint, _, _):
 
         def build() -> tuple[Any, ...]:  # in a thread: generating 1 GiB of pools is no work for the loop
             torch.cuda.set_device(CONSUMER_DEVICE)
@@ -270,9 +244,3 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
             assert not target.pools[0][0][0].any() and not target.pools[1][0][0].any()
 
         await asyncio.to_thread(check)
-    finally:
-        with contextlib.suppress(OSError):
-            control.send("stop")
-        await asyncio.to_thread(process.join, 30)
-        if process.is_alive():
-            process.kill()

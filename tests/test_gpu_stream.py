@@ -8,44 +8,26 @@ Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import GPU_CYCLES_PER_MS, kv_tokens, run_gpu_streamer, stream_layer_kv
+from tests._gpu_processes import GPU_CYCLES_PER_MS, child_process, kv_tokens, run_gpu_streamer, stream_layer_kv
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
 
-spawn = multiprocessing.get_context("spawn")
 PRODUCER_DEVICE = "cuda:0"
 CONSUMER_DEVICE = "cuda:1"
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
 
 
-@asynccontextmanager
-async def streamer(heartbeat_s: float = 1.0) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess, Any]]:
-    control, child = spawn.Pipe()
-    process = spawn.Process(target=run_gpu_streamer, args=(PRODUCER_DEVICE, heartbeat_s, child), daemon=True)
-    await asyncio.to_thread(process.start)
-    try:
-        assert await asyncio.to_thread(control.poll, 180), "GPU streamer did not start"
-        yield control.recv(), process, control
-    finally:
-        with contextlib.suppress(OSError):
-            control.send("stop")
-        await asyncio.to_thread(process.join, 30)
-        if process.is_alive():
-            process.kill()
-            await asyncio.to_thread(process.join)
+def streamer(heartbeat_s: float = 1.0) -> Any:
+    return child_process(run_gpu_streamer, (PRODUCER_DEVICE, heartbeat_s), "GPU streamer")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import multiprocessing.process
 import socket
+from typing import Any
 
 JOIN_TIMEOUT_S = 60.0
 
@@ -23,3 +25,10 @@ def join(*processes: multiprocessing.process.BaseProcess) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def from_child(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
+    """A helper process's next message; an error, not a hang, if it died."""
+    if not control.poll(timeout_s):
+        raise RuntimeError(f"the benchmark's helper process said nothing for {timeout_s} s")
+    return control.recv()

@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
-from kvrt._bench._processes import free_port, join
+from kvrt._bench._processes import free_port, from_child, join
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
 TOKENS: Final = 32768
@@ -117,13 +117,6 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     asyncio.run(main())
 
 
-def _from_producer(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
-    """The producer's next message; an error, not a hang, if it died."""
-    if not control.poll(timeout_s):
-        raise RuntimeError(f"the benchmark's producer process said nothing for {timeout_s} s")
-    return control.recv()
-
-
 def main(args: argparse.Namespace) -> int:
     from torch._C._distributed_c10d import TCPStore
 
@@ -159,12 +152,12 @@ def main(args: argparse.Namespace) -> int:
                for _ in range(LAYERS)]]],
             Layout.TOKEN_MAJOR,
         )  # fmt: skip
-        endpoint = _from_producer(control)
+        endpoint = from_child(control)
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 control.send("warm")
-                assert await asyncio.to_thread(_from_producer, control) == "warmed"
+                assert await asyncio.to_thread(from_child, control) == "warmed"
                 warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
                 warm = await consumer.pull(torch.arange(WARMUP_TOKENS) - WARMUP_TOKENS, into=target, slots=warm_slots)
                 assert warm is not None
@@ -189,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
                         item = await pull
                         torch.cuda.synchronize(CONSUMER_DEVICE)
                         ended = time.perf_counter()
-                        started = await asyncio.to_thread(_from_producer, control)
+                        started = await asyncio.to_thread(from_child, control)
                         if item is None or item.matched != TOKENS:
                             raise RuntimeError("the published request did not arrive")
                         del item

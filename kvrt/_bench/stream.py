@@ -33,7 +33,7 @@ from typing import Any, Final
 import torch
 
 from kvrt._bench._gpu_clock import Stamps, calibrate
-from kvrt._bench._processes import free_port, join
+from kvrt._bench._processes import free_port, from_child, join
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
 LAYERS: Final = 32
@@ -147,13 +147,6 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     calibrate(group, 0, PRODUCER_DEVICE)  # again, for the drift
 
 
-def _from_producer(control: multiprocessing.connection.Connection, timeout_s: float = 180) -> Any:
-    """The producer's next message; an error, not a hang, if it died."""
-    if not control.poll(timeout_s):
-        raise RuntimeError(f"the benchmark's producer process said nothing for {timeout_s} s")
-    return control.recv()
-
-
 def main(args: argparse.Namespace) -> int:
     from torch._C._distributed_c10d import TCPStore
 
@@ -178,11 +171,11 @@ def main(args: argparse.Namespace) -> int:
         offset = calibrate(group, 1, CONSUMER_DEVICE)
         assert offset is not None
         received_raw = _raw_receives(group)
-        sent_raw = _from_producer(control)
+        sent_raw = from_child(control)
         raw = [(received - offset - sent) / 1e9 for sent, received in zip(sent_raw, received_raw, strict=True)]
         one_layer_s = statistics.median(raw[:RAW_REPEATS])
         per_layer_s = statistics.median(raw[RAW_REPEATS:]) / LAYERS
-        endpoint = _from_producer(control)
+        endpoint = from_child(control)
         stamps = Stamps(CONSUMER_DEVICE, 1)
 
         async def run() -> None:
@@ -210,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
                         if mode == "stream":
                             await got.finished()
                         del got
-                        computed_ns, prefill_s, copy_s = await asyncio.to_thread(_from_producer, control)
+                        computed_ns, prefill_s, copy_s = await asyncio.to_thread(from_child, control)
                         if round_index:
                             latencies[mode].append((received_ns - offset - computed_ns) / 1e9)
                             copies[mode].append(copy_s)
