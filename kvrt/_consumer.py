@@ -56,7 +56,7 @@ from kvrt._protocol import (
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, StreamAbortedError
 from kvrt._tensors import layer_chunks, transfer_segments, unpack
-from kvrt._threads import gpu_worker
+from kvrt._threads import gpu_worker, outcome_seen
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
@@ -107,11 +107,6 @@ def _batches(queries: list[bytes | None]) -> list[list[bytes | None]]:
 
 def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
     return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
-
-
-def _outcome_seen(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _item_ids(reply: m.Message) -> list[int]:
@@ -482,7 +477,7 @@ class _Link:
                 case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
                     if out_of_band:
                         assert transport is not None
-                        self._receive_layer(stream, transport, layer, key_meta, value_meta, payload)
+                        self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
                         return
                     if len(payload) != 2:
                         raise RemoteProtocolError(f"stream_layer needs 2 frames, {len(payload)} came")
@@ -513,7 +508,7 @@ class _Link:
                 self._send_nowait(m.Release(item_id=message.item_id))
 
     def _receive_layer(
-        self, stream: ConsumerStream, transport: Transport, layer: int,
+        self, stream: ConsumerStream, item_id: int, transport: Transport, layer: int,
         key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
     ) -> None:  # fmt: skip
         """Post a streamed layer's receive (out of band). On a GPU the reader gets it at once,
@@ -529,7 +524,7 @@ class _Link:
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()
             if error is not None:
-                self._stream_lost(stream, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
+                self._stream_lost(item_id, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
             elif not arriving.cancelled() and arrival.landed is None:
                 key, value = arriving.result()
                 stream.deliver_layer(layer, key, value)
@@ -553,7 +548,7 @@ class _Link:
                 return
             error = None if arriving is None else arriving.exception()
             if error is not None:
-                self._stream_lost(stream, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
+                self._stream_lost(item_id, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
                 return
             stream.finish(None if hidden_meta is None or arriving is None else arriving.result()[0])
 
@@ -578,16 +573,16 @@ class _Link:
             case _:
                 return
         try:
-            self._own_arrival(transport.receive_tensors(metas, payload).complete, _outcome_seen)
+            self._own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
         except ProtocolError as exc:
             self._start_afresh(None, exc)
 
-    def _stream_lost(self, stream: ConsumerStream, error: KVRTError) -> None:
-        for item_id, known in list(self._streams.items()):
-            if known is stream:
-                del self._streams[item_id]
-                self._send_nowait(m.Release(item_id=item_id))
-        stream.fail(error)
+    def _stream_lost(self, item_id: int, error: KVRTError) -> None:
+        """A stream's receive failed: it fails, and its item goes back to the producer."""
+        stream = self._streams.pop(item_id, None)
+        if stream is not None:
+            self._send_nowait(m.Release(item_id=item_id))
+            stream.fail(error)
 
     def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: ProtocolError) -> None:
         """A Deliver this side refused after its bytes were sent out of band: the pair is out

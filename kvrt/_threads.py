@@ -89,3 +89,10 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
         future.set_result(result)
     else:
         future.set_exception(error)
+
+
+def outcome_seen(future: asyncio.Future[Any]) -> None:
+    """A done-callback for a future nobody awaits: its exception counts as retrieved (asyncio
+    logs one that never was)."""
+    if not future.cancelled():
+        future.exception()

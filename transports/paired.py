@@ -55,7 +55,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter
+from kvrt._threads import Waiter, outcome_seen
 from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, item_metas
 
 _PRODUCER_RANK = 0
@@ -243,7 +243,7 @@ class PairedTransport(Transport):
         """gloo: a send's work answers `is_completed` only once waited for; a kvrt thread does.
         Its failure is the pair's (the peer is lost, the group aborted), reported there."""
         waited = self._waiter.wait(work.wait)
-        waited.add_done_callback(_outcome_seen)
+        waited.add_done_callback(outcome_seen)
         return waited
 
     async def _pair_of(self, peer: bytes) -> tuple[_Pair, Any]:
@@ -493,11 +493,6 @@ def _written(item: BufferedItem) -> list[torch.cuda.Event]:
     if item.segment_ready:
         return list(item.segment_ready)
     return [] if item.ready_event is None else [item.ready_event]
-
-
-def _outcome_seen(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _drop_finished(pair: _Pair) -> None:
