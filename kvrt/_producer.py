@@ -40,7 +40,7 @@ from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
-from kvrt._tensors import chunk_plan, copy_from_host, layer_segments, pack, pack_empty, tensor_bytes
+from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
@@ -230,6 +230,14 @@ def _stream_frames(send: Outgoing) -> list[memoryview]:
     """A stream start's frame: the tokens at the head of the item's buffer (on the host)."""
     assert isinstance(send.message, m.StreamStart) and send.item is not None
     return [tensor_bytes(send.item.storage[: send.message.payload_bytes].cpu())]
+
+
+def _release_layers(stream: StreamState) -> None:
+    """Free an ended stream's own copies of its layers, though the caller may keep its handle
+    (a transfer still reading one holds it until it ran)."""
+    stream.keys.clear()
+    stream.values.clear()
+    stream.ready.clear()
 
 
 def _host_of(endpoint: str) -> str:
@@ -503,10 +511,7 @@ class Producer(AsyncService):
         assert key_meta is not None and value_meta is not None
         for into, source in ((item_tokens, input_tokens), (item_roi, roi)):
             if into is not None and source is not None:
-                if source.device.type == "cpu" and into.device.type == "cuda":
-                    copy_from_host(into, source)
-                else:
-                    into.copy_(source)
+                copy_into(into, source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
         per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
         chunks = chunk_plan(pools.layers, per_chunk, small_last=self._taper)
@@ -612,20 +617,37 @@ class Producer(AsyncService):
         await self._perform(self._core.stream_layer(item, key, value, ready))
 
     async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
+        """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
+        nobody read it): its layers stacked straight into the item's buffer, one copy."""
         stream = item.stream
         assert stream is not None
-        whole = buffered_item(
-            (item.input_tokens, item.roi, torch.stack(stream.keys), torch.stack(stream.values), hidden),
+        first_key, first_value = stream.keys[0], stream.values[0]
+        packed = pack_empty(
+            [(item.input_tokens.shape, item.input_tokens.dtype),
+             None if item.roi is None else (item.roi.shape, item.roi.dtype),
+             ((stream.layers, *first_key.shape), first_key.dtype),
+             ((stream.layers, *first_value.shape), first_value.dtype),
+             None if hidden is None else (hidden.shape, hidden.dtype)],
             self.device,
-            item_id=item.item_id,
-            seq=item.seq,
-        )
+        )  # fmt: skip
+        tokens, roi, key, value, whole_hidden = packed.tensors
+        assert tokens is not None and key is not None and value is not None
+        for into, source in ((tokens, item.input_tokens), (roi, item.roi), (whole_hidden, hidden)):
+            if into is not None and source is not None:
+                copy_into(into, source)
+        torch.stack(stream.keys, out=key)
+        torch.stack(stream.values, out=value)
+        whole = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
         for transport in self._transports.values():
             transport.prepare(whole)
         await self._perform(self._core.finish_stream(item, whole, self._now()))
+        _release_layers(stream)
 
     async def _abort_stream(self, item: BufferedItem, reason: str) -> None:
+        stream = item.stream
         await self._perform(self._core.abort_stream(item, reason))
+        if stream is not None:
+            _release_layers(stream)
 
     def refusals(self) -> dict[str, int]:
         """Error replies sent so far, by error code."""

@@ -30,7 +30,7 @@ import torch
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
-from kvrt._tensors import copy_from_host
+from kvrt._tensors import copy_into
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
@@ -174,11 +174,8 @@ def _owned(
         else:
             own_key = torch.empty(key.shape, dtype=key.dtype, device=device)
             own_value = torch.empty(value.shape, dtype=value.dtype, device=device)
-        for into, source in ((own_key, key.detach()), (own_value, value.detach())):
-            if source.device.type == "cpu":
-                copy_from_host(into, source)  # a pinned source is copied before this returns
-            else:
-                into.copy_(source, non_blocking=True)
+        copy_into(own_key, key)  # a pinned host source is copied before this returns
+        copy_into(own_value, value)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     return own_key, own_value, ready

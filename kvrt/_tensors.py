@@ -140,6 +140,18 @@ def copy_from_host(into: torch.Tensor, host: torch.Tensor) -> None:
     into.copy_(_pageable(host), non_blocking=True)
 
 
+def copy_into(into: torch.Tensor, source: torch.Tensor) -> None:
+    """`into.copy_(source)`; into a GPU tensor queued on the current stream and never waited
+    for, a host source copied as `copy_from_host` does (a plain `copy_` from the host would
+    make the host wait for everything queued on the stream, a whole prefill's work)."""
+    if into.device.type != "cuda":
+        into.copy_(source.detach())  # to the host: done when this returns
+    elif source.device.type == "cpu":
+        copy_from_host(into, source.detach())
+    else:
+        into.copy_(source.detach(), non_blocking=True)
+
+
 def _pageable(host: torch.Tensor) -> torch.Tensor:
     return host.clone() if host.is_pinned() else host
 
@@ -167,15 +179,11 @@ def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device
 
 def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
     """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each, none
-    waited for (a host tensor copied to a GPU as `copy_from_host` does: a plain `copy_` would
-    make the host wait for everything queued on the stream, a whole prefill's work)."""
+    waited for (`copy_into`)."""
     packed = pack_empty([None if tensor is None else (tensor.shape, tensor.dtype) for tensor in tensors], device)
     for tensor, view in zip(tensors, packed.tensors, strict=True):
         if tensor is not None and view is not None:
-            if view.device.type == "cuda" and tensor.device.type == "cpu":
-                copy_from_host(view, tensor.detach())
-            else:
-                view.copy_(tensor.detach())
+            copy_into(view, tensor)
     return packed
 
 

@@ -265,3 +265,22 @@ async def test_a_stream_that_ends_without_a_layer_fails_that_layer_instead_of_ha
     assert torch.equal((await stream.layer(0))[0], layer_kv(0)[0])
     with pytest.raises(kvrt.RemoteProtocolError, match="without layer 1"):
         await stream.layer(1)
+
+
+async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_handle(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    import gc
+    import weakref
+
+    for ending in ("finish", "abort"):
+        tokens = torch.arange(1000, 1000 + TOKENS) + (0 if ending == "finish" else 100)
+        stream = await producer.open_stream(tokens, layers=LAYERS)
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+        await (stream.finish() if ending == "finish" else stream.abort())
+        gc.collect()
+        assert own_copy() is None, ending  # `stream` is still referenced here
+    item = await consumer.drop_select(torch.arange(1000, 1000 + TOKENS))  # the finished one, whole
+    assert item is not None and all(torch.equal(item.key[layer], layer_kv(layer)[0]) for layer in range(LAYERS))
