@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import socket
+from collections.abc import Callable
 from typing import Any
 
 JOIN_TIMEOUT_S = 60.0
@@ -32,3 +34,20 @@ def from_child(control: multiprocessing.connection.Connection, timeout_s: float 
     if not control.poll(timeout_s):
         raise RuntimeError(f"the benchmark's helper process said nothing for {timeout_s} s")
     return control.recv()
+
+
+def start_producer(
+    target: Callable[[int, multiprocessing.connection.Connection], None], name: str
+) -> tuple[Any, int, multiprocessing.connection.Connection, multiprocessing.process.BaseProcess]:
+    """A two-GPU benchmark's producer process, spawned as `target(store_port, control)`, and
+    the TCPStore this process hosts for the pair's raw process group: (store, its port, the
+    control pipe, the process). The store must stay referenced until the process ended."""
+    from torch._C._distributed_c10d import TCPStore
+
+    spawn = multiprocessing.get_context("spawn")
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    control, child = spawn.Pipe()
+    process = spawn.Process(target=target, args=(port, child), name=name)
+    process.start()
+    return store, port, control, process

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import multiprocessing.connection
 import statistics
 import sys
@@ -32,7 +31,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
-from kvrt._bench._processes import free_port, from_child, join
+from kvrt._bench._processes import from_child, join, start_producer
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
 TOKENS: Final = 32768
@@ -66,8 +65,6 @@ WARMUP_TOKENS: Final = 64
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
 KV_BYTES: Final = TOKENS * LAYERS * 2 * HEADS * DIM * 2
-
-spawn = multiprocessing.get_context("spawn")
 
 
 def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
@@ -118,8 +115,6 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
 
 
 def main(args: argparse.Namespace) -> int:
-    from torch._C._distributed_c10d import TCPStore
-
     from kvrt import _messages as m
     from kvrt._consumer import Consumer
     from kvrt.kernels.paged_kv import Layout, PoolTable
@@ -128,11 +123,7 @@ def main(args: argparse.Namespace) -> int:
         print("kvrt bench pull needs two CUDA devices", file=sys.stderr)
         return 1
     torch.cuda.set_device(CONSUMER_DEVICE)
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    control, child = spawn.Pipe()
-    producer = spawn.Process(target=_producer, args=(port, child), name="kvrt-bench-pull-producer")
-    producer.start()
+    store, port, control, producer = start_producer(_producer, "kvrt-bench-pull-producer")
     result: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     try:

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import multiprocessing.connection
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any, Final
 import torch
 
 from kvrt._bench._gpu_clock import Stamps, calibrate
-from kvrt._bench._processes import free_port, from_child, join
+from kvrt._bench._processes import from_child, join, start_producer
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
 LAYERS: Final = 32
@@ -54,8 +53,6 @@ MODES: Final = ("stream", "whole")
 SENDER_HEAD_START_CYCLES: Final = 400_000
 """~0.2 ms of GPU sleep before a raw send's timestamp: the receiver has posted its receive by
 then, so the raw time is the transfer's, not the receiver's host's."""
-
-spawn = multiprocessing.get_context("spawn")
 
 
 def _raw_sends(group: Any) -> list[int]:
@@ -148,8 +145,6 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
 
 
 def main(args: argparse.Namespace) -> int:
-    from torch._C._distributed_c10d import TCPStore
-
     from kvrt import _messages as m
     from kvrt._consumer import Consumer
 
@@ -157,11 +152,7 @@ def main(args: argparse.Namespace) -> int:
         print("kvrt bench stream needs two CUDA devices", file=sys.stderr)
         return 1
     torch.cuda.set_device(CONSUMER_DEVICE)
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    control, child = spawn.Pipe()
-    producer = spawn.Process(target=_producer, args=(port, child), name="kvrt-bench-stream-producer")
-    producer.start()
+    store, port, control, producer = start_producer(_producer, "kvrt-bench-stream-producer")
     latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
     copies: dict[str, list[float]] = {mode: [] for mode in MODES}
     prefills: list[float] = []
