@@ -1,41 +1,15 @@
-"""Programs the GPU tests start in their own processes (importable by `spawn`), and how a
-test runs one."""
+"""Programs the GPU tests start in their own processes (importable by `spawn`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import multiprocessing.connection
-import multiprocessing.process
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
 
 import kvrt
-
-
-@asynccontextmanager
-async def child_process(
-    target: Callable[..., None], args: Sequence[Any], what: str
-) -> AsyncIterator[tuple[Any, multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]]:
-    """`target(*args, control)` in a spawned process: its first message (an endpoint), the
-    process and the control pipe; told "stop" at the end, killed if it does not stop."""
-    control, child = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=target, args=(*args, child), daemon=True)
-    await asyncio.to_thread(process.start)
-    try:
-        assert await asyncio.to_thread(control.poll, 180), f"{what} did not start"
-        yield control.recv(), process, control
-    finally:
-        with contextlib.suppress(OSError):
-            control.send("stop")
-        await asyncio.to_thread(process.join, 30)
-        if process.is_alive():
-            process.kill()
-            await asyncio.to_thread(process.join)
 
 
 def kv_tokens(index: int, tokens: int, device: str = "cpu") -> torch.Tensor:

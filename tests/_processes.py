@@ -1,13 +1,42 @@
-"""Programs the process tests start in their own interpreters (importable by `spawn`)."""
+"""Programs the process tests start in their own interpreters (importable by `spawn`), and
+how a test runs one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import torch
 
 import kvrt
+
+
+@asynccontextmanager
+async def child_process(
+    target: Callable[..., None], args: Sequence[Any], what: str, *, start_s: float = 180, stop_s: float = 30
+) -> AsyncIterator[tuple[Any, multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]]:
+    """`target(*args, control)` in a spawned process: its first message (an endpoint), the
+    process and the control pipe; told "stop" at the end, killed if it does not stop within
+    `stop_s`. Starting and joining it happen off the event loop."""
+    control, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(*args, child), daemon=True)
+    await asyncio.to_thread(process.start)
+    try:
+        assert await asyncio.to_thread(control.poll, start_s), f"{what} did not start"
+        yield control.recv(), process, control
+    finally:
+        with contextlib.suppress(OSError):
+            control.send("stop")
+        await asyncio.to_thread(process.join, stop_s)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join)
 
 
 def item_tensors(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import child_process, kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._processes import child_process
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 

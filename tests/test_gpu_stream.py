@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import GPU_CYCLES_PER_MS, child_process, kv_tokens, run_gpu_streamer, stream_layer_kv
+from tests._gpu_processes import GPU_CYCLES_PER_MS, kv_tokens, run_gpu_streamer, stream_layer_kv
+from tests._processes import child_process
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
 

@@ -2,46 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import multiprocessing
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import torch
 
 import kvrt
-from tests._processes import item_tensors, run_producer
-
-spawn = multiprocessing.get_context("spawn")
+from tests._processes import child_process, item_tensors, run_producer
 
 
-@asynccontextmanager
-async def producer_process(
-    items: int, heartbeat_s: float = 1.0
-) -> AsyncIterator[tuple[str, multiprocessing.process.BaseProcess]]:
-    """A producer in its own process; starting and joining it happen off the event loop."""
-    control, child_control = spawn.Pipe()
-    process = spawn.Process(target=run_producer, args=(items, heartbeat_s, child_control), daemon=True)
-    await asyncio.to_thread(process.start)
-    try:
-        assert await asyncio.to_thread(control.poll, 60), "producer process did not start"
-        yield control.recv(), process
-    finally:
-        with contextlib.suppress(OSError):
-            control.send("stop")
-        await asyncio.to_thread(process.join, 10)
-        if process.is_alive():
-            process.kill()
-            await asyncio.to_thread(process.join)
+def producer_process(items: int, heartbeat_s: float = 1.0) -> Any:
+    """A producer in its own process: (endpoint, process, control)."""
+    return child_process(run_producer, (items, heartbeat_s), "producer process", start_s=60, stop_s=10)
 
 
 async def test_items_from_a_producer_process_arrive_intact_in_this_one() -> None:
-    async with producer_process(items=20) as (endpoint, _), kvrt.Consumer(connect=endpoint) as consumer:
+    async with producer_process(items=20) as (endpoint, _, _), kvrt.Consumer(connect=endpoint) as consumer:
         for index in reversed(range(20)):
             tokens, key, value, hidden = item_tensors(index)
             item = await consumer.drop_select(tokens)
@@ -53,7 +32,7 @@ async def test_items_from_a_producer_process_arrive_intact_in_this_one() -> None
 
 async def test_a_killed_producer_fails_pending_calls_within_the_heartbeat_timeout() -> None:
     heartbeat_s = 0.2
-    async with producer_process(items=0, heartbeat_s=heartbeat_s) as (endpoint, process):
+    async with producer_process(items=0, heartbeat_s=heartbeat_s) as (endpoint, process, _):
         async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
             assert await consumer.drop_select(torch.arange(4), None, timeout=0.0) is None  # connected and served
             killed_at = time.monotonic()
