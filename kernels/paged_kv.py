@@ -575,6 +575,64 @@ def scatter_from(
         _run(plan)
 
 
+# -- one layer at a time: streams ------------------------------------------------------------
+
+
+def _layer_plan(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
+    layer: int, tuning: Tuning, *, gather: bool,
+) -> _Launch | None:  # fmt: skip
+    """The launch between layer `layer` of the pools and one layer's K and V [tokens, heads,
+    head_dim]: a stage whose layer stride is 0, so that the kernel's layer `layer` is them."""
+    _check_layer(table, key, value, slots.numel(), layer)
+    g = table.geometry
+    stage = _Stage(key, value if g.kv == 2 else key, 0, 0, 0, g.heads * g.head_dim)
+    return _plan(table, stage, replica, slots, (0, g.heads), gather=gather, layers=(layer, layer + 1), tuning=tuning)
+
+
+def _check_layer(table: PoolTable, key: torch.Tensor, value: torch.Tensor, tokens: int, layer: int) -> None:
+    if not isinstance(layer, int) or not 0 <= layer < table.layers:
+        raise InvalidInputError(f"layer {layer!r} is outside the pools' {table.layers} layers")
+    g = table.geometry
+    for name, tensor in (("key", key), ("value", value)) if g.kv == 2 else (("key", key),):
+        if (
+            tensor.dim() != 3
+            or (tensor.shape[1], tensor.shape[2]) != (g.heads, g.head_dim)
+            or tensor.shape[0] < tokens
+            or tensor.dtype != table.dtype
+            or tensor.device != table.device
+            or not tensor.is_contiguous()
+        ):
+            raise InvalidInputError(
+                f"{name} must be a contiguous {table.dtype} tensor [>= {tokens}, {g.heads}, {g.head_dim}] on "
+                f"{table.device}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            )
+
+
+def prepare_gather_layer(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int, key: torch.Tensor,
+    value: torch.Tensor, *, tuning: Tuning = DEFAULT_TUNING,
+) -> PreparedGather:  # fmt: skip
+    """Layer `layer` of a request gathered into `key` and `value` [tokens, heads, head_dim]
+    each (`value` is ignored for MLA), prepared, not launched, its indexes not checked: a
+    stream gathers each layer as the prefill wrote it."""
+    plan = _layer_plan(table, key, value, replica, slots, layer, tuning, gather=True)
+    return PreparedGather(plan, (layer, layer + 1))
+
+
+def scatter_layer_from(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
+    layer: int, *, check: bool = True, tuning: Tuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    """The first len(slots) tokens of one layer's K and V [tokens, heads, head_dim] written into
+    layer `layer` of the pools: a stream's reader places each layer as it lands."""
+    plan = _layer_plan(table, key, value, replica, slots, layer, tuning, gather=False)
+    if check:
+        check_indices(table, replica, slots)
+    if plan is not None:
+        _run(plan)
+
+
 # -- plain-torch references -----------------------------------------------------------------
 
 
@@ -616,6 +674,32 @@ def scatter_reference(
                     rows[slots[chosen], first:end] = staging[layer, chosen, kv]
 
 
+def gather_layer_reference(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer` of a request: its K and V [tokens, heads, head_dim] (V empty for MLA)."""
+    g = table.geometry
+    shape = (slots.numel(), g.heads, g.head_dim)
+    parts = [torch.empty(shape, dtype=table.dtype, device=table.device) for _ in range(g.kv)]
+    for kv, out in enumerate(parts):
+        for r in range(table.replicas):
+            chosen = (replica == r).nonzero().flatten()
+            out[chosen] = _rows(table, table.pools[r][0][layer], kv)[slots[chosen]]
+    value = parts[1] if g.kv == 2 else torch.empty((slots.numel(), 1, 0), dtype=table.dtype, device=table.device)
+    return parts[0], value
+
+
+def scatter_layer_reference(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int
+) -> None:
+    tokens = slots.numel()
+    for kv, source in enumerate([key, value][: table.geometry.kv]):
+        for r in range(table.replicas):
+            chosen = (replica == r).nonzero().flatten()
+            for copy in range(table.copies):
+                _rows(table, table.pools[r][copy][layer], kv)[slots[chosen]] = source[:tokens][chosen]
+
+
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
 
 
@@ -654,3 +738,30 @@ def scatter_from_any(
     tokens = slots.numel()
     parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]
     scatter_reference(table, torch.stack(parts, dim=2), replica, slots)
+
+
+def gather_layer_into_any(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """One layer's gather (`prepare_gather_layer`, launched) where Triton runs (CUDA), through
+    its torch reference elsewhere; the indexes are not checked."""
+    if table.device.type == "cuda":
+        prepare_gather_layer(table, replica, slots, layer, key, value).launch()
+        return
+    _check_layer(table, key, value, slots.numel(), layer)
+    gathered_key, gathered_value = gather_layer_reference(table, replica, slots, layer)
+    tokens = slots.numel()
+    key[:tokens] = gathered_key
+    if table.geometry.kv == 2:
+        value[:tokens] = gathered_value
+
+
+def scatter_layer_from_any(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int
+) -> None:
+    """`scatter_layer_from` (indexes not checked) where Triton runs, its torch reference elsewhere."""
+    if table.device.type == "cuda":
+        scatter_layer_from(table, key, value, replica, slots, layer, check=False)
+        return
+    _check_layer(table, key, value, slots.numel(), layer)
+    scatter_layer_reference(table, key, value, replica, slots, layer)

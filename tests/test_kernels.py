@@ -21,10 +21,14 @@ from kvrt.kernels.paged_kv import (
     check_indices,
     gather,
     gather_into,
+    gather_layer_into_any,
     gather_reference,
     prepare_gather_into,
+    prepare_gather_layer,
     scatter,
     scatter_from,
+    scatter_layer_from,
+    scatter_layer_from_any,
     scatter_reference,
 )
 
@@ -357,3 +361,97 @@ def test_a_prepared_gather_knows_whether_its_kernel_was_launched_and_its_chunks_
     assert prepared.compiled and prepared.for_layers(1, 2).compiled
     assert torch.equal(key[0], torch.ones(2, 1, 3, dtype=torch.float64, device=DEVICE))
     assert torch.equal(key[1], torch.zeros(2, 1, 3, dtype=torch.float64, device=DEVICE))  # only its layer
+
+
+# -- one layer at a time (streams) ------------------------------------------------------------
+
+
+def one_layer(table: PoolTable, tokens: int, *, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V [tokens, heads, head_dim] for `table`: random bytes (a seed), else
+    every byte poisoned."""
+    g = table.geometry
+    shape = (tokens, g.heads, g.head_dim)
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        return random_pool(shape, table.dtype, generator), random_pool(shape, table.dtype, generator)
+    poison = torch.full((torch.Size(shape).numel() * table.dtype.itemsize,), POISON, dtype=torch.uint8, device=DEVICE)
+    key = poison.view(table.dtype).view(shape)
+    return key, key.clone()
+
+
+def layer_as_the_reference(
+    table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor
+) -> bool:
+    """The first len(slots) rows of `key` (and `value`, unless MLA) hold layer `layer` of what
+    the whole-request reference gathers."""
+    tokens = slots.numel()
+    expected = gather_reference(table, replica, slots)[layer]
+    if not same_bits(key[:tokens], expected[:, 0]):
+        return False
+    return table.geometry.kv == 1 or same_bits(value[:tokens], expected[:, 1])
+
+
+def scattered_as_the_reference(
+    table: PoolTable, expected: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int,
+    key: torch.Tensor, value: torch.Tensor,
+) -> bool:  # fmt: skip
+    """`table` (one layer scattered into it) equals `expected` after the whole-request reference
+    wrote the same rows into a table of that layer's pools alone (every copy of it)."""
+    tokens = slots.numel()
+    that_layer = PoolTable([[[layers[layer]] for layers in copies] for copies in expected.pools], expected.layout)
+    parts = [key[:tokens], value[:tokens]][: expected.geometry.kv]
+    scatter_reference(that_layer, torch.stack(parts, dim=1).unsqueeze(0), replica, slots)
+    return same_pools(table, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(), extra=st.integers(0, 3), pick=st.integers(0, 2))
+def test_gathering_one_layer_equals_that_layer_of_the_reference(case: dict[str, object], extra: int, pick: int) -> None:
+    table, replica, slots = build(case)
+    layer = pick % table.layers
+    key, value = one_layer(table, slots.numel() + extra)  # longer than needed: only the first `tokens` move
+    prepare_gather_layer(table, replica, slots, layer, key, value).launch()
+    assert layer_as_the_reference(table, replica, slots, layer, key, value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(), extra=st.integers(0, 3), pick=st.integers(0, 2))
+def test_scattering_one_layer_writes_that_layer_and_nothing_else(
+    case: dict[str, object], extra: int, pick: int
+) -> None:
+    table, replica, slots = build(case)
+    expected, _, _ = build(case)
+    layer = pick % table.layers
+    key, value = one_layer(table, slots.numel() + extra, seed=3 + case["seed"])  # type: ignore[operator]
+    scatter_layer_from(table, key, value, replica, slots, layer)
+    assert scattered_as_the_reference(table, expected, replica, slots, layer, key, value)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=cases(), pick=st.integers(0, 2))
+def test_the_per_layer_paths_a_cpu_host_takes_equal_the_whole_request_references(
+    case: dict[str, object], pick: int
+) -> None:
+    table, replica, slots = build(case)
+    expected, _, _ = build(case)
+    table, expected = on_the_host(table), on_the_host(expected)
+    replica, slots, layer = replica.cpu(), slots.cpu(), pick % table.layers
+    gathered_key, gathered_value = (part.cpu() for part in one_layer(table, slots.numel()))
+    gather_layer_into_any(table, replica, slots, layer, gathered_key, gathered_value)
+    assert layer_as_the_reference(table, replica, slots, layer, gathered_key, gathered_value)
+    key, value = one_layer(table, slots.numel(), seed=5 + case["seed"])  # type: ignore[operator]
+    scatter_layer_from_any(table, key.cpu(), value.cpu(), replica, slots, layer)
+    assert scattered_as_the_reference(table, expected, replica, slots, layer, key.cpu(), value.cpu())
+
+
+def on_the_host(table: PoolTable) -> PoolTable:
+    return PoolTable([[[pool.cpu() for pool in layers] for layers in copies] for copies in table.pools], table.layout)
+
+
+def test_a_layer_outside_the_pools_or_a_layer_of_the_wrong_shape_is_refused(small_table: PoolTable) -> None:
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    key = torch.zeros(1, 2, 2, device=DEVICE)
+    with pytest.raises(InvalidInputError, match="layer 1 is outside the pools' 1 layers"):
+        prepare_gather_layer(small_table, index, index, 1, key, key)
+    with pytest.raises(InvalidInputError, match=r"key must be a contiguous torch.float32 tensor \[>= 1, 2, 2\]"):
+        scatter_layer_from(small_table, key.view(1, 4, 1), key, index, index, 0)
