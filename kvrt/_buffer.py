@@ -106,6 +106,13 @@ class BufferedItem:
     def nbytes(self) -> int:
         return int(self.storage.nbytes) + (0 if self.stream is None else self.stream.nbytes)
 
+    @property
+    def written(self) -> torch.cuda.Event | None:
+        """GPU: the event after which the whole storage holds its bytes: a published item's
+        last gather (the gathers run in order on one stream; wait on it only once they are
+        queued), else `ready_event`."""
+        return self.segment_ready[-1] if self.segment_ready else self.ready_event
+
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""
         return (self.input_tokens, self.roi, self.key, self.value, self.hidden)

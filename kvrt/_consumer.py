@@ -54,7 +54,7 @@ from kvrt._protocol import (
     Welcomed,
 )
 from kvrt._service import AsyncService
-from kvrt._streams import ConsumerStream, StreamAbortedError
+from kvrt._streams import ConsumerStream, Placement, PoolWriter, StreamAbortedError
 from kvrt._tensors import layer_chunks, transfer_segments, unpack
 from kvrt._threads import gpu_worker, outcome_seen
 from kvrt._zmqio import SocketIO
@@ -158,6 +158,7 @@ class _Link:
         self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._landing: dict[int, OnLanding] = {}
+        self._writers: dict[int, PoolWriter] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
         """Set while the producer is connected (welcomed), cleared when it is lost."""
@@ -196,7 +197,12 @@ class _Link:
             ) from None
 
     async def call(
-        self, build: Callable[[int], m.Message], *, confirm: bool = True, on_landing: OnLanding | None = None
+        self,
+        build: Callable[[int], m.Message],
+        *,
+        confirm: bool = True,
+        on_landing: OnLanding | None = None,
+        writer: PoolWriter | None = None,
     ) -> _Reply:
         """Send a request and wait for its answer (or for the link to fail).
 
@@ -204,7 +210,8 @@ class _Link:
         is False: then the caller must `settle` it), and given back if the caller is
         cancelled first, so an item is never freed without reaching someone. `on_landing` is
         called once the item's receive is posted, if the transport hands out its tensors
-        before they land (GPU): a pull queues its scatters there.
+        before they land (GPU): a pull queues its scatters there. A stream's layers are
+        written by `writer` into the pools, if given.
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
@@ -214,6 +221,8 @@ class _Link:
         self._pending[request_id] = future
         if on_landing is not None:
             self._landing[request_id] = on_landing
+        if writer is not None:
+            self._writers[request_id] = writer
         try:
             await self._io.send([m.encode(message)])
             reply = await future
@@ -229,6 +238,7 @@ class _Link:
         finally:
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
+            self._writers.pop(request_id, None)
         if confirm:
             for item_id in _item_ids(reply.message):
                 self.settle(item_id, keep=True)
@@ -455,12 +465,19 @@ class _Link:
         if future is None or future.done():
             self._send_nowait(m.Release(item_id=start.item_id))
             return
+        writer = self._writers.get(start.request_id)
+        if writer is not None and start.layers != writer.placement.pools.layers:
+            self._send_nowait(m.Release(item_id=start.item_id))
+            future.set_exception(
+                InvalidInputError(f"the stream has {start.layers} layers, the pools {writer.placement.pools.layers}")
+            )
+            return
 
         def confirm() -> None:
             self._streams.pop(start.item_id, None)
             self.settle(start.item_id, keep=True)
 
-        stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm)
+        stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm, writer)
         self._streams[start.item_id] = stream
         future.set_result(_Reply(start, stream=stream))
 
@@ -484,7 +501,7 @@ class _Link:
                     (key,) = unpack([key_meta], payload[0].buffer)
                     (value,) = unpack([value_meta], payload[1].buffer)
                     assert key is not None and value is not None
-                    stream.deliver_layer(layer, key.to(self._device), value.to(self._device))
+                    self._deliver_layer(stream, message.item_id, layer, key.to(self._device), value.to(self._device))
                 case m.StreamEnd(hidden=hidden_meta):
                     if out_of_band:
                         assert transport is not None
@@ -519,7 +536,7 @@ class _Link:
         stream.arriving = arrival.complete
         if arrival.landed is not None:
             key, value = arrival.tensors
-            stream.deliver_layer(layer, key, value, arrival.landed)
+            self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
 
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()
@@ -527,9 +544,33 @@ class _Link:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
             elif not arriving.cancelled() and arrival.landed is None:
                 key, value = arriving.result()
-                stream.deliver_layer(layer, key, value)
+                self._deliver_layer(stream, item_id, layer, key, value)
 
         self._own_arrival(arrival.complete, landed)
+
+    def _deliver_layer(
+        self, stream: ConsumerStream, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
+        landed: torch.cuda.Event | None = None,
+    ) -> None:  # fmt: skip
+        """Hand a layer to its reader (GPU: with the event of its landing); a reader of the pools
+        gets it once its write there is queued, with the event after the write."""
+        writer = stream.writer
+        if writer is None:
+            stream.deliver_layer(layer, key, value, landed)
+            return
+        stream.writing(layer)
+        written = writer.write(layer, key, value, landed)
+
+        def delivered(written: asyncio.Future[torch.cuda.Event | None]) -> None:
+            if written.cancelled():
+                return  # the link closed; its streams failed already
+            error = written.exception()
+            if error is not None:
+                self._stream_lost(item_id, translate_torch_error(error, what=f"writing layer {layer} into the pools"))
+            else:
+                stream.deliver_layer(layer, key, value, written.result())
+
+        self._own_arrival(written, delivered)
 
     def _receive_end(
         self, stream: ConsumerStream, item_id: int, transport: Transport,
@@ -1043,21 +1084,51 @@ class Consumer(AsyncService):
                 taken.settle(keep=keep)
 
     async def open_stream(
-        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None, timeout: float | None = 0.0
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        into: PoolTable | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
     ) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
-        layers are awaited with `layer(i)` or `async for`. None on a miss."""
+        layers are awaited with `layer(i)` or `async for`. None on a miss.
+
+        With `into` (and `slots`, `replica`, as for `pull`) each layer is written into those
+        pools as it lands, at the slots, for as many tokens as both have; `layer(i)` returns
+        once layer i is written (on a GPU: once the write is queued, with the caller's stream
+        made to wait for it). Slots out of range are refused before anything is taken."""
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
         query = query_bytes(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
+        writer = None if into is None and slots is None else self._pool_writer(into, slots, replica)
         reply = await self._links[0].call(
             lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
             confirm=False,
+            writer=writer,
         )
         return reply.stream
+
+    def _pool_writer(
+        self, into: PoolTable | None, slots: torch.Tensor | None, replica: torch.Tensor | int
+    ) -> PoolWriter:
+        if into is None or slots is None:
+            raise InvalidInputError("a stream into the pools needs both into= and slots=")
+        if into.device != self.device:
+            raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
+        from kvrt.kernels.paged_kv import checked_indexes, per_token
+
+        replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
+        indexes_ready = None
+        if self.device.type == "cuda":
+            indexes_ready = torch.cuda.Event()
+            indexes_ready.record(torch.cuda.current_stream(self.device))
+        return PoolWriter(Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready)
 
     async def pull(
         self,

@@ -39,7 +39,7 @@ from kvrt._errors import (
 from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens, masked_tokens
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
-from kvrt._streams import ProducerStream
+from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import SocketIO
@@ -595,21 +595,82 @@ class Producer(AsyncService):
         return self._gathers
 
     async def open_stream(
-        self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None, *, layers: int
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        layers: int | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
         A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
-        wrote it (see `kvrt._streams`); others get it as frames, over TCP."""
+        wrote it (see `kvrt._streams`); others get it as frames, over TCP.
+
+        With `slots` (and `replica`, as for `publish`) the layers are read from the registered
+        pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
+        (`layers` may be left out). Indexes on the host are checked there; on the GPU the
+        check reads a flag back, which waits for the current stream once."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
+        placement = None
+        if slots is not None:
+            placement = self._placement(input_tokens, slots, replica)
+            if layers is not None and layers != placement.pools.layers:
+                raise InvalidInputError(f"a stream of the pools has its {placement.pools.layers} layers, not {layers}")
+            layers = placement.pools.layers
         if not isinstance(layers, int) or layers <= 0:
             raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
         packed = pack((input_tokens, roi), torch.device("cpu"))
         item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
         item.stream = StreamState(layers)
         await self._perform(self._core.open_stream(item, self._now()))
-        return ProducerStream(self, item, layers, int(input_tokens.numel()))
+        return ProducerStream(self, item, layers, int(input_tokens.numel()), placement)
+
+    def _placement(self, input_tokens: torch.Tensor, slots: torch.Tensor, replica: torch.Tensor | int) -> Placement:
+        pools = self._pools
+        if pools is None:
+            raise InvalidInputError("a stream of the pools needs them: call register_pools first")
+        from kvrt.kernels.paged_kv import checked_indexes, per_token
+
+        replicas = per_token(replica, slots)
+        if slots.numel() != input_tokens.numel():
+            raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")
+        return Placement(pools, *checked_indexes(pools, replicas, slots))
+
+    async def _gathered_layer(
+        self, placement: Placement, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Layer `layer` of a stream of the pools, gathered into a block of its own (key and
+        value back to back: one transfer), and on a GPU the event after the gather, queued on
+        the current stream. A first launch compiles, for about a second, in the gather thread
+        (the loop must not wait for that), queued on the same stream all the same."""
+        from kvrt.kernels.paged_kv import gather_layer_into_any, prepare_gather_layer
+
+        pools = placement.pools
+        g, tokens = pools.geometry, placement.slots.numel()
+        shape = (tokens, g.heads, g.head_dim)
+        block = torch.empty((g.kv, *shape), dtype=pools.dtype, device=pools.device)
+        key = block[0]
+        value = block[1] if g.kv == 2 else torch.empty((tokens, 1, 0), dtype=pools.dtype, device=pools.device)
+        if pools.device.type != "cuda":
+            gather_layer_into_any(pools, placement.replicas, placement.slots, layer, key, value)
+            return key, value, None
+        prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
+        caller = torch.cuda.current_stream(pools.device)
+        if prepared.compiled:
+            prepared.launch()
+        else:
+
+            def launch() -> None:
+                with torch.cuda.stream(caller):
+                    prepared.launch()
+
+            await asyncio.wrap_future(self._gather_thread().submit(launch))
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        return key, value, ready
 
     async def _stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
@@ -736,6 +797,8 @@ class Producer(AsyncService):
                         if rendezvous:
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)
                     if isinstance(message, m.StreamStart):
+                        if send.item is not None:  # a published item's layers follow: gathered first
+                            await _all_gathers_queued(send.item)
                         frames = _stream_frames(send)
                     elif isinstance(message, m.StreamLayer | m.StreamEnd):
                         transport_name = self._core.transport_of(send.peer)

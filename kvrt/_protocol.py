@@ -580,7 +580,7 @@ class ProducerCore:
         layers = item.key.shape[0]
         out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
         for layer in range(layers):
-            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], item.ready_event))
+            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], item.written))
         out.append(_end_outgoing(peer, item))
         return out
 
@@ -640,7 +640,7 @@ def _end_outgoing(peer: bytes, whole: BufferedItem) -> Outgoing:
     if whole.hidden is None:
         return Outgoing(peer, m.StreamEnd(item_id=whole.item_id))
     end = m.StreamEnd(item_id=whole.item_id, hidden=tensor_meta(whole.hidden))
-    return Outgoing(peer, end, tensors=(whole.hidden,), ready=whole.ready_event)
+    return Outgoing(peer, end, tensors=(whole.hidden,), ready=whole.written)
 
 
 BATCH_SEGMENT_BYTES: Final = 256 << 20

@@ -23,7 +23,9 @@ decode work queued after it reads the layer, and the host never waited for the w
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,83 @@ from kvrt._tensors import copy_into
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
+    from kvrt.kernels.paged_kv import PoolTable
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request sits in a node's paged pools: token i at `slots[i]` of replica
+    `replicas[i]`, both checked and on the pools' device."""
+
+    pools: PoolTable
+    replicas: torch.Tensor
+    slots: torch.Tensor
+
+
+class PoolWriter:
+    """Where a reader of the pools (`Consumer.open_stream(..., into=)`) writes each layer that
+    lands: into its pools at its slots. On a GPU the write is queued by a kvrt thread (a first
+    launch compiles, for about a second; the loop must not wait for that) on a stream of the
+    consumer's own, after the landing; the reader's stream waits for the write, never the host.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        thread: Callable[[], concurrent.futures.Executor],
+        stream: Callable[[], torch.cuda.Stream],
+        indexes_ready: torch.cuda.Event | None,
+    ) -> None:
+        self.placement = placement
+        self._thread = thread
+        self._stream = stream
+        self._indexes_ready = indexes_ready
+        """GPU: the caller's stream may still be writing the slots when it opened the stream."""
+
+    def write(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None
+    ) -> asyncio.Future[torch.cuda.Event | None]:
+        """Write layer `layer` (the first tokens of its key and value, as many as there are
+        slots) into the pools; the future gives the event after the write (GPU)."""
+        from kvrt.kernels.paged_kv import scatter_layer_from_any
+
+        pools = self.placement.pools
+        if pools.device.type != "cuda":
+            written: asyncio.Future[torch.cuda.Event | None] = asyncio.get_running_loop().create_future()
+            try:
+                scatter_layer_from_any(pools, key, value, *self._indexes(key), layer)
+            except Exception as exc:
+                written.set_exception(exc)
+            else:
+                written.set_result(None)
+            return written
+        if landed is None:  # it came as frames: copied to the device on this thread's stream
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(pools.device))
+        return asyncio.wrap_future(self._thread().submit(self._queue_write, layer, key, value, landed))
+
+    def _queue_write(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event
+    ) -> torch.cuda.Event:
+        from kvrt.kernels.paged_kv import scatter_layer_from
+
+        stream = self._stream()
+        replicas, slots = self._indexes(key)
+        with torch.cuda.stream(stream):
+            if self._indexes_ready is not None:
+                stream.wait_event(self._indexes_ready)
+            stream.wait_event(landed)
+            for tensor in (key, value, replicas, slots):
+                tensor.record_stream(stream)  # freed by their owners while the write may still run
+            scatter_layer_from(self.placement.pools, key, value, replicas, slots, layer, check=False)
+            written = torch.cuda.Event()
+            written.record(stream)
+        return written
+
+    def _indexes(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replica and slot indexes of the tokens both the layer and the slots have."""
+        count = min(key.shape[0], self.placement.slots.numel())
+        return self.placement.replicas[:count], self.placement.slots[:count]
 
 
 class StreamAbortedError(KVRTError):
@@ -45,13 +124,18 @@ class ConsumerStream:
 
     def __init__(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, matched: int, layers: int,
-        confirm: Callable[[], None],
+        confirm: Callable[[], None], writer: PoolWriter | None = None,
     ) -> None:  # fmt: skip
         self.input_tokens = input_tokens
         self.roi = roi
         self.matched = matched
         self.layers = layers
         self._confirm = confirm
+        self.writer = writer
+        """Set for a reader of the pools: each layer is written there before it is delivered."""
+        self._writing: set[int] = set()
+        """Layers whose write into the pools is under way: the end waits for their delivery."""
+        self._end_waits: tuple[torch.Tensor | None] | None = None
         loop = asyncio.get_running_loop()
         self._layers: list[asyncio.Future[_Layer]] = [loop.create_future() for _ in range(layers)]
         self._end: asyncio.Future[torch.Tensor | None] = loop.create_future()
@@ -68,8 +152,19 @@ class ConsumerStream:
         """Layer `layer` is here (or, with `landed`, will be once that event fired)."""
         if 0 <= layer < self.layers and not self._layers[layer].done():
             self._layers[layer].set_result((key, value, landed))
+        self._writing.discard(layer)
+        if not self._writing and self._end_waits is not None:
+            self.finish(*self._end_waits)
+
+    def writing(self, layer: int) -> None:
+        """Layer `layer`'s write into the pools is under way: the end waits for its delivery."""
+        self._writing.add(layer)
 
     def finish(self, hidden: torch.Tensor | None) -> None:
+        if self._writing:  # every layer written is delivered before the end
+            self._end_waits = (hidden,)
+            return
+        self._end_waits = None
         if not self._end.done():
             for index, future in enumerate(self._layers):
                 if not future.done():  # a producer that ended early: nobody may wait for ever
@@ -121,25 +216,45 @@ _Layer = tuple[torch.Tensor, torch.Tensor, "torch.cuda.Event | None"]
 class ProducerStream:
     """A prefill publishing one request's KV layer by layer. Created by `Producer.open_stream`."""
 
-    def __init__(self, producer: Producer, item: BufferedItem, layers: int, tokens: int) -> None:
+    def __init__(
+        self, producer: Producer, item: BufferedItem, layers: int, tokens: int, placement: Placement | None = None
+    ) -> None:
         self._producer = producer
         self._item = item
         self.layers = layers
         self.tokens = tokens
+        self.placement = placement
+        """Set for a stream of the registered pools (`open_stream(..., slots=)`): where its
+        layers are read."""
         self.published = 0
         self._ended = False
 
-    async def put_layer(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Publish the next layer, [tokens, heads, head_dim] each; copied before this returns
-        (on a GPU producer: the copy queued on the current stream, which is not made to wait;
-        the caller may overwrite its tensors in later work on that stream)."""
+    async def put_layer(self, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
+        """Publish the next layer.
+
+        A plain stream takes its key and value, [tokens, heads, head_dim] each, copied before
+        this returns (on a GPU producer: the copy queued on the current stream, which is not
+        made to wait; the caller may overwrite its tensors in later work on that stream).
+
+        A stream of the pools takes none: the layer is gathered from the pools at the
+        stream's slots, once the prefill wrote it (on a GPU: the gather queued on the current
+        stream after the prefill's work there, which is not made to wait; the caller may
+        overwrite those slots in later work on that stream)."""
         if self._ended:
             raise InvalidInputError("the stream has ended")
         if self.published == self.layers:
             raise InvalidInputError(f"all {self.layers} layers were published already")
+        if self.placement is not None:
+            if key is not None or value is not None:
+                raise InvalidInputError("a stream of the pools gathers its layers there: put_layer() takes no tensors")
+            gathered = await self._producer._gathered_layer(self.placement, self.published)
+            self.published += 1
+            await self._producer._stream_layer(self._item, *gathered)
+            return
         for name, tensor in (("key", key), ("value", value)):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
                 raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
+        assert key is not None and value is not None
         self.published += 1
         await self._producer._stream_layer(self._item, *_owned(key, value, self._producer.device))
 
