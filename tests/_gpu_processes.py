@@ -148,9 +148,10 @@ GPU_CYCLES_PER_MS = 2_000_000
 def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
     """A prefill on `device` that streams layers on command: ("stream", index, dtype name,
     layers, tokens, milliseconds of GPU work before each layer, layers after which it aborts
-    or None). The host queues the whole prefill at once, as an engine does; the GPU's stream
-    runs it. Answers "streamed" once it queued it all; "stats": (items, in flight); "stop"
-    ends it."""
+    or None), or ("paged", index, dtype name, layers, tokens, milliseconds, published): out of
+    dp=4 pools (see `_stream_paged`). The host queues the whole prefill at once, as an engine
+    does; the GPU's stream runs it. Answers "streamed" once it queued it all; "stats": (items,
+    in flight); "stop" ends it."""
 
     async def main() -> None:
         torch.cuda.set_device(device)
@@ -160,6 +161,10 @@ def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.c
                 if command == "stats":
                     stats = producer.stats()
                     control.send((stats.items, stats.in_flight))
+                    continue
+                if command[0] == "paged":
+                    await _stream_paged(producer, device, *command[1:])
+                    control.send("streamed")
                     continue
                 _, index, dtype_name, layers, tokens, work_ms, abort_after = command
                 kv = [stream_layer_kv(index, layer, tokens, getattr(torch, dtype_name)) for layer in range(layers)]
@@ -177,3 +182,58 @@ def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.c
                 control.send("streamed")
 
     asyncio.run(main())
+
+
+STREAM_SLOTS, STREAM_REPLICAS = 2048, 4
+
+
+def paged_stream_request(index: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where stream `index`'s tokens sit in the prefill's dp=4 pools: replica and slot each."""
+    generator = torch.Generator().manual_seed(index)
+    return torch.arange(tokens) % STREAM_REPLICAS, torch.randperm(STREAM_SLOTS, generator=generator)[:tokens]
+
+
+def paged_layer_pools(index: int, layer: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """What the prefill of stream `index` writes into layer `layer` of each replica's token-major
+    pool [slots, 2*8, 128]: random bytes from a seed, on the CPU (both processes know them)."""
+    generator = torch.Generator().manual_seed(10_000 * index + layer)
+    shape = (STREAM_SLOTS, 16, 128)
+    count = torch.Size(shape).numel() * dtype.itemsize
+    return [
+        torch.randint(0, 256, (count,), dtype=torch.uint8, generator=generator).view(dtype).view(shape)
+        for _ in range(STREAM_REPLICAS)
+    ]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Zeros of any dtype (fp8 too), made as bytes."""
+    count = torch.Size(shape).numel() * dtype.itemsize
+    return torch.zeros(count, dtype=torch.uint8, device=device).view(dtype).view(shape)
+
+
+async def _stream_paged(
+    producer: kvrt.Producer, device: str, index: int, dtype_name: str, layers: int, tokens: int, work_ms: int,
+    published: bool,
+) -> None:  # fmt: skip
+    """A prefill into dp=4 pools that streams each layer out of them as it writes it (or, when
+    `published`, publishes the request once every layer is written)."""
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    dtype = getattr(torch, dtype_name)
+    pools = [[[zeros((STREAM_SLOTS, 16, 128), dtype, device) for _ in range(layers)]] for _ in range(STREAM_REPLICAS)]
+    producer.register_pools(PoolTable(pools, Layout.TOKEN_MAJOR))
+    written = [[pool.to(device) for pool in paged_layer_pools(index, layer, dtype)] for layer in range(layers)]
+    replica, slots = paged_stream_request(index, tokens)
+    input_tokens = kv_tokens(index, tokens)
+    stream = None if published else await producer.open_stream(input_tokens, slots=slots, replica=replica)
+    for layer in range(layers):
+        if work_ms:
+            torch.cuda._sleep(work_ms * GPU_CYCLES_PER_MS)
+        for copies, pool in zip(pools, written[layer], strict=True):  # the prefill writes the layer
+            copies[0][layer].copy_(pool)
+        if stream is not None:
+            await stream.put_layer()
+    if stream is None:
+        await producer.publish(input_tokens, slots, replica)
+    else:
+        await stream.finish()

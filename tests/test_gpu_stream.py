@@ -17,7 +17,16 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import GPU_CYCLES_PER_MS, kv_tokens, run_gpu_streamer, stream_layer_kv
+from tests._gpu_processes import (
+    GPU_CYCLES_PER_MS,
+    STREAM_SLOTS,
+    kv_tokens,
+    paged_layer_pools,
+    paged_stream_request,
+    run_gpu_streamer,
+    stream_layer_kv,
+    zeros,
+)
 from tests._processes import child_process
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
@@ -40,10 +49,10 @@ async def answer(control: Any) -> Any:
     return control.recv()
 
 
-async def opened_and_waiting(consumer: kvrt.Consumer, tokens: torch.Tensor) -> asyncio.Task[Any]:
+async def opened_and_waiting(consumer: kvrt.Consumer, tokens: torch.Tensor, **into: Any) -> asyncio.Task[Any]:
     """`open_stream` started, and waiting on the producer (a round trip on the same link after
     its request proves that the producer read it)."""
-    opening = asyncio.create_task(consumer.open_stream(tokens, timeout=30))
+    opening = asyncio.create_task(consumer.open_stream(tokens, timeout=30, **into))
     await asyncio.sleep(0)
     assert await consumer.drop_select(torch.tensor([-1])) is None
     return opening
@@ -164,3 +173,53 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
                 assert took < 0.3, (attempt, took)
         assert producer.stats().items == 4
         await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["streamed-from-the-pools", "published-then-streamed"])
+async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for_bit(published: bool) -> None:
+    """dp=4 token-major pools on the prefill, block pools with two replicas on the reader, which
+    writes each layer into replica 1 as it lands. A published item read as a stream waits for
+    its gathers (its layers once went with an event recorded before them)."""
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    layers, tokens = 4, 1024
+    into_slots = torch.randperm(STREAM_SLOTS, generator=torch.Generator().manual_seed(99))[:tokens]
+    async with (
+        streamer() as (endpoint, _, control),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        for index, dtype_name in enumerate(["bfloat16", "float8_e4m3fn", "float32"]):
+            dtype = getattr(torch, dtype_name)
+            shape = (2, STREAM_SLOTS // 16, 16, 8, 128)
+            pools = [[[zeros(shape, dtype, CONSUMER_DEVICE) for _ in range(layers)]] for _ in range(2)]
+            target = PoolTable(pools, Layout.BLOCK)
+            into = {"into": target, "slots": into_slots, "replica": 1}
+            opening = await opened_and_waiting(consumer, kv_tokens(index, tokens), **into)
+            work_ms = 100 if index == 0 else 20  # GPU work before each layer
+            control.send(("paged", index, dtype_name, layers, tokens, work_ms, published))
+            reader = await opening
+            assert reader is not None and reader.layers == layers
+            await reader.layer(0)  # the current stream now waits for layer 0's write into the pools
+            first_written = torch.cuda.Event()
+            first_written.record()
+            side = torch.cuda.Stream()
+            await reader.layer(layers - 1, stream=side)
+            last_written = torch.cuda.Event()
+            last_written.record(side)
+            await asyncio.to_thread(first_written.synchronize)
+            if index == 0 and not published:  # three more layers of 100 ms of prefill work were still to run
+                assert not last_written.query()
+            await reader.finished()
+            await asyncio.to_thread(side.synchronize)
+            replica, slots = paged_stream_request(index, tokens)
+            row = 128 * dtype.itemsize  # compared as bytes: fp8 has no CPU indexing to rely on
+            for layer in range(layers):
+                written = torch.stack([pool.view(torch.uint8) for pool in paged_layer_pools(index, layer, dtype)])
+                source = written[replica, slots]  # [tokens, 16 (K heads, then V heads), row]
+                landed = target.pools[1][0][layer].cpu().view(torch.uint8).view(2, STREAM_SLOTS, 8, row)[:, into_slots]
+                assert torch.equal(landed[0], source[:, :8]), (dtype_name, layer, "key")
+                assert torch.equal(landed[1], source[:, 8:]), (dtype_name, layer, "value")
+            assert not any(pool.view(torch.uint8).any() for pool in target.pools[0][0])  # replica 0 untouched
+            assert await answer(control) == "streamed"
+            assert await held_by_the_producer(consumer, control) == (0, 0)
