@@ -26,6 +26,7 @@ import concurrent.futures
 import heapq
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +99,10 @@ class BufferedItem:
     may read the storage, or wait on those events, before their gathers are queued."""
     stream: StreamState | None = None
     """Set while this is an open stream: a prefill still publishing its layers."""
+    fill: Callable[[BufferedItem], None] | None = None
+    """Set for a finished stream that its reader received layer by layer: its storage's layers
+    are written (and the transports prepare it) only if it must be sent whole after all, when
+    the reader left before confirming it. Call it (once) before anything reads the storage."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None

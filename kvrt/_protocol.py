@@ -59,7 +59,7 @@ MAX_WAITING_REQUESTS: Final = 65536
 class Outgoing:
     """A message for the driver to send to `peer`; for a Deliver or a stream's start, `item`
     holds the payload (for a DeliverMany, `items`); a stream's layers and end carry their
-    tensors in `tensors`."""
+    tensors in `tensors` (and, when they are a whole item's, that item in `item`)."""
 
     peer: bytes
     message: m.Message
@@ -580,7 +580,7 @@ class ProducerCore:
         layers = item.key.shape[0]
         out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
         for layer in range(layers):
-            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], item.written))
+            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], whole=item))
         out.append(_end_outgoing(peer, item))
         return out
 
@@ -629,18 +629,22 @@ def _tokens_bytes(item: BufferedItem) -> int:
 
 
 def _layer_outgoing(
-    peer: bytes, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
-) -> Outgoing:
+    peer: bytes, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
+    ready: torch.cuda.Event | None = None, *, whole: BufferedItem | None = None,
+) -> Outgoing:  # fmt: skip
+    """A stream's layer: an open stream's (GPU: written once `ready` fired), or a layer of a
+    `whole` item (then `item`: the driver waits for the item's storage, `BufferedItem.written`,
+    known once its gathers or its fill were queued)."""
     message = m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
-    return Outgoing(peer, message, tensors=(key, value), ready=ready)
+    return Outgoing(peer, message, whole, tensors=(key, value), ready=ready)
 
 
 def _end_outgoing(peer: bytes, whole: BufferedItem) -> Outgoing:
-    """A stream's end, with the whole item's hidden states if it has them."""
+    """A stream's end, with the whole item's hidden states if it has them (`item` as for a layer)."""
     if whole.hidden is None:
         return Outgoing(peer, m.StreamEnd(item_id=whole.item_id))
     end = m.StreamEnd(item_id=whole.item_id, hidden=tensor_meta(whole.hidden))
-    return Outgoing(peer, end, tensors=(whole.hidden,), ready=whole.written)
+    return Outgoing(peer, end, whole, tensors=(whole.hidden,))
 
 
 BATCH_SEGMENT_BYTES: Final = 256 << 20

@@ -284,3 +284,52 @@ async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_han
         assert own_copy() is None, ending  # `stream` is still referenced here
     item = await consumer.drop_select(torch.arange(1000, 1000 + TOKENS))  # the finished one, whole
     assert item is not None and all(torch.equal(item.key[layer], layer_kv(layer)[0]) for layer in range(LAYERS))
+
+
+async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leaves_unconfirmed(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    stacks: list[int] = []
+    stack = torch.stack
+
+    def counted_stack(*args: Any, **kwargs: Any) -> torch.Tensor:
+        stacks.append(len(args[0]))
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", counted_stack)
+    # Read to the end and confirmed: the layers are never stacked into a whole item, and the
+    # producer lets go of them once the reader confirmed.
+    tokens = torch.arange(1200, 1200 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+    for layer in range(LAYERS):
+        await stream.put_layer(*layer_kv(layer))
+    own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+    await stream.finish()
+    await reader.finished()
+    await settle(consumer)
+    gc.collect()
+    assert stacks == [] and own_copy() is None
+    assert (producer.stats().items, producer.stats().buffer_bytes) == (0, 0)
+    # Read to the end by a reader that leaves before confirming: written whole then, for the next.
+    tokens = torch.arange(1300, 1300 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as leaving:
+        reader = await leaving.open_stream(tokens)
+        assert reader is not None
+        monkeypatch.setattr(leaving._links[0], "settle", lambda item_id, *, keep: None)  # type: ignore[attr-defined]
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        hidden = torch.randn(TOKENS, 3)
+        await stream.finish(hidden)
+        assert await reader.finished() is not None
+        assert stacks == []
+    item = await consumer.drop_select(tokens, timeout=10)
+    assert stacks == [LAYERS, LAYERS]  # the keys, then the values: once each, when it was sent whole
+    assert item is not None and item.hidden is not None and torch.equal(item.hidden, hidden)
+    assert all(torch.equal(item.key[layer], layer_kv(layer)[0]) for layer in range(LAYERS))
+    assert all(torch.equal(item.value[layer], layer_kv(layer)[1]) for layer in range(LAYERS))
