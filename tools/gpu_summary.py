@@ -58,8 +58,10 @@ def main(out: Path) -> int:
         data = json.loads(stream.read_text())
         print(f"stream: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms (GPU clocks, drift "
               f"{data.get('clock_drift_ns', 0) / 1e3:+.1f} us); last layer computed -> received:")  # fmt: skip
-        for mode in ("stream", "whole"):
-            row = data[mode]
+        for mode in ("stream", "paged", "whole"):
+            row = data.get(mode)
+            if row is None:
+                continue
             print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
                   f"= {row['layers']:5.2f}x one layer{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
     return 0

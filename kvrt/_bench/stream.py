@@ -12,7 +12,11 @@ the reader's stream once `layer(31)` made it wait for the landing). The two GPUs
 drift is printed), so no host thread is in the measurement. Streaming: the reader is
 waiting, `put_layer` after each layer's matmul. Whole request: the same prefill writes K and
 V into one [32, 8192, 8, 128] pair, then `insert`, which a waiting `drop_select` takes; its
-"received" is stamped when `drop_select` returned (the caller has the item then). The goal
+"received" is stamped when `drop_select` returned (the caller has the item then). Paged: the
+same prefill writes each layer's K and V into token-major pools (as an engine's attention
+does) and streams it out of them (`put_layer()` gathers it at the request's slots); the
+reader writes each layer into its own pools as it lands (`open_stream(into=...)`), and its
+"received" is stamped once the last layer is written there. The goal
 (DESIGN): streaming within 1.5x one layer's transfer time, that is, raw NCCL send/recv of one
 layer's bytes on the same pair, timed the same way (sender's GPU before the send, receiver's
 GPU after the receive, the receive posted first), median of its repeats.
@@ -49,7 +53,9 @@ RAW_REPEATS: Final = 21
 ROUNDS: Final = 7
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1"
-MODES: Final = ("stream", "whole")
+MODES: Final = ("stream", "paged", "whole")
+SLOTS: Final = 2 * TOKENS
+"""Slots of each token-major pool of the paged mode ([SLOTS, 2 * HEADS, DIM], one replica)."""
 SENDER_HEAD_START_CYCLES: Final = 400_000
 """~0.2 ms of GPU sleep before a raw send's timestamp: the receiver has posted its receive by
 then, so the raw time is the transfer's, not the receiver's host's."""
@@ -87,6 +93,14 @@ def _raw_receives(group: Any) -> list[int]:
     return stamps.read()
 
 
+def _pools(device: str) -> Any:
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    shape = (SLOTS, 2 * HEADS, DIM)
+    return PoolTable([[[torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]]],
+                     Layout.TOKEN_MAJOR)  # fmt: skip
+
+
 def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
     from kvrt._producer import Producer
 
@@ -100,6 +114,8 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     weights = (torch.randn((HIDDEN, PROJECTIONS), generator=generator, device=PRODUCER_DEVICE) / 64).to(torch.bfloat16)
     keys = torch.empty((LAYERS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
     values = torch.empty_like(keys)
+    pools = _pools(PRODUCER_DEVICE)
+    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1))[:TOKENS]
     stamps = Stamps(PRODUCER_DEVICE, 1)
 
     def layer_kv() -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +125,7 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
 
     async def main() -> None:
         async with Producer(device=PRODUCER_DEVICE, buffer_bytes=1 << 40) as producer:
+            producer.register_pools(pools)
             control.send(producer.endpoint)
             while (command := await asyncio.to_thread(control.recv)) != "stop":
                 mode, index = command
@@ -127,6 +144,19 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                             computed.record()
                         await stream.put_layer(key, value)
                     copied.record()  # after put_layer's copy of the last layer, on the same stream
+                    await stream.finish()
+                elif mode == "paged":
+                    stream = await producer.open_stream(tokens, slots=slots)
+                    for layer in range(LAYERS):
+                        key, value = layer_kv()
+                        pool = pools.pools[0][0][layer]  # what the engine's attention writes
+                        pool[slots, :HEADS] = key
+                        pool[slots, HEADS:] = value
+                        if layer == LAYERS - 1:
+                            stamps.stamp(0)
+                            computed.record()
+                        await stream.put_layer()
+                    copied.record()  # after put_layer's gather of the last layer
                     await stream.finish()
                 else:
                     for layer in range(LAYERS):
@@ -168,16 +198,22 @@ def main(args: argparse.Namespace) -> int:
         per_layer_s = statistics.median(raw[RAW_REPEATS:]) / LAYERS
         endpoint = from_child(control)
         stamps = Stamps(CONSUMER_DEVICE, 1)
+        into = _pools(CONSUMER_DEVICE)
+        into_slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[:TOKENS]
 
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
                 link = consumer._links[0]
                 for round_index in range(ROUNDS + 1):  # the first round warms both paths up
                     for mode_index, mode in enumerate(MODES):
-                        index = 2 * round_index + mode_index
+                        index = len(MODES) * round_index + mode_index
                         tokens = torch.arange(TOKENS) + index * TOKENS
                         if mode == "stream":
                             waiting: asyncio.Task[Any] = asyncio.create_task(consumer.open_stream(tokens, timeout=60))
+                        elif mode == "paged":
+                            waiting = asyncio.create_task(
+                                consumer.open_stream(tokens, timeout=60, into=into, slots=into_slots)
+                            )
                         else:
                             waiting = asyncio.create_task(consumer.drop_select(tokens, timeout=60))
                         await asyncio.sleep(0)  # the request leaves; the health check's answer proves it read
@@ -186,12 +222,12 @@ def main(args: argparse.Namespace) -> int:
                         got = await waiting
                         if got is None:
                             raise RuntimeError(f"{mode}: the prefill's KV did not arrive")
-                        if mode == "stream":
+                        if mode != "whole":
                             for layer in range(LAYERS):
-                                await got.layer(layer)  # the current stream waits for each landing
+                                await got.layer(layer)  # the current stream waits for each landing (write)
                         stamps.stamp(0)
                         (received_ns,) = await asyncio.to_thread(stamps.read)
-                        if mode == "stream":
+                        if mode != "whole":
                             await got.finished()
                         del got
                         computed_ns, prefill_s, copy_s = await asyncio.to_thread(from_child, control)
@@ -232,13 +268,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"from the last layer computed to the last layer received, median of {ROUNDS} (best):")
     for mode, label, goal in (
         ("stream", "streaming (put_layer per layer)", "goal <= 1.5x"),
+        ("paged", "streaming, pools to pools", ""),
         ("whole", "whole request after the prefill", ""),
     ):
         row = result[mode]
         print(f"  {label:34} {row['median_s'] * 1e3:8.3f} ms ({row['best_s'] * 1e3:6.3f}) = "
               f"{row['layers']:5.2f}x one layer  {goal}")  # fmt: skip
     print(f"of which the producer's copy after the last layer (GPU events): put_layer "
-          f"{result['stream']['copy_s'] * 1e3:.3f} ms, insert {result['whole']['copy_s'] * 1e3:.3f} ms")  # fmt: skip
+          f"{result['stream']['copy_s'] * 1e3:.3f} ms, its gather from the pools {result['paged']['copy_s'] * 1e3:.3f} "
+          f"ms, insert {result['whole']['copy_s'] * 1e3:.3f} ms")  # fmt: skip
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
