@@ -115,7 +115,8 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     keys = torch.empty((LAYERS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
     values = torch.empty_like(keys)
     pools = _pools(PRODUCER_DEVICE)
-    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1))[:TOKENS]
+    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1))[:TOKENS]  # as the scheduler has them
+    rows = slots.to(PRODUCER_DEVICE)  # as the engine's attention has them
     stamps = Stamps(PRODUCER_DEVICE, 1)
 
     def layer_kv() -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +151,8 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
                     for layer in range(LAYERS):
                         key, value = layer_kv()
                         pool = pools.pools[0][0][layer]  # what the engine's attention writes
-                        pool[slots, :HEADS] = key
-                        pool[slots, HEADS:] = value
+                        pool[rows, :HEADS] = key
+                        pool[rows, HEADS:] = value
                         if layer == LAYERS - 1:
                             stamps.stamp(0)
                             computed.record()
