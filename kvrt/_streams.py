@@ -255,8 +255,9 @@ class ProducerStream:
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
                 raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
         assert key is not None and value is not None
+        owned = await _owned(key, value, self._producer.device, self._producer._gather_thread)
         self.published += 1
-        await self._producer._stream_layer(self._item, *_owned(key, value, self._producer.device))
+        await self._producer._stream_layer(self._item, *owned)
 
     async def finish(self, hidden: torch.Tensor | None = None) -> None:
         """End the stream after its last layer; `hidden` [tokens, hidden] travels with the end."""
@@ -274,23 +275,48 @@ class ProducerStream:
             await self._producer._abort_stream(self._item, reason)
 
 
-def _owned(
-    key: torch.Tensor, value: torch.Tensor, device: torch.device
+async def _owned(
+    key: torch.Tensor, value: torch.Tensor, device: torch.device, thread: Callable[[], concurrent.futures.Executor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
     """A layer's own copy on the producer's device. On a GPU: one block [2, ...] when key and
     value are alike, so that the layer travels as one transfer without packing, copied on the
-    current stream, and the event after the copy."""
+    current stream, and the event after the copy. Key and value on the GPU whose tokens' rows
+    are contiguous (views of a wider output too) are copied by one kernel launch
+    (`kvrt.kernels.layer_copy`); its first launch compiles, for about a second, in `thread`."""
     if device.type != "cuda":
         return key.detach().cpu().contiguous().clone(), value.detach().cpu().contiguous().clone(), None
     with torch.cuda.device(device):
+        caller = torch.cuda.current_stream(device)
         if key.shape == value.shape and key.dtype == value.dtype:
             block = torch.empty((2, *key.shape), dtype=key.dtype, device=device)
             own_key, own_value = block[0], block[1]
+            if _one_launch(key, value, device):
+                from kvrt.kernels.layer_copy import PreparedCopy
+
+                prepared = PreparedCopy(block, key, value)
+                if prepared.compiled:
+                    prepared.launch()
+                else:
+
+                    def launch() -> None:
+                        with torch.cuda.stream(caller):
+                            prepared.launch()
+
+                    await asyncio.wrap_future(thread().submit(launch))
+            else:
+                copy_into(own_key, key)  # a pinned host source is copied before this returns
+                copy_into(own_value, value)
         else:
             own_key = torch.empty(key.shape, dtype=key.dtype, device=device)
             own_value = torch.empty(value.shape, dtype=value.dtype, device=device)
-        copy_into(own_key, key)  # a pinned host source is copied before this returns
-        copy_into(own_value, value)
+            copy_into(own_key, key)
+            copy_into(own_value, value)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
+        ready.record(caller)
     return own_key, own_value, ready
+
+
+def _one_launch(key: torch.Tensor, value: torch.Tensor, device: torch.device) -> bool:
+    from kvrt.kernels.layer_copy import rows_contiguous
+
+    return key.device == device and value.device == device and rows_contiguous(key) and rows_contiguous(value)

@@ -168,7 +168,7 @@ def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.c
                     continue
                 _, index, dtype_name, layers, tokens, work_ms, abort_after = command
                 kv = [stream_layer_kv(index, layer, tokens, getattr(torch, dtype_name)) for layer in range(layers)]
-                on_device = [(key.to(device), value.to(device)) for key, value in kv]
+                on_device = [_columns(key.to(device), value.to(device), shift=index % 3) for key, value in kv]
                 stream = await producer.open_stream(kv_tokens(index, tokens), layers=layers)
                 for layer, (key, value) in enumerate(on_device):
                     if work_ms:
@@ -182,6 +182,19 @@ def run_gpu_streamer(device: str, heartbeat_s: float, control: multiprocessing.c
                 control.send("streamed")
 
     asyncio.run(main())
+
+
+def _columns(key: torch.Tensor, value: torch.Tensor, *, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value as a prefill hands them over: columns of one wider projection output
+    [tokens, shift + 2 * heads * dim + 3] (`shift` moves them off the widest word)."""
+    tokens, heads, dim = key.shape
+    row = heads * dim
+    width = shift + 2 * row + 3
+    out = torch.zeros((tokens, width * key.dtype.itemsize), dtype=torch.uint8, device=key.device).view(key.dtype)
+    views = out[:, shift : shift + row], out[:, shift + row : shift + 2 * row]
+    for view, source in zip(views, (key, value), strict=True):  # as bytes: fp8 too
+        view.view(torch.uint8).copy_(source.reshape(tokens, row).view(torch.uint8))
+    return views[0].view(tokens, heads, dim), views[1].view(tokens, heads, dim)
 
 
 STREAM_SLOTS, STREAM_REPLICAS = 2048, 4
