@@ -6,6 +6,10 @@ One GPU. A request of 4096 tokens x 32 layers, 8 KV heads of 128 in bf16 (token-
 512 MiB (the ceiling), and torch's `index_select` / `index_copy_` per layer (dp=1: torch has
 no pointer-table form). GB/s count bytes read plus bytes written. Median of
 `triton.testing.do_bench`.
+
+Then `put_layer`'s copy: one layer's K and V of an 8B model at 8k tokens (32 MiB) out of the
+columns of a wider projection output, as a prefill hands them over, by torch (two `copy_`)
+and by `kvrt.kernels.layer_copy` (one launch), beside a device copy of 32 MiB.
 """
 
 from __future__ import annotations
@@ -113,6 +117,10 @@ def main(args: argparse.Namespace) -> int:
     for row in sweep:
         print(f"  {row['tuning']}: gather {100 * float(row['gather_gbps']) / float(ceiling):5.1f}%, "
               f"scatter {100 * float(row['scatter_gbps']) / float(ceiling):5.1f}% of copy")  # fmt: skip
+    layer_copy = _layer_copy_rows(device)
+    print("put_layer's copy, one layer's K and V (32 MiB) out of a [8192 x 53248] bf16 output:")
+    for row in layer_copy:
+        print(f"  {row['variant']:<34} {row['ms'] * 1e3:7.1f} us  {row['gbps']:6.0f} GB/s")
     if args.plot:
         path = _plot.bars(
             Path(args.plot) / "kernels.png", "Paged-KV gather/scatter, 512 MiB (read + write)", "GB/s",
@@ -121,5 +129,35 @@ def main(args: argparse.Namespace) -> int:
         print(f"plot: {path}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": results, "sweep": sweep, "staging_bytes": staging.nbytes}, out, indent=2)
+            json.dump(
+                {"rows": results, "sweep": sweep, "staging_bytes": staging.nbytes, "layer_copy": layer_copy}, out,
+                indent=2,
+            )  # fmt: skip
     return 0
+
+
+def _layer_copy_rows(device: torch.device) -> list[dict[str, Any]]:
+    import triton.testing
+
+    from kvrt.kernels.layer_copy import copy_layer
+
+    tokens, row = 8192, HEADS * HEAD_DIM
+    out = torch.randn((tokens, 53248), device=device).to(torch.bfloat16)
+    key = out[:, :row].view(tokens, HEADS, HEAD_DIM)
+    value = out[:, row : 2 * row].view(tokens, HEADS, HEAD_DIM)
+    block = torch.empty((2, tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device)
+    source = torch.empty_like(block)
+
+    def torch_copies() -> None:
+        block[0].copy_(key)
+        block[1].copy_(value)
+
+    rows = []
+    for name, run in (
+        ("device copy of 32 MiB (ceiling)", lambda: block.copy_(source)),
+        ("torch copy_ of K, then of V", torch_copies),
+        ("kvrt copy_layer (one launch)", lambda: copy_layer(block, key, value)),
+    ):
+        milliseconds = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+        rows.append({"variant": name, "ms": milliseconds, "gbps": _gbps(2 * block.nbytes, milliseconds)})
+    return rows
