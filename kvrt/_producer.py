@@ -41,7 +41,7 @@ from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
-from kvrt._threads import gpu_worker
+from kvrt._threads import gpu_worker, launch_on
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.select import make_transports, transport_preference
@@ -664,15 +664,7 @@ class Producer(AsyncService):
             return key, value, None
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
-        if prepared.compiled:
-            prepared.launch()
-        else:
-
-            def launch() -> None:
-                with torch.cuda.stream(caller):
-                    prepared.launch()
-
-            await asyncio.wrap_future(self._gather_thread().submit(launch))
+        await launch_on(prepared, caller, self._gather_thread)
         ready = torch.cuda.Event()
         ready.record(caller)
         return key, value, ready

@@ -33,6 +33,7 @@ import torch
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
 from kvrt._tensors import copy_into
+from kvrt._threads import launch_on
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
@@ -293,16 +294,7 @@ async def _owned(
             if _one_launch(key, value, device):
                 from kvrt.kernels.layer_copy import PreparedCopy
 
-                prepared = PreparedCopy(block, key, value)
-                if prepared.compiled:
-                    prepared.launch()
-                else:
-
-                    def launch() -> None:
-                        with torch.cuda.stream(caller):
-                            prepared.launch()
-
-                    await asyncio.wrap_future(thread().submit(launch))
+                await launch_on(PreparedCopy(block, key, value), caller, thread)
             else:
                 copy_into(own_key, key)  # a pinned host source is copied before this returns
                 copy_into(own_value, value)

@@ -7,7 +7,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
@@ -21,6 +21,33 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(device,)
     )
+
+
+class PreparedLaunch(Protocol):
+    """A Triton launch worked out but not queued (`PreparedGather`, `PreparedCopy`)."""
+
+    @property
+    def compiled(self) -> bool: ...
+
+    def launch(self) -> None: ...
+
+
+async def launch_on(
+    prepared: PreparedLaunch, stream: torch.cuda.Stream, thread: Callable[[], concurrent.futures.Executor]
+) -> None:
+    """Queue `prepared` on `stream`: from the loop when its kernel was compiled before, else in
+    `thread` (a first launch compiles, for about a second, and the loop must not wait that
+    long). Either way it is queued when this returns, before what the caller queues next."""
+    if prepared.compiled:
+        with torch.cuda.stream(stream):
+            prepared.launch()
+        return
+
+    def launch() -> None:
+        with torch.cuda.stream(stream):
+            prepared.launch()
+
+    await asyncio.wrap_future(thread().submit(launch))
 
 
 class Waiter:
