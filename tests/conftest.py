@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -75,6 +76,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         function = getattr(item, "function", None)
         if function is not None and inspect.iscoroutinefunction(function):
             item.fixturenames.insert(0, "loop_guard")  # type: ignore[attr-defined]
+
+
+TRITON_KERNEL_MARKS = [
+    pytest.mark.kernels,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+    ),
+]
+"""A kernel test's marks: it runs on a GPU, or on CPU under the Triton interpreter."""
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_kv(

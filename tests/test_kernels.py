@@ -6,8 +6,6 @@ so that an element the kernel forgets to write shows up.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -31,15 +29,10 @@ from kvrt.kernels.paged_kv import (
     scatter_layer_from_any,
     scatter_reference,
 )
+from tests.conftest import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
-pytestmark = [
-    pytest.mark.kernels,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-    ),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_KERNEL_MARKS
+DEVICE = KERNEL_DEVICE
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]  # uint8: fp8 stored as bytes
 POISON = 0xA5
 

@@ -4,23 +4,16 @@ from contiguous tensors. On CPU under TRITON_INTERPRET=1; the block is poisoned 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrt.kernels.layer_copy import PreparedCopy, copy_layer, copy_layer_reference, rows_contiguous
+from tests.conftest import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
-pytestmark = [
-    pytest.mark.kernels,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-    ),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_KERNEL_MARKS
+DEVICE = KERNEL_DEVICE
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.bool]
 
 
