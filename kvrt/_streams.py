@@ -18,6 +18,12 @@ posted its receive when the layer's header came, long before the prefill wrote i
 transfer starts when the layer is written. `layer(i)` returns as soon as the receive is
 posted and makes the caller's current stream (or the one it names) wait for the landing:
 decode work queued after it reads the layer, and the host never waited for the wire.
+
+Paged pools, on either side or both: a prefill that writes its KV into registered pools opens
+its stream with the request's slots (`Producer.open_stream(..., slots=)`), and `put_layer()`
+gathers each layer from them; a reader that opens the stream with its own pools and slots
+(`Consumer.open_stream(..., into=, slots=)`) has each layer written there as it lands (a
+`PoolWriter`), and `layer(i)` then stands for the write.
 """
 
 from __future__ import annotations
@@ -192,7 +198,8 @@ class ConsumerStream:
     async def layer(self, index: int, *, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s key and value, [tokens, heads, head_dim] each, once it arrived; on a
         GPU, once its receive is posted, with `stream` (default: the current one) made to wait
-        for its landing."""
+        for its landing. For a reader of the pools: once the layer is written there (GPU: once
+        the write is queued, with `stream` made to wait for it)."""
         if not 0 <= index < self.layers:
             raise IndexError(f"layer {index} of a stream of {self.layers}")
         key, value, landed = await asyncio.shield(self._layers[index])  # a cancelled waiter leaves it to others
