@@ -226,12 +226,6 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     return result
 
 
-def _stream_frames(send: Outgoing) -> list[memoryview]:
-    """A stream start's frame: the tokens at the head of the item's buffer (on the host)."""
-    assert isinstance(send.message, m.StreamStart) and send.item is not None
-    return [tensor_bytes(send.item.storage[: send.message.payload_bytes].cpu())]
-
-
 def _fill(item: BufferedItem) -> None:
     """Write a finished stream's storage before it is read whole (see `BufferedItem.fill`)."""
     fill, item.fill = item.fill, None
@@ -318,6 +312,8 @@ class Producer(AsyncService):
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
+        self._to_host: torch.cuda.Stream | None = None
+        """Where the gather thread copies stream messages' tensors to the host (see `_host_frames`)."""
         self._peer_left = asyncio.Event()
         """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -588,9 +584,16 @@ class Producer(AsyncService):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensors[0].device))
 
+        if self._to_host is None:
+            self._to_host = torch.cuda.Stream(tensors[0].device)
+        to_host_stream = self._to_host
+
         def to_host() -> list[memoryview]:
             ready.synchronize()
-            return [tensor_bytes(tensor.cpu()) for tensor in tensors]
+            # On a stream of kvrt's own: a copy on the thread's default stream would also wait
+            # for everything queued on the legacy default stream, a whole prefill if it runs there.
+            with torch.cuda.stream(to_host_stream):
+                return [tensor_bytes(tensor.cpu()) for tensor in tensors]
 
         return await asyncio.wrap_future(self._gather_thread().submit(to_host))
 
@@ -824,7 +827,11 @@ class Producer(AsyncService):
                     if isinstance(message, m.StreamStart):
                         if send.item is not None:  # a published item's layers follow: gathered first
                             await _all_gathers_queued(send.item)
-                        frames = _stream_frames(send)
+                        # The frame: the tokens (and roi) at the head of the item's buffer, read
+                        # back in a kvrt thread for a GPU item (written before its ready event).
+                        assert send.item is not None
+                        head = send.item.storage[: message.payload_bytes]
+                        frames = await self._host_frames([head], send.item.ready_event)
                     elif isinstance(message, m.StreamLayer | m.StreamEnd):
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:

@@ -234,3 +234,40 @@ def landed_as_written(
         assert torch.equal(landed[0], source[:, :8]), (str(dtype), layer, "key")
         assert torch.equal(landed[1], source[:, 8:]), (str(dtype), layer, "value")
     assert not any(pool.view(torch.uint8).any() for pool in target.pools[0][0])
+
+
+async def test_a_published_item_streams_to_a_tcp_reader_while_the_prefills_stream_is_busy() -> None:
+    """The stream's start (its tokens) and its layers are read back from the GPU in a kvrt
+    thread, on a stream of kvrt's own, after the events that wrote them: neither the loop
+    nor the reader waits for work the prefill queued after `publish` on the default stream."""
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    layers, tokens = 2, 256
+    dtype = torch.bfloat16
+    one_replica = [paged_layer_pools(7, layer, dtype)[0].to(PRODUCER_DEVICE) for layer in range(layers)]
+    table = PoolTable([[one_replica]], Layout.TOKEN_MAJOR)
+    slots = paged_stream_request(7, tokens)[1]
+    async with (
+        kvrt.Producer(device=PRODUCER_DEVICE) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="tcp") as consumer,
+    ):
+        producer.register_pools(table)
+        for index in range(2):  # the first round warms up: the first launches compile, modules load
+            input_tokens = kv_tokens(100 + index, tokens)
+            await producer.publish(input_tokens, slots)
+            if index:
+                torch.cuda._sleep(1000 * GPU_CYCLES_PER_MS)  # a second of prefill work, queued after
+            started = time.monotonic()
+            reader = await consumer.open_stream(input_tokens, timeout=10)
+            assert reader is not None
+            await reader.finished()
+            took = time.monotonic() - started
+            if index:
+                assert not torch.cuda.current_stream().query()  # the work is still running
+                assert took < 0.5, took
+            for layer in range(layers):
+                key, value = await reader.layer(layer)
+                rows = table.pools[0][0][layer][slots.to(PRODUCER_DEVICE)].cpu()
+                assert same_bits(key, rows[:, :8].contiguous()) and same_bits(value, rows[:, 8:].contiguous())
+        await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)
