@@ -266,8 +266,8 @@ async def test_a_published_item_streams_to_a_tcp_reader_while_the_prefills_strea
             if index:
                 assert not torch.cuda.current_stream().query()  # the work is still running
                 assert took < 0.5, took
+            await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)  # before this test reads the pools
             for layer in range(layers):
                 key, value = await reader.layer(layer)
                 rows = table.pools[0][0][layer][slots.to(PRODUCER_DEVICE)].cpu()
                 assert same_bits(key, rows[:, :8].contiguous()) and same_bits(value, rows[:, 8:].contiguous())
-        await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)
