@@ -825,11 +825,10 @@ class Producer(AsyncService):
                         if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
                             _fill(item)  # a finished stream read whole after all
                     if isinstance(message, m.StreamStart):
-                        if send.item is not None:  # a published item's layers follow: gathered first
-                            await _all_gathers_queued(send.item)
+                        assert send.item is not None
+                        await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first
                         # The frame: the tokens (and roi) at the head of the item's buffer, read
                         # back in a kvrt thread for a GPU item (written before its ready event).
-                        assert send.item is not None
                         head = send.item.storage[: message.payload_bytes]
                         frames = await self._host_frames([head], send.item.ready_event)
                     elif isinstance(message, m.StreamLayer | m.StreamEnd):
