@@ -333,3 +333,18 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     assert item is not None and item.hidden is not None and torch.equal(item.hidden, hidden)
     assert all(torch.equal(item.key[layer], layer_kv(layer)[0]) for layer in range(LAYERS))
     assert all(torch.equal(item.value[layer], layer_kv(layer)[1]) for layer in range(LAYERS))
+
+
+async def test_a_stream_whose_layers_are_still_being_written_into_the_pools_ends_only_after_them() -> None:
+    """A reader of the pools gets a layer once its write is queued (GPU: by a kvrt thread), which
+    can be after the stream's end arrived: the end waits for those layers, not failing them."""
+    stream = kvrt.ConsumerStream(torch.arange(TOKENS), None, TOKENS, 2, confirm=lambda: None)
+    stream.deliver_layer(0, *layer_kv(0))
+    stream.writing(1)  # layer 1 landed; its write is under way
+    stream.finish(None)
+    ended = asyncio.ensure_future(stream.finished())
+    await asyncio.sleep(0)
+    assert not ended.done()
+    stream.deliver_layer(1, *layer_kv(1))
+    assert await ended is None
+    assert torch.equal((await stream.layer(1))[0], layer_kv(1)[0])
