@@ -207,6 +207,16 @@ class ConsumerStream:
             (stream if stream is not None else torch.cuda.current_stream(key.device)).wait_event(landed)
         return key, value
 
+    async def layer_event(self, index: int) -> torch.cuda.Event | None:
+        """The CUDA event after which layer `index` can be read on the reader's GPU (its
+        landing; for a reader of the pools, its write there), once its receive is posted:
+        for work that waits on it by other means than `layer(i, stream=)` (a CUDA graph's
+        stream, another library's). None when the layer is already there (CPU, TCP)."""
+        if not 0 <= index < self.layers:
+            raise IndexError(f"layer {index} of a stream of {self.layers}")
+        _, _, landed = await asyncio.shield(self._layers[index])
+        return landed
+
     async def finished(self) -> torch.Tensor | None:
         """Wait for the end of the stream; its hidden states (None if the item has none)."""
         return await asyncio.shield(self._end)

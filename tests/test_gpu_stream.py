@@ -78,6 +78,8 @@ async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_
             control.send(("stream", index, dtype_name, layers, tokens, work_ms, None))
             reader = await opening
             assert reader is not None and reader.layers == layers
+            landed = await reader.layer_event(0)
+            assert isinstance(landed, torch.cuda.Event)
             first = await reader.layer(0)  # the current stream now waits for layer 0's landing
             first_landed = torch.cuda.Event()
             first_landed.record()

@@ -62,6 +62,7 @@ async def test_layer_i_arrives_while_layer_i_plus_one_is_not_yet_computed(
     await stream.put_layer(*layer_kv(1))
     key, _ = await second
     assert torch.equal(key, layer_kv(1)[0])
+    assert await reader.layer_event(1) is None  # on CPU a delivered layer is there already
     for layer in (2, 3):
         await stream.put_layer(*layer_kv(layer))
     hidden = torch.randn(TOKENS, 5)
