@@ -645,6 +645,8 @@ class _Link:
         """Join the transport the producer chose, in a task the link owns (the link keeps
         answering heartbeats meanwhile); requests wait for it in `_joined`."""
         transport = self._transports.get(welcome.transport)
+        log.info("the producer's items travel over %s", welcome.transport,
+                 extra={"endpoint": self.endpoint, "transport": welcome.transport})  # fmt: skip
         if self._join_task is not None:
             self._join_task.cancel()
         self._transport = transport
@@ -835,6 +837,12 @@ class Consumer(AsyncService):
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
+
+    @property
+    def transports(self) -> dict[str, str | None]:
+        """Per producer endpoint, the transport its items travel over ("nccl", "gloo", "tcp"),
+        as the producer chose it from what both offer; None until it answered."""
+        return {link.endpoint: link.core.transport for link in self._links}
 
     @property
     def pending_requests(self) -> int:

@@ -71,6 +71,8 @@ class ProducerStats:
     waiting_requests: int
     peers: int
     totals: ProducerCounters
+    transports: dict[str, int]
+    """Connected consumers by the transport their items travel over ("nccl", "gloo", "tcp")."""
 
 
 class _Gathers:
@@ -749,6 +751,7 @@ class Producer(AsyncService):
             waiting_requests=self._core.waiting_count,
             peers=self._core.peer_count,
             totals=self._core.counters,
+            transports=self._core.peers_by_transport(),
         )
 
     # -- internals ------------------------------------------------------------------------
@@ -818,6 +821,8 @@ class Producer(AsyncService):
                         # A second hello ended the peer's old session first: its pair goes now,
                         # not after the new one is offered (the peer's identity is the same).
                         self._release_departed()
+                        log.info("a consumer joined; its items travel over %s", message.transport,
+                                 extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
                         rendezvous = self._transports[message.transport].offer(send.peer)
                         if rendezvous:
                             message = msgspec.structs.replace(message, rendezvous=rendezvous)

@@ -186,6 +186,13 @@ class ProducerCore:
     def waiting_count(self) -> int:
         return len(self._waiters)
 
+    def peers_by_transport(self) -> dict[str, int]:
+        """Connected consumers by the transport chosen at their hello."""
+        counts: dict[str, int] = {}
+        for state in self._peers.values():
+            counts[state.transport] = counts.get(state.transport, 0) + 1
+        return counts
+
     def next_deadline(self) -> float | None:
         return self._timers[0][0] if self._timers else None
 

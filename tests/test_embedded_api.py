@@ -318,3 +318,18 @@ def test_bad_constructor_arguments_are_refused() -> None:
         kvrt.Producer(device="abacus")
     with pytest.raises(kvrt.InvalidInputError, match="connect"):
         kvrt.Consumer(connect="")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+async def test_both_sides_say_which_transport_the_items_travel_over(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="kvrt")
+    async with (
+        kvrt.Producer(transport=transport) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport=transport) as consumer,
+    ):
+        assert consumer.transports == {producer.endpoint: transport}
+        assert producer.stats().transports == {transport: 1}
+        assert f"travel over {transport}" in caplog.text
+    assert producer.stats().transports == {}
