@@ -25,6 +25,7 @@ from kvrt._errors import (
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
+    TransportUnavailableError,
     VersionMismatchError,
 )
 from kvrt._item import KVItem
@@ -60,6 +61,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "StreamAbortedError",
+    "TransportUnavailableError",
     "VersionMismatchError",
     "__version__",
     "log_json",

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--in-flight", type=int, default=None, help="requests in flight (nccl; default 8)")
     bench.add_argument("--batch", type=int, default=None, help="items per drop_select_many (nccl; default 16)")
+    bench.add_argument(
+        "--transport", choices=("nccl", "cuda_ipc"), default=None,
+        help="the GPU transport the consumer forces (nccl, pull, stream; default nccl)",
+    )  # fmt: skip
     bench.set_defaults(run=_bench)
     add_commands(commands)
     return parser

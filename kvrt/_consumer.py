@@ -35,6 +35,7 @@ from kvrt._errors import (
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
+    TransportUnavailableError,
     fresh_copy,
     translate_torch_error,
     translate_zmq_error,
@@ -60,6 +61,7 @@ from kvrt._threads import gpu_worker, outcome_seen
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
+from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
@@ -122,6 +124,17 @@ OnLanding = Callable[[m.Deliver, Arrival], None]
 """Called by a link when a request's item starts landing (see `_Link.call`)."""
 
 
+def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
+    if into.done():
+        return
+    if task.cancelled():
+        into.cancel()
+    elif (error := task.exception()) is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(None)
+
+
 async def _raise(error: BaseException) -> None:
     raise error
 
@@ -143,11 +156,15 @@ class _Link:
     ) -> None:
         self.endpoint = endpoint
         self._device = device
-        self.core = ConsumerCore(endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports))
+        self.core = ConsumerCore(
+            endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
+        )
         self._transports = transports
         self._transport: Transport | None = None
         self._connect_timeout_s = connect_timeout_s
         self._join_task: asyncio.Task[None] | None = None
+        self._rejoin: asyncio.Future[None] | None = None
+        """Set while a join that fell back waits for the next welcome's join."""
         self._arrivals: set[asyncio.Future[Any]] = set()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -485,14 +502,17 @@ class _Link:
         stream = self._streams.get(message.item_id)
         transport = self._transport
         out_of_band = transport is not None and transport.out_of_band
+        by_transport = transport is not None and transport.streams_tensors
         if stream is None:  # a stream this side gave back
             if out_of_band and transport is not None:
                 self._receive_stray(transport, message, payload)
+            elif transport is not None:
+                transport.discard(payload)
             return
         try:
             match message:
                 case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
-                    if out_of_band:
+                    if by_transport:
                         assert transport is not None
                         self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
                         return
@@ -503,7 +523,7 @@ class _Link:
                     assert key is not None and value is not None
                     self._deliver_layer(stream, message.item_id, layer, key.to(self._device), value.to(self._device))
                 case m.StreamEnd(hidden=hidden_meta):
-                    if out_of_band:
+                    if by_transport:
                         assert transport is not None
                         self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
                         return
@@ -647,14 +667,38 @@ class _Link:
         transport = self._transports.get(welcome.transport)
         log.info("the producer's items travel over %s", welcome.transport,
                  extra={"endpoint": self.endpoint, "transport": welcome.transport})  # fmt: skip
-        if self._join_task is not None:
+        rejoin, self._rejoin = self._rejoin, None
+        if self._join_task is not None and rejoin is None:
             self._join_task.cancel()
         self._transport = transport
         if transport is None:
             error = RemoteProtocolError(f"producer chose transport {welcome.transport!r}, which was not offered")
-            self._join_task = asyncio.create_task(_raise(error))
+            task = asyncio.create_task(_raise(error))
         else:
-            self._join_task = asyncio.create_task(transport.join(welcome.rendezvous, self._connect_timeout_s))
+            task = asyncio.create_task(self._join(transport, welcome.rendezvous))
+        self._join_task = task
+        if rejoin is not None:  # the join that fell back (and who waits on it) ends with this one
+            task.add_done_callback(functools.partial(_pass_outcome, rejoin))
+
+    async def _join(self, transport: Transport, rendezvous: dict[str, str]) -> None:
+        """Join `transport`; where it cannot work with this producer (`cuda_ipc` between
+        processes that cannot share memory) and another was offered, say so and start a new
+        session without it, ending only once that one joined."""
+        try:
+            await transport.join(rendezvous, self._connect_timeout_s)
+        except TransportUnavailableError as exc:
+            remaining = tuple(name for name in self.core.transports if name != transport.name)
+            if not remaining:
+                raise
+            log.warning("%s; the items of the producer at %s travel over %s instead", exc, self.endpoint, remaining[0],
+                        extra={"endpoint": self.endpoint, "transport": transport.name})  # fmt: skip
+            self.core.transports = remaining
+            self._rejoin = asyncio.get_running_loop().create_future()
+            lost, hello = self.core.start_afresh(exc, self._now())
+            self.connected.clear()
+            self._fail_all(lost)
+            self._send_nowait(hello)
+            await self._rejoin
 
     async def _joined(self) -> None:
         task = self._join_task

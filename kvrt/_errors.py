@@ -115,6 +115,13 @@ class NotFoundError(KVRTError):
     code = ErrorCode.NOT_FOUND
 
 
+class TransportUnavailableError(KVRTError):
+    """The transport the producer chose cannot work between this pair (for `cuda_ipc`: not the
+    same machine, no peer access between the GPUs, or IPC memory that this process cannot
+    open). Where another transport was offered, the consumer falls back to it by itself;
+    force one with `transport=` to skip the attempt."""
+
+
 _CLASS_FOR_CODE: dict[ErrorCode, type[KVRTError]] = {
     ErrorCode.PROTOCOL: RemoteProtocolError,
     ErrorCode.VERSION: VersionMismatchError,

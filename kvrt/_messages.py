@@ -55,6 +55,7 @@ class Capability(enum.StrEnum):
     TCP = "tcp"
     NCCL = "nccl"
     GLOO = "gloo"
+    CUDA_IPC = "cuda_ipc"
     PROBE = "probe"
     STATS = "stats"
 
@@ -88,6 +89,12 @@ class Hello(Message, frozen=True, tag="hello"):
     version: int
     name: Name = ""
     capabilities: Names = []
+    host: Name = ""
+    """Which machine (its boot id): `cuda_ipc` is chosen only when the producer's is the same."""
+
+
+MAX_RENDEZVOUS_CHARS: Final = 4096
+"""A rendezvous value: a store's address, or a `cuda_ipc` probe share in hex."""
 
 
 class Welcome(Message, frozen=True, tag="welcome"):
@@ -99,7 +106,7 @@ class Welcome(Message, frozen=True, tag="welcome"):
     heartbeat_s: Seconds
     transport: Name = "tcp"
     capabilities: Names = []
-    rendezvous: Annotated[dict[Name, Name], Meta(max_length=16)] = {}
+    rendezvous: Annotated[dict[Name, Annotated[str, Meta(max_length=MAX_RENDEZVOUS_CHARS)]], Meta(max_length=16)] = {}
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -372,6 +379,47 @@ AnyMessage = (
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
     | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany
 )  # fmt: skip
+
+
+MAX_IPC_HANDLE_BYTES: Final = 1024
+"""A CUDA IPC memory handle (64 bytes; torch's handles of expandable segments are longer)."""
+
+
+class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The frame a `cuda_ipc` transfer carries instead of the bytes: where the consumer's copy
+    engines read them in the producer's GPU memory, and the CUDA IPC events after which each
+    (offset, nbytes) range it reads holds its bytes.
+
+    `handle` .. `counter_offset` are torch's share of the storage (`_share_cuda_`): the
+    allocation's IPC handle, the storage's place and size in it, and the reference counter
+    (a shared-memory file and slot) the consumer decrements once it is done reading, which is
+    what lets the producer's allocator reuse the memory. `start` is where the payload begins
+    in the storage."""
+
+    handle: Annotated[bytes, Meta(max_length=MAX_IPC_HANDLE_BYTES)]
+    storage_offset: Annotated[int, Meta(ge=0, le=2**62)]
+    storage_bytes: Annotated[int, Meta(ge=0, le=2**62)]
+    counter: Annotated[bytes, Meta(max_length=MAX_NAME_CHARS)]
+    counter_offset: Annotated[int, Meta(ge=0, le=2**32)]
+    start: Annotated[int, Meta(ge=0, le=2**62)]
+    events: Annotated[list[Annotated[bytes, Meta(max_length=MAX_IPC_HANDLE_BYTES)]], Meta(max_length=MAX_SEGMENTS)]
+
+
+_share_decoder: Final = msgspec.msgpack.Decoder(IpcShare)
+
+
+def encode_share(share: IpcShare) -> bytes:
+    return _encoder.encode(share)
+
+
+def decode_share(frame: bytes | memoryview) -> IpcShare:
+    """A `cuda_ipc` frame, validated; `RemoteProtocolError` if it is not one."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise RemoteProtocolError(f"cuda_ipc frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}")
+    try:
+        return _share_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"invalid cuda_ipc frame: {exc}") from None
 
 
 class _Envelope(msgspec.Struct, array_like=True):

@@ -44,7 +44,8 @@ from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empt
 from kvrt._threads import gpu_worker, launch_on
 from kvrt._zmqio import SocketIO
 from kvrt.transports import Transport
-from kvrt.transports.select import make_transports, transport_preference
+from kvrt.transports.cuda_ipc import host_identity
+from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
     from kvrt.kernels.paged_kv import Part, PoolTable, PreparedGather
@@ -306,6 +307,8 @@ class Producer(AsyncService):
             transports=self._transport_names,
             buffer_limit_bytes=buffer_bytes,
             item_ttl_s=item_ttl_s,
+            host=host_identity(),
+            same_host_only=SAME_HOST_ONLY,
         )
         self._send_lock = asyncio.Lock()
         self._pools: PoolTable | None = None
@@ -848,7 +851,10 @@ class Producer(AsyncService):
                             await io.send([send.peer, m.encode(message)])
                             await transport.send_tensors(send.peer, send.tensors, ready)
                             continue
-                        frames = await self._host_frames(send.tensors, ready)
+                        if transport.streams_tensors and not transport.out_of_band:
+                            frames = await transport.stream_frames(send.peer, send.tensors, ready)
+                        else:
+                            frames = await self._host_frames(send.tensors, ready)
                     elif isinstance(message, m.DeliverMany):
                         transport_name = self._core.transport_of(send.peer)
                         if transport_name is None:

@@ -149,8 +149,14 @@ class ProducerCore:
         buffer_limit_bytes: int = 0,
         started_at: float = 0.0,
         item_ttl_s: float | None = None,
+        host: str = "",
+        same_host_only: frozenset[str] = frozenset(),
     ) -> None:
         self.producer_id = producer_id
+        self.host = host
+        """This producer's machine (see `Hello.host`)."""
+        self.same_host_only = same_host_only
+        """Transports chosen only for a consumer whose hello names this producer's machine."""
         self.buffer_limit_bytes = buffer_limit_bytes
         self.started_at = started_at
         self.item_ttl_s = item_ttl_s
@@ -338,7 +344,11 @@ class ProducerCore:
             text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
             return [self._refuse(peer, None, ErrorCode.VERSION, text)]
         offered = hello.capabilities or [m.Capability.TCP.value]
-        transport = next((name for name in self.transports if name in offered), None)
+        same_host = bool(self.host) and hello.host == self.host
+        transport = next(
+            (name for name in self.transports if name in offered and (same_host or name not in self.same_host_only)),
+            None,
+        )
         if transport is None:
             text = f"no common transport: you receive with {offered}, this producer sends with {list(self.transports)}"
             return [self._refuse(peer, None, ErrorCode.INVALID, text)]
@@ -790,11 +800,15 @@ ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed
 class ConsumerCore:
     """One consumer's link to one producer: handshake, heartbeats, pending request ids."""
 
-    def __init__(self, *, endpoint: str, name: str, heartbeat_s: float, transports: Sequence[str] = ("tcp",)) -> None:
+    def __init__(
+        self, *, endpoint: str, name: str, heartbeat_s: float, transports: Sequence[str] = ("tcp",), host: str = ""
+    ) -> None:
         self.endpoint = endpoint
         self.name = name
         self.transports = tuple(transports)
         """What this consumer can receive with, preferred first (sent in hello)."""
+        self.host = host
+        """This consumer's machine (see `Hello.host`)."""
         self.heartbeat_s = heartbeat_s
         self.state = LinkState.CONNECTING
         self.producer_id: str | None = None
@@ -821,7 +835,7 @@ class ConsumerCore:
         """The hello to send now (at start, and on each retry while the producer is lost)."""
         self._last_heard = now
         self._next_ping = now + self.heartbeat_s
-        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports))
+        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host)
 
     def start_request(self, build: Callable[[int], m.Message]) -> tuple[int, m.Message]:
         """Reserve a request id and build the message carrying it; fails if not connected."""

@@ -65,13 +65,15 @@ def _receive(control: multiprocessing.connection.Connection) -> Any:
 
 def run_gpu_consumer_that_dies(
     endpoint: str, device: str, heartbeat_s: float, tokens: list[int],
-    control: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection, transport: str | None = None,
 ) -> None:  # fmt: skip
     """Ask for an item and never confirm it: the parent kills this process mid-transfer."""
     from kvrt import _messages as m
 
     async def main() -> None:
-        async with kvrt.Consumer(connect=endpoint, device=device, heartbeat_s=heartbeat_s) as consumer:
+        async with kvrt.Consumer(
+            connect=endpoint, device=device, heartbeat_s=heartbeat_s, transport=transport
+        ) as consumer:
             query = m.tokens_to_bytes(torch.tensor(tokens).numpy())
             request = asyncio.create_task(
                 consumer._links[0].call(
@@ -250,3 +252,54 @@ async def _stream_paged(
         await producer.publish(input_tokens, slots, replica)
     else:
         await stream.finish()
+
+
+def run_gpu_ipc_reader(
+    endpoint: str, device: str, heartbeat_s: float, control: multiprocessing.connection.Connection
+) -> None:
+    """Read a stream over cuda_ipc whose prefill the parent kills before it wrote a layer.
+    Reports ("opened",); ("reading", whether layer 0's landing had fired); ("lost", error
+    type name, seconds from "killed" to the error); ("default stream works", whether a small
+    read of this GPU's default stream finished within 2 s); ("closed", seconds to close)."""
+    import time
+
+    async def main() -> None:
+        torch.cuda.set_device(device)
+        consumer = kvrt.Consumer(connect=endpoint, device=device, heartbeat_s=heartbeat_s, transport="cuda_ipc")
+        async with consumer:
+            opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
+            await asyncio.sleep(0)
+            assert await consumer.drop_select(torch.tensor([-1])) is None
+            control.send(("opened",))
+            reader = await opening
+            assert reader is not None
+            landed = await reader.layer_event(0)  # not waited on: it may never fire
+            assert landed is not None
+            control.send(("reading", landed.query()))
+            assert await asyncio.to_thread(_receive, control) == "killed"
+            killed_at = time.monotonic()
+            try:
+                await reader.finished()
+                control.send(("lost", "none", time.monotonic() - killed_at))
+            except kvrt.KVRTError as error:
+                control.send(("lost", type(error).__name__, time.monotonic() - killed_at))
+            small = torch.ones(4, device=device)
+            works = await asyncio.to_thread(_finishes_within, lambda: small.sum().item(), 2.0)
+            control.send(("default stream works", works))
+            closing_at = time.monotonic()
+        control.send(("closed", time.monotonic() - closing_at))
+
+    asyncio.run(main())
+
+
+def _finishes_within(work: Any, seconds: float) -> bool:
+    import threading
+
+    done = threading.Event()
+
+    def run() -> None:
+        work()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(seconds)

@@ -1,4 +1,5 @@
-"""The NCCL transport between two processes on two GPUs (producer on cuda:0, consumer on cuda:1).
+"""The GPU transports, NCCL and CUDA IPC, between two processes on two GPUs (producer on cuda:0,
+consumer on cuda:1): the producer offers both, the consumer forces one (`TRANSPORTS`).
 
 Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
 """
@@ -36,16 +37,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+TRANSPORTS = ["nccl", "cuda_ipc"]
+over_each_gpu_transport = pytest.mark.parametrize("transport", TRANSPORTS)
+
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "bool", "int64"]
 
 
-async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu_over_nccl() -> None:
+@over_each_gpu_transport
+async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu(transport: str) -> None:
     items = [(index, 64 + index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
         producer_process(items) as (endpoint, _, _),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
-        assert consumer._links[0].core.transport == "nccl"
+        assert consumer.transports == {endpoint: transport}
         for index, tokens, dtype in items:
             input_tokens, key, value, hidden = kv_item(index, tokens, getattr(torch, dtype), CONSUMER_DEVICE)
             item = await consumer.drop_select(input_tokens, None)
@@ -55,11 +60,12 @@ async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu_over_nccl() 
             assert torch.equal(item.input_tokens, input_tokens)
 
 
-async def test_a_batch_of_every_dtype_arrives_bit_for_bit_in_one_transfer_over_nccl() -> None:
+@over_each_gpu_transport
+async def test_a_batch_of_every_dtype_arrives_bit_for_bit(transport: str) -> None:
     items = [(index, 64 + 3 * index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
         producer_process(items) as (endpoint, _, _),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, tokens, CONSUMER_DEVICE) for index, tokens, _ in reversed(items)]
         arrived = await consumer.drop_select_many([*queries, kv_tokens(99, 4, CONSUMER_DEVICE)])
@@ -78,11 +84,12 @@ def matmuls(count: int) -> None:
         a = (a @ a).clamp_(-1, 1)
 
 
-async def test_compute_on_the_default_stream_overlaps_transfers() -> None:
+@over_each_gpu_transport
+async def test_compute_on_the_default_stream_overlaps_transfers(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (
         producer_process(items) as (endpoint, _, _),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
         matmuls(2)
@@ -109,11 +116,12 @@ async def test_compute_on_the_default_stream_overlaps_transfers() -> None:
         assert together < compute_alone + 0.7 * transfer_alone  # serialized would be the sum
 
 
-async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
+@over_each_gpu_transport
+async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (
         producer_process(items) as (endpoint, _, _),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
         assert await consumer.drop_select(torch.tensor([-5])) is None  # warm
@@ -127,9 +135,9 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
         # control message must not wait for the bytes.
         posted = asyncio.Event()
         link = consumer._links[0]
-        transport = link._transport
-        assert transport is not None
-        receive = transport.receive
+        in_use = link._transport
+        assert in_use is not None
+        receive = in_use.receive
         count = 0
 
         def counting(deliver: Any, frames: Any) -> Any:
@@ -140,7 +148,7 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
                 posted.set()
             return arrival
 
-        transport.receive = counting  # type: ignore[method-assign]
+        in_use.receive = counting  # type: ignore[method-assign]
         transfers = [asyncio.create_task(consumer.drop_select(q)) for q in queries]
         await asyncio.wait_for(posted.wait(), 30)
         started = time.perf_counter()
@@ -152,7 +160,8 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move() -> None:
         assert still_moving > 0 and round_trip < 0.010
 
 
-async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_the_item() -> None:
+@over_each_gpu_transport
+async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_the_item(transport: str) -> None:
     heartbeat_s = 0.25
     tokens, key, value, hidden = kv_item(0, GIB_TOKENS, torch.bfloat16, PRODUCER_DEVICE)
     async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
@@ -162,7 +171,7 @@ async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_t
             control, child = spawn.Pipe()
             process = spawn.Process(
                 target=run_gpu_consumer_that_dies,
-                args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, query, child),
+                args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, query, child, transport),
                 daemon=True,
             )
             await asyncio.to_thread(process.start)
@@ -177,14 +186,19 @@ async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_t
             await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
             stats = producer.stats()
             assert (stats.peers, stats.items, stats.in_flight) == (0, 1, 0), attempt
-            assert producer._transports["nccl"]._pairs == {}  # type: ignore[attr-defined]
+            assert producer._transports[transport]._pairs == {}  # type: ignore[attr-defined]
 
 
-async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_heartbeat_timeout() -> None:
+@over_each_gpu_transport
+async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_heartbeat_timeout(
+    transport: str,
+) -> None:
     heartbeat_s = 0.25
     async with (
         producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
+        kvrt.Consumer(
+            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport=transport
+        ) as consumer,
     ):
         assert await consumer.drop_select(kv_tokens(0, 64)) is not None
         waiting = asyncio.create_task(consumer.drop_select(torch.tensor([-1]), None, timeout=None))
@@ -197,13 +211,14 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
 
 
+@over_each_gpu_transport
 @pytest.mark.parametrize(
     ("chunk_bytes", "mla", "host_indexes"),
     [(1 << 40, False, False), (16 << 20, False, False), (1 << 20, True, False), (16 << 20, False, True)],
     ids=["whole", "layer-by-layer", "mla-layer-by-layer", "layer-by-layer-indexes-on-the-host"],
 )
 async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
-    chunk_bytes: int, mla: bool, host_indexes: bool
+    chunk_bytes: int, mla: bool, host_indexes: bool, transport: str
 ) -> None:
     from kvrt.kernels.paged_kv import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
@@ -227,7 +242,7 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
             return pools, tokens, replica, slots, target, into_slots
 
         pools, tokens, replica, slots, target, into_slots = await asyncio.to_thread(build)
-        async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+        async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer:
             item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2, timeout=30)
         assert item is not None and item.matched == tokens.numel()
 

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread"
 PRODUCER_DEVICE = "cuda:0"
 CONSUMER_DEVICE = "cuda:1"
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
+over_each_gpu_transport = pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
 
 
 def streamer(heartbeat_s: float = 1.0) -> Any:
@@ -65,12 +66,15 @@ async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
     return await answer(control)
 
 
-async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_is_still_computed() -> None:
+@over_each_gpu_transport
+async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_is_still_computed(
+    transport: str,
+) -> None:
     torch.cuda.set_device(CONSUMER_DEVICE)
     layers, tokens = 4, 512
     async with (
         streamer() as (endpoint, _, control),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         for index, dtype_name in enumerate(DTYPES):
             opening = await opened_and_waiting(consumer, kv_tokens(index, tokens))
@@ -103,11 +107,12 @@ async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_
             assert await held_by_the_producer(consumer, control) == (0, 0)
 
 
-async def test_a_prefill_aborted_midway_fails_the_reader_and_the_pair_stays_in_step() -> None:
+@over_each_gpu_transport
+async def test_a_prefill_aborted_midway_fails_the_reader_and_the_pair_stays_in_step(transport: str) -> None:
     torch.cuda.set_device(CONSUMER_DEVICE)
     async with (
         streamer() as (endpoint, _, control),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         opening = await opened_and_waiting(consumer, kv_tokens(0, 256))
         control.send(("stream", 0, "bfloat16", 4, 256, 20, 2))  # aborts after 2 of 4 layers
@@ -135,7 +140,7 @@ async def test_a_killed_prefill_fails_the_reader_within_the_heartbeat_timeout() 
     heartbeat_s = 0.25
     async with (
         streamer(heartbeat_s) as (endpoint, process, control),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="nccl") as consumer,
     ):
         opening = await opened_and_waiting(consumer, kv_tokens(0, 256))
         control.send(("stream", 0, "bfloat16", 4, 256, 2000, None))  # 2 s of GPU work a layer
@@ -177,8 +182,11 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
         await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)
 
 
+@over_each_gpu_transport
 @pytest.mark.parametrize("published", [False, True], ids=["streamed-from-the-pools", "published-then-streamed"])
-async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for_bit(published: bool) -> None:
+async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for_bit(
+    published: bool, transport: str
+) -> None:
     """dp=4 token-major pools on the prefill, block pools with two replicas on the reader, which
     writes each layer into replica 1 as it lands. A published item read as a stream waits for
     its gathers (its layers once went with an event recorded before them)."""
@@ -189,7 +197,7 @@ async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for
     into_slots = torch.randperm(STREAM_SLOTS, generator=torch.Generator().manual_seed(99))[:tokens]
     async with (
         streamer() as (endpoint, _, control),
-        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         # The first round compiles the gather and scatter kernels (about a second each, in kvrt
         # threads); the second, the same specializations, must land layer 0 while the prefill

@@ -54,6 +54,11 @@ if [ "$only" = stream ]; then
   timeout 200 python3 -m kvrt bench stream --json "$OUT/stream.json" 2>&1 | tail -12
   exit 0
 fi
+if [ "$only" = ipc ]; then
+  timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc.json" 2>&1 | tee "$OUT/bench-ipc.log" | tail -30
+  timeout 200 python3 -m kvrt bench stream --transport cuda_ipc --json "$OUT/stream-ipc.json" 2>&1 | tee "$OUT/bench-stream-ipc.log" | tail -12
+  exit 0
+fi
 if [ "$only" = kernels ]; then
   timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
   exit 0
@@ -76,5 +81,7 @@ if [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
   timeout 200 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tee "$OUT/bench-pull.log"
   timeout 200 python3 -m kvrt bench stream --json "$OUT/stream.json" 2>&1 | tee "$OUT/bench-stream.log"
+  timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc.json" 2>&1 | tee "$OUT/bench-ipc.log"
+  timeout 200 python3 -m kvrt bench stream --transport cuda_ipc --json "$OUT/stream-ipc.json" 2>&1 | tee "$OUT/bench-stream-ipc.log"
 fi
 python3 tools/gpu_summary.py "$OUT"

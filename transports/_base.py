@@ -104,6 +104,11 @@ class Transport(abc.ABC):
     out_of_band: bool = False
     """True when the bytes never travel with the Deliver header (NCCL, gloo): the producer
     then sends the header before `send`, so that the consumer posts its receives early."""
+    streams_tensors: bool = False
+    """True when this transport moves a stream message's tensors itself: out of band
+    (`send_tensors`), or in band by what its frames say (`stream_frames`, cuda_ipc); the
+    consumer then posts their receive with `receive_tensors`. Else the producer sends them
+    as host frames."""
 
     def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""
@@ -129,9 +134,20 @@ class Transport(abc.ABC):
         `ready` fired (see `kvrt._tensors.back_to_back` for where each lies in it)."""
         raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
 
+    async def stream_frames(
+        self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
+    ) -> list[memoryview]:
+        """In-band transports that stream tensors: the frames that let the consumer take a
+        stream message's tensors, once `ready` fired."""
+        raise NotImplementedError(f"{self.name} moves a stream's tensors as host frames")
+
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
-        """Out-of-band transports: post the receive of a stream message's tensors now."""
+        """Transports that stream tensors: post the receive of a stream message's tensors now."""
         raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
+
+    def discard(self, frames: Sequence[zmq.Frame]) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Consumer side: the frames of a stream message this side will not read (nothing by
+        default)."""
 
     def forget(self, peer: bytes) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: `peer` left; release what its pair held (nothing by default)."""

@@ -118,6 +118,7 @@ class PairedTransport(Transport):
             raise InvalidInputError(f"the gloo transport moves CPU tensors, got {device}")
         self.name = backend
         self.out_of_band = True
+        self.streams_tensors = True
         self.backend = backend
         self.device = device
         self._store_host = store_host
@@ -163,7 +164,7 @@ class PairedTransport(Transport):
             send_stream = self._streams[0]
             # No record_stream here: this stream only waits, NCCL's reads the storage, and the
             # work (kept in pair.sends until it completed) holds the storage till then.
-            with self._on_device(), _OnStream(send_stream):
+            with self._on_device(), OnStream(send_stream):
                 if item.ready_event is not None and not item.segment_ready:
                     send_stream.wait_event(item.ready_event)
                 for index, (offset, nbytes) in enumerate(segments):
@@ -194,7 +195,7 @@ class PairedTransport(Transport):
             if self._streams is not None:
                 send_stream = self._streams[0]
                 on_stream.enter_context(self._on_device())
-                on_stream.enter_context(_OnStream(send_stream))
+                on_stream.enter_context(OnStream(send_stream))
             for start, nbytes in transfer_segments(message.segments, message.payload_bytes):
                 inside: list[tuple[Hit, BufferedItem]] = []
                 while hit is not None and hit[0].offset < start + nbytes:
@@ -227,7 +228,7 @@ class PairedTransport(Transport):
             if self._streams is not None:
                 send_stream = self._streams[0]
                 on_stream.enter_context(self._on_device())
-                on_stream.enter_context(_OnStream(send_stream))
+                on_stream.enter_context(OnStream(send_stream))
                 if ready is not None:
                     send_stream.wait_event(ready)  # the prefill's stream wrote them; it never waits here
             buffer = span_of(tensors, placed, nbytes)
@@ -349,7 +350,7 @@ class PairedTransport(Transport):
         wait: Callable[[], object]
         if self._streams is not None:
             receive_stream = self._streams[1]
-            with self._on_device(), _OnStream(receive_stream):
+            with self._on_device(), OnStream(receive_stream):
                 payload.record_stream(receive_stream)  # this stream waits for the receives (below)
                 for index, (offset, nbytes) in enumerate(segments):
                     work = group.recv([payload[offset : offset + nbytes]], _PRODUCER_RANK, _TAG)
@@ -443,7 +444,7 @@ class PairedTransport(Transport):
             _abort_if_established(established)
 
 
-class _OnStream:
+class OnStream:
     """`stream` current on its device (the current device) inside the block: `torch.cuda.stream`
     without its lookups of the current device (which ask whether CUDA is available, and read
     the environment, each time: ~20 us a transfer on an H200 host, on the loop's thread)."""

@@ -147,6 +147,30 @@ def _raw_receives(group: Any) -> list[float]:
     return seconds
 
 
+def _peer_copies() -> list[float]:
+    """The plain peer copy of the same bytes (cuda:0 -> cuda:1, `copy_` in one process: the
+    copy engines over NVLink), timed as the reference receives: the median of REPEATS runs of
+    `count` copies per size."""
+    seconds = []
+    for size_mib, _ in CASES:
+        count, nbytes = _count(size_mib), size_mib * MIB
+        sources = [torch.ones(nbytes, dtype=torch.uint8, device=PRODUCER_DEVICE) for _ in range(count)]
+        targets = [torch.empty(nbytes, dtype=torch.uint8, device=CONSUMER_DEVICE) for _ in range(count)]
+        runs = []
+        for _ in range(REPEATS + 1):  # the first warms the peer mapping up
+            torch.cuda.synchronize(PRODUCER_DEVICE)
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            started = time.perf_counter()
+            for source, target in zip(sources, targets, strict=True):
+                target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(PRODUCER_DEVICE)
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            runs.append(time.perf_counter() - started)
+        seconds.append(statistics.median(runs[1:]))
+        del sources, targets
+    return seconds
+
+
 def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
     """The reference first (plain code, no event loop), then kvrt's producer."""
     from kvrt._producer import Producer
@@ -217,6 +241,8 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.device_count() < 2:
         print("kvrt bench nccl needs two CUDA devices", file=sys.stderr)
         return 1
+    transport = getattr(args, "transport", None) or "nccl"
+    name = "ipc" if transport == "cuda_ipc" else "nccl"
     in_flight = int(getattr(args, "in_flight", None) or 8)
     batch = int(getattr(args, "batch", None) or BATCH)
     torch.cuda.set_device(CONSUMER_DEVICE)
@@ -229,10 +255,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         _, group = _raw_group(f"127.0.0.1:{host_store.port}", 1, CONSUMER_DEVICE)
         raw_seconds = _raw_receives(group)
+        peer_seconds = _peer_copies() if transport == "cuda_ipc" else None
         endpoint = control.recv()
 
         async def run() -> None:
-            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer:
+                assert consumer.transports == {endpoint: transport}, consumer.transports
                 for case, (size_mib, layers) in enumerate(CASES):
                     count, nbytes = _count(size_mib), size_mib * MIB
                     timings: dict[str, list[float]] = {phase: [] for phase in PHASES}
@@ -263,8 +291,11 @@ def main(args: argparse.Namespace) -> int:
                         "kvrt_gbps": count * item_bytes / statistics.median(timings["timed"]) / 1e9,
                         "batched_gbps": count * item_bytes / statistics.median(timings["batched timed"]) / 1e9,
                     }
-                    row["ratio"] = row["kvrt_gbps"] / row["raw_gbps"]
-                    row["batched_ratio"] = row["batched_gbps"] / row["raw_gbps"]
+                    if peer_seconds is not None:  # cuda_ipc: its goal is against the peer copy
+                        row["peer_gbps"] = count * nbytes / peer_seconds[case] / 1e9
+                    reference = row.get("peer_gbps", row["raw_gbps"])
+                    row["ratio"] = row["kvrt_gbps"] / reference
+                    row["batched_ratio"] = row["batched_gbps"] / reference
                     rows.append(row)
                     print(f"  {size_mib:5d} MiB ({layers} layers) x {count:3d}: raw {row['raw_gbps']:7.1f} GB/s, "
                           f"kvrt {row['kvrt_gbps']:7.1f} GB/s ({100 * row['ratio']:.0f}%), "
@@ -289,27 +320,16 @@ def main(args: argparse.Namespace) -> int:
         producer.join(60)
         if producer.is_alive():
             producer.kill()
-    print(f"\nkvrt bench nccl — producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}; kvrt: drop_select, "
-          f"{in_flight} in flight; batched: drop_select_many of {batch}, {BATCHES_IN_FLIGHT} in flight")  # fmt: skip
-    print(f"{'size':>9} | {'layers':>6} | {'tokens':>6} | {'items':>5} | {'raw NCCL':>10} | {'kvrt':>10} | "
-          f"{'kvrt/raw':>8} | {'batched':>10} | {'batched/raw':>11} | goal")  # fmt: skip
-    print("-" * 108)
-    goals = {(16, 32): ">= 90%", (1024, 32): ">= 95%"}
-    for row in rows:
-        size, layers = int(row["size_mib"]), int(row["layers"])
-        print(
-            f"{size:>5} MiB | {layers:>6} | {int(row['tokens']):>6} | {int(row['count']):>5} | "
-            f"{row['raw_gbps']:>5.1f} GB/s | {row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>7.0f}% | "
-            f"{row['batched_gbps']:>5.1f} GB/s | {100 * row['batched_ratio']:>10.0f}% | {goals.get((size, layers), '')}"
-        )
+    _print_rows(name, transport, rows, in_flight, batch)
     p50, p99 = latency["p50_ms"], latency["p99_ms"]
     print(f"small items ({SMALL_TOKENS} tokens, 64 KiB): p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     if args.plot:
         shaped = [row for row in rows if row["layers"] == CASES[0][1]]
         sizes = [row["size_mib"] for row in shaped]
         path = _plot.lines(
-            Path(args.plot) / "nccl.png", "NCCL transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
+            Path(args.plot) / f"{name}.png", f"{transport} transport, cuda:0 -> cuda:1", "item size (MiB)", "GB/s",
             {"raw torch NCCL": (sizes, [row["raw_gbps"] for row in shaped]),
+             **({"peer copy": (sizes, [row["peer_gbps"] for row in shaped])} if "peer_gbps" in shaped[0] else {}),
              "kvrt": (sizes, [row["kvrt_gbps"] for row in shaped]),
              f"kvrt, drop_select_many of {batch}": (sizes, [row["batched_gbps"] for row in shaped])},
             log_x=True,
@@ -319,3 +339,25 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "latency": latency, "in_flight": in_flight, "batch": batch}, out, indent=2)
     return 0
+
+
+def _print_rows(name: str, transport: str, rows: list[dict[str, float]], in_flight: int, batch: int) -> None:
+    peer = any("peer_gbps" in row for row in rows)
+    against = "peer" if peer else "raw"
+    print(f"\nkvrt bench {name} — {transport}, producer {PRODUCER_DEVICE}, consumer {CONSUMER_DEVICE}; "
+          f"kvrt: drop_select, {in_flight} in flight; batched: drop_select_many of {batch}, "
+          f"{BATCHES_IN_FLIGHT} in flight")  # fmt: skip
+    print(f"{'size':>9} | {'layers':>6} | {'tokens':>6} | {'items':>5} | {'raw NCCL':>10} | "
+          + (f"{'peer copy':>10} | " if peer else "")
+          + f"{'kvrt':>10} | {'kvrt/' + against:>9} | {'batched':>10} | {'batched/' + against:>12} | goal")  # fmt: skip
+    print("-" * (124 if peer else 110))
+    goals = {(16, 32): ">= 90%", (1024, 32): ">= 95%"} if not peer else {(1024, 32): ">= 95%"}
+    for row in rows:
+        size, layers = int(row["size_mib"]), int(row["layers"])
+        print(
+            f"{size:>5} MiB | {layers:>6} | {int(row['tokens']):>6} | {int(row['count']):>5} | "
+            f"{row['raw_gbps']:>5.1f} GB/s | "
+            + (f"{row['peer_gbps']:>5.1f} GB/s | " if peer else "")
+            + f"{row['kvrt_gbps']:>5.1f} GB/s | {100 * row['ratio']:>8.0f}% | "
+            f"{row['batched_gbps']:>5.1f} GB/s | {100 * row['batched_ratio']:>11.0f}% | {goals.get((size, layers), '')}"
+        )

@@ -122,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.device_count() < 2:
         print("kvrt bench pull needs two CUDA devices", file=sys.stderr)
         return 1
+    transport = getattr(args, "transport", None) or "nccl"
     torch.cuda.set_device(CONSUMER_DEVICE)
     store, port, control, producer = start_producer(_producer, "kvrt-bench-pull-producer")
     result: dict[str, Any] = {}
@@ -137,6 +138,17 @@ def main(args: argparse.Namespace) -> int:
             group.recv([buffer], 0, 0).wait()
             torch.cuda.synchronize(CONSUMER_DEVICE)
             raw.append(time.perf_counter() - started)
+        if transport == "cuda_ipc":  # its goal is against the plain peer copy of the same bytes
+            source = torch.ones(KV_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
+            peer = []
+            for _ in range(RAW_REPEATS + 1):
+                torch.cuda.synchronize(PRODUCER_DEVICE)
+                started = time.perf_counter()
+                buffer.copy_(source, non_blocking=True)
+                torch.cuda.synchronize(CONSUMER_DEVICE)
+                peer.append(time.perf_counter() - started)
+            result["peer_s"] = min(peer[1:])
+            del source
         del buffer
         target = PoolTable(
             [[[torch.zeros((TOKENS, 2 * HEADS, DIM), dtype=torch.bfloat16, device=CONSUMER_DEVICE)
@@ -146,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
         endpoint = from_child(control)
 
         async def run() -> None:
-            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer:
+                assert consumer.transports == {endpoint: transport}, consumer.transports
                 control.send("warm")
                 assert await asyncio.to_thread(from_child, control) == "warmed"
                 warm_slots = torch.arange(WARMUP_TOKENS, device=CONSUMER_DEVICE)
@@ -191,25 +204,34 @@ def main(args: argparse.Namespace) -> int:
             control.send("stop")
         join(producer)
         del store
-    raw_s = result["raw_s"]
+    raw_s = result.get("peer_s", result["raw_s"])  # the reference the goal is against
     for row in rows:
         row["gbps"] = KV_BYTES / row["end_to_end_s"] / 1e9
         row["ratio"] = raw_s / row["end_to_end_s"]
         row["best_ratio"] = raw_s / row["best_s"]
     result["rows"] = rows
-    result["raw_gbps"] = KV_BYTES / raw_s / 1e9
+    result["raw_gbps"] = KV_BYTES / result["raw_s"] / 1e9
+    result["transport"] = transport
     result["best_ratio"] = max(row["ratio"] for row in rows)
     where = f"dp={REPLICAS} pools on {PRODUCER_DEVICE} -> one pool on {CONSUMER_DEVICE}"
     print(f"\nkvrt bench pull — {TOKENS} tokens x {LAYERS} layers x {HEADS} heads x {DIM}, bf16 "
           f"({KV_BYTES >> 20} MiB), {where}")  # fmt: skip
-    print(f"raw NCCL send/recv of the same bytes: {raw_s * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
-    print(f"kvrt, publish -> pull end to end (gather, NCCL, scatter), by chunk plan; median of {ROUNDS} rounds:")
-    print("    chunk | tapered | indexes |  end to end |     GB/s | of raw | best | goal")
+    print(f"raw NCCL send/recv of the same bytes: {result['raw_s'] * 1e3:8.2f} ms  {result['raw_gbps']:6.1f} GB/s")
+    against, goal = "raw", ">= 85%"
+    if "peer_s" in result:
+        against, goal = "peer", ">= 90%"
+        result["peer_gbps"] = KV_BYTES / result["peer_s"] / 1e9
+        print(
+            f"plain peer copy of the same bytes:    {result['peer_s'] * 1e3:8.2f} ms  {result['peer_gbps']:6.1f} GB/s"
+        )
+    print(f"kvrt over {transport}, publish -> pull end to end (gather, transfer, scatter), by chunk plan; "
+          f"median of {ROUNDS} rounds:")  # fmt: skip
+    print(f"    chunk | tapered | indexes |  end to end |     GB/s | of {against} | best | goal")
     for row in rows:
         print(f" {row['chunk_mib']:5.0f} MiB | {'yes' if row['taper'] else 'no':>7} | "
               f"{'host' if row['indexes_on_host'] else 'GPU':>7} | "
               f"{row['end_to_end_s'] * 1e3:8.2f} ms | {row['gbps']:8.1f} | {100 * row['ratio']:5.0f}% | "
-              f"{100 * row['best_ratio']:3.0f}% | >= 85%")  # fmt: skip
+              f"{100 * row['best_ratio']:3.0f}% | {goal}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)

@@ -182,6 +182,7 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.device_count() < 2:
         print("kvrt bench stream needs two CUDA devices", file=sys.stderr)
         return 1
+    transport = getattr(args, "transport", None) or "nccl"
     torch.cuda.set_device(CONSUMER_DEVICE)
     store, port, control, producer = start_producer(_producer, "kvrt-bench-stream-producer")
     latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -203,7 +204,8 @@ def main(args: argparse.Namespace) -> int:
         into_slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[:TOKENS]
 
         async def run() -> None:
-            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+            async with Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer:
+                assert consumer.transports == {endpoint: transport}, consumer.transports
                 link = consumer._links[0]
                 for round_index in range(ROUNDS + 1):  # the first round warms both paths up
                     for mode_index, mode in enumerate(MODES):
@@ -261,7 +263,8 @@ def main(args: argparse.Namespace) -> int:
         result[mode]["copy_s"] = statistics.median(copies[mode])
     print(f"\nkvrt bench stream — a simulated prefill on {PRODUCER_DEVICE} ({LAYERS} layers, one "
           f"[{TOKENS}x{HIDDEN}] @ [{HIDDEN}x{PROJECTIONS}] bf16 matmul each), read on {CONSUMER_DEVICE}; "
-          f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16)")  # fmt: skip
+          f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16); "
+          f"kvrt over {transport}")  # fmt: skip
     print(f"prefill, first matmul to last computed (GPU):  {result['prefill_s'] * 1e3:8.2f} ms (median)")
     print(f"GPU clocks: cuda:1 - cuda:0 = {offset / 1e3:.1f} us, moved {(drift - offset) / 1e3:+.1f} us over the run")
     print(f"raw NCCL, one layer's bytes alone:             {one_layer_s * 1e3:8.3f} ms  (the goal's unit)")

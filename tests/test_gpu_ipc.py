@@ -1,0 +1,155 @@
+"""The `cuda_ipc` transport's choice of path and its failures, between two processes on two
+GPUs of one host (producer on cuda:0, consumer on cuda:1). Bit-exact transfers of every
+dtype, batches, pulls and streams over it are in `test_gpu_nccl.py` and `test_gpu_stream.py`,
+run over both GPU transports.
+
+Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+
+import kvrt
+from kvrt.transports.cuda_ipc import CudaIpcTransport
+from tests._gpu_processes import kv_item, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
+from tests._processes import child_process
+
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
+
+spawn = multiprocessing.get_context("spawn")
+PRODUCER_DEVICE = "cuda:0"
+CONSUMER_DEVICE = "cuda:1"
+
+
+def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
+    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+async def arrives_right(consumer: kvrt.Consumer, index: int, tokens: int) -> None:
+    input_tokens, key, value, hidden = kv_item(index, tokens, torch.bfloat16, CONSUMER_DEVICE)
+    item = await consumer.drop_select(input_tokens, None)
+    assert item is not None and same_bits(item.key, key) and same_bits(item.value, value)
+    assert item.hidden is not None and same_bits(item.hidden, hidden)
+
+
+async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_sides_report_it() -> None:
+    async with (
+        child_process(run_gpu_producer, (PRODUCER_DEVICE, None, 1.0, [(0, 300, "bfloat16")]), "GPU producer") as (
+            endpoint,
+            _,
+            control,
+        ),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        assert consumer.transports == {endpoint: "cuda_ipc"}
+        await arrives_right(consumer, 0, 300)
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the receipt went before it
+        control.send("stats")
+        items, in_flight, peers = await asyncio.to_thread(control.recv)
+        assert (items, in_flight, peers) == (0, 0, 1)
+
+
+async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvrt._consumer.host_identity", lambda: "boot:another-machine")
+    async with (
+        producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+    ):
+        assert consumer.transports == {endpoint: "nccl"}
+        await arrives_right(consumer, 0, 300)
+
+
+def cannot_open(self: CudaIpcTransport, session: Any, probe: Any) -> None:
+    raise kvrt.TransportUnavailableError("cuda_ipc: the producer's memory cannot be opened here: (simulated)")
+
+
+async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_back_to_nccl_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
+    with caplog.at_level(logging.WARNING, logger="kvrt"):
+        async with (
+            producer_process([(0, 300, "bfloat16"), (1, 200, "bfloat16")]) as (endpoint, _, _),
+            kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
+        ):
+            assert consumer.transports == {endpoint: "nccl"}
+            await arrives_right(consumer, 0, 300)
+            await arrives_right(consumer, 1, 200)
+    assert any(
+        "cannot be opened here" in record.getMessage() and "nccl" in record.getMessage() for record in caplog.records
+    )
+
+
+async def test_a_consumer_that_forces_cuda_ipc_where_it_cannot_work_gets_a_typed_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
+    async with producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _):
+        with pytest.raises(kvrt.PeerLostError, match="cannot be opened here"):
+            async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport="cuda_ipc"):
+                pass
+
+
+async def test_memory_from_expandable_segments_travels_or_falls_back_never_crashes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The producer's allocator maps its memory in expandable segments, which legacy CUDA IPC
+    # cannot share: torch shares them by file descriptor, or the probe fails and NCCL serves.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    async with producer_process([(0, 300, "bfloat16"), (1, 5000, "bfloat16")]) as (endpoint, _, _):
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+        async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
+            chosen = consumer.transports[endpoint]
+            print(f"expandable segments: the items travel over {chosen}")
+            assert chosen in ("cuda_ipc", "nccl")
+            await arrives_right(consumer, 0, 300)
+            await arrives_right(consumer, 1, 5000)
+
+
+async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_with_a_typed_error_in_time() -> None:
+    # Its layers' marks are never recorded: the reader's copies wait on them for ever. The
+    # reader learns it from the heartbeat and closes without waiting on them. (The reader runs
+    # in a process of its own: what a dead producer leaves waiting on its GPU stays there.)
+    heartbeat_s = 0.25
+    streamer = child_process(run_gpu_streamer, (PRODUCER_DEVICE, heartbeat_s), "GPU streamer")
+    async with streamer as (endpoint, producer, control):
+        reader_control, child = spawn.Pipe()
+        reader = spawn.Process(target=run_gpu_ipc_reader, args=(endpoint, CONSUMER_DEVICE, heartbeat_s, child))
+        await asyncio.to_thread(reader.start)
+        try:
+            assert await heard(reader_control) == ("opened",)
+            control.send(("stream", 0, "bfloat16", 4, 256, 3000, None))  # 3 s of GPU work a layer
+            what, landed_already = await heard(reader_control)
+            print(f"layer 0's landing had fired when its receive was posted: {landed_already}")
+            assert what == "reading"
+            assert producer.pid is not None
+            os.kill(producer.pid, signal.SIGKILL)
+            reader_control.send("killed")
+            what, error, seconds = await heard(reader_control)
+            assert (what, error) == ("lost", "PeerLostError") and seconds < 4 * heartbeat_s + 1.0
+            what, works = await heard(reader_control)
+            print(f"after the producer died mid-write, the reader's default stream works: {works}")
+            what, seconds = await heard(reader_control)
+            assert what == "closed" and seconds < 5.0
+        finally:
+            await asyncio.to_thread(reader.join, 10)
+            if reader.is_alive():
+                reader.kill()
+
+
+async def heard(control: Any) -> Any:
+    assert await asyncio.to_thread(control.poll, 30), "the reader did not answer"
+    return control.recv()
