@@ -154,3 +154,38 @@ def test_structured_garbage_decodes_to_a_message_or_a_protocol_error(tag: str, f
         m.decode(frame)
     except ProtocolError:  # remote, or a version mismatch
         pass
+
+
+def _share(**changes: object) -> m.IpcShare:
+    fields: dict[str, object] = {
+        "handle": b"\x01" * 64, "storage_offset": 0, "storage_bytes": 1 << 20, "counter": b"/torch_1_2_3",
+        "counter_offset": 7, "start": 256, "events": [b"\x02" * 64],
+    }  # fmt: skip
+    fields.update(changes)
+    return m.IpcShare(**fields)  # type: ignore[arg-type]
+
+
+def test_a_cuda_ipc_share_survives_encode_then_decode() -> None:
+    share = _share()
+    assert m.decode_share(m.encode_share(share)) == share
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"handle": b"\x01" * (m.MAX_IPC_HANDLE_BYTES + 1)},
+        {"start": -1},
+        {"counter_offset": 2**33},
+        {"events": [b"\x02" * 64] * (m.MAX_SEGMENTS + 1)},
+    ],
+    ids=["handle-too-long", "negative-start", "counter-offset-too-large", "too-many-events"],
+)
+def test_a_cuda_ipc_share_out_of_bounds_is_a_remote_protocol_error(bad: dict[str, object]) -> None:
+    frame = msgspec.msgpack.encode(_share(**bad))
+    with pytest.raises(RemoteProtocolError, match="cuda_ipc"):
+        m.decode_share(frame)
+
+
+def test_a_frame_that_is_not_a_cuda_ipc_share_is_a_remote_protocol_error() -> None:
+    with pytest.raises(RemoteProtocolError, match="invalid cuda_ipc frame"):
+        m.decode_share(b"\x93\x01\x02\x03")

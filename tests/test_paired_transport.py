@@ -84,6 +84,9 @@ def test_transport_names_are_checked_against_the_device() -> None:
         kvrt.Producer(transport="carrier-pigeon")
     with pytest.raises(kvrt.InvalidInputError, match="needs a CUDA device"):
         kvrt.Consumer(connect="tcp://127.0.0.1:1", transport="nccl")
+    with pytest.raises(kvrt.InvalidInputError, match=r"cuda_ipc.*cannot run here.*GPU tensors"):
+        kvrt.Producer(transport="cuda_ipc")
+    assert kvrt.Consumer(connect="tcp://127.0.0.1:1")._transport_names == ("tcp",)  # a CPU consumer
 
 
 async def test_a_deliver_that_crosses_a_cancel_is_still_received_so_the_next_item_arrives_intact(

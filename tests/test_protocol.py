@@ -345,6 +345,25 @@ def test_the_producer_picks_its_preferred_transport_among_those_the_consumer_off
     assert isinstance(welcome, m.Welcome) and welcome.transport == "nccl"
 
 
+def test_a_same_host_transport_is_chosen_only_for_a_consumer_whose_hello_names_the_producers_machine() -> None:
+    core = ProducerCore(
+        producer_id="p", heartbeat_s=1.0, transports=("cuda_ipc", "nccl", "tcp"),
+        host="boot:here", same_host_only=frozenset({"cuda_ipc"}),
+    )  # fmt: skip
+    offered = ["cuda_ipc", "nccl", "tcp"]
+    for peer, host, chosen in [(b"a", "boot:here", "cuda_ipc"), (b"b", "boot:there", "nccl"), (b"c", "", "nccl")]:
+        hello = m.Hello(version=m.PROTOCOL_VERSION, capabilities=offered, host=host)
+        welcome = only(core.receive(peer, m.encode(hello), 0, 0.0))
+        assert isinstance(welcome, m.Welcome) and welcome.transport == chosen, host
+    hostless = ProducerCore(
+        producer_id="p", heartbeat_s=1.0, transports=("cuda_ipc", "tcp"), same_host_only=frozenset({"cuda_ipc"})
+    )
+    welcome = only(
+        hostless.receive(PEER, m.encode(m.Hello(version=m.PROTOCOL_VERSION, capabilities=offered, host="")), 0, 0.0)
+    )
+    assert isinstance(welcome, m.Welcome) and welcome.transport == "tcp"  # two unknown machines are not one
+
+
 def test_no_common_transport_is_refused_saying_what_each_side_has() -> None:
     core = ProducerCore(producer_id="p", heartbeat_s=1.0, transports=("nccl",))
     error = only(core.receive(PEER, m.encode(m.Hello(version=m.PROTOCOL_VERSION, capabilities=["tcp"])), 0, 0.0))
