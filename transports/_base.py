@@ -66,6 +66,13 @@ def item_metas(entry: Deliver | Hit) -> tuple[TensorMeta | None, ...]:
     return entry.input_tokens, entry.roi, entry.key, entry.value, entry.hidden
 
 
+def five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
+    """An item's five tensors, unpacked in travel order, typed as such."""
+    input_tokens, roi, key, value, hidden = tensors
+    assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
+    return input_tokens, roi, key, value, hidden
+
+
 def batch_hits(message: DeliverMany) -> list[Hit]:
     """A DeliverMany's hits, in order (its misses left out)."""
     return [hit for hit in message.hits if hit is not None]

@@ -75,7 +75,7 @@ from kvrt._tensors import (
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
-from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, item_metas
+from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, five, item_metas
 from kvrt.transports.paired import OnStream
 
 _T = TypeVar("_T")
@@ -337,7 +337,7 @@ class CudaIpcTransport(Transport):
             segments = transfer_segments(deliver.segments, deliver.payload_bytes)
             check_segments(segments, deliver.payload_bytes)
             payload = self._payload(deliver.payload_bytes, share)
-            tensors = _five(unpack_tensor(item_metas(deliver), payload))  # refuses lying metas first
+            tensors = five(unpack_tensor(item_metas(deliver), payload))  # refuses lying metas first
             if len(share.events) != max(1, len(segments)) or (not segments and deliver.payload_bytes):
                 raise RemoteProtocolError(
                     f"item {deliver.item_id}: {len(share.events)} events for {len(segments)} segments"
@@ -381,7 +381,7 @@ class CudaIpcTransport(Transport):
             for share in shares:
                 _release(share)
             raise
-        tensors = [_five(views) for views in batch_views(entries, payload)]
+        tensors = [five(views) for views in batch_views(entries, payload)]
         copies = [
             _Copy(share, 0, hit.offset, hit.payload_bytes, share.events[0])
             for hit, share in zip(hits, shares, strict=True)
@@ -551,12 +551,6 @@ def _release(share: m.IpcShare) -> None:
     """Decrement a share's counter without opening it (the consumer will not read it)."""
     with contextlib.suppress(RuntimeError):
         torch.UntypedStorage._release_ipc_counter_cuda(share.counter, share.counter_offset)
-
-
-def _five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
-    input_tokens, roi, key, value, hidden = tensors
-    assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
-    return input_tokens, roi, key, value, hidden
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:

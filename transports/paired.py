@@ -56,7 +56,7 @@ from kvrt._tensors import (
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
-from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, item_metas
+from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, five, item_metas
 
 _PRODUCER_RANK = 0
 _CONSUMER_RANK = 1
@@ -314,7 +314,7 @@ class PairedTransport(Transport):
         else:
             done = self._post(group, payload, segments, tensors)[0]
         # Made while the bytes travel: the future hands the list over only once they landed.
-        tensors += [_five(views) for views in batch_views(entries, payload)]
+        tensors += [five(views) for views in batch_views(entries, payload)]
         return done
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
@@ -392,7 +392,7 @@ class PairedTransport(Transport):
 
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
-        return _five(unpack_tensor(metas, payload))
+        return five(unpack_tensor(metas, payload))
 
     async def aclose(self) -> None:
         for pair in self._pairs.values():
@@ -460,12 +460,6 @@ class OnStream:
 
     def __exit__(self, *_: object) -> None:
         torch.cuda.set_stream(self._previous)
-
-
-def _five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
-    input_tokens, roi, key, value, hidden = tensors
-    assert input_tokens is not None and key is not None and value is not None  # Deliver's types say so
-    return input_tokens, roi, key, value, hidden
 
 
 def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, BufferedItem]]) -> None:
