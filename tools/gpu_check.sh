@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of kvrt, in one call on a host with two GPUs; a short table last.
+# Every GPU test and benchmark of kvrt on a host with two GPUs, a short table last: `tests` and `bench` each fit one 600 s device call, `all` (both) no longer does.
 # Run from the repo root on the GPU host, with the wheels from ../shared/gpu/fetch-wheels in .whl/:
 #   bash tools/gpu_check.sh            (results and logs under $OUT, or /tmp/kvrt-gpu)
 # A before/after comparison in one call (machines of one kind differ by several points, so
@@ -22,7 +22,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
-  timeout 330 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+  timeout 480 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
 if [ "$only" = ab ]; then
   bench=${2:-nccl}
