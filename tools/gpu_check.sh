@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of kvrt on a host with two GPUs, a short table last: `tests` and `bench` each fit one 600 s device call, `all` (both) no longer does.
+# Every GPU test and benchmark of kvrt on a host with two GPUs, a short table last. `tests` and `bench` no longer fit one 600 s device call together (nor, maybe, all of `bench`): run `tests`, then the benchmarks by name.
 # Run from the repo root on the GPU host, with the wheels from ../shared/gpu/fetch-wheels in .whl/:
 #   bash tools/gpu_check.sh            (results and logs under $OUT, or /tmp/kvrt-gpu)
 # A before/after comparison in one call (machines of one kind differ by several points, so
