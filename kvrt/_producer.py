@@ -433,9 +433,17 @@ class Producer(AsyncService):
 
     async def _buffer(self, item: BufferedItem) -> None:
         """Hand a built item to the transports and the core (room was waited for already)."""
+        self._prepare(item)
+        await self._perform(self._core.insert(item, self._now()))
+
+    def _prepare(self, item: BufferedItem) -> None:
+        """A GPU item's bytes were written on the current stream: the event every GPU send of it
+        waits on (recorded once, for all transports); then each transport gets ready to send it."""
+        if item.storage.device.type == "cuda":
+            item.ready_event = torch.cuda.Event()
+            item.ready_event.record(torch.cuda.current_stream(item.storage.device))
         for transport in self._transports.values():
             transport.prepare(item)
-        await self._perform(self._core.insert(item, self._now()))
 
     def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
         """Register the engine's KV pools once (every replica, every layer): `publish` then
@@ -703,7 +711,6 @@ class Producer(AsyncService):
                 copy_into(into, source)
         whole = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
         keys, values, written = list(stream.keys), list(stream.values), list(stream.ready)
-        transports = list(self._transports.values())
 
         def fill(whole: BufferedItem) -> None:
             """The layers stacked straight into the item's buffer (one copy), on the current
@@ -717,8 +724,7 @@ class Producer(AsyncService):
                     tensor.record_stream(current)  # freed with this closure, maybe before the stack ran
             torch.stack(keys, out=key)
             torch.stack(values, out=value)
-            for transport in transports:
-                transport.prepare(whole)
+            self._prepare(whole)
 
         if stream.reader is None:
             fill(whole)

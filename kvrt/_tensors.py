@@ -113,6 +113,17 @@ def span_of(tensors: Sequence[torch.Tensor], placed: Sequence[TensorMeta], nbyte
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (nbytes,), (1,))
 
 
+def pack_back_to_back(
+    tensors: Sequence[torch.Tensor], placed: Sequence[TensorMeta], nbytes: int, device: torch.device
+) -> torch.Tensor:
+    """A new buffer of `nbytes` with each of `tensors` copied where `placed` says (on the
+    current stream): for tensors that `span_of` found apart."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for tensor, meta in zip(tensors, placed, strict=True):
+        buffer[meta.offset : meta.offset + tensor.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+    return buffer
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

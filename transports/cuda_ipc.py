@@ -48,7 +48,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import zmq
@@ -69,14 +69,24 @@ from kvrt._tensors import (
     check_batch_segments,
     check_metas,
     check_segments,
+    pack_back_to_back,
     span_of,
     tensor_meta,
     transfer_segments,
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
-from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, five, item_metas
-from kvrt.transports.paired import OnStream
+from kvrt.transports._base import (
+    Arrival,
+    ItemTensors,
+    OnStream,
+    TensorsArrival,
+    Transport,
+    batch_hits,
+    five,
+    item_metas,
+    on_device,
+)
 
 _T = TypeVar("_T")
 _EVENTS_PER_PAIR = 256
@@ -177,11 +187,6 @@ class CudaIpcTransport(Transport):
 
     # -- producer side --------------------------------------------------------------------
 
-    def prepare(self, item: BufferedItem) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))  # where insert packed the item
-        item.ready_event = event
-
     def reclaim(self) -> None:
         # Items whose consumer already dropped its mapping, but which torch keeps in its
         # "limbo" until asked, go back to the allocator.
@@ -230,13 +235,11 @@ class CudaIpcTransport(Transport):
         buffer = span_of(tensors, placed, nbytes)
         if buffer is None:  # a finished item's layer, whose key and value lie apart: packed
             pair = self._pair(peer)
-            with torch.cuda.device(self.device), torch.cuda.stream(pair.stream):
+            with on_device(self.device), OnStream(pair.stream):
                 if ready is not None:
                     pair.stream.wait_event(ready)
                 ready = None  # packed on the pair's stream: its marks come after
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                for tensor, meta in zip(tensors, placed, strict=True):
-                    buffer[meta.offset : meta.offset + tensor.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+                buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
         share = self._share(peer, buffer, [ready])
         return [memoryview(m.encode_share(share))]
 
@@ -264,7 +267,7 @@ class CudaIpcTransport(Transport):
             self._share_stream = torch.cuda.Stream(self.device)
         # torch records an event of its own on the current stream when it shares (and, past a
         # thousand shared storages alive, synchronizes that stream instead): one nothing runs on.
-        with torch.cuda.device(self.device), torch.cuda.stream(self._share_stream):
+        with on_device(self.device), OnStream(self._share_stream):
             storage = tensor.untyped_storage()
             shared = storage._share_cuda_()  # type: ignore[no-untyped-call]
         _, handle, storage_bytes, storage_offset, counter, counter_offset, _, _ = shared
@@ -447,7 +450,7 @@ class CudaIpcTransport(Transport):
         landed: list[torch.cuda.Event] = []
         sources: list[torch.Tensor | torch.UntypedStorage] = []
         try:
-            with _on_device(self.device), OnStream(stream):
+            with on_device(self.device), OnStream(stream):
                 payload.record_stream(stream)
                 for index, part in enumerate(parts):
                     for copy in part:
@@ -551,12 +554,6 @@ def _release(share: m.IpcShare) -> None:
     """Decrement a share's counter without opening it (the consumer will not read it)."""
     with contextlib.suppress(RuntimeError):
         torch.UntypedStorage._release_ipc_counter_cuda(share.counter, share.counter_offset)
-
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if torch.cuda.current_device() == device.index:
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 __all__ = ["CudaIpcTransport", "host_identity", "ipc_unavailable"]

@@ -50,13 +50,24 @@ from kvrt._tensors import (
     check_batch_segments,
     check_metas,
     check_segments,
+    pack_back_to_back,
     span_of,
     tensor_meta,
     transfer_segments,
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
-from kvrt.transports._base import Arrival, ItemTensors, TensorsArrival, Transport, batch_hits, five, item_metas
+from kvrt.transports._base import (
+    Arrival,
+    ItemTensors,
+    OnStream,
+    TensorsArrival,
+    Transport,
+    batch_hits,
+    five,
+    item_metas,
+    on_device,
+)
 
 _PRODUCER_RANK = 0
 _CONSUMER_RANK = 1
@@ -134,12 +145,6 @@ class PairedTransport(Transport):
 
     # -- producer side --------------------------------------------------------------------
 
-    def prepare(self, item: BufferedItem) -> None:
-        if self.backend == "nccl":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))  # where insert packed the item
-            item.ready_event = event
-
     def reclaim(self) -> None:
         for pair in self._pairs.values():
             _drop_finished(pair)
@@ -164,7 +169,7 @@ class PairedTransport(Transport):
             send_stream = self._streams[0]
             # No record_stream here: this stream only waits, NCCL's reads the storage, and the
             # work (kept in pair.sends until it completed) holds the storage till then.
-            with self._on_device(), OnStream(send_stream):
+            with on_device(self.device), OnStream(send_stream):
                 if item.ready_event is not None and not item.segment_ready:
                     send_stream.wait_event(item.ready_event)
                 for index, (offset, nbytes) in enumerate(segments):
@@ -194,7 +199,7 @@ class PairedTransport(Transport):
             send_stream = None
             if self._streams is not None:
                 send_stream = self._streams[0]
-                on_stream.enter_context(self._on_device())
+                on_stream.enter_context(on_device(self.device))
                 on_stream.enter_context(OnStream(send_stream))
             for start, nbytes in transfer_segments(message.segments, message.payload_bytes):
                 inside: list[tuple[Hit, BufferedItem]] = []
@@ -227,15 +232,13 @@ class PairedTransport(Transport):
         with contextlib.ExitStack() as on_stream:
             if self._streams is not None:
                 send_stream = self._streams[0]
-                on_stream.enter_context(self._on_device())
+                on_stream.enter_context(on_device(self.device))
                 on_stream.enter_context(OnStream(send_stream))
                 if ready is not None:
                     send_stream.wait_event(ready)  # the prefill's stream wrote them; it never waits here
             buffer = span_of(tensors, placed, nbytes)
             if buffer is None:
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                for tensor, meta in zip(tensors, placed, strict=True):
-                    buffer[meta.offset : meta.offset + tensor.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+                buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
             work = group.send([buffer], _CONSUMER_RANK, _TAG)
             waited = None if self._streams is not None else self._waited_send(work)
             pair.sends.append((work, waited, buffer))  # the buffer's storage lives till the send ran
@@ -350,7 +353,7 @@ class PairedTransport(Transport):
         wait: Callable[[], object]
         if self._streams is not None:
             receive_stream = self._streams[1]
-            with self._on_device(), OnStream(receive_stream):
+            with on_device(self.device), OnStream(receive_stream):
                 payload.record_stream(receive_stream)  # this stream waits for the receives (below)
                 for index, (offset, nbytes) in enumerate(segments):
                     work = group.recv([payload[offset : offset + nbytes]], _PRODUCER_RANK, _TAG)
@@ -406,14 +409,6 @@ class PairedTransport(Transport):
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
-        """Make this transport's GPU current, unless it already is: engines keep their GPU
-        current, and a switch is cheap alone but cost milliseconds beside another thread's
-        CUDA wait (measured on an H200 host)."""
-        if torch.cuda.current_device() == self.device.index:
-            return contextlib.nullcontext()
-        return torch.cuda.device(self.device)
-
     def _host_store(self) -> TCPStore:
         if self._store is None:
             self._store = TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
@@ -442,24 +437,6 @@ class PairedTransport(Transport):
             self._setup.submit(_abort_if_established, established)
         except RuntimeError:  # closing: the set-up threads are gone, abort here
             _abort_if_established(established)
-
-
-class OnStream:
-    """`stream` current on its device (the current device) inside the block: `torch.cuda.stream`
-    without its lookups of the current device (which ask whether CUDA is available, and read
-    the environment, each time: ~20 us a transfer on an H200 host, on the loop's thread)."""
-
-    __slots__ = ("_previous", "_stream")
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self._stream = stream
-
-    def __enter__(self) -> None:
-        self._previous = torch.cuda.current_stream(self._stream.device)
-        torch.cuda.set_stream(self._stream)
-
-    def __exit__(self, *_: object) -> None:
-        torch.cuda.set_stream(self._previous)
 
 
 def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, BufferedItem]]) -> None:
