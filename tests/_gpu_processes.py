@@ -258,19 +258,27 @@ def run_gpu_ipc_reader(
     endpoint: str, device: str, heartbeat_s: float, control: multiprocessing.connection.Connection
 ) -> None:
     """Read a stream over cuda_ipc whose prefill the parent kills before it wrote a layer.
-    Reports ("opened",); ("reading", whether layer 0's landing had fired); ("lost", error
-    type name, seconds from "killed" to the error); ("default stream works", whether a small
-    read of this GPU's default stream finished within 2 s); ("closed", seconds to close)."""
+    First reads a one-layer stream whole (reporting ("warming",) when it waits for it): the
+    prefill's first put_layer loads its copy kernel's module, which waits for the whole GPU,
+    so the stream that dies must not be the first. Then reports ("opened",); ("reading",
+    whether layer 0's landing had fired); ("lost", error type name, seconds from "killed" to
+    the error); ("default stream works", whether a small read of this GPU's default stream
+    finished within 2 s); ("closed", seconds to close)."""
     import time
 
     async def main() -> None:
         torch.cuda.set_device(device)
         consumer = kvrt.Consumer(connect=endpoint, device=device, heartbeat_s=heartbeat_s, transport="cuda_ipc")
         async with consumer:
-            opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, 256), timeout=30))
-            await asyncio.sleep(0)
-            assert await consumer.drop_select(torch.tensor([-1])) is None
-            control.send(("opened",))
+            for index, said in ((1, "warming"), (0, "opened")):
+                opening = asyncio.create_task(consumer.open_stream(kv_tokens(index, 256), timeout=30))
+                await asyncio.sleep(0)
+                assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+                control.send((said,))
+                if said == "warming":
+                    warm = await opening
+                    assert warm is not None
+                    await warm.finished()
             reader = await opening
             assert reader is not None
             landed = await reader.layer_event(0)  # not waited on: it may never fire

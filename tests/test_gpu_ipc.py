@@ -130,11 +130,14 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_with_a_typed
         reader = spawn.Process(target=run_gpu_ipc_reader, args=(endpoint, CONSUMER_DEVICE, heartbeat_s, child))
         await asyncio.to_thread(reader.start)
         try:
+            assert await heard(reader_control) == ("warming",)
+            control.send(("stream", 1, "bfloat16", 1, 256, 0, None))
+            assert await heard(control) == "streamed"
             assert await heard(reader_control) == ("opened",)
             control.send(("stream", 0, "bfloat16", 4, 256, 3000, None))  # 3 s of GPU work a layer
-            what, landed_already = await heard(reader_control)
-            print(f"layer 0's landing had fired when its receive was posted: {landed_already}")
-            assert what == "reading"
+            # Layer 0 was not written yet: its landing waits. (A first run, without the warm-up
+            # stream, saw it fired: that put_layer loaded its kernel, which waited for the GPU.)
+            assert await heard(reader_control) == ("reading", False)
             assert producer.pid is not None
             os.kill(producer.pid, signal.SIGKILL)
             reader_control.send("killed")
