@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import kvrt
+import kvrt.transports
 from kvrt import _messages as m
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
@@ -178,3 +180,44 @@ async def test_a_link_that_went_silent_says_hello_again_and_its_new_pair_carries
         await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3), seed=5))
         item = await asyncio.wait_for(consumer.drop_select(torch.arange(3), timeout=10), 20)
         assert item is not None and torch.equal(item.key, make_kv(torch.arange(3), seed=5)[0])
+
+
+async def cannot_join(self: Any, rendezvous: dict[str, str], timeout_s: float) -> None:
+    raise kvrt.TransportUnavailableError("gloo: cannot work between these two (simulated)")
+
+
+def offering(service: Any, names: tuple[str, ...]) -> Any:
+    """`service` (not started) offering `names`, preferred first, as an auto choice on a GPU
+    offers cuda_ipc, then nccl, then tcp."""
+    service._transport_names = names
+    if isinstance(service, kvrt.Producer):
+        service._core.transports = names
+    return service
+
+
+async def test_a_transport_that_cannot_work_between_the_pair_gives_way_to_the_next_offered_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kvrt.transports.PairedTransport, "join", cannot_join)
+    tokens = torch.arange(12)
+    key, value, hidden = make_kv(tokens)
+    async with offering(kvrt.Producer(), ("gloo", "tcp")) as producer:
+        await producer.insert(tokens, None, key, value, hidden)
+        with caplog.at_level(logging.WARNING, logger="kvrt"):
+            async with offering(kvrt.Consumer(connect=producer.endpoint), ("gloo", "tcp")) as consumer:
+                assert consumer.transports == {producer.endpoint: "tcp"}
+                item = await consumer.drop_select(tokens)
+                assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+                assert producer.stats().transports == {"tcp": 1}
+    said = [record.getMessage() for record in caplog.records]
+    assert any("simulated" in text and "over tcp instead" in text for text in said), said
+
+
+async def test_a_transport_that_cannot_work_and_has_no_next_fails_the_start_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvrt.transports.PairedTransport, "join", cannot_join)
+    async with offering(kvrt.Producer(), ("gloo", "tcp")) as producer:
+        with pytest.raises(kvrt.PeerLostError, match="simulated"):
+            async with offering(kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=5), ("gloo",)):
+                pass
