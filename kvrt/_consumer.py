@@ -135,6 +135,14 @@ def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
         into.set_result(None)
 
 
+def _when_queued(
+    on_landing: Callable[[m.Deliver, Arrival], None], deliver: m.Deliver, arrival: Arrival, queued: asyncio.Future[None]
+) -> None:
+    """A pull's early work, once a transfer's copies are queued (a failure: `complete`'s)."""
+    if not queued.cancelled() and queued.exception() is None:
+        on_landing(deliver, arrival)
+
+
 async def _raise(error: BaseException) -> None:
     raise error
 
@@ -386,7 +394,10 @@ class _Link:
             return
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
-            on_landing(deliver, arrival)
+            if arrival.queued is None:
+                on_landing(deliver, arrival)
+            else:  # its landed events are recorded once its copies are queued
+                arrival.queued.add_done_callback(functools.partial(_when_queued, on_landing, deliver, arrival))
         arriving = arrival.complete
         if arriving.done():
             self._landed(future, deliver, arriving)  # TCP: already here
@@ -556,7 +567,11 @@ class _Link:
         stream.arriving = arrival.complete
         if arrival.landed is not None:
             key, value = arrival.tensors
-            self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
+            deliver = functools.partial(self._deliver_layer, stream, item_id, layer, key, value, arrival.landed)
+            if arrival.queued is None:
+                deliver()
+            else:  # its landed event is recorded once its copy is queued (a failure: `complete`'s)
+                arrival.queued.add_done_callback(lambda queued: None if queued.exception() else deliver())
 
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()
@@ -732,6 +747,8 @@ class _Link:
             log.debug("dropped %s to %s: send queue full", type(message).__name__, self.endpoint)
 
     def _fail_all(self, lost: Lost) -> None:
+        if self._transport is not None:
+            self._transport.abandon()
         for stream in self._streams.values():
             stream.fail(fresh_copy(lost.error))
         self._streams.clear()

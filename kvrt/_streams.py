@@ -209,7 +209,8 @@ class ConsumerStream:
 
     async def layer_event(self, index: int) -> torch.cuda.Event | None:
         """The CUDA event after which layer `index` can be read on the reader's GPU (its
-        landing; for a reader of the pools, its write there), once its receive is posted:
+        landing; for a reader of the pools, its write there), once its receive is posted
+        (over cuda_ipc: once the producer wrote the layer, as its copy starts only then):
         for work that waits on it by other means than `layer(i, stream=)` (a CUDA graph's
         stream, another library's). None when the layer is already there (CPU, TCP)."""
         if not 0 <= index < self.layers:

@@ -259,8 +259,10 @@ def run_gpu_ipc_reader(
 ) -> None:
     """Read a stream over cuda_ipc whose prefill the parent kills before it wrote a layer.
     First reads a one-layer stream whole (reporting ("warming",) when it waits for it): the
-    prefill's first put_layer loads its copy kernel's module, which waits for the whole GPU,
-    so the stream that dies must not be the first. Then reports ("opened",); ("reading",
+    prefill's first put_layer of a kind of columns (their alignment and strides, which follow
+    the stream's index: see `_columns`) loads its copy kernel's module, which waits for the
+    whole GPU, so the stream that dies must not be the first of its kind: the warm-up, 3, has
+    the columns of the stream that dies, 0. Then reports ("opened",); ("reading",
     whether layer 0's landing had fired); ("lost", error type name, seconds from "killed" to
     the error); ("default stream works", whether a small read of this GPU's default stream
     finished within 2 s); ("closed", seconds to close)."""
@@ -270,7 +272,7 @@ def run_gpu_ipc_reader(
         torch.cuda.set_device(device)
         consumer = kvrt.Consumer(connect=endpoint, device=device, heartbeat_s=heartbeat_s, transport="cuda_ipc")
         async with consumer:
-            for index, said in ((1, "warming"), (0, "opened")):
+            for index, said in ((3, "warming"), (0, "opened")):
                 opening = asyncio.create_task(consumer.open_stream(kv_tokens(index, 256), timeout=30))
                 await asyncio.sleep(0)
                 assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
@@ -281,9 +283,10 @@ def run_gpu_ipc_reader(
                     await warm.finished()
             reader = await opening
             assert reader is not None
-            landed = await reader.layer_event(0)  # not waited on: it may never fire
-            assert landed is not None
-            control.send(("reading", landed.query()))
+            layer_0 = asyncio.create_task(reader.layer_event(0))
+            # Its copy waits (on the host) for the producer's mark: 0.5 s of the 3 s of work.
+            await asyncio.wait({layer_0}, timeout=0.5)
+            control.send(("reading", layer_0.done()))
             assert await asyncio.to_thread(_receive, control) == "killed"
             killed_at = time.monotonic()
             try:
@@ -291,9 +294,18 @@ def run_gpu_ipc_reader(
                 control.send(("lost", "none", time.monotonic() - killed_at))
             except kvrt.KVRTError as error:
                 control.send(("lost", type(error).__name__, time.monotonic() - killed_at))
+            try:
+                await layer_0
+                control.send(("layer 0", "landed"))
+            except kvrt.KVRTError as error:
+                control.send(("layer 0", type(error).__name__))
+            # Nothing of this process waits on the dead producer on the GPU: what waits for the
+            # whole device (a new kernel's module load, a synchronize) still returns.
             small = torch.ones(4, device=device)
-            works = await asyncio.to_thread(_finishes_within, lambda: small.sum().item(), 2.0)
-            control.send(("default stream works", works))
+            works = await asyncio.to_thread(
+                _finishes_within, lambda: (small.sum().item(), torch.cuda.synchronize()), 5.0
+            )
+            control.send(("device works", works))
             closing_at = time.monotonic()
         control.send(("closed", time.monotonic() - closing_at))
 

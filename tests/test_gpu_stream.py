@@ -66,6 +66,18 @@ async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
     return await answer(control)
 
 
+async def landed_on(side: torch.cuda.Stream, layer: asyncio.Task[Any]) -> bool:
+    """Whether a layer asked for with `layer(i, stream=side)` has landed by now. Over NCCL the
+    layer is handed out at once and `side` waits for its landing on the GPU; over cuda_ipc it
+    is handed out only once the producer wrote it (so not handed out: not landed). The task
+    had its first round already (the caller awaited something since creating it)."""
+    if not layer.done():
+        return False
+    now = torch.cuda.Event()
+    now.record(side)
+    return bool(now.query())
+
+
 @over_each_gpu_transport
 async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_is_still_computed(
     transport: str,
@@ -88,12 +100,11 @@ async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_
             first_landed = torch.cuda.Event()
             first_landed.record()
             side = torch.cuda.Stream()
-            last = await reader.layer(layers - 1, stream=side)
-            last_landed = torch.cuda.Event()
-            last_landed.record(side)
+            last_layer = asyncio.create_task(reader.layer(layers - 1, stream=side))
             await asyncio.to_thread(first_landed.synchronize)
             if work_ms:  # three more layers of 100 ms of prefill work were still to run
-                assert not last_landed.query()
+                assert not await landed_on(side, last_layer)
+            last = await last_layer
             arrived = [first, *[await reader.layer(layer) for layer in range(1, layers - 1)], last]
             hidden = await reader.finished()
             await asyncio.to_thread(side.synchronize)
@@ -217,12 +228,11 @@ async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for
             first_written = torch.cuda.Event()
             first_written.record()
             side = torch.cuda.Stream()
-            await reader.layer(layers - 1, stream=side)
-            last_written = torch.cuda.Event()
-            last_written.record(side)
+            last_layer = asyncio.create_task(reader.layer(layers - 1, stream=side))
             await asyncio.to_thread(first_written.synchronize)
             if index == 1 and not published:  # three more layers of 100 ms of prefill work were still to run
-                assert not last_written.query()
+                assert not await landed_on(side, last_layer)
+            await last_layer
             await reader.finished()
             await asyncio.to_thread(side.synchronize)
             await asyncio.to_thread(landed_as_written, target, index, dtype, layers, tokens, into_slots)

@@ -33,6 +33,8 @@ Consumer side, on the consumer's event loop:
 * `receive_tensors` (`out_of_band` transports): once per such stream message, in arrival
   order, as `receive`: the tensors at once, an event for their landing (GPU), and a future
   done once they landed.
+* `abandon`: whenever the link fails its pending calls (the producer went silent, a new
+  session starts, the link closes).
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
   out-of-band transport must post its receives in. Posts now; the returned `Arrival`'s
   `complete` is a future of the loop, done with the five tensors on the consumer's device
@@ -93,6 +95,11 @@ class Arrival:
     landed: tuple[torch.cuda.Event, ...] = ()
     """One event per payload segment (`Deliver.segments`, or one for the whole payload), in
     send order, recorded on the receive stream after that segment's receive."""
+    queued: asyncio.Future[None] | None = None
+    """None: the `landed` events are recorded already. Else they are recorded once this is
+    done (cuda_ipc, for bytes the producer had not written yet), and nobody may wait on them
+    before: a wait on an event not yet recorded waits for nothing. A failure here is the
+    transfer's, and `complete` fails with it too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,8 @@ class TensorsArrival:
     """The same tensors at once: on a GPU, to be read on a stream that waited on `landed`."""
     landed: torch.cuda.Event | None = None
     """GPU: recorded on the receive stream after the tensors' receive."""
+    queued: asyncio.Future[None] | None = None
+    """As `Arrival.queued`: when not None, `landed` is recorded once this is done."""
 
 
 class Transport(abc.ABC):
@@ -171,6 +180,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
+
+    def abandon(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Consumer side: the link gave the producer up (silent, or a new session starts):
+        stop waiting on anything only the producer could still do (nothing by default)."""
 
     async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release threads, streams and pairs."""

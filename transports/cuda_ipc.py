@@ -46,6 +46,8 @@ import collections
 import contextlib
 import os
 import socket
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -153,11 +155,20 @@ class _Session:
     """Current on the waiter thread while it drops a mapping: torch synchronizes the current
     stream there, which must not be one that holds other work."""
     waiter: Waiter
+    gate: Waiter
+    """Queues the copies of a transfer whose producer had not written it yet, once it has."""
     allocations: collections.OrderedDict[bytes, torch.UntypedStorage] = field(default_factory=collections.OrderedDict)
     """Per allocation handle, an uncounted storage that keeps its mapping open."""
     evicted: list[torch.UntypedStorage] = field(default_factory=list)
     """Mappings to close, on the waiter thread (closing synchronizes the current stream)."""
     events: collections.OrderedDict[bytes, torch.cuda.Event] = field(default_factory=collections.OrderedDict)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    """Set when the link gave the producer up: the gate stops waiting for its marks."""
+
+    def close_threads(self) -> None:
+        self.abandoned.set()
+        self.gate.close()
+        self.waiter.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,16 +308,17 @@ class CudaIpcTransport(Transport):
                 receive=torch.cuda.Stream(),
                 idle=torch.cuda.Stream(),
                 waiter=Waiter("kvrt-ipc-copy"),
+                gate=Waiter("kvrt-ipc-gate"),
             )
         try:
             await asyncio.wait_for(asyncio.to_thread(self._check_probe, session, probe), timeout_s)
         except TimeoutError:
-            session.waiter.close()
+            session.close_threads()
             raise KVRTTimeoutError(
                 f"opening the producer's cuda_ipc probe took over {timeout_s} s", phase="connect"
             ) from None
         except TransportUnavailableError:
-            session.waiter.close()
+            session.close_threads()
             raise
         self._session = session
 
@@ -357,8 +369,8 @@ class CudaIpcTransport(Transport):
             [_Copy(share, offset, offset, nbytes, event)]
             for (offset, nbytes), event in zip(segments, share.events, strict=True)
         ]
-        completed, landed = self._post(payload, parts, tensors)
-        return Arrival(completed, tensors, tuple(landed))
+        completed, landed, queued = self._post(payload, parts, tensors)
+        return Arrival(completed, tensors, tuple(landed), queued)
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         hits = batch_hits(message)
@@ -393,7 +405,7 @@ class CudaIpcTransport(Transport):
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return done
-        return self._post(payload, [copies], tensors)[0]
+        return self._post(payload, [copies], tensors)[0]  # a batch's tensors are handed out once landed
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
         placed, nbytes = back_to_back(metas)
@@ -413,8 +425,8 @@ class CudaIpcTransport(Transport):
         except BaseException:
             _release(share)
             raise
-        completed, landed = self._post(payload, [[_Copy(share, 0, 0, nbytes, share.events[0])]], tensors)
-        return TensorsArrival(completed, tensors, landed[-1])
+        completed, landed, queued = self._post(payload, [[_Copy(share, 0, 0, nbytes, share.events[0])]], tensors)
+        return TensorsArrival(completed, tensors, landed[-1], queued)
 
     def discard(self, frames: Sequence[zmq.Frame]) -> None:
         """A share this side will not read (a stream it gave back): its counter is released, or
@@ -441,52 +453,96 @@ class CudaIpcTransport(Transport):
 
     def _post(
         self, payload: torch.Tensor, parts: Sequence[Sequence[_Copy]], result: _T
-    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:
-        """Queue the copies on the session's receive stream, each after its range's mark: a
-        future done with `result` once all landed, and an event per part (in order)."""
+    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event], asyncio.Future[None] | None]:
+        """Queue the copies on the session's receive stream, each part once its ranges' marks
+        fired: a future done with `result` once all landed, an event per part (in order), and
+        None when they were queued at once (every mark had fired: an item written before it
+        was asked for, as a rule), else a future done once the gate thread queued them (the
+        events are recorded then: nobody may wait on them before).
+
+        The receive stream never waits on the producer's marks on the GPU: a producer that
+        dies before recording one would leave that stream, and with it any later CUDA call
+        of this process that waits for the whole device (a module load, a free, a
+        synchronize), waiting for ever. The gate waits on the host, where it can give up."""
         session = self._session
         assert session is not None  # checked by _payload
-        stream = session.receive
-        landed: list[torch.cuda.Event] = []
+        marks = [[self._event(session, copy.event) for copy in part] for part in parts]
+        copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         sources: list[torch.Tensor | torch.UntypedStorage] = []
         try:
-            with on_device(self.device), OnStream(stream):
-                payload.record_stream(stream)
-                for index, part in enumerate(parts):
-                    for copy in part:
-                        stream.wait_event(self._event(session, copy.event))
-                        source = self._opened(session, copy.share)
-                        sources.append(source)
-                        sources += session.evicted  # closed after this wait, on its thread
-                        session.evicted.clear()
-                        start = copy.share.start + copy.source
-                        payload[copy.target : copy.target + copy.nbytes].copy_(
-                            source[start : start + copy.nbytes], non_blocking=True
-                        )
-                    # As for NCCL receives (see `paired`): the waiting thread sleeps until the
-                    # last part but one, then spins on the last, which it learns of sooner.
-                    event = torch.cuda.Event(blocking=index != len(parts) - 1 or len(parts) == 1)
-                    event.record(stream)
-                    landed.append(event)
+            for part in parts:
+                views = []
+                for copy in part:
+                    source = self._opened(session, copy.share)
+                    sources.append(source)
+                    start = copy.share.start + copy.source
+                    target = payload[copy.target : copy.target + copy.nbytes]
+                    views.append((target, source[start : start + copy.nbytes]))
+                copies.append(views)
         except RuntimeError as exc:
             for part in parts:
                 for copy in part:
                     _release(copy.share)
             raise RemoteProtocolError(f"could not open the producer's cuda_ipc share: {exc}") from None
-        finished = landed[-1]
-        before_last = landed[-2] if len(landed) > 1 else None
+        sources += session.evicted  # closed after these copies, on the waiter's thread
+        session.evicted.clear()
+        # As for NCCL receives (see `paired`): the waiting thread sleeps until the last part
+        # but one, then spins on the last, which it learns of sooner.
+        landed = [torch.cuda.Event(blocking=index != len(parts) - 1 or len(parts) == 1) for index in range(len(parts))]
+        stream = session.receive
+        with on_device(self.device), OnStream(stream):
+            payload.record_stream(stream)
+        if all(mark.query() for part in marks for mark in part):
+            _queue_copies(self.device, stream, copies, landed)
+            return self._completion(session, landed, sources, result), landed, None
+        loop = asyncio.get_running_loop()
+        queued: asyncio.Future[None] = loop.create_future()
+        device = self.device
+
+        def gate() -> None:
+            """On the gate thread: each part once its marks fired, then the completion."""
+            torch.cuda.set_device(device)  # once per thread (then a check): a switch per job costs
+            try:
+                for part_marks, part_copies, event in zip(marks, copies, landed, strict=True):
+                    for mark in part_marks:
+                        _wait_fired(mark, session.abandoned)
+                    _queue_copies(device, stream, [part_copies], [event])
+                _settle_soon(loop, queued, None)
+                _wait_landed(landed)
+            except BaseException as error:
+                _settle_soon(loop, queued, error)
+                stream.synchronize()  # what was queued reads the mappings: they close after it
+                raise
+            finally:
+                with OnStream(session.idle):  # see `_completion`
+                    copies.clear()
+                    sources.clear()
+
+        completed = session.gate.wait(gate, result)
+        return completed, landed, queued
+
+    def _completion(
+        self,
+        session: _Session,
+        landed: list[torch.cuda.Event],
+        sources: list[torch.Tensor | torch.UntypedStorage],
+        result: _T,
+    ) -> asyncio.Future[_T]:
+        """A future done with `result` once copies already queued landed; the waiter thread
+        then drops their sources."""
         idle = session.idle
+        device = self.device
 
         def wait() -> None:
-            if before_last is not None:
-                before_last.synchronize()
-            finished.synchronize()
+            _wait_landed(landed)
             # Dropping a share's storage decrements the producer's counter (after torch
-            # synchronizes the current stream: an idle one).
-            with torch.cuda.stream(idle):
+            # synchronizes the current stream: an idle one). The device is set once per thread:
+            # `torch.cuda.stream` would switch it there and back each time (cudaSetDevice).
+            torch.cuda.set_device(device)
+            with OnStream(idle):
                 sources.clear()
 
-        return session.waiter.wait(wait, result), landed
+        return session.waiter.wait(wait, result)
 
     def _opened(self, session: _Session, share: m.IpcShare) -> torch.Tensor:
         """`share`'s storage as a byte tensor on this device, its allocation's mapping cached."""
@@ -511,9 +567,15 @@ class CudaIpcTransport(Transport):
                 events.popitem(last=False)
         return event
 
+    def abandon(self) -> None:
+        """The link gave the producer up: transfers still waiting for its marks fail, and the
+        next welcome's join starts a new session."""
+        self._end_session()
+
     def _end_session(self) -> None:
-        """Close the session's mappings on its waiter thread, after its copies (those of a dead
-        producer never end: their thread and mappings stay, and nothing else waits behind them)."""
+        """Close the session's mappings on its waiter thread, after the copies queued before;
+        transfers still at the gate give up (their own mappings close once their queued
+        copies, which never wait on the producer, are done)."""
         session, self._session = self._session, None
         if session is None:
             return
@@ -527,7 +589,7 @@ class CudaIpcTransport(Transport):
                 held.clear()
 
         session.waiter.wait(close_mappings).add_done_callback(outcome_seen)
-        session.waiter.close()
+        session.close_threads()
 
     async def aclose(self) -> None:
         self._end_session()
@@ -548,6 +610,56 @@ def _new_shared(device_index: int, share: m.IpcShare, *, counted: bool) -> torch
         b"",
         False,  # the marks say when the bytes are there, not torch's own event
     )
+
+
+def _queue_copies(
+    device: torch.device,
+    stream: torch.cuda.Stream,
+    copies: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    landed: Sequence[torch.cuda.Event],
+) -> None:
+    """Queue each part's copies (target, source) on `stream`, then record its landed event."""
+    with on_device(device), OnStream(stream):
+        for part, event in zip(copies, landed, strict=True):
+            for target, source in part:
+                target.copy_(source, non_blocking=True)
+            event.record(stream)
+
+
+def _wait_fired(mark: torch.cuda.Event, abandoned: threading.Event) -> None:
+    """Wait on the host until the producer's mark fired, or the session was abandoned.
+
+    A spin, as the driver's own wait on this (non-blocking) event would be, but one that can
+    be called off: a dead producer's mark never fires, and the driver's wait would spin for
+    ever. Each round lets go of the GIL (`time.sleep(0)`), so the loop's thread is not kept
+    waiting for it. It runs only while a transfer's bytes are still being computed (a
+    streamed layer, an item asked for before its insert's kernels ran)."""
+    while not mark.query():
+        if abandoned.is_set():
+            raise PeerLostError("the producer was lost before it wrote what it sent")
+        time.sleep(0)
+
+
+def _wait_landed(landed: Sequence[torch.cuda.Event]) -> None:
+    """Sleep until the last part but one landed, then spin on the last (see `_post`)."""
+    if len(landed) > 1:
+        landed[-2].synchronize()
+    landed[-1].synchronize()
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None) -> None:
+    """From another thread: settle `future` on its loop (unless the loop is closed)."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)
 
 
 def _release(share: m.IpcShare) -> None:
