@@ -18,12 +18,18 @@ How a transfer goes:
   header (`IpcShare`) carries both. Nothing waits on the host.
 * consumer (`receive`, ...): opens the allocation (a mapping cached per allocation handle:
   opening one costs ~10 ms for 1 GiB, a cached one ~20 us), allocates the receive buffer,
-  and on its receive stream waits for each range's event and copies it (`copy_` of device
-  memory: a copy engine). A kvrt thread waits for the last copy, then drops the mapping's
-  use, which decrements the counter so the producer's allocator can take the memory back
-  (`reclaim` collects it: `torch.cuda.ipc_collect`).
+  and copies each range on its receive stream (`copy_` of device memory: a copy engine) once
+  that range's event fired. Its GPU never waits on the producer's event: a producer that dies
+  before recording it would leave that wait, and with it every later call of this process
+  that waits for the whole device (a module load, a free, a synchronize), stuck for ever.
+  Where every event fired already (an item written before it was asked for, as a rule) the
+  copies are queued at once; else a gate thread waits for each on the host, where it can
+  give up (`abandon`: the link gave the producer up), and queues them then. A kvrt thread
+  waits for the last copy, then drops the mapping's use, which decrements the counter so the
+  producer's allocator can take the memory back (`reclaim` collects it:
+  `torch.cuda.ipc_collect`).
 
-Events are reused from a ring per pair: an event re-recorded before the consumer waited on
+Events are reused from a ring per pair: an event re-recorded before the consumer looked at
 it makes the consumer wait for the later record, which (every record of a pair is on one
 stream, in order) comes after the earlier one's bytes; never too early, at worst later.
 
@@ -34,9 +40,13 @@ that keeps IPC from working between the two processes (no peer access between th
 another IPC namespace, memory this process cannot map) shows as `TransportUnavailableError`
 at join, and the consumer falls back to the next transport it offered.
 
-A producer that dies before its bytes were written leaves the consumer's receive stream
-waiting on an event nobody will record: each session has its own receive stream and waiter
-thread, so the link, failed by its heartbeat, starts its next session on new ones.
+A producer that dies before its bytes were written leaves the gate waiting on an event
+nobody will record, on the host only: the link, failed by its heartbeat, abandons the
+session, and the gate fails what it held. The next step (not built): a GPU-side wait the
+consumer can release (`cuStreamWaitValue64` on a word the producer's stream writes, which
+the consumer overwrites when it gives up), for streams' latency; `tools/ipc_death_probe.py`
+shows both facts it rests on (an open mapping stays readable after its exporter died; such
+a wait passes ~18 us after the word is written).
 """
 
 from __future__ import annotations
