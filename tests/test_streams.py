@@ -349,3 +349,99 @@ async def test_a_stream_whose_layers_are_still_being_written_into_the_pools_ends
     stream.deliver_layer(1, *layer_kv(1))
     assert await ended is None
     assert torch.equal((await stream.layer(1))[0], layer_kv(1)[0])
+
+
+class _LateQueue:
+    """Stands in for a GPU transport whose copies are queued only once the producer wrote the
+    bytes (cuda_ipc's gate), on a gloo pair: each stream message's arrival gets a stand-in
+    landed event and a `queued` future the test settles."""
+
+    landed = object()
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fails_with: BaseException | None = None) -> None:
+        from kvrt.transports._base import TensorsArrival
+        from kvrt.transports.paired import PairedTransport
+
+        self.gates: list[asyncio.Future[None]] = []
+        self.completes: list[asyncio.Future[list[torch.Tensor]]] = []
+        self.arrived = asyncio.Event()
+        receive_tensors = PairedTransport.receive_tensors
+
+        def late(transport: PairedTransport, metas: Any, frames: Any) -> TensorsArrival:
+            arrival = receive_tensors(transport, metas, frames)
+            loop = asyncio.get_running_loop()
+            queued: asyncio.Future[None] = loop.create_future()
+            complete = arrival.complete
+            if fails_with is not None:  # the contract: a failure at the gate fails `complete` too
+                complete = loop.create_future()
+                self.completes.append(complete)
+            self.gates.append(queued)
+            self.arrived.set()
+            return TensorsArrival(complete, arrival.tensors, self.landed, queued)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(PairedTransport, "receive_tensors", late)
+
+
+async def test_a_layer_whose_copy_is_queued_late_is_handed_out_with_its_event_only_once_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A wait on a CUDA event not yet recorded waits for nothing: the reader must not get the
+    # event before the copy it marks is queued.
+    late = _LateQueue(monkeypatch)
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        tokens = torch.arange(1000, 1000 + TOKENS)
+        stream = await producer.open_stream(tokens, layers=1)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        await stream.put_layer(*layer_kv(0))
+        await late.arrived.wait()
+        layer_0 = asyncio.ensure_future(reader.layer_event(0))
+        await settle(consumer)
+        assert not layer_0.done()
+        late.gates[0].set_result(None)
+        assert await layer_0 is _LateQueue.landed
+        await stream.finish(None)
+        for gate in late.gates[1:]:
+            gate.set_result(None)
+        await reader.finished()
+
+
+async def test_a_layer_whose_copy_never_gets_queued_fails_the_reader_and_is_never_handed_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    late = _LateQueue(monkeypatch, fails_with=kvrt.PeerLostError("the producer was lost before it wrote"))
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        tokens = torch.arange(1100, 1100 + TOKENS)
+        stream = await producer.open_stream(tokens, layers=2)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        await stream.put_layer(*layer_kv(0))
+        await late.arrived.wait()
+        layer_0 = asyncio.ensure_future(reader.layer_event(0))
+        error = kvrt.PeerLostError("the producer was lost before it wrote")
+        late.gates[0].set_exception(error)
+        late.completes[0].set_exception(error)
+        with pytest.raises(kvrt.PeerLostError, match="lost before it wrote"):
+            await layer_0
+        with pytest.raises(kvrt.PeerLostError):
+            await reader.finished()
+
+
+async def test_the_link_calls_its_transport_off_whenever_it_fails_its_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuda_ipc's gate waits for the producer on the host; `abandon` is how it learns to stop.
+    from kvrt.transports.paired import PairedTransport
+
+    abandoned: list[str] = []
+    monkeypatch.setattr(PairedTransport, "abandon", lambda transport: abandoned.append(transport.name), raising=False)
+    async with kvrt.Producer(transport="gloo") as producer:
+        consumer = await kvrt.Consumer(connect=producer.endpoint, transport="gloo").start()
+        await settle(consumer)
+        assert abandoned == []
+        await consumer.aclose()
+    assert abandoned == ["gloo"]
