@@ -263,9 +263,10 @@ def run_gpu_ipc_reader(
     the stream's index: see `_columns`) loads its copy kernel's module, which waits for the
     whole GPU, so the stream that dies must not be the first of its kind: the warm-up, 3, has
     the columns of the stream that dies, 0. Then reports ("opened",); ("reading",
-    whether layer 0's landing had fired); ("lost", error type name, seconds from "killed" to
-    the error); ("default stream works", whether a small read of this GPU's default stream
-    finished within 2 s); ("closed", seconds to close)."""
+    whether layer 0 was handed out, 0.5 s after the stream opened); ("lost", error type name,
+    seconds from "killed" to the error); ("layer 0", its error type name, or "landed");
+    ("device works", whether a new kernel and a synchronize of the whole device returned
+    within 5 s); ("closed", seconds to close)."""
     import time
 
     async def main() -> None:
