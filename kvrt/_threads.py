@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -102,11 +103,15 @@ class Waiter:
             except BaseException as raised:  # handed to the waiting task, whatever it is
                 error = raised
             del blocking  # the closure and what it holds are freed here, off the loop
-            try:
-                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits any more
+            settle_soon(future, result, error)
             del future, result, error
+
+
+def settle_soon(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
+    """From any thread: settle `future` on its loop with `result`, or `error` when not None,
+    unless it is done by then (a closed loop: nobody waits any more)."""
+    with contextlib.suppress(RuntimeError):
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:

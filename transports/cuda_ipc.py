@@ -87,7 +87,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, outcome_seen
+from kvrt._threads import Waiter, outcome_seen, settle_soon
 from kvrt.transports._base import (
     Arrival,
     ItemTensors,
@@ -505,8 +505,7 @@ class CudaIpcTransport(Transport):
         if all(mark.query() for part in marks for mark in part):
             _queue_copies(self.device, stream, copies, landed)
             return self._completion(session, landed, sources, result), landed, None
-        loop = asyncio.get_running_loop()
-        queued: asyncio.Future[None] = loop.create_future()
+        queued: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         device = self.device
 
         def gate() -> None:
@@ -517,10 +516,10 @@ class CudaIpcTransport(Transport):
                     for mark in part_marks:
                         _wait_fired(mark, session.abandoned)
                     _queue_copies(device, stream, [part_copies], [event])
-                _settle_soon(loop, queued, None)
+                settle_soon(queued, None, None)
                 _wait_landed(landed)
             except BaseException as error:
-                _settle_soon(loop, queued, error)
+                settle_soon(queued, None, error)
                 stream.synchronize()  # what was queued reads the mappings: they close after it
                 raise
             finally:
@@ -655,21 +654,6 @@ def _wait_landed(landed: Sequence[torch.cuda.Event]) -> None:
     if len(landed) > 1:
         landed[-2].synchronize()
     landed[-1].synchronize()
-
-
-def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None) -> None:
-    """From another thread: settle `future` on its loop (unless the loop is closed)."""
-
-    def settle() -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(settle)
 
 
 def _release(share: m.IpcShare) -> None:
