@@ -22,7 +22,9 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 only=${1:-all}
 if [ "$only" = all ] || [ "$only" = tests ]; then
-  timeout 480 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+  # PYTEST_K="ipc and stream" selects tests by a -k expression (it may hold spaces); PYTEST_ARGS
+  # adds words of its own (split on spaces: no quoting inside).
+  timeout 480 python3 -m pytest -v -m "gpu or kernels" -p no:cacheprovider tests/ ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} -rs --tb=short -o timeout_method=thread --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 fi
 if [ "$only" = ab ]; then
   bench=${2:-nccl}
