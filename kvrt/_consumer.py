@@ -135,12 +135,11 @@ def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
         into.set_result(None)
 
 
-def _when_queued(
-    on_landing: Callable[[m.Deliver, Arrival], None], deliver: m.Deliver, arrival: Arrival, queued: asyncio.Future[None]
-) -> None:
-    """A pull's early work, once a transfer's copies are queued (a failure: `complete`'s)."""
+def _once_queued(then: Callable[[], None], queued: asyncio.Future[None]) -> None:
+    """A done-callback: `then()` once a transfer's copies were queued (its landed events
+    recorded). A failure there is reported by the transfer's `complete`, not here."""
     if not queued.cancelled() and queued.exception() is None:
-        on_landing(deliver, arrival)
+        then()
 
 
 async def _raise(error: BaseException) -> None:
@@ -394,10 +393,11 @@ class _Link:
             return
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
+            early_work = functools.partial(on_landing, deliver, arrival)
             if arrival.queued is None:
-                on_landing(deliver, arrival)
+                early_work()
             else:  # its landed events are recorded once its copies are queued
-                arrival.queued.add_done_callback(functools.partial(_when_queued, on_landing, deliver, arrival))
+                arrival.queued.add_done_callback(functools.partial(_once_queued, early_work))
         arriving = arrival.complete
         if arriving.done():
             self._landed(future, deliver, arriving)  # TCP: already here
@@ -570,8 +570,8 @@ class _Link:
             deliver = functools.partial(self._deliver_layer, stream, item_id, layer, key, value, arrival.landed)
             if arrival.queued is None:
                 deliver()
-            else:  # its landed event is recorded once its copy is queued (a failure: `complete`'s)
-                arrival.queued.add_done_callback(lambda queued: None if queued.exception() else deliver())
+            else:  # its landed event is recorded once its copy is queued
+                arrival.queued.add_done_callback(functools.partial(_once_queued, deliver))
 
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()
