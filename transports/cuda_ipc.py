@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -523,9 +523,7 @@ class CudaIpcTransport(Transport):
                 stream.synchronize()  # what was queued reads the mappings: they close after it
                 raise
             finally:
-                with OnStream(session.idle):  # see `_completion`
-                    copies.clear()
-                    sources.clear()
+                _drop(device, session.idle, copies, sources)
 
         completed = session.gate.wait(gate, result)
         return completed, landed, queued
@@ -544,12 +542,7 @@ class CudaIpcTransport(Transport):
 
         def wait() -> None:
             _wait_landed(landed)
-            # Dropping a share's storage decrements the producer's counter (after torch
-            # synchronizes the current stream: an idle one). The device is set once per thread:
-            # `torch.cuda.stream` would switch it there and back each time (cudaSetDevice).
-            torch.cuda.set_device(device)
-            with OnStream(idle):
-                sources.clear()
+            _drop(device, idle, sources)
 
         return session.waiter.wait(wait, result)
 
@@ -647,6 +640,18 @@ def _wait_fired(mark: torch.cuda.Event, abandoned: threading.Event) -> None:
         if abandoned.is_set():
             raise PeerLostError("the producer was lost before it wrote what it sent")
         time.sleep(0)
+
+
+def _drop(device: torch.device, idle: torch.cuda.Stream, *held: list[Any]) -> None:
+    """On a kvrt thread, after the copies that read them: clear `held` (shares' storages and
+    views of them). Dropping a share's storage decrements the producer's counter after torch
+    synchronizes the current stream, so an idle one is made current. The device is set once
+    per thread (then a check): `torch.cuda.stream` would switch it there and back each time
+    (cudaSetDevice)."""
+    torch.cuda.set_device(device)
+    with OnStream(idle):
+        for references in held:
+            references.clear()
 
 
 def _wait_landed(landed: Sequence[torch.cuda.Event]) -> None:
