@@ -385,10 +385,15 @@ MAX_IPC_HANDLE_BYTES: Final = 1024
 """A CUDA IPC memory handle (64 bytes; torch's handles of expandable segments are longer)."""
 
 
+MAX_IPC_MARK: Final = (1 << 62) - 1
+"""The last number a `cuda_ipc` pair marks a range with (a consumer giving up writes more)."""
+
+
 class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The frame a `cuda_ipc` transfer carries instead of the bytes: where the consumer's copy
-    engines read them in the producer's GPU memory, and the CUDA IPC events after which each
-    (offset, nbytes) range it reads holds its bytes.
+    engines read them in the producer's GPU memory, and for each (offset, nbytes) range it
+    reads, the mark (a number of the pair's, in order) that the producer's stream writes to
+    the pair's word once the range holds its bytes.
 
     `handle` .. `counter_offset` are torch's share of the storage (`_share_cuda_`): the
     allocation's IPC handle, the storage's place and size in it, and the reference counter
@@ -402,7 +407,7 @@ class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
     counter: Annotated[bytes, Meta(max_length=MAX_NAME_CHARS)]
     counter_offset: Annotated[int, Meta(ge=0, le=2**32)]
     start: Annotated[int, Meta(ge=0, le=2**62)]
-    events: Annotated[list[Annotated[bytes, Meta(max_length=MAX_IPC_HANDLE_BYTES)]], Meta(max_length=MAX_SEGMENTS)]
+    marks: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_IPC_MARK)]], Meta(max_length=MAX_SEGMENTS)]
 
 
 _share_decoder: Final = msgspec.msgpack.Decoder(IpcShare)

@@ -263,10 +263,10 @@ def run_gpu_ipc_reader(
     the stream's index: see `_columns`) loads its copy kernel's module, which waits for the
     whole GPU, so the stream that dies must not be the first of its kind: the warm-up, 3, has
     the columns of the stream that dies, 0. Then reports ("opened",); ("reading",
-    whether layer 0 was handed out, 0.5 s after the stream opened); ("lost", error type name,
-    seconds from "killed" to the error); ("layer 0", its error type name, or "landed");
-    ("device works", whether a new kernel and a synchronize of the whole device returned
-    within 5 s); ("closed", seconds to close)."""
+    whether layer 0 was handed out and landed, 0.5 s after the stream opened); ("lost", error
+    type name, seconds from "killed" to the error); ("layer 0", its error type name, or
+    "handed out"); ("device works", whether a new kernel and a synchronize of the whole device
+    returned within 5 s); ("closed", seconds to close)."""
     import time
 
     async def main() -> None:
@@ -285,9 +285,11 @@ def run_gpu_ipc_reader(
             reader = await opening
             assert reader is not None
             layer_0 = asyncio.create_task(reader.layer_event(0))
-            # Its copy waits (on the host) for the producer's mark: 0.5 s of the 3 s of work.
+            # Its copy waits for the producer's mark: 0.5 s of the 3 s of work. Not landed: not
+            # handed out, or handed out with an event that has not fired.
             await asyncio.wait({layer_0}, timeout=0.5)
-            control.send(("reading", layer_0.done()))
+            landed = layer_0.result() if layer_0.done() else None
+            control.send(("reading", landed is not None and landed.query()))
             assert await asyncio.to_thread(_receive, control) == "killed"
             killed_at = time.monotonic()
             try:
@@ -297,7 +299,7 @@ def run_gpu_ipc_reader(
                 control.send(("lost", type(error).__name__, time.monotonic() - killed_at))
             try:
                 await layer_0
-                control.send(("layer 0", "landed"))
+                control.send(("layer 0", "handed out"))
             except kvrt.KVRTError as error:
                 control.send(("layer 0", type(error).__name__))
             # Nothing of this process waits on the dead producer on the GPU: what waits for the

@@ -72,7 +72,7 @@ async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPa
         await arrives_right(consumer, 0, 300)
 
 
-def cannot_open(self: CudaIpcTransport, session: Any, probe: Any) -> None:
+def cannot_open(self: CudaIpcTransport, *_: Any) -> None:
     raise kvrt.TransportUnavailableError("cuda_ipc: the producer's memory cannot be opened here: (simulated)")
 
 
@@ -137,16 +137,18 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_in_time_and_
             assert await heard(control) == "streamed"
             assert await heard(reader_control) == ("opened",)
             control.send(("stream", 0, "bfloat16", 4, 256, 3000, None))  # 3 s of GPU work a layer
-            # Layer 0 was not written yet: it is not handed out. (Two runs with no warm-up, or
-            # one of other columns, saw it landed: that put_layer loaded its kernel's module,
-            # which waited for the GPU's 3 s.)
+            # Layer 0 was not written yet: it has not landed. (Two runs with no warm-up, or one
+            # of other columns, saw it landed: that put_layer loaded its kernel's module, which
+            # waited for the GPU's 3 s.)
             assert await heard(reader_control) == ("reading", False)
             assert producer.pid is not None
             os.kill(producer.pid, signal.SIGKILL)
             reader_control.send("killed")
             what, error, seconds = await heard(reader_control)
             assert (what, error) == ("lost", "PeerLostError") and seconds < 4 * heartbeat_s + 1.0
-            assert await heard(reader_control) == ("layer 0", "PeerLostError")
+            # Handed out before the stream failed (its copy's wait on the GPU released since), or
+            # failed with it (a transport that hands a layer out only once written).
+            assert await heard(reader_control) in (("layer 0", "PeerLostError"), ("layer 0", "handed out"))
             assert await heard(reader_control) == ("device works", True)
             what, seconds = await heard(reader_control)
             assert what == "closed" and seconds < 5.0

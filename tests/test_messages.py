@@ -159,7 +159,7 @@ def test_structured_garbage_decodes_to_a_message_or_a_protocol_error(tag: str, f
 def _share(**changes: object) -> m.IpcShare:
     fields: dict[str, object] = {
         "handle": b"\x01" * 64, "storage_offset": 0, "storage_bytes": 1 << 20, "counter": b"/torch_1_2_3",
-        "counter_offset": 7, "start": 256, "events": [b"\x02" * 64],
+        "counter_offset": 7, "start": 256, "marks": [1],
     }  # fmt: skip
     fields.update(changes)
     return m.IpcShare(**fields)  # type: ignore[arg-type]
@@ -176,9 +176,11 @@ def test_a_cuda_ipc_share_survives_encode_then_decode() -> None:
         {"handle": b"\x01" * (m.MAX_IPC_HANDLE_BYTES + 1)},
         {"start": -1},
         {"counter_offset": 2**33},
-        {"events": [b"\x02" * 64] * (m.MAX_SEGMENTS + 1)},
+        {"marks": [1] * (m.MAX_SEGMENTS + 1)},
+        {"marks": [0]},
+        {"marks": [m.MAX_IPC_MARK + 1]},
     ],
-    ids=["handle-too-long", "negative-start", "counter-offset-too-large", "too-many-events"],
+    ids=["handle-too-long", "negative-start", "counter-offset-too-large", "too-many-marks", "mark-0", "mark-too-large"],
 )
 def test_a_cuda_ipc_share_out_of_bounds_is_a_remote_protocol_error(bad: dict[str, object]) -> None:
     frame = msgspec.msgpack.encode(_share(**bad))

@@ -13,25 +13,26 @@ the producer's GPU loses no SM and no copy engine time to the transfer.
 How a transfer goes:
 * producer (`send`, `send_many`, `stream_frames`): a kvrt stream of the pair waits (on the
   GPU) for the bytes to be written (the insert's event, each chunk's gather, a layer's
-  event) and records one CUDA IPC event per range after it; the storage is shared with torch's
-  `_share_cuda_` (the allocation's handle and a reference counter); the frame after the
-  header (`IpcShare`) carries both. Nothing waits on the host.
+  event) and then writes the pair's next mark, a number, to the pair's word in the
+  producer's memory (a stream memory operation: `_stream_words`); the storage is shared
+  with torch's `_share_cuda_` (the allocation's handle and a reference counter); the frame
+  after the header (`IpcShare`) carries both, and the mark of each range. Nothing waits on
+  the host.
 * consumer (`receive`, ...): opens the allocation (a mapping cached per allocation handle:
   opening one costs ~10 ms for 1 GiB, a cached one ~20 us), allocates the receive buffer,
-  and copies each range on its receive stream (`copy_` of device memory: a copy engine) once
-  that range's event fired. Its GPU never waits on the producer's event: a producer that dies
-  before recording it would leave that wait, and with it every later call of this process
-  that waits for the whole device (a module load, a free, a synchronize), stuck for ever.
-  Where every event fired already (an item written before it was asked for, as a rule) the
-  copies are queued at once; else a gate thread waits for each on the host, where it can
-  give up (`abandon`: the link gave the producer up), and queues them then. A kvrt thread
-  waits for the last copy, then drops the mapping's use, which decrements the counter so the
-  producer's allocator can take the memory back (`reclaim` collects it:
-  `torch.cuda.ipc_collect`).
+  and on its receive stream waits until the pair's word reaches each range's mark, then
+  copies it (`copy_` of device memory: a copy engine). A kvrt thread waits for the last
+  copy, then drops the mapping's use, which decrements the counter so the producer's
+  allocator can take the memory back (`reclaim` collects it: `torch.cuda.ipc_collect`).
 
-Events are reused from a ring per pair: an event re-recorded before the consumer looked at
-it makes the consumer wait for the later record, which (every record of a pair is on one
-stream, in order) comes after the earlier one's bytes; never too early, at worst later.
+Why a word and not a CUDA IPC event: a stream that waits on another process's event waits
+for ever if that process dies before recording it, and with it every later call of this
+process that waits for the whole device (a module load, a free, a synchronize). The word
+the consumer can write itself: when the link gives the producer up (`abandon`) it writes
+a number past every mark, every wait passes, and the copies read what the dead producer
+left (an open mapping stays readable after its exporter died: `tools/ipc_death_probe.py`)
+into buffers whose calls failed already. A pair's word is its own for good (a slot of a
+slab the producer never frees), so that write can never hit memory reused since.
 
 Choice of path: the consumer's hello says which machine it runs on (the boot id); the
 producer chooses `cuda_ipc` only for a consumer on its own machine. The welcome carries a
@@ -39,14 +40,6 @@ probe (a small shared tensor of known bytes): joining opens and copies it, so an
 that keeps IPC from working between the two processes (no peer access between the GPUs,
 another IPC namespace, memory this process cannot map) shows as `TransportUnavailableError`
 at join, and the consumer falls back to the next transport it offered.
-
-A producer that dies before its bytes were written leaves the gate waiting on an event
-nobody will record, on the host only: the link, failed by its heartbeat, abandons the
-session, and the gate fails what it held. The next step (not built): a GPU-side wait the
-consumer can release (`cuStreamWaitValue64` on a word the producer's stream writes, which
-the consumer overwrites when it gives up), for streams' latency; `tools/ipc_death_probe.py`
-shows both facts it rests on (an open mapping stays readable after its exporter died; such
-a wait passes ~18 us after the word is written).
 """
 
 from __future__ import annotations
@@ -56,8 +49,6 @@ import collections
 import contextlib
 import os
 import socket
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -87,7 +78,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, outcome_seen, settle_soon
+from kvrt._threads import Waiter, outcome_seen
 from kvrt.transports._base import (
     Arrival,
     ItemTensors,
@@ -99,15 +90,17 @@ from kvrt.transports._base import (
     item_metas,
     on_device,
 )
+from kvrt.transports._stream_words import StreamWords, stream_words_unavailable
 
 _T = TypeVar("_T")
-_EVENTS_PER_PAIR = 256
-"""The ring of IPC events a pair's transfers are marked with (an event costs one open, ~5 us,
-on the consumer the first time it is seen)."""
+_MARK_SLOTS = 4096
+"""Mark words per slab (8 bytes each): a pair takes one for good, since its consumer may
+write it (giving up) at any time, and must never hit memory reused since."""
+_ABANDONED = m.MAX_IPC_MARK + 1
+"""What a consumer giving the producer up writes to its pair's word: past every mark."""
 _OPEN_ALLOCATIONS = 1024
 """Mappings of the producer's allocations a consumer keeps open (LRU): each pins that much of
 the producer's memory until the consumer closes it."""
-_OPEN_EVENTS = 4 * _EVENTS_PER_PAIR
 _PROBE_BYTES = 4096
 _MAX_PAYLOAD_BYTES = 1 << 40
 
@@ -130,7 +123,7 @@ def ipc_unavailable(device: torch.device) -> str | None:
         return "CUDA is not available"
     if not hasattr(torch.UntypedStorage, "_new_shared_cuda") or not os.path.isdir("/dev/shm"):
         return "this torch build or OS has no CUDA IPC sharing"
-    return None
+    return stream_words_unavailable()
 
 
 def _probe_pattern(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -139,46 +132,40 @@ def _probe_pattern(device: torch.device | str = "cpu") -> torch.Tensor:
 
 @dataclass
 class _Pair:
-    """The producer's side of one consumer: the stream its marks are recorded on, in order,
-    and its ring of IPC events (each with its handle)."""
+    """The producer's side of one consumer: the stream its marks are written on, in order,
+    and the word they go to."""
 
     stream: torch.cuda.Stream
-    events: list[tuple[torch.cuda.Event, bytes]]
-    next_event: int = 0
+    address: int
+    marked: int = 0
 
-    def mark(self) -> bytes:
-        """Record the next event of the ring on the pair's stream; its handle."""
-        event, handle = self.events[self.next_event]
-        self.next_event = (self.next_event + 1) % len(self.events)
-        event.record(self.stream)
-        return handle
+    def mark(self, words: StreamWords) -> int:
+        """The pair's stream writes the next mark once what it waits for is written."""
+        self.marked += 1
+        words.write(self.stream, self.address, self.marked)
+        return self.marked
 
 
 @dataclass
 class _Session:
-    """The consumer's side of one welcome: a receive stream and waiter of its own (see the
-    module's last paragraph), and the allocations and events it opened."""
+    """The consumer's side of one welcome: a receive stream and waiter of its own, the word
+    the producer marks its ranges in, and the allocations it opened."""
 
     device_index: int
     receive: torch.cuda.Stream
     idle: torch.cuda.Stream
     """Current on the waiter thread while it drops a mapping: torch synchronizes the current
     stream there, which must not be one that holds other work."""
+    release: torch.cuda.Stream
+    """Writes `_ABANDONED` to the mark word when the session ends (never behind a wait)."""
     waiter: Waiter
-    gate: Waiter
-    """Queues the copies of a transfer whose producer had not written it yet, once it has."""
+    marks: torch.UntypedStorage | None = None
+    """The mapping of the producer's mark slab (kept open for the session)."""
+    marks_address: int = 0
     allocations: collections.OrderedDict[bytes, torch.UntypedStorage] = field(default_factory=collections.OrderedDict)
     """Per allocation handle, an uncounted storage that keeps its mapping open."""
     evicted: list[torch.UntypedStorage] = field(default_factory=list)
     """Mappings to close, on the waiter thread (closing synchronizes the current stream)."""
-    events: collections.OrderedDict[bytes, torch.cuda.Event] = field(default_factory=collections.OrderedDict)
-    abandoned: threading.Event = field(default_factory=threading.Event)
-    """Set when the link gave the producer up: the gate stops waiting for its marks."""
-
-    def close_threads(self) -> None:
-        self.abandoned.set()
-        self.gate.close()
-        self.waiter.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +176,7 @@ class _Copy:
     source: int
     target: int
     nbytes: int
-    event: bytes
+    mark: int
 
 
 class CudaIpcTransport(Transport):
@@ -205,6 +192,10 @@ class CudaIpcTransport(Transport):
         self._probe: torch.Tensor | None = None
         self._share_stream: torch.cuda.Stream | None = None
         self._session: _Session | None = None
+        self._words = StreamWords()
+        self._slabs: list[torch.Tensor] = []
+        """Mark words, never freed while the transport lives (see `_MARK_SLOTS`)."""
+        self._next_slot = _MARK_SLOTS
 
     # -- producer side --------------------------------------------------------------------
 
@@ -216,16 +207,24 @@ class CudaIpcTransport(Transport):
     def offer(self, peer: bytes) -> dict[str, str]:
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
-            events = []
-            for _ in range(_EVENTS_PER_PAIR):
-                event = torch.cuda.Event(interprocess=True)
-                events.append((event, bytes(event.ipc_handle())))
             if self._probe is None:
                 self._probe = _probe_pattern(self.device)
                 torch.cuda.current_stream(self.device).synchronize()  # a few KiB, once
-        self._pairs[peer] = _Pair(stream, events)
-        probe = self._share(peer, self._probe, [None])
-        return {"host": host_identity(), "probe": m.encode_share(probe).hex()}
+            if self._next_slot == _MARK_SLOTS:
+                self._slabs.append(torch.zeros(_MARK_SLOTS, dtype=torch.int64, device=self.device))
+                torch.cuda.current_stream(self.device).synchronize()  # zero before any mark
+                self._next_slot = 0
+        slab, slot = self._slabs[-1], self._next_slot
+        self._next_slot += 1
+        self._pairs[peer] = _Pair(stream, slab.data_ptr() + slot * slab.element_size())
+        probe = self._share(peer, self._probe, [])  # written and synchronized already
+        marks = self._share(peer, slab, [])
+        return {
+            "host": host_identity(),
+            "probe": m.encode_share(probe).hex(),
+            "marks": m.encode_share(marks).hex(),
+            "slot": str(slot),
+        }
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         if item.nbytes == 0:
@@ -280,10 +279,11 @@ class CudaIpcTransport(Transport):
         to wait for), in order."""
         pair = self._pair(peer)
         marks = []
-        for event in ready:
-            if event is not None:
-                pair.stream.wait_event(event)  # the GPU waits; the loop does not
-            marks.append(pair.mark())
+        with on_device(self.device):  # the driver's stream operations take the current context
+            for event in ready:
+                if event is not None:
+                    pair.stream.wait_event(event)  # the GPU waits; the loop does not
+                marks.append(pair.mark(self._words))
         if self._share_stream is None:
             self._share_stream = torch.cuda.Stream(self.device)
         # torch records an event of its own on the current stream when it shares (and, past a
@@ -299,7 +299,7 @@ class CudaIpcTransport(Transport):
             counter=counter,
             counter_offset=counter_offset,
             start=int(tensor.storage_offset()) * tensor.element_size(),
-            events=marks,
+            marks=marks,
         )
 
     # -- consumer side --------------------------------------------------------------------
@@ -309,32 +309,37 @@ class CudaIpcTransport(Transport):
             raise TransportUnavailableError("cuda_ipc: the producer runs on another machine")
         try:
             probe = m.decode_share(bytes.fromhex(rendezvous["probe"]))
+            marks = m.decode_share(bytes.fromhex(rendezvous["marks"]))
+            slot = int(rendezvous["slot"])
         except (KeyError, ValueError):
             raise RemoteProtocolError(f"welcome has no usable cuda_ipc rendezvous: {rendezvous}") from None
+        if not 0 <= slot < (marks.storage_bytes - marks.start) // 8:
+            raise RemoteProtocolError(f"cuda_ipc mark slot {slot} is outside its slab")
         self._end_session()
         with torch.cuda.device(self.device):
             session = _Session(
                 device_index=self.device.index or 0,
                 receive=torch.cuda.Stream(),
                 idle=torch.cuda.Stream(),
+                release=torch.cuda.Stream(),
                 waiter=Waiter("kvrt-ipc-copy"),
-                gate=Waiter("kvrt-ipc-gate"),
             )
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._check_probe, session, probe), timeout_s)
+            await asyncio.wait_for(asyncio.to_thread(self._check_probe, session, probe, marks, slot), timeout_s)
         except TimeoutError:
-            session.close_threads()
+            session.waiter.close()
             raise KVRTTimeoutError(
                 f"opening the producer's cuda_ipc probe took over {timeout_s} s", phase="connect"
             ) from None
         except TransportUnavailableError:
-            session.close_threads()
+            session.waiter.close()
             raise
         self._session = session
 
-    def _check_probe(self, session: _Session, probe: m.IpcShare) -> None:
+    def _check_probe(self, session: _Session, probe: m.IpcShare, marks: m.IpcShare, slot: int) -> None:
         """In a thread: open the probe, copy it, and compare its bytes; the counter file must be
-        reachable too (else every item would stay pinned in the producer)."""
+        reachable too (else every item would stay pinned in the producer); open the mark word
+        and wait on it once (the driver must take a stream wait on the producer's memory)."""
         counter_path = os.path.join("/dev/shm", probe.counter.decode(errors="replace").lstrip("/"))
         if not os.path.exists(counter_path):
             _release(probe)
@@ -350,6 +355,9 @@ class CudaIpcTransport(Transport):
                 copied.copy_(source[probe.start : probe.start + _PROBE_BYTES])
                 matches = bool(torch.equal(copied.cpu(), _probe_pattern()))
                 del source
+                session.marks = _new_shared(session.device_index, marks, counted=False)
+                session.marks_address = session.marks.data_ptr() + marks.start + 8 * slot
+                self._words.wait_at_least(session.receive, session.marks_address, 0)
                 session.receive.synchronize()
         except RuntimeError as exc:
             raise TransportUnavailableError(f"cuda_ipc: the producer's memory cannot be opened here: {exc}") from None
@@ -363,9 +371,9 @@ class CudaIpcTransport(Transport):
             check_segments(segments, deliver.payload_bytes)
             payload = self._payload(deliver.payload_bytes, share)
             tensors = five(unpack_tensor(item_metas(deliver), payload))  # refuses lying metas first
-            if len(share.events) != max(1, len(segments)) or (not segments and deliver.payload_bytes):
+            if len(share.marks) != max(1, len(segments)) or (not segments and deliver.payload_bytes):
                 raise RemoteProtocolError(
-                    f"item {deliver.item_id}: {len(share.events)} events for {len(segments)} segments"
+                    f"item {deliver.item_id}: {len(share.marks)} marks for {len(segments)} segments"
                 )
         except BaseException:
             _release(share)
@@ -376,11 +384,11 @@ class CudaIpcTransport(Transport):
             done.set_result(tensors)
             return Arrival(done)
         parts = [
-            [_Copy(share, offset, offset, nbytes, event)]
-            for (offset, nbytes), event in zip(segments, share.events, strict=True)
+            [_Copy(share, offset, offset, nbytes, mark)]
+            for (offset, nbytes), mark in zip(segments, share.marks, strict=True)
         ]
-        completed, landed, queued = self._post(payload, parts, tensors)
-        return Arrival(completed, tensors, tuple(landed), queued)
+        completed, landed = self._post(payload, parts, tensors)
+        return Arrival(completed, tensors, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         hits = batch_hits(message)
@@ -399,7 +407,7 @@ class CudaIpcTransport(Transport):
                     raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
                 check_metas(metas, hit.payload_bytes)
             for hit, share in zip(hits, shares, strict=True):
-                if len(share.events) != 1 or share.storage_bytes - share.start < hit.payload_bytes:
+                if len(share.marks) != 1 or share.storage_bytes - share.start < hit.payload_bytes:
                     raise RemoteProtocolError(f"item {hit.item_id}: its cuda_ipc share does not hold it")
             payload = self._payload(message.payload_bytes, None)
         except BaseException:
@@ -408,14 +416,14 @@ class CudaIpcTransport(Transport):
             raise
         tensors = [five(views) for views in batch_views(entries, payload)]
         copies = [
-            _Copy(share, 0, hit.offset, hit.payload_bytes, share.events[0])
+            _Copy(share, 0, hit.offset, hit.payload_bytes, share.marks[0])
             for hit, share in zip(hits, shares, strict=True)
         ]
         if not copies:
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return done
-        return self._post(payload, [copies], tensors)[0]  # a batch's tensors are handed out once landed
+        return self._post(payload, [copies], tensors)[0]
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
         placed, nbytes = back_to_back(metas)
@@ -428,15 +436,15 @@ class CudaIpcTransport(Transport):
             return TensorsArrival(done, done.result())
         share = self._share_in(frames)
         try:
-            if len(share.events) != 1:
-                raise RemoteProtocolError(f"a cuda_ipc stream message has one event, {len(share.events)} came")
+            if len(share.marks) != 1:
+                raise RemoteProtocolError(f"a cuda_ipc stream message has one mark, {len(share.marks)} came")
             payload = self._payload(nbytes, share)
             tensors = [tensor for tensor in unpack_tensor(placed, payload) if tensor is not None]
         except BaseException:
             _release(share)
             raise
-        completed, landed, queued = self._post(payload, [[_Copy(share, 0, 0, nbytes, share.events[0])]], tensors)
-        return TensorsArrival(completed, tensors, landed[-1], queued)
+        completed, landed = self._post(payload, [[_Copy(share, 0, 0, nbytes, share.marks[0])]], tensors)
+        return TensorsArrival(completed, tensors, landed[-1])
 
     def discard(self, frames: Sequence[zmq.Frame]) -> None:
         """A share this side will not read (a stream it gave back): its counter is released, or
@@ -463,32 +471,33 @@ class CudaIpcTransport(Transport):
 
     def _post(
         self, payload: torch.Tensor, parts: Sequence[Sequence[_Copy]], result: _T
-    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event], asyncio.Future[None] | None]:
-        """Queue the copies on the session's receive stream, each part once its ranges' marks
-        fired: a future done with `result` once all landed, an event per part (in order), and
-        None when they were queued at once (every mark had fired: an item written before it
-        was asked for, as a rule), else a future done once the gate thread queued them (the
-        events are recorded then: nobody may wait on them before).
-
-        The receive stream never waits on the producer's marks on the GPU: a producer that
-        dies before recording one would leave that stream, and with it any later CUDA call
-        of this process that waits for the whole device (a module load, a free, a
-        synchronize), waiting for ever. The gate waits on the host, where it can give up."""
+    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:
+        """Queue the copies on the session's receive stream, each part after the producer
+        marked its ranges written: a future done with `result` once all landed, and an event
+        per part (in order)."""
         session = self._session
         assert session is not None  # checked by _payload
-        marks = [[self._event(session, copy.event) for copy in part] for part in parts]
-        copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        stream = session.receive
+        landed: list[torch.cuda.Event] = []
         sources: list[torch.Tensor | torch.UntypedStorage] = []
         try:
-            for part in parts:
-                views = []
-                for copy in part:
-                    source = self._opened(session, copy.share)
-                    sources.append(source)
-                    start = copy.share.start + copy.source
-                    target = payload[copy.target : copy.target + copy.nbytes]
-                    views.append((target, source[start : start + copy.nbytes]))
-                copies.append(views)
+            with on_device(self.device), OnStream(stream):
+                payload.record_stream(stream)
+                for index, part in enumerate(parts):
+                    # Marks are written in order on one stream: the part's last is enough.
+                    self._words.wait_at_least(stream, session.marks_address, max(copy.mark for copy in part))
+                    for copy in part:
+                        source = self._opened(session, copy.share)
+                        sources.append(source)
+                        start = copy.share.start + copy.source
+                        payload[copy.target : copy.target + copy.nbytes].copy_(
+                            source[start : start + copy.nbytes], non_blocking=True
+                        )
+                    # As for NCCL receives (see `paired`): the waiting thread sleeps until the
+                    # last part but one, then spins on the last, which it learns of sooner.
+                    event = torch.cuda.Event(blocking=index != len(parts) - 1 or len(parts) == 1)
+                    event.record(stream)
+                    landed.append(event)
         except RuntimeError as exc:
             for part in parts:
                 for copy in part:
@@ -496,55 +505,16 @@ class CudaIpcTransport(Transport):
             raise RemoteProtocolError(f"could not open the producer's cuda_ipc share: {exc}") from None
         sources += session.evicted  # closed after these copies, on the waiter's thread
         session.evicted.clear()
-        # As for NCCL receives (see `paired`): the waiting thread sleeps until the last part
-        # but one, then spins on the last, which it learns of sooner.
-        landed = [torch.cuda.Event(blocking=index != len(parts) - 1 or len(parts) == 1) for index in range(len(parts))]
-        stream = session.receive
-        with on_device(self.device), OnStream(stream):
-            payload.record_stream(stream)
-        if all(mark.query() for part in marks for mark in part):
-            _queue_copies(self.device, stream, copies, landed)
-            return self._completion(session, landed, sources, result), landed, None
-        queued: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        device = self.device
-
-        def gate() -> None:
-            """On the gate thread: each part once its marks fired, then the completion."""
-            torch.cuda.set_device(device)  # once per thread (then a check): a switch per job costs
-            try:
-                for part_marks, part_copies, event in zip(marks, copies, landed, strict=True):
-                    for mark in part_marks:
-                        _wait_fired(mark, session.abandoned)
-                    _queue_copies(device, stream, [part_copies], [event])
-                settle_soon(queued, None, None)
-                _wait_landed(landed)
-            except BaseException as error:
-                settle_soon(queued, None, error)
-                stream.synchronize()  # what was queued reads the mappings: they close after it
-                raise
-            finally:
-                _drop(device, session.idle, copies, sources)
-
-        completed = session.gate.wait(gate, result)
-        return completed, landed, queued
-
-    def _completion(
-        self,
-        session: _Session,
-        landed: list[torch.cuda.Event],
-        sources: list[torch.Tensor | torch.UntypedStorage],
-        result: _T,
-    ) -> asyncio.Future[_T]:
-        """A future done with `result` once copies already queued landed; the waiter thread
-        then drops their sources."""
         idle = session.idle
         device = self.device
 
         def wait() -> None:
-            _wait_landed(landed)
+            if len(landed) > 1:
+                landed[-2].synchronize()
+            landed[-1].synchronize()
             _drop(device, idle, sources)
 
-        return session.waiter.wait(wait, result)
+        return session.waiter.wait(wait, result), landed
 
     def _opened(self, session: _Session, share: m.IpcShare) -> torch.Tensor:
         """`share`'s storage as a byte tensor on this device, its allocation's mapping cached."""
@@ -560,38 +530,34 @@ class CudaIpcTransport(Transport):
         storage = _new_shared(session.device_index, share, counted=True)
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
 
-    def _event(self, session: _Session, handle: bytes) -> torch.cuda.Event:
-        events = session.events
-        event = events.get(handle)
-        if event is None:
-            event = events[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
-            if len(events) > _OPEN_EVENTS:
-                events.popitem(last=False)
-        return event
-
     def abandon(self) -> None:
-        """The link gave the producer up: transfers still waiting for its marks fail, and the
-        next welcome's join starts a new session."""
+        """The link gave the producer up: every wait of the session passes (the producer may
+        be dead and never mark what it announced), and the next welcome's join starts a new
+        session. What those copies read is no one's any more: their calls failed already."""
         self._end_session()
 
     def _end_session(self) -> None:
-        """Close the session's mappings on its waiter thread, after the copies queued before;
-        transfers still at the gate give up (their own mappings close once their queued
-        copies, which never wait on the producer, are done)."""
+        """Release the session's waits (a number past every mark, written from a stream of its
+        own, never behind them), then close its mappings on its waiter thread, once the copies
+        queued before are done (they all end now: a dead producer's memory stays readable
+        through an open mapping, `tools/ipc_death_probe.py`)."""
         session, self._session = self._session, None
         if session is None:
             return
-        held = [*session.allocations.values(), *session.evicted]
+        if session.marks is not None:
+            with on_device(self.device):
+                self._words.write(session.release, session.marks_address, _ABANDONED)
+        held = [*session.allocations.values(), *session.evicted, session.marks]
         session.allocations.clear()
         session.evicted.clear()
-        idle = session.idle
+        idle, release, device = session.idle, session.release, self.device
 
         def close_mappings() -> None:
-            with torch.cuda.stream(idle):
-                held.clear()
+            release.synchronize()  # the word is written before its mapping closes
+            _drop(device, idle, held)
 
         session.waiter.wait(close_mappings).add_done_callback(outcome_seen)
-        session.close_threads()
+        session.waiter.close()
 
     async def aclose(self) -> None:
         self._end_session()
@@ -614,34 +580,6 @@ def _new_shared(device_index: int, share: m.IpcShare, *, counted: bool) -> torch
     )
 
 
-def _queue_copies(
-    device: torch.device,
-    stream: torch.cuda.Stream,
-    copies: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
-    landed: Sequence[torch.cuda.Event],
-) -> None:
-    """Queue each part's copies (target, source) on `stream`, then record its landed event."""
-    with on_device(device), OnStream(stream):
-        for part, event in zip(copies, landed, strict=True):
-            for target, source in part:
-                target.copy_(source, non_blocking=True)
-            event.record(stream)
-
-
-def _wait_fired(mark: torch.cuda.Event, abandoned: threading.Event) -> None:
-    """Wait on the host until the producer's mark fired, or the session was abandoned.
-
-    A spin, as the driver's own wait on this (non-blocking) event would be, but one that can
-    be called off: a dead producer's mark never fires, and the driver's wait would spin for
-    ever. Each round lets go of the GIL (`time.sleep(0)`), so the loop's thread is not kept
-    waiting for it. It runs only while a transfer's bytes are still being computed (a
-    streamed layer, an item asked for before its insert's kernels ran)."""
-    while not mark.query():
-        if abandoned.is_set():
-            raise PeerLostError("the producer was lost before it wrote what it sent")
-        time.sleep(0)
-
-
 def _drop(device: torch.device, idle: torch.cuda.Stream, *held: list[Any]) -> None:
     """On a kvrt thread, after the copies that read them: clear `held` (shares' storages and
     views of them). Dropping a share's storage decrements the producer's counter after torch
@@ -652,13 +590,6 @@ def _drop(device: torch.device, idle: torch.cuda.Stream, *held: list[Any]) -> No
     with OnStream(idle):
         for references in held:
             references.clear()
-
-
-def _wait_landed(landed: Sequence[torch.cuda.Event]) -> None:
-    """Sleep until the last part but one landed, then spin on the last (see `_post`)."""
-    if len(landed) > 1:
-        landed[-2].synchronize()
-    landed[-1].synchronize()
 
 
 def _release(share: m.IpcShare) -> None:
