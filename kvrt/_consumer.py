@@ -135,13 +135,6 @@ def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
         into.set_result(None)
 
 
-def _once_queued(then: Callable[[], None], queued: asyncio.Future[None]) -> None:
-    """A done-callback: `then()` once a transfer's copies were queued (its landed events
-    recorded). A failure there is reported by the transfer's `complete`, not here."""
-    if not queued.cancelled() and queued.exception() is None:
-        then()
-
-
 async def _raise(error: BaseException) -> None:
     raise error
 
@@ -393,11 +386,7 @@ class _Link:
             return
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
-            early_work = functools.partial(on_landing, deliver, arrival)
-            if arrival.queued is None:
-                early_work()
-            else:  # its landed events are recorded once its copies are queued
-                arrival.queued.add_done_callback(functools.partial(_once_queued, early_work))
+            on_landing(deliver, arrival)
         arriving = arrival.complete
         if arriving.done():
             self._landed(future, deliver, arriving)  # TCP: already here
@@ -567,11 +556,7 @@ class _Link:
         stream.arriving = arrival.complete
         if arrival.landed is not None:
             key, value = arrival.tensors
-            deliver = functools.partial(self._deliver_layer, stream, item_id, layer, key, value, arrival.landed)
-            if arrival.queued is None:
-                deliver()
-            else:  # its landed event is recorded once its copy is queued
-                arrival.queued.add_done_callback(functools.partial(_once_queued, deliver))
+            self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
 
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()

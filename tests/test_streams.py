@@ -6,7 +6,6 @@ transfer each, as over NCCL on GPUs)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -352,87 +351,8 @@ async def test_a_stream_whose_layers_are_still_being_written_into_the_pools_ends
     assert torch.equal((await stream.layer(1))[0], layer_kv(1)[0])
 
 
-class _LateQueue:
-    """Stands in for a GPU transport whose copies are queued only once the producer wrote the
-    bytes (cuda_ipc's gate), on a gloo pair: each stream message's arrival gets a stand-in
-    landed event and a `queued` future the test settles (with `failing`, also a `complete`
-    future of the test's: a failure at the gate fails `complete` too, by the contract)."""
-
-    landed = object()
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, failing: bool = False) -> None:
-        from kvrt.transports._base import TensorsArrival
-        from kvrt.transports.paired import PairedTransport
-
-        self.gates: list[asyncio.Future[None]] = []
-        self.completes: list[asyncio.Future[list[torch.Tensor]]] = []
-        self.arrived = asyncio.Event()
-        receive_tensors = PairedTransport.receive_tensors
-
-        def late(transport: PairedTransport, metas: Any, frames: Any) -> TensorsArrival:
-            arrival = receive_tensors(transport, metas, frames)
-            loop = asyncio.get_running_loop()
-            queued: asyncio.Future[None] = loop.create_future()
-            complete = arrival.complete
-            if failing:
-                complete = loop.create_future()
-                self.completes.append(complete)
-            self.gates.append(queued)
-            self.arrived.set()
-            return TensorsArrival(complete, arrival.tensors, self.landed, queued)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(PairedTransport, "receive_tensors", late)
-
-    @contextlib.asynccontextmanager
-    async def layer_0_arrived(self, first_token: int, layers: int) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
-        """A stream of `layers` whose layer 0 the producer put and the reader's link received:
-        (the consumer, the producer's stream, the reader, a task awaiting layer 0's event)."""
-        async with (
-            kvrt.Producer(transport="gloo") as producer,
-            kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
-        ):
-            tokens = torch.arange(first_token, first_token + TOKENS)
-            stream = await producer.open_stream(tokens, layers=layers)
-            reader = await consumer.open_stream(tokens)
-            assert reader is not None
-            await stream.put_layer(*layer_kv(0))
-            await self.arrived.wait()
-            yield consumer, stream, reader, asyncio.ensure_future(reader.layer_event(0))
-
-
-async def test_a_layer_whose_copy_is_queued_late_is_handed_out_with_its_event_only_once_queued(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A wait on a CUDA event not yet recorded waits for nothing: the reader must not get the
-    # event before the copy it marks is queued.
-    late = _LateQueue(monkeypatch)
-    async with late.layer_0_arrived(1000, layers=1) as (consumer, stream, reader, layer_0):
-        await settle(consumer)
-        assert not layer_0.done()
-        late.gates[0].set_result(None)
-        assert await layer_0 is _LateQueue.landed
-        await stream.finish(None)
-        for gate in late.gates[1:]:
-            gate.set_result(None)
-        await reader.finished()
-
-
-async def test_a_layer_whose_copy_never_gets_queued_fails_the_reader_and_is_never_handed_out(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    late = _LateQueue(monkeypatch, failing=True)
-    async with late.layer_0_arrived(1100, layers=2) as (_, _, reader, layer_0):
-        error = kvrt.PeerLostError("the producer was lost before it wrote")
-        late.gates[0].set_exception(error)
-        late.completes[0].set_exception(error)
-        with pytest.raises(kvrt.PeerLostError, match="lost before it wrote"):
-            await layer_0
-        with pytest.raises(kvrt.PeerLostError):
-            await reader.finished()
-
-
 async def test_the_link_calls_its_transport_off_whenever_it_fails_its_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    # cuda_ipc's gate waits for the producer on the host; `abandon` is how it learns to stop.
+    # cuda_ipc's receive streams wait on the GPU for the producer's marks; `abandon` releases them.
     from kvrt.transports.paired import PairedTransport
 
     abandoned: list[str] = []

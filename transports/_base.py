@@ -95,11 +95,6 @@ class Arrival:
     landed: tuple[torch.cuda.Event, ...] = ()
     """One event per payload segment (`Deliver.segments`, or one for the whole payload), in
     send order, recorded on the receive stream after that segment's receive."""
-    queued: asyncio.Future[None] | None = None
-    """None: the `landed` events are recorded already. Else they are recorded once this is
-    done (cuda_ipc, for bytes the producer had not written yet), and nobody may wait on them
-    before: a wait on an event not yet recorded waits for nothing. A failure here is the
-    transfer's, and `complete` fails with it too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +107,6 @@ class TensorsArrival:
     """The same tensors at once: on a GPU, to be read on a stream that waited on `landed`."""
     landed: torch.cuda.Event | None = None
     """GPU: recorded on the receive stream after the tensors' receive."""
-    queued: asyncio.Future[None] | None = None
-    """As `Arrival.queued`: when not None, `landed` is recorded once this is done."""
 
 
 class Transport(abc.ABC):
