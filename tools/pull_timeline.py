@@ -1,6 +1,6 @@
 """Where the time of `kvrt bench pull` goes: host and GPU timestamps of one pull per chunk size.
 
-python3 tools/pull_timeline.py OUT_DIR       (two CUDA devices; writes OUT_DIR/timeline-*.json)
+python3 tools/pull_timeline.py OUT_DIR [nccl|cuda_ipc]   (two CUDA devices; writes OUT_DIR/timeline-*.json)
 
 Runs the benchmark with its producer and consumer patched to note, on the host's monotonic
 clock: the publish's start, each gather chunk's launch and GPU completion, the send's
@@ -23,6 +23,18 @@ from typing import Any
 import torch
 
 OUT = Path(os.environ.get("KVRT_TIMELINE_OUT", "/tmp/kvrt-timeline"))
+TRANSPORT = os.environ.get("KVRT_TIMELINE_TRANSPORT", "nccl")
+"""The transport the pull is forced onto (the producer process inherits it)."""
+
+
+def _transport_class() -> Any:
+    if TRANSPORT == "cuda_ipc":
+        from kvrt.transports.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport
+    from kvrt.transports.paired import PairedTransport
+
+    return PairedTransport
 
 
 class _TimedEvent(torch.cuda.Event):
@@ -97,8 +109,8 @@ def mark_waiter_wakes(clock: Clock) -> None:
 def _patch(device: str, side: str) -> Clock:
     import kvrt._producer as producer_module
     import kvrt.kernels.paged_kv as kernels
-    from kvrt.transports.paired import PairedTransport
 
+    PairedTransport = _transport_class()  # the class the timeline patches: nccl's or cuda_ipc's
     torch.cuda.Event = _TimedEvent  # type: ignore[misc]  # every event kvrt makes can be timed
     clock = Clock(torch.device(device))
     mark_control_messages(clock)
@@ -226,16 +238,18 @@ def timeline_producer(store_port: int, control: multiprocessing.connection.Conne
 
 
 def main() -> int:
-    global OUT
+    global OUT, TRANSPORT
     OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+    TRANSPORT = sys.argv[2] if len(sys.argv) > 2 else TRANSPORT
     OUT.mkdir(parents=True, exist_ok=True)
-    os.environ["KVRT_TIMELINE_OUT"] = str(OUT)  # the producer process inherits it
+    os.environ["KVRT_TIMELINE_OUT"] = str(OUT)  # the producer process inherits both
+    os.environ["KVRT_TIMELINE_TRANSPORT"] = TRANSPORT
     from kvrt._bench import pull
 
     torch.cuda.set_device(pull.CONSUMER_DEVICE)
     clock = _patch(pull.CONSUMER_DEVICE, "consumer")
     pull._producer = timeline_producer  # type: ignore[assignment]
-    result = pull.main(argparse.Namespace(json=str(OUT / "pull.json")))
+    result = pull.main(argparse.Namespace(json=str(OUT / "pull.json"), transport=TRANSPORT))
     marks = clock.resolve()
     (OUT / "timeline-consumer.json").write_text(json.dumps(marks))
     producer_marks = sorted(
