@@ -161,3 +161,68 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_in_time_and_
 async def heard(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 30), "the reader did not answer"
     return control.recv()
+
+
+async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The producer's torch counts one reference per share it sends; the consumer owes one
+    # decrement per share it receives (by dropping a counted opening, or releasing it unread).
+    # More and the producer frees memory another reader may still use; fewer and it is pinned.
+    # A chunked pull reads many ranges of one share: it opened one counted storage each.
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt.transports import cuda_ipc
+    from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
+
+    received: dict[tuple[bytes, int], int] = {}
+    released: dict[tuple[bytes, int], int] = {}
+    share_in, check_probe = CudaIpcTransport._share_in, CudaIpcTransport._check_probe
+    new_shared, release = cuda_ipc._new_shared, cuda_ipc._release
+
+    def counted_in(self: CudaIpcTransport, frames: Any) -> Any:
+        share = share_in(self, frames)
+        key = (share.counter, share.counter_offset)
+        received[key] = received.get(key, 0) + 1
+        return share
+
+    def counted_probe(self: CudaIpcTransport, session: Any, probe: Any, *rest: Any) -> None:
+        key = (probe.counter, probe.counter_offset)  # (the mark words' share is kept for good)
+        received[key] = received.get(key, 0) + 1
+        check_probe(self, session, probe, *rest)
+
+    def counted_open(device_index: int, share: Any, *, counted: bool) -> Any:
+        if counted:
+            key = (share.counter, share.counter_offset)
+            released[key] = released.get(key, 0) + 1
+        return new_shared(device_index, share, counted=counted)
+
+    def counted_release(share: Any) -> None:
+        key = (share.counter, share.counter_offset)
+        released[key] = released.get(key, 0) + 1
+        release(share)
+
+    monkeypatch.setattr(CudaIpcTransport, "_share_in", counted_in)
+    monkeypatch.setattr(CudaIpcTransport, "_check_probe", counted_probe)
+    monkeypatch.setattr(cuda_ipc, "_new_shared", counted_open)
+    monkeypatch.setattr(cuda_ipc, "_release", counted_release)
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    async with child_process(run_gpu_publisher, (PRODUCER_DEVICE, 5, 16 << 20, False, False), "GPU publisher") as (
+        endpoint,
+        _,
+        _,
+    ):
+
+        def build() -> tuple[Any, ...]:
+            torch.cuda.set_device(CONSUMER_DEVICE)
+            pools, tokens, _, _ = pull_request(5, False)
+            shape = pools[0][0][0].shape
+            target = PoolTable(
+                [[[torch.zeros(shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE) for _ in range(PULL_LAYERS)]]],
+                Layout.TOKEN_MAJOR,
+            )
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            return tokens, target, torch.randperm(shape[0], device=CONSUMER_DEVICE)[: tokens.numel()]
+
+        tokens, target, into_slots = await asyncio.to_thread(build)
+        async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport="cuda_ipc") as consumer:
+            item = await consumer.pull(tokens, into=target, slots=into_slots, replica=0, timeout=30)
+            assert item is not None and item.matched == tokens.numel()
+    assert received and released == received

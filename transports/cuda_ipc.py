@@ -480,6 +480,9 @@ class CudaIpcTransport(Transport):
         stream = session.receive
         landed: list[torch.cuda.Event] = []
         sources: list[torch.Tensor | torch.UntypedStorage] = []
+        # One counted opening per share, however many ranges are read from it: each opening
+        # maps the producer's counter file (the chunks of a pull are ranges of one share).
+        opened: dict[int, torch.Tensor] = {}
         try:
             with on_device(self.device), OnStream(stream):
                 payload.record_stream(stream)
@@ -487,8 +490,10 @@ class CudaIpcTransport(Transport):
                     # Marks are written in order on one stream: the part's last is enough.
                     self._words.wait_at_least(stream, session.marks_address, max(copy.mark for copy in part))
                     for copy in part:
-                        source = self._opened(session, copy.share)
-                        sources.append(source)
+                        source = opened.get(id(copy.share))
+                        if source is None:
+                            source = opened[id(copy.share)] = self._opened(session, copy.share)
+                            sources.append(source)
                         start = copy.share.start + copy.source
                         payload[copy.target : copy.target + copy.nbytes].copy_(
                             source[start : start + copy.nbytes], non_blocking=True
@@ -499,9 +504,12 @@ class CudaIpcTransport(Transport):
                     event.record(stream)
                     landed.append(event)
         except RuntimeError as exc:
-            for part in parts:
-                for copy in part:
-                    _release(copy.share)
+            # The shares not opened yet are released here, once each; the opened ones are,
+            # once each, when their storages are dropped.
+            shares = {id(copy.share): copy.share for part in parts for copy in part}
+            for key, share in shares.items():
+                if key not in opened:
+                    _release(share)
             raise RemoteProtocolError(f"could not open the producer's cuda_ipc share: {exc}") from None
         sources += session.evicted  # closed after these copies, on the waiter's thread
         session.evicted.clear()
