@@ -24,6 +24,8 @@ How a transfer goes:
   copies it (`copy_` of device memory: a copy engine). A kvrt thread waits for the last
   copy, then drops the mapping's use, which decrements the counter so the producer's
   allocator can take the memory back (`reclaim` collects it: `torch.cuda.ipc_collect`).
+  Torch counted the share once, so it is opened counted once, however many ranges are
+  read from it (a share left unread is released once: `discard`).
 
 Why a word and not a CUDA IPC event: a stream that waits on another process's event waits
 for ever if that process dies before recording it, and with it every later call of this
