@@ -74,6 +74,11 @@ def build(
     return src, *indexes(src, tokens, generator), dst, *indexes(dst, tokens, generator)
 
 
+def distinct_slots(table: PoolTable, tokens: int) -> torch.Tensor:
+    """Slots of one replica for `tokens` tokens, none twice."""
+    return torch.randperm(table.geometry.slots, generator=torch.Generator().manual_seed(tokens))[:tokens].to(DEVICE)
+
+
 @settings(max_examples=60, deadline=None)
 @given(case=pairs())
 def test_a_move_between_pools_equals_its_reference_and_touches_nothing_else(case: dict[str, object]) -> None:
@@ -93,8 +98,9 @@ def test_a_request_spread_over_four_replicas_lands_in_replica_two_and_the_source
                 "replicas": 3, "copies": 1},
         "tokens": 12, "layers": 3, "head_dim": 8, "dtype": torch.bfloat16, "seed": 7, "tuning": Tuning(),
     }  # fmt: skip
-    src, src_replica, src_slots, dst, _, dst_slots = build(case)
+    src, src_replica, src_slots, dst, _, _ = build(case)
     untouched, _, _, expected, _, _ = build(case)
+    dst_slots = distinct_slots(dst, 12)
     move_between(src, src_replica, src_slots, dst, 2, dst_slots)
     move_between_reference(src, src_replica, src_slots, expected, 2, dst_slots)
     assert same_pools(dst, expected) and same_pools(src, untouched)
@@ -133,3 +139,30 @@ def test_slots_outside_either_side_are_refused_before_launch(side: str) -> None:
     with pytest.raises(InvalidInputError, match="slot index"):
         move_between(src, 0, bad if side == "source" else good, dst, 0, good if side == "source" else bad)
     assert all(same_bits(pool, old) for pool, old in zip(dst.pools[0][0], before, strict=True))
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+def test_a_kernel_on_one_gpu_writes_the_other_gpus_pools_over_nvlink_bit_for_bit(layout: Layout) -> None:
+    # The fused pull's shape: the kernel runs where the source pools are; the destination's
+    # are another GPU's memory (here a peer's with access enabled; in a pull, mapped by IPC).
+    torch.cuda.set_device("cuda:0")  # where `build` puts the source (DEVICE is the current one)
+    mla = layout is Layout.MLA
+    case = {
+        "src": {"layout": layout, "heads": 1 if mla else 4, "head_range": (0, 1) if mla else (2, 4),
+                "block_size": 4, "slots": 64, "replicas": 4, "copies": 1},
+        "dst": {"layout": layout, "heads": 1 if mla else 2, "head_range": (0, 1) if mla else (0, 2),
+                "block_size": 8, "slots": 64, "replicas": 3, "copies": 2 if mla else 1},
+        "tokens": 48, "layers": 4, "head_dim": 128, "dtype": torch.bfloat16, "seed": 11, "tuning": Tuning(),
+    }  # fmt: skip
+    src, src_replica, src_slots, dst, _, _ = build(case)
+    _, _, _, expected, _, _ = build(case)
+    dst_slots = distinct_slots(dst, 48)
+    moved = PoolTable([[[pool.to("cuda:1") for pool in layers] for layers in copies] for copies in dst.pools], layout)
+    torch.empty(1, device="cuda:1").copy_(torch.empty(1, device="cuda:0"))  # torch enables cuda:0's access to cuda:1
+    heads = {"src_heads": case["src"]["head_range"], "dst_heads": case["dst"]["head_range"]}  # type: ignore[index]
+    move_between(src, src_replica, src_slots, moved, 2, dst_slots, **heads)  # type: ignore[arg-type]
+    torch.cuda.synchronize("cuda:0")
+    move_between_reference(src, src_replica, src_slots, expected, 2, dst_slots, **heads)  # type: ignore[arg-type]
+    back = PoolTable([[[pool.to(DEVICE) for pool in layers] for layers in copies] for copies in moved.pools], layout)
+    assert same_pools(back, expected)
