@@ -25,17 +25,8 @@ def main(out: Path) -> int:
                     problem = case.find("error")
                 if problem is not None:
                     print(f"  FAILED {case.get('name')}: {(problem.get('message') or '')[:160]}")
-    nccl = out / "nccl.json"
-    if nccl.exists():
-        data = json.loads(nccl.read_text())
-        print("nccl: size MiB | layers | raw GB/s | kvrt GB/s | kvrt/raw | batched GB/s | batched/raw")
-        for row in data["rows"]:
-            size, layers, raw, kvrt = int(row["size_mib"]), int(row.get("layers", 1)), row["raw_gbps"], row["kvrt_gbps"]
-            batched = row.get("batched_gbps", 0.0)
-            print(f"  {size:>6} | {layers:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}% | "
-                  f"{batched:12.1f} | {100 * row.get('batched_ratio', 0.0):10.0f}%")  # fmt: skip
-        latency = data["latency"]
-        print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
+    items(out / "nccl.json", "nccl", "raw")
+    items(out / "ipc-items.json", "cuda_ipc items", "peer copy")
     kernels = out / "kernels.json"
     if kernels.exists():
         rows = json.loads(kernels.read_text())["rows"]
@@ -43,28 +34,69 @@ def main(out: Path) -> int:
         print("kernels: variant | GB/s | of copy")
         for row in rows:
             print(f"  {row['variant']:<42} | {row['gbps']:6.0f} | {100 * row['gbps'] / ceiling:5.1f}%")
-    pull = out / "pull.json"
-    if pull.exists():
-        data = json.loads(pull.read_text())
-        print(f"pull: raw NCCL {data['raw_s'] * 1e3:.2f} ms; chunk MiB | tapered | indexes | end to end (median) "
-              "| of raw | best")  # fmt: skip
-        for row in data["rows"]:
-            print(f"  {row['chunk_mib']:>6.0f} | {'yes' if row.get('taper') else 'no':>7} | "
-                  f"{'host' if row.get('indexes_on_host') else 'GPU':>7} | "
-                  f"{row['end_to_end_s'] * 1e3:7.2f} ms | {100 * row['ratio']:5.0f}% | "
-                  f"{100 * row.get('best_ratio', row['ratio']):3.0f}%")  # fmt: skip
-    stream = out / "stream.json"
-    if stream.exists():
-        data = json.loads(stream.read_text())
-        print(f"stream: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms (GPU clocks, drift "
-              f"{data.get('clock_drift_ns', 0) / 1e3:+.1f} us); last layer computed -> received:")  # fmt: skip
-        for mode in ("stream", "paged", "whole"):
-            row = data.get(mode)
-            if row is None:
-                continue
-            print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
-                  f"= {row['layers']:5.2f}x one layer{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
+    pulls(out / "pull.json", "pull")
+    pulls(out / "ipc-paged.json", "pull over cuda_ipc")
+    fused(out / "ipc-fused.json")
+    streams(out / "stream.json", "stream")
+    streams(out / "stream-ipc.json", "stream over cuda_ipc")
     return 0
+
+
+def items(path: Path, name: str, against: str) -> None:
+    """`bench nccl`'s table (and `bench ipc`'s items, whose ratios are against a peer copy)."""
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    print(f"{name}: size MiB | layers | raw GB/s | kvrt GB/s | kvrt/{against} | batched GB/s | batched/{against}")
+    for row in data["rows"]:
+        size, layers, raw, kvrt = int(row["size_mib"]), int(row.get("layers", 1)), row["raw_gbps"], row["kvrt_gbps"]
+        batched = row.get("batched_gbps", 0.0)
+        print(f"  {size:>6} | {layers:>6} | {raw:8.1f} | {kvrt:9.1f} | {100 * row['ratio']:6.0f}% | "
+              f"{batched:12.1f} | {100 * row.get('batched_ratio', 0.0):10.0f}%")  # fmt: skip
+    latency = data["latency"]
+    print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
+
+
+def pulls(path: Path, name: str) -> None:
+    """`bench pull`'s rows: against raw NCCL, or (over cuda_ipc) against a peer copy."""
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    against, reference = ("peer copy", data["peer_s"]) if "peer_s" in data else ("raw NCCL", data["raw_s"])
+    print(f"{name}: {against} {reference * 1e3:.2f} ms; chunk MiB | tapered | indexes | end to end (median) "
+          f"| of {against} | best")  # fmt: skip
+    for row in data["rows"]:
+        print(f"  {row['chunk_mib']:>6.0f} | {'yes' if row.get('taper') else 'no':>7} | "
+              f"{'host' if row.get('indexes_on_host') else 'GPU':>7} | "
+              f"{row['end_to_end_s'] * 1e3:7.2f} ms | {100 * row['ratio']:5.0f}% | "
+              f"{100 * row.get('best_ratio', row['ratio']):3.0f}%")  # fmt: skip
+
+
+def fused(path: Path) -> None:
+    """`bench ipc`'s third part: the fused pool-to-pool kernel alone beside a peer copy."""
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    peer = data["peer"]["best_s"]
+    print(f"fused pool-to-pool kernel alone: peer copy {peer * 1e3:.2f} ms; " + ", ".join(
+        f"{name} {times['best_s'] * 1e3:.2f} ms ({100 * peer / times['best_s']:.0f}%)"
+        for name, times in data.items() if name != "peer"
+    ))  # fmt: skip
+
+
+def streams(path: Path, name: str) -> None:
+    """`bench stream`'s rows, against raw NCCL of one layer."""
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    print(f"{name}: raw NCCL one layer {data['raw_one_layer_s'] * 1e3:.3f} ms (GPU clocks, drift "
+          f"{data.get('clock_drift_ns', 0) / 1e3:+.1f} us); last layer computed -> received:")  # fmt: skip
+    for mode in ("stream", "paged", "whole"):
+        row = data.get(mode)
+        if row is None:
+            continue
+        print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
+              f"= {row['layers']:5.2f}x one layer{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
