@@ -309,6 +309,8 @@ class CudaIpcTransport(Transport):
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         if rendezvous.get("host") != host_identity():
             raise TransportUnavailableError("cuda_ipc: the producer runs on another machine")
+        if "probe" in rendezvous and "marks" not in rendezvous:
+            raise TransportUnavailableError("cuda_ipc: the producer is an older kvrt (it marks ranges with IPC events)")
         try:
             probe = m.decode_share(bytes.fromhex(rendezvous["probe"]))
             marks = m.decode_share(bytes.fromhex(rendezvous["marks"]))
