@@ -197,11 +197,16 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
     itemsize = table.dtype.itemsize
     g = table.geometry
     offsets = [g.token_stride, g.v_offset, heads[0] * g.head_dim, (heads[1] - heads[0]) * g.head_dim]
-    byte_offsets = [offset * itemsize for offset in offsets] + list(stage_bytes)
+    word = widest_word(table.address_alignment, [offset * itemsize for offset in offsets] + list(stage_bytes))
+    return word, word.itemsize
+
+
+def widest_word(alignment: int, byte_offsets: Sequence[int]) -> torch.dtype:
+    """The widest word (of `_WORDS`) that divides `alignment` and every one of `byte_offsets`."""
     for word in _WORDS:
         size = word.itemsize
-        if table.address_alignment % size == 0 and all(value % size == 0 for value in byte_offsets):
-            return word, size
+        if alignment % size == 0 and all(value % size == 0 for value in byte_offsets):
+            return word
     raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
 
 

@@ -28,7 +28,6 @@ import triton.language as tl
 
 from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import (
-    _WORDS,
     DEFAULT_TUNING,
     PoolTable,
     Tuning,
@@ -37,6 +36,7 @@ from kvrt.kernels.paged_kv import (
     gather_reference,
     per_token,
     scatter_reference,
+    widest_word,
 )
 
 
@@ -110,12 +110,9 @@ def _word(src: PoolTable, dst: PoolTable, src_heads: tuple[int, int], dst_heads:
     for table, heads in ((src, src_heads), (dst, dst_heads)):
         g = table.geometry
         offsets += [g.token_stride, g.v_offset, heads[0] * g.head_dim]
+    # Both alignments are powers of two: the smaller divides the larger.
     alignment = min(src.address_alignment, dst.address_alignment)
-    for word in _WORDS:
-        size = word.itemsize
-        if alignment % size == 0 and all(offset * itemsize % size == 0 for offset in offsets):
-            return word
-    raise AssertionError("uint8 divides everything")  # the loop ends on 1-byte words
+    return widest_word(alignment, [offset * itemsize for offset in offsets])
 
 
 def move_between(

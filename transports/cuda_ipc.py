@@ -483,7 +483,6 @@ class CudaIpcTransport(Transport):
         assert session is not None  # checked by _payload
         stream = session.receive
         landed: list[torch.cuda.Event] = []
-        sources: list[torch.Tensor | torch.UntypedStorage] = []
         # One counted opening per share, however many ranges are read from it: each opening
         # maps the producer's counter file (the chunks of a pull are ranges of one share).
         opened: dict[int, torch.Tensor] = {}
@@ -497,7 +496,6 @@ class CudaIpcTransport(Transport):
                         source = opened.get(id(copy.share))
                         if source is None:
                             source = opened[id(copy.share)] = self._opened(session, copy.share)
-                            sources.append(source)
                         start = copy.share.start + copy.source
                         payload[copy.target : copy.target + copy.nbytes].copy_(
                             source[start : start + copy.nbytes], non_blocking=True
@@ -515,7 +513,8 @@ class CudaIpcTransport(Transport):
                 if key not in opened:
                     _release(share)
             raise RemoteProtocolError(f"could not open the producer's cuda_ipc share: {exc}") from None
-        sources += session.evicted  # closed after these copies, on the waiter's thread
+        # Dropped after these copies, on the waiter's thread, with the mappings evicted since.
+        sources: list[torch.Tensor | torch.UntypedStorage] = [*opened.values(), *session.evicted]
         session.evicted.clear()
         idle = session.idle
         device = self.device

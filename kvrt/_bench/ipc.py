@@ -65,23 +65,12 @@ def fused(rounds: int = ROUNDS) -> dict[str, Any]:
 
     producer, consumer = torch.device(pull.PRODUCER_DEVICE), torch.device(pull.CONSUMER_DEVICE)
     torch.cuda.set_device(producer)
-    generator = torch.Generator(device=producer).manual_seed(0)
-    shape = (pull.PRODUCER_SLOTS, 2 * pull.HEADS, pull.DIM)
-    src = PoolTable(
-        [[[torch.randn(shape, generator=generator, device=producer).to(torch.bfloat16) for _ in range(pull.LAYERS)]]
-         for _ in range(pull.REPLICAS)],
-        Layout.TOKEN_MAJOR,
-    )  # fmt: skip
+    src, replica, slots = pull.request_pools()
     dst = PoolTable(
         [[[torch.zeros((pull.TOKENS, 2 * pull.HEADS, pull.DIM), dtype=torch.bfloat16, device=consumer)
            for _ in range(pull.LAYERS)]]],
         Layout.TOKEN_MAJOR,
     )  # fmt: skip
-    replica = torch.randint(0, pull.REPLICAS, (pull.TOKENS,), device=producer)
-    slots = torch.empty(pull.TOKENS, dtype=torch.int64, device=producer)
-    for r in range(pull.REPLICAS):
-        chosen = (replica == r).nonzero().flatten()
-        slots[chosen] = torch.randperm(pull.PRODUCER_SLOTS, device=producer)[: chosen.numel()]
     into = torch.randperm(pull.TOKENS, device=producer)
     source = torch.ones(pull.KV_BYTES, dtype=torch.uint8, device=producer)
     target = torch.empty(pull.KV_BYTES, dtype=torch.uint8, device=consumer)

@@ -27,12 +27,15 @@ import multiprocessing.connection
 import statistics
 import sys
 import time
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import torch
 
 from kvrt._bench._processes import from_child, join, start_producer
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
+
+if TYPE_CHECKING:
+    from kvrt.kernels.paged_kv import PoolTable
 
 TOKENS: Final = 32768
 LAYERS: Final = 32
@@ -67,19 +70,11 @@ CONSUMER_DEVICE: Final = "cuda:1"
 KV_BYTES: Final = TOKENS * LAYERS * 2 * HEADS * DIM * 2
 
 
-def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
-    from kvrt._producer import Producer
+def request_pools() -> tuple[PoolTable, torch.Tensor, torch.Tensor]:
+    """The benchmark's request on the producer's GPU: dp=4 token-major pools of random bf16
+    (`PoolTable`), and each token's replica and slot (distinct within a replica)."""
     from kvrt.kernels.paged_kv import Layout, PoolTable
 
-    torch.cuda.set_device(PRODUCER_DEVICE)
-    _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
-    _warm_p2p(group, 0, PRODUCER_DEVICE)
-    buffer = torch.ones(KV_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
-    for _ in range(RAW_REPEATS):
-        _barrier(group, PRODUCER_DEVICE)
-        group.send([buffer], 1, 0).wait()
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-    del buffer
     generator = torch.Generator(device=PRODUCER_DEVICE).manual_seed(0)
     pools = PoolTable(
         [[[torch.randn((PRODUCER_SLOTS, 2 * HEADS, DIM), generator=generator, device=PRODUCER_DEVICE)
@@ -91,6 +86,22 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     for r in range(REPLICAS):
         chosen = (replica == r).nonzero().flatten()
         slots[chosen] = torch.randperm(PRODUCER_SLOTS, device=PRODUCER_DEVICE)[: chosen.numel()]
+    return pools, replica, slots
+
+
+def _producer(store_port: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._producer import Producer
+
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    _, group = _raw_group(f"127.0.0.1:{store_port}", 0, PRODUCER_DEVICE)
+    _warm_p2p(group, 0, PRODUCER_DEVICE)
+    buffer = torch.ones(KV_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
+    for _ in range(RAW_REPEATS):
+        _barrier(group, PRODUCER_DEVICE)
+        group.send([buffer], 1, 0).wait()
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+    del buffer
+    pools, replica, slots = request_pools()
     host_replica, host_slots, host_tokens = replica.cpu(), slots.cpu(), torch.arange(TOKENS)
 
     async def main() -> None:
