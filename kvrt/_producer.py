@@ -908,9 +908,9 @@ class Producer(AsyncService):
         self._update_room()
 
     def _release_departed(self) -> None:
-        for peer, transport_name in self._core.take_departed():
-            log.info("consumer left; what it held is back in the buffer", extra={"peer": peer})
-            self._transports[transport_name].forget(peer)
+        for departure in self._core.take_departed():
+            log.info("consumer left; what it held is back in the buffer", extra={"peer": departure.peer})
+            self._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
             self._peer_left.set()
 
     def _serve_ended(self, task: asyncio.Task[None]) -> None:

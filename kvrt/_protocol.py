@@ -71,6 +71,18 @@ class Outgoing:
     """A DeliverMany's hits, in order."""
 
 
+@dataclass(frozen=True, slots=True)
+class Departure:
+    """A peer that left (bye, silence, a second hello, unreachable)."""
+
+    peer: bytes
+    transport: str
+    """The transport chosen at its hello."""
+    unconfirmed: tuple[BufferedItem, ...]
+    """The items in flight to it that it never confirmed (back in the buffer now): a
+    transport may still hold something for each on the peer's behalf."""
+
+
 class PeerState(enum.Enum):
     UNKNOWN = "unknown"
     READY = "ready"
@@ -173,7 +185,7 @@ class ProducerCore:
         self._timers: list[tuple[float, _TimerKind, int, object]] = []
         self._timer_order = itertools.count()
         self._item_ids = itertools.count(1)
-        self._departed: list[tuple[bytes, str]] = []
+        self._departed: list[Departure] = []
         self.refusals: dict[str, int] = {}
         """Error replies sent, by error code (for metrics)."""
         self._closed = False
@@ -210,8 +222,8 @@ class ProducerCore:
         state = self._peers.get(peer)
         return None if state is None else state.transport
 
-    def take_departed(self) -> list[tuple[bytes, str]]:
-        """Peers that left since the last call, with their transport: the driver releases them."""
+    def take_departed(self) -> list[Departure]:
+        """Peers that left since the last call: the driver releases what their transports held."""
         departed, self._departed = self._departed, []
         return departed
 
@@ -609,7 +621,7 @@ class ProducerCore:
         peer = self._peers.pop(identity, None)
         if peer is None:
             return []
-        self._departed.append((identity, peer.transport))
+        self._departed.append(Departure(identity, peer.transport, tuple(peer.in_flight.values())))
         for request_id in peer.waiting:
             self._waiters.pop((identity, request_id), None)
         out: list[Outgoing] = []

@@ -65,10 +65,18 @@ def _receive(control: multiprocessing.connection.Connection) -> Any:
 
 def run_gpu_consumer_that_dies(
     endpoint: str, device: str, heartbeat_s: float, tokens: list[int],
-    control: multiprocessing.connection.Connection, transport: str | None = None,
+    control: multiprocessing.connection.Connection, transport: str | None = None, hold_reads: bool = False,
 ) -> None:  # fmt: skip
-    """Ask for an item and never confirm it: the parent kills this process mid-transfer."""
+    """Ask for an item and never confirm it: the parent kills this process mid-transfer. With
+    `hold_reads` (cuda_ipc), what it opened of the producer's memory is never dropped: killed
+    after "arrived", it dies as one killed mid-read, its counts never given back."""
     from kvrt import _messages as m
+
+    if hold_reads:
+        from kvrt.transports import cuda_ipc
+
+        held: list[Any] = []
+        cuda_ipc._drop = lambda device, idle, *references: held.extend(list(each) for each in references)
 
     async def main() -> None:
         async with kvrt.Consumer(
@@ -86,6 +94,19 @@ def run_gpu_consumer_that_dies(
             await request
             control.send("arrived")
             await asyncio.to_thread(_receive, control)
+
+    asyncio.run(main())
+
+
+def run_gpu_consumer(
+    endpoint: str, device: str, tokens: list[int], transport: str, control: multiprocessing.connection.Connection
+) -> None:
+    """Take the item `tokens` name, confirm it, say how many tokens matched, and leave."""
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint, device=device, transport=transport) as consumer:
+            item = await consumer.drop_select(torch.tensor(tokens))
+        control.send(None if item is None else item.matched)
 
     asyncio.run(main())
 

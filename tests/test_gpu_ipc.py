@@ -9,6 +9,7 @@ Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -247,3 +248,55 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
             item = await consumer.pull(tokens, into=target, slots=into_slots, replica=0, timeout=30)
             assert item is not None and item.matched == tokens.numel()
     assert received and released == received
+
+
+async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_pinned() -> None:
+    # Torch counts a reference per share, and the consumer gives it back by dropping what it
+    # opened. This one read the item and is killed still holding it: its count would stay up,
+    # and once a second consumer has taken and confirmed the item, the producer's torch would
+    # keep the item's memory in its limbo for good. The producer releases the counts of what
+    # a departed consumer never confirmed, so the memory comes back.
+    from tests._gpu_processes import run_gpu_consumer, run_gpu_consumer_that_dies
+
+    heartbeat_s = 0.25
+    tokens, key, value, hidden = kv_item(0, 1 << 15, torch.bfloat16, PRODUCER_DEVICE)
+    item_bytes = key.nbytes + value.nbytes
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+        await producer.insert(tokens, None, key, value, hidden)
+        del key, value, hidden  # the producer holds its own copy
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+        with_item = torch.cuda.memory_allocated(PRODUCER_DEVICE)
+        query = tokens.tolist()
+        control, child = spawn.Pipe()
+        reader = spawn.Process(
+            target=run_gpu_consumer_that_dies,
+            args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, query, child, "cuda_ipc", True),
+            daemon=True,
+        )
+        await asyncio.to_thread(reader.start)
+        assert await heard(control) == "asked"
+        assert await heard(control) == "arrived"
+        assert reader.pid is not None
+        producer._peer_left.clear()
+        os.kill(reader.pid, signal.SIGKILL)
+        await asyncio.to_thread(reader.join)
+        await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+        assert producer.stats().items == 1  # back in the buffer
+
+        producer._peer_left.clear()
+        control, child = spawn.Pipe()
+        taker = spawn.Process(
+            target=run_gpu_consumer, args=(producer.endpoint, CONSUMER_DEVICE, query, "cuda_ipc", child)
+        )
+        await asyncio.to_thread(taker.start)
+        assert await heard(control) == len(query)
+        await asyncio.to_thread(taker.join)
+        await asyncio.wait_for(producer._peer_left.wait(), 10.0)  # its bye, after its receipt
+        stats = producer.stats()
+        assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
+        gc.collect()
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+        freed = with_item - torch.cuda.memory_allocated(PRODUCER_DEVICE)
+        assert freed >= item_bytes, f"{freed} bytes freed of the item's {item_bytes}"

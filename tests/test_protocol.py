@@ -14,6 +14,7 @@ from kvrt._protocol import (
     HEARTBEAT_MISSES,
     ConsumerCore,
     ConsumerEvent,
+    Departure,
     Failed,
     LinkState,
     Lost,
@@ -374,8 +375,20 @@ def test_no_common_transport_is_refused_saying_what_each_side_has() -> None:
 
 def test_departed_peers_are_reported_once_with_their_transport(pair: Pair) -> None:
     pair.send(m.Bye())
-    assert pair.producer.take_departed() == [(PEER, "tcp")]
+    assert pair.producer.take_departed() == [Departure(PEER, "tcp", ())]
     assert pair.producer.take_departed() == []
+
+
+def test_a_departed_peer_is_reported_with_the_items_it_never_confirmed(pair: Pair) -> None:
+    # Its transport may hold something for each on its behalf (cuda_ipc: a share's count).
+    confirmed, _ = pair.insert([1, 2])
+    unconfirmed, _ = pair.insert([3, 4])
+    pair.drop_select([1, 2])
+    pair.drop_select([3, 4])
+    pair.send(m.Received(item_ids=[confirmed.item_id]))
+    pair.send(m.Bye())
+    assert pair.producer.take_departed() == [Departure(PEER, "tcp", (unconfirmed,))]
+    assert len(pair.producer.buffer) == 1  # the unconfirmed item is back
 
 
 def test_tokens_that_are_not_whole_int64s_are_refused(pair: Pair) -> None:

@@ -20,7 +20,9 @@ Producer side, all on the producer's event loop:
   in one transfer.
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
-* `forget`: once per consumer that left (bye, silence, unreachable): release its pair.
+* `forget`: once per consumer that left (bye, silence, unreachable): release its pair, and
+  whatever it held on the consumer's behalf for the items it never confirmed (those items
+  are back in the buffer, their storage alive).
 * `send_tensors` (`out_of_band` transports): a stream's layer (its key and value) or its
   end's hidden states, right after that message's header left, under the same lock; the
   send waits on the GPU for `ready` (the layer written on the prefill's stream), never the
@@ -160,8 +162,9 @@ class Transport(abc.ABC):
         """Consumer side: the frames of a stream message this side will not read (nothing by
         default)."""
 
-    def forget(self, peer: bytes) -> None:  # noqa: B027 (an optional hook, not abstract)
-        """Producer side: `peer` left; release what its pair held (nothing by default)."""
+    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:  # noqa: B027
+        """Producer side: `peer` left without confirming `unconfirmed`; release what its pair
+        held (nothing by default)."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
         """Consumer side: join the producer's rendezvous (nothing by default)."""

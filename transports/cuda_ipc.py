@@ -51,6 +51,7 @@ import collections
 import contextlib
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -198,6 +199,9 @@ class CudaIpcTransport(Transport):
         self._slabs: list[torch.Tensor] = []
         """Mark words, never freed while the transport lives (see `_MARK_SLOTS`)."""
         self._next_slot = _MARK_SLOTS
+        self._unconfirmed: dict[bytes, weakref.WeakKeyDictionary[BufferedItem, list[m.IpcShare]]] = {}
+        """Per consumer, the shares of the items sent to it, kept while the item lives: when the
+        consumer leaves, those of the items it never confirmed are released here (`forget`)."""
 
     # -- producer side --------------------------------------------------------------------
 
@@ -237,6 +241,7 @@ class CudaIpcTransport(Transport):
         else:
             ready = [item.written] + [None] * (len(segments) - 1)
         share = self._share(peer, item.storage, ready)
+        self._sent(peer, item, share)
         return [memoryview(m.encode_share(share))]
 
     async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
@@ -245,6 +250,7 @@ class CudaIpcTransport(Transport):
         for item in items:
             written = item.written
             share = self._share(peer, item.storage, [written])
+            self._sent(peer, item, share)
             frames.append(memoryview(m.encode_share(share)))
         return frames
 
@@ -265,9 +271,27 @@ class CudaIpcTransport(Transport):
         share = self._share(peer, buffer, [ready])
         return [memoryview(m.encode_share(share))]
 
-    def forget(self, peer: bytes) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+        """Torch counted one reference per share, which the consumer gives back when it drops
+        what it opened. A consumer killed (or lost) before that never will: the items it did
+        not confirm keep their counts, and once the producer drops them (when another consumer
+        confirms them) their memory would stay in torch's limbo for good. So their counts are
+        released here, once per share. A consumer that dropped its opening and died before its
+        `Received` left takes its count below zero, which frees the memory all the same
+        (torch frees a shared block whose count is not above zero); the item is back in the
+        buffer, so its storage, and the count's slot with it, are alive: no other storage's
+        count is touched. (A stream's layers are not covered: their shares are not tied to an
+        item the core reports.)"""
         self._pairs.pop(peer, None)
+        sent = self._unconfirmed.pop(peer, None)
+        if sent is not None:
+            for item in unconfirmed:
+                for share in sent.pop(item, ()):
+                    _release(share)
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
+        self._unconfirmed.setdefault(peer, weakref.WeakKeyDictionary()).setdefault(item, []).append(share)
 
     def _pair(self, peer: bytes) -> _Pair:
         pair = self._pairs.get(peer)
@@ -573,6 +597,7 @@ class CudaIpcTransport(Transport):
     async def aclose(self) -> None:
         self._end_session()
         self._pairs.clear()
+        self._unconfirmed.clear()
 
 
 def _new_shared(device_index: int, share: m.IpcShare, *, counted: bool) -> torch.UntypedStorage:

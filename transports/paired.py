@@ -258,7 +258,7 @@ class PairedTransport(Transport):
         established = pair.established
         return pair, established.result() if established.done() else await asyncio.wrap_future(established)
 
-    def forget(self, peer: bytes) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
         pair = self._pairs.pop(peer, None)
         if pair is not None:
             self._release(pair)
