@@ -95,8 +95,9 @@ def streams(path: Path, name: str) -> None:
         row = data.get(mode)
         if row is None:
             continue
+        peer = f", {row['peer_layers']:4.2f}x a peer copy of one" if "peer_layers" in row else ""
         print(f"  {mode:>6}: {row['median_s'] * 1e3:7.3f} ms median, {row['best_s'] * 1e3:7.3f} best "
-              f"= {row['layers']:5.2f}x one layer{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
+              f"= {row['layers']:5.2f}x one layer{peer}{' (goal <= 1.5x)' if mode == 'stream' else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":

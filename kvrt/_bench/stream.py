@@ -175,6 +175,25 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
     calibrate(group, 0, PRODUCER_DEVICE)  # again, for the drift
 
 
+def _peer_copy_one_layer() -> float:
+    """One layer's bytes copied from cuda:0 to cuda:1 by the copy engines (`copy_` on the
+    consumer's stream), timed by events around it on that stream: one layer's transfer time
+    over the path cuda_ipc takes, median of RAW_REPEATS after a warm-up."""
+    source = torch.ones(LAYER_BYTES, dtype=torch.uint8, device=PRODUCER_DEVICE)
+    target = torch.empty(LAYER_BYTES, dtype=torch.uint8, device=CONSUMER_DEVICE)
+    torch.cuda.synchronize(PRODUCER_DEVICE)
+    seconds = []
+    with torch.cuda.device(CONSUMER_DEVICE):
+        for _ in range(RAW_REPEATS + 1):
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+            target.copy_(source, non_blocking=True)
+            ended.record()
+            ended.synchronize()
+            seconds.append(began.elapsed_time(ended) / 1e3)
+    return float(statistics.median(seconds[1:]))
+
+
 def main(args: argparse.Namespace) -> int:
     from kvrt import _messages as m
     from kvrt._consumer import Consumer
@@ -198,6 +217,7 @@ def main(args: argparse.Namespace) -> int:
         raw = [(received - offset - sent) / 1e9 for sent, received in zip(sent_raw, received_raw, strict=True)]
         one_layer_s = statistics.median(raw[:RAW_REPEATS])
         per_layer_s = statistics.median(raw[RAW_REPEATS:]) / LAYERS
+        peer_one_layer_s = _peer_copy_one_layer() if transport == "cuda_ipc" else None
         endpoint = from_child(control)
         stamps = Stamps(CONSUMER_DEVICE, 1)
         into = _pools(CONSUMER_DEVICE)
@@ -261,6 +281,10 @@ def main(args: argparse.Namespace) -> int:
         result[mode] = {"median_s": statistics.median(seconds), "best_s": min(seconds), "runs_s": seconds}
         result[mode]["layers"] = result[mode]["median_s"] / one_layer_s
         result[mode]["copy_s"] = statistics.median(copies[mode])
+        if peer_one_layer_s is not None:
+            result[mode]["peer_layers"] = result[mode]["median_s"] / peer_one_layer_s
+    if peer_one_layer_s is not None:
+        result["peer_one_layer_s"] = peer_one_layer_s
     print(f"\nkvrt bench stream — a simulated prefill on {PRODUCER_DEVICE} ({LAYERS} layers, one "
           f"[{TOKENS}x{HIDDEN}] @ [{HIDDEN}x{PROJECTIONS}] bf16 matmul each), read on {CONSUMER_DEVICE}; "
           f"KV {LAYER_BYTES >> 20} MiB a layer ({TOKENS} tokens x {HEADS} heads x {DIM}, K and V, bf16); "
@@ -269,6 +293,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"GPU clocks: cuda:1 - cuda:0 = {offset / 1e3:.1f} us, moved {(drift - offset) / 1e3:+.1f} us over the run")
     print(f"raw NCCL, one layer's bytes alone:             {one_layer_s * 1e3:8.3f} ms  (the goal's unit)")
     print(f"raw NCCL, {LAYERS} layers back to back, per layer:  {per_layer_s * 1e3:8.3f} ms")
+    if peer_one_layer_s is not None:
+        print(f"peer copy (copy engines), one layer's bytes:   {peer_one_layer_s * 1e3:8.3f} ms  "
+              "(cuda_ipc's own one-layer time)")  # fmt: skip
     print(f"from the last layer computed to the last layer received, median of {ROUNDS} (best):")
     for mode, label, goal in (
         ("stream", "streaming (put_layer per layer)", "goal <= 1.5x"),
@@ -276,8 +303,9 @@ def main(args: argparse.Namespace) -> int:
         ("whole", "whole request after the prefill", ""),
     ):
         row = result[mode]
+        against_peer = f" ({row['peer_layers']:4.2f}x a peer copy of one)" if "peer_layers" in row else ""
         print(f"  {label:34} {row['median_s'] * 1e3:8.3f} ms ({row['best_s'] * 1e3:6.3f}) = "
-              f"{row['layers']:5.2f}x one layer  {goal}")  # fmt: skip
+              f"{row['layers']:5.2f}x one layer{against_peer}  {goal}")  # fmt: skip
     print(f"of which the producer's copy after the last layer (GPU events): put_layer "
           f"{result['stream']['copy_s'] * 1e3:.3f} ms, its gather from the pools {result['paged']['copy_s'] * 1e3:.3f} "
           f"ms, insert {result['whole']['copy_s'] * 1e3:.3f} ms")  # fmt: skip
