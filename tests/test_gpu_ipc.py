@@ -1,9 +1,10 @@
-"""The `cuda_ipc` transport's choice of path and its failures, between two processes on two
-GPUs of one host (producer on cuda:0, consumer on cuda:1). Bit-exact transfers of every
-dtype, batches, pulls and streams over it are in `test_gpu_nccl.py` and `test_gpu_stream.py`,
-run over both GPU transports.
+"""The `cuda_ipc` transport's choice of path and its failures, between two processes of one
+host (producer on cuda:0, consumer on cuda:1, or both on cuda:0 where one GPU is visible:
+`tests/_gpus.py`). Bit-exact transfers of every dtype, batches, pulls and streams over it
+are in `test_gpu_nccl.py` and `test_gpu_stream.py`, run over both GPU transports.
 
-Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+Skipped without CUDA (the fallbacks to NCCL, without two devices); `tools/gpu_check.sh` runs
+them on the lent GPU host.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import torch
 import kvrt
 from kvrt.transports.cuda_ipc import CudaIpcTransport
 from tests._gpu_processes import kv_item, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
+from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu, two_gpus
 from tests._processes import child_process
 
-pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
+pytestmark = [one_gpu, pytest.mark.timeout(100, method="thread")]
+"""One GPU will do (both processes on it) but where NCCL serves: `two_gpus`."""
 
 spawn = multiprocessing.get_context("spawn")
-PRODUCER_DEVICE = "cuda:0"
-CONSUMER_DEVICE = "cuda:1"
 
 
 def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
@@ -63,6 +64,7 @@ async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_s
         assert (items, in_flight, peers) == (0, 0, 1)
 
 
+@two_gpus
 async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvrt._consumer.host_identity", lambda: "boot:another-machine")
     async with (
@@ -77,6 +79,7 @@ def cannot_open(self: CudaIpcTransport, *_: Any) -> None:
     raise kvrt.TransportUnavailableError("cuda_ipc: the producer's memory cannot be opened here: (simulated)")
 
 
+@two_gpus
 async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_back_to_nccl_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -94,6 +97,7 @@ async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_bac
     )
 
 
+@two_gpus
 async def test_a_producer_of_an_older_kvrt_gets_nccl_from_this_consumer_not_a_failure(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -125,6 +129,7 @@ async def test_a_consumer_that_forces_cuda_ipc_where_it_cannot_work_gets_a_typed
                 pass
 
 
+@two_gpus
 async def test_memory_from_expandable_segments_travels_or_falls_back_never_crashes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,7 +1,9 @@
 """The GPU transports, NCCL and CUDA IPC, between two processes on two GPUs (producer on cuda:0,
-consumer on cuda:1): the producer offers both, the consumer forces one (`TRANSPORTS`).
+consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`).
 
-Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
+the lent GPU host.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import torch
 
 import kvrt
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._gpus import (
+    CONSUMER_DEVICE,
+    PRODUCER_DEVICE,
+    over_each_gpu_transport,
+    over_each_gpu_transport_on_two_gpus,
+)
 from tests._processes import child_process
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 
 spawn = multiprocessing.get_context("spawn")
-PRODUCER_DEVICE = "cuda:0"
-CONSUMER_DEVICE = "cuda:1"
 GIB_TOKENS = 1 << 17
 """Tokens of an item of about 1 GiB: key and value [2, T, 8, 128] bf16 are 512 MiB each."""
 
@@ -36,9 +42,6 @@ def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
-
-TRANSPORTS = ["nccl", "cuda_ipc"]
-over_each_gpu_transport = pytest.mark.parametrize("transport", TRANSPORTS)
 
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "bool", "int64"]
 
@@ -84,7 +87,7 @@ def matmuls(count: int) -> None:
         a = (a @ a).clamp_(-1, 1)
 
 
-@over_each_gpu_transport
+@over_each_gpu_transport_on_two_gpus
 async def test_compute_on_the_default_stream_overlaps_transfers(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (
@@ -116,7 +119,7 @@ async def test_compute_on_the_default_stream_overlaps_transfers(transport: str) 
         assert together < compute_alone + 0.7 * transfer_alone  # serialized would be the sum
 
 
-@over_each_gpu_transport
+@over_each_gpu_transport_on_two_gpus
 async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (

@@ -2,7 +2,9 @@
 layer's transfer starts when the prefill's stream wrote it, and the reader's stream waits for
 its landing; no host waits for either.
 
-Skipped without two CUDA devices; `tools/gpu_check.sh` runs them on the lent GPU host.
+Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
+the lent GPU host.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from tests._gpu_processes import (
     stream_layer_kv,
     zeros,
 )
+from tests._gpus import (
+    CONSUMER_DEVICE,
+    PRODUCER_DEVICE,
+    over_each_gpu_transport,
+    over_each_gpu_transport_on_two_gpus,
+)
 from tests._processes import child_process
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(120, method="thread")]
 
-PRODUCER_DEVICE = "cuda:0"
-CONSUMER_DEVICE = "cuda:1"
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
-over_each_gpu_transport = pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
 
 
 def streamer(heartbeat_s: float = 1.0) -> Any:
@@ -78,7 +83,7 @@ async def landed_on(side: torch.cuda.Stream, layer: asyncio.Task[Any]) -> bool:
     return bool(now.query())
 
 
-@over_each_gpu_transport
+@over_each_gpu_transport_on_two_gpus
 async def test_every_dtype_streams_bit_for_bit_and_layer_0_lands_while_the_last_is_still_computed(
     transport: str,
 ) -> None:
