@@ -279,6 +279,10 @@ class _Link:
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
             was_ready = self.core.state is LinkState.READY
+            if was_ready:
+                # Receipts still waiting for their flush leave before the bye: after it, the
+                # producer would put those items back in its buffer and deliver them again.
+                self._send_receipts()
             self._fail_all(self.core.close())
             if was_ready:
                 self._send_nowait(m.Bye(reason="consumer closed"))

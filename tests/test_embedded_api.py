@@ -251,6 +251,22 @@ async def test_closing_the_consumer_ends_its_pending_calls_with_closed_error(pro
         await consumer.drop_select(torch.arange(3))
 
 
+async def test_an_item_taken_right_before_close_stays_taken_and_is_never_delivered_again(
+    producer: kvrt.Producer,
+) -> None:
+    # Its receipt leaves before the consumer's bye: a bye first would put the item back in
+    # the buffer, and the next consumer would get it a second time.
+    await insert_tokens(producer, torch.arange(4))
+    producer._peer_left.clear()
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        assert await consumer.drop_select(torch.arange(4)) is not None
+    await asyncio.wait_for(producer._peer_left.wait(), 5.0)
+    stats = producer.stats()
+    assert (stats.items, stats.in_flight, stats.totals.delivered_items, stats.totals.returned_items) == (0, 0, 1, 0)
+    async with kvrt.Consumer(connect=producer.endpoint) as second:
+        assert await second.drop_select(torch.arange(4)) is None
+
+
 async def test_a_closing_producer_ends_the_consumers_pending_calls_with_peer_lost() -> None:
     producer = await kvrt.Producer().start()
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
