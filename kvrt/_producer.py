@@ -858,7 +858,7 @@ class Producer(AsyncService):
                             await transport.send_tensors(send.peer, send.tensors, ready)
                             continue
                         if transport.streams_tensors and not transport.out_of_band:
-                            frames = await transport.stream_frames(send.peer, send.tensors, ready)
+                            frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
                         else:
                             frames = await self._host_frames(send.tensors, ready)
                     elif isinstance(message, m.DeliverMany):

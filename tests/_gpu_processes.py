@@ -111,6 +111,33 @@ def run_gpu_consumer(
     asyncio.run(main())
 
 
+def run_gpu_stream_reader_that_dies(
+    endpoint: str, device: str, heartbeat_s: float, tokens: list[int], layers: int,
+    control: multiprocessing.connection.Connection,
+) -> None:  # fmt: skip
+    """Read `layers` layers of the stream `tokens` name over cuda_ipc, never dropping what it
+    opened of the producer's memory, say "read", and wait: the parent kills it mid-stream."""
+    from kvrt.transports import cuda_ipc
+
+    held: list[Any] = []
+    cuda_ipc._drop = lambda device, idle, *references: held.extend(list(each) for each in references)
+
+    async def main() -> None:
+        torch.cuda.set_device(device)
+        async with kvrt.Consumer(
+            connect=endpoint, device=device, heartbeat_s=heartbeat_s, transport="cuda_ipc"
+        ) as consumer:
+            reader = await consumer.open_stream(torch.tensor(tokens), timeout=30)
+            assert reader is not None
+            for layer in range(layers):
+                await reader.layer(layer)
+            torch.cuda.synchronize(device)
+            control.send("read")
+            await asyncio.to_thread(_receive, control)
+
+    asyncio.run(main())
+
+
 PULL_LAYERS, PULL_TOKENS, PULL_HEADS, PULL_DIM, PULL_SLOTS, PULL_REPLICAS = 4, 4096, 8, 128, 8192, 4
 
 

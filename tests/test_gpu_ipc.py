@@ -22,7 +22,7 @@ import torch
 
 import kvrt
 from kvrt.transports.cuda_ipc import CudaIpcTransport
-from tests._gpu_processes import kv_item, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
+from tests._gpu_processes import kv_item, kv_tokens, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu, two_gpus
 from tests._processes import child_process
 
@@ -305,3 +305,44 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         torch.cuda.synchronize(PRODUCER_DEVICE)
         freed = with_item - torch.cuda.memory_allocated(PRODUCER_DEVICE)
         assert freed >= item_bytes, f"{freed} bytes freed of the item's {item_bytes}"
+
+
+async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_memory_pinned() -> None:
+    # The same for a stream's layers: each is shared as it is published. The reader is killed
+    # mid-stream holding the layers it opened; the stream goes back to the open streams, and
+    # once the prefill gives it up, its layers' memory must come back.
+    from tests._gpu_processes import run_gpu_stream_reader_that_dies
+
+    heartbeat_s = 0.25
+    tokens, layers, read = kv_tokens(7, 1 << 14), 4, 3
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+        before = torch.cuda.memory_allocated(PRODUCER_DEVICE)
+        stream = await producer.open_stream(tokens, layers=layers)
+        control, child = spawn.Pipe()
+        reader = spawn.Process(
+            target=run_gpu_stream_reader_that_dies,
+            args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, tokens.tolist(), read, child),
+            daemon=True,
+        )
+        await asyncio.to_thread(reader.start)
+        layer_bytes = 0
+        for layer in range(read):
+            key = torch.full((tokens.numel(), 8, 128), float(layer), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
+            await stream.put_layer(key, key.clone())
+            layer_bytes += 2 * key.nbytes
+            del key
+        assert await heard(control) == "read"
+        assert reader.pid is not None
+        producer._peer_left.clear()
+        os.kill(reader.pid, signal.SIGKILL)
+        await asyncio.to_thread(reader.join)
+        await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+        await stream.abort("the test gives the prefill up")
+        stats = producer.stats()
+        assert (stats.items, stats.in_flight) == (0, 0)
+        gc.collect()
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+        held = torch.cuda.memory_allocated(PRODUCER_DEVICE) - before
+        assert held < layer_bytes // read, f"{held} bytes still held of the {layer_bytes} the layers took"

@@ -148,10 +148,10 @@ class Transport(abc.ABC):
         raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
 
     async def stream_frames(
-        self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
+        self, peer: bytes, item_id: int, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
     ) -> list[memoryview]:
         """In-band transports that stream tensors: the frames that let the consumer take a
-        stream message's tensors, once `ready` fired."""
+        stream message's tensors (of the stream `item_id`), once `ready` fired."""
         raise NotImplementedError(f"{self.name} moves a stream's tensors as host frames")
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:

@@ -202,6 +202,9 @@ class CudaIpcTransport(Transport):
         self._unconfirmed: dict[bytes, weakref.WeakKeyDictionary[BufferedItem, list[m.IpcShare]]] = {}
         """Per consumer, the shares of the items sent to it, kept while the item lives: when the
         consumer leaves, those of the items it never confirmed are released here (`forget`)."""
+        self._unconfirmed_layers: dict[bytes, dict[int, tuple[int, m.IpcShare]]] = {}
+        """The same for the layers of streams, per consumer and layer (by the id of the layer's
+        first tensor, while it lives): the stream's item id and the share."""
 
     # -- producer side --------------------------------------------------------------------
 
@@ -255,20 +258,29 @@ class CudaIpcTransport(Transport):
         return frames
 
     async def stream_frames(
-        self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
+        self, peer: bytes, item_id: int, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
     ) -> list[memoryview]:
         placed, nbytes = back_to_back([tensor_meta(tensor) for tensor in tensors])
         if nbytes == 0:
             return []
         buffer = span_of(tensors, placed, nbytes)
-        if buffer is None:  # a finished item's layer, whose key and value lie apart: packed
-            pair = self._pair(peer)
-            with on_device(self.device), OnStream(pair.stream):
-                if ready is not None:
-                    pair.stream.wait_event(ready)
-                ready = None  # packed on the pair's stream: its marks come after
-                buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
-        share = self._share(peer, buffer, [ready])
+        if buffer is not None:
+            share = self._share(peer, buffer, [ready])
+            # Kept while the stream holds the layer (its first tensor keeps the storage, and so
+            # the count's slot, alive): released by `forget` if the reader leaves unconfirmed.
+            layers = self._unconfirmed_layers.setdefault(peer, {})
+            layers[id(tensors[0])] = (item_id, share)
+            weakref.finalize(tensors[0], layers.pop, id(tensors[0]), None)
+            return [memoryview(m.encode_share(share))]
+        # A finished item's layer, whose key and value lie apart: packed into a buffer of its
+        # own that nothing here keeps (torch does, in its limbo, while the count is up), so its
+        # share is not released on the reader's behalf: its slot may be another's by then.
+        pair = self._pair(peer)
+        with on_device(self.device), OnStream(pair.stream):
+            if ready is not None:
+                pair.stream.wait_event(ready)
+            buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
+        share = self._share(peer, buffer, [None])  # packed on the pair's stream: its marks come after
         return [memoryview(m.encode_share(share))]
 
     def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
@@ -280,14 +292,19 @@ class CudaIpcTransport(Transport):
         `Received` left takes its count below zero, which frees the memory all the same
         (torch frees a shared block whose count is not above zero); the item is back in the
         buffer, so its storage, and the count's slot with it, are alive: no other storage's
-        count is touched. (A stream's layers are not covered: their shares are not tied to an
-        item the core reports.)"""
+        count is touched. A stream's layers are released the same way, for the stream items
+        (open, or finished and not confirmed) the reader left with."""
         self._pairs.pop(peer, None)
         sent = self._unconfirmed.pop(peer, None)
         if sent is not None:
             for item in unconfirmed:
                 for share in sent.pop(item, ()):
                     _release(share)
+        streamed = self._unconfirmed_layers.pop(peer, {})
+        unconfirmed_ids = {item.item_id for item in unconfirmed}  # a stream's, or its whole item's
+        for item_id, share in list(streamed.values()):
+            if item_id in unconfirmed_ids:
+                _release(share)
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
@@ -598,6 +615,7 @@ class CudaIpcTransport(Transport):
         self._end_session()
         self._pairs.clear()
         self._unconfirmed.clear()
+        self._unconfirmed_layers.clear()
 
 
 def _new_shared(device_index: int, share: m.IpcShare, *, counted: bool) -> torch.UntypedStorage:
