@@ -166,6 +166,9 @@ class _Link:
         self._rejoin: asyncio.Future[None] | None = None
         """Set while a join that fell back waits for the next welcome's join."""
         self._arrivals: set[asyncio.Future[Any]] = set()
+        self._sessions_lost = 0
+        """Counts the times the link gave its producer up: a receive posted before the last of
+        them belongs to calls that failed then, whatever it lands."""
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._monitor = None if curve is None else secure_client(self._socket, curve)
@@ -393,16 +396,19 @@ class _Link:
             on_landing(deliver, arrival)
         arriving = arrival.complete
         if arriving.done():
-            self._landed(future, deliver, arriving)  # TCP: already here
+            self._landed(future, deliver, self._sessions_lost, arriving)  # TCP: already here
         else:
-            self._own_arrival(arriving, functools.partial(self._landed, future, deliver))
+            self._own_arrival(arriving, functools.partial(self._landed, future, deliver, self._sessions_lost))
 
     def _landed(
-        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, arriving: asyncio.Future[ItemTensors]
-    ) -> None:
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, session: int,
+        arriving: asyncio.Future[ItemTensors],
+    ) -> None:  # fmt: skip
         """An item's receive ended: complete the call, or give the item back with the reason."""
-        if arriving.cancelled():
-            return  # the link closed; its calls failed already
+        if arriving.cancelled() or session != self._sessions_lost:
+            # The link closed, or gave the producer up since (a cuda_ipc copy then lands what
+            # a dead producer left): the call failed then, and the producer took the item back.
+            return
         error = arriving.exception()
         if error is not None:
             self._give_back(future, deliver, translate_torch_error(error, what=f"receiving item {deliver.item_id}"))
@@ -431,9 +437,9 @@ class _Link:
                     future.set_exception(exc)
             return
         if arriving.done():
-            self._batch_landed(future, batch, arriving)  # TCP: already here
+            self._batch_landed(future, batch, self._sessions_lost, arriving)  # TCP: already here
         else:
-            self._own_arrival(arriving, functools.partial(self._batch_landed, future, batch))
+            self._own_arrival(arriving, functools.partial(self._batch_landed, future, batch, self._sessions_lost))
 
     def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
         """Call `landed` when a posted receive ends, from the future's own callback (no task,
@@ -443,9 +449,10 @@ class _Link:
         arriving.add_done_callback(landed)
 
     def _batch_landed(
-        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, arriving: asyncio.Future[list[ItemTensors]]
-    ) -> None:
-        if arriving.cancelled():
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, session: int,
+        arriving: asyncio.Future[list[ItemTensors]],
+    ) -> None:  # fmt: skip
+        if arriving.cancelled() or session != self._sessions_lost:  # as in `_landed`
             return
         error = arriving.exception()
         if error is not None:
@@ -736,14 +743,17 @@ class _Link:
             log.debug("dropped %s to %s: send queue full", type(message).__name__, self.endpoint)
 
     def _fail_all(self, lost: Lost) -> None:
+        """Every call of the link fails: those waiting for their answer (`lost.request_ids`)
+        and those whose item is still landing, whose bytes cannot be trusted any more (over
+        cuda_ipc, `abandon` lets their copies read whatever a dead producer left)."""
+        self._sessions_lost += 1
         if self._transport is not None:
             self._transport.abandon()
         for stream in self._streams.values():
             stream.fail(fresh_copy(lost.error))
         self._streams.clear()
-        for request_id in lost.request_ids:
-            future = self._pending.get(request_id)
-            if future is not None and not future.done():
+        for future in self._pending.values():
+            if not future.done():
                 future.set_exception(fresh_copy(lost.error))
 
     def _run_ended(self, task: asyncio.Task[None]) -> None:

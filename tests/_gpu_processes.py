@@ -302,6 +302,26 @@ async def _stream_paged(
         await stream.finish()
 
 
+def run_gpu_late_inserter(device: str, heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
+    """A producer on `device` that, on ("insert", index, tokens, milliseconds), queues that much
+    GPU work and then an item (its KV written after the work; its tokens on the host, so the
+    insert reads nothing back): the item is buffered, and delivered, long before its bytes
+    are written. Answers "inserted" at once."""
+
+    async def main() -> None:
+        torch.cuda.set_device(device)
+        async with kvrt.Producer(device=device, heartbeat_s=heartbeat_s, buffer_bytes=1 << 40) as producer:
+            control.send(producer.endpoint)
+            while (command := await asyncio.to_thread(_receive, control)) not in (None, "stop"):
+                _, index, tokens, work_ms = command
+                torch.cuda._sleep(work_ms * GPU_CYCLES_PER_MS)
+                _, key, value, hidden = kv_item(index, tokens, torch.bfloat16, device)
+                await producer.insert(kv_tokens(index, tokens), None, key, value, hidden)
+                control.send("inserted")
+
+    asyncio.run(main())
+
+
 def run_gpu_ipc_reader(
     endpoint: str, device: str, heartbeat_s: float, control: multiprocessing.connection.Connection
 ) -> None:

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -346,3 +347,43 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
         torch.cuda.synchronize(PRODUCER_DEVICE)
         held = torch.cuda.memory_allocated(PRODUCER_DEVICE) - before
         assert held < layer_bytes // read, f"{held} bytes still held of the {layer_bytes} the layers took"
+
+
+async def test_a_producer_killed_before_its_item_is_written_fails_the_call_instead_of_handing_out_garbage() -> None:
+    # The item is delivered at once; its bytes come 3 s later (the producer's GPU is busy).
+    # The producer is killed meanwhile: the link gives it up after the heartbeat timeout and
+    # lets the copy read whatever was left, so the call must fail with PeerLostError, not
+    # return those bytes as the item.
+    from tests._gpu_processes import run_gpu_late_inserter
+
+    heartbeat_s = 0.25
+    tokens = 4096
+    async with child_process(run_gpu_late_inserter, (PRODUCER_DEVICE, heartbeat_s), "GPU late inserter") as (
+        endpoint,
+        producer,
+        control,
+    ):
+        async with kvrt.Consumer(
+            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc"
+        ) as consumer:
+            link = consumer._links[0]
+            posted = asyncio.Event()
+            on_deliver = link._on_deliver
+
+            def noting_the_post(*args: Any) -> None:
+                on_deliver(*args)
+                posted.set()
+
+            link._on_deliver = noting_the_post  # type: ignore[method-assign]
+            call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
+            await asyncio.sleep(0)
+            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+            control.send(("insert", 5, tokens, 3000))
+            assert await heard(control) == "inserted"
+            await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
+            assert producer.pid is not None and not call.done() and link._arrivals
+            os.kill(producer.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(kvrt.PeerLostError):
+                await call
+            assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
