@@ -302,15 +302,23 @@ async def _stream_paged(
         await stream.finish()
 
 
+WARM_UP = 99
+
+
 def run_gpu_late_inserter(device: str, heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
     """A producer on `device` that, on ("insert", index, tokens, milliseconds), queues that much
     GPU work and then an item (its KV written after the work; its tokens on the host, so the
     insert reads nothing back): the item is buffered, and delivered, long before its bytes
-    are written. Answers "inserted" at once."""
+    are written. Answers "inserted" at once. It first inserts item `WARM_UP` (16 tokens),
+    written at once: the kernels an insert runs are loaded then, since loading a module
+    waits for the whole GPU, and the loop would stop answering heartbeats meanwhile."""
 
     async def main() -> None:
         torch.cuda.set_device(device)
         async with kvrt.Producer(device=device, heartbeat_s=heartbeat_s, buffer_bytes=1 << 40) as producer:
+            _, key, value, hidden = kv_item(WARM_UP, 16, torch.bfloat16, device)
+            await producer.insert(kv_tokens(WARM_UP, 16), None, key, value, hidden)
+            torch.cuda.synchronize(device)
             control.send(producer.endpoint)
             while (command := await asyncio.to_thread(_receive, control)) not in (None, "stop"):
                 _, index, tokens, work_ms = command

@@ -354,7 +354,7 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
     # The producer is killed meanwhile: the link gives it up after the heartbeat timeout and
     # lets the copy read whatever was left, so the call must fail with PeerLostError, not
     # return those bytes as the item.
-    from tests._gpu_processes import run_gpu_late_inserter
+    from tests._gpu_processes import WARM_UP, run_gpu_late_inserter
 
     heartbeat_s = 0.25
     tokens = 4096
@@ -366,6 +366,7 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
         async with kvrt.Consumer(
             connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc"
         ) as consumer:
+            assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
             link = consumer._links[0]
             posted = asyncio.Event()
             on_deliver = link._on_deliver
