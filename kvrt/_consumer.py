@@ -70,6 +70,11 @@ if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
 log = logging.getLogger("kvrt.consumer")
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+"""How long a posted receive may take to land (GPU transports) before the link gives its
+producer up: a producer whose loop answers heartbeats while its GPU never writes the bytes
+(a hung kernel or collective in its engine) would otherwise hold the call, and every later
+transfer of the pair, for ever."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +158,10 @@ class _Link:
         transports: dict[str, Transport],
         connect_timeout_s: float,
         curve: CurveKeys | None = None,
+        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
         self.endpoint = endpoint
+        self._transfer_timeout_s = transfer_timeout_s
         self._device = device
         self.core = ConsumerCore(
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
@@ -405,9 +412,13 @@ class _Link:
         arriving: asyncio.Future[ItemTensors],
     ) -> None:  # fmt: skip
         """An item's receive ended: complete the call, or give the item back with the reason."""
-        if arriving.cancelled() or session != self._sessions_lost:
-            # The link closed, or gave the producer up since (a cuda_ipc copy then lands what
-            # a dead producer left): the call failed then, and the producer took the item back.
+        if arriving.cancelled():
+            return  # the link closed; its calls failed already
+        if session != self._sessions_lost:
+            # The link gave the producer up since (a cuda_ipc copy then lands what a dead
+            # producer left; a pair's receive fails): the call failed then, and the producer
+            # took the item back. What the receive ended with is seen here, and dropped.
+            arriving.exception()
             return
         error = arriving.exception()
         if error is not None:
@@ -443,16 +454,44 @@ class _Link:
 
     def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
         """Call `landed` when a posted receive ends, from the future's own callback (no task,
-        no extra hop of the loop); closing the link cancels it."""
+        no extra hop of the loop); closing the link cancels it. One that has not landed within
+        the transfer timeout gives the producer up (`_transfer_overdue`)."""
         self._arrivals.add(arriving)
         arriving.add_done_callback(self._arrivals.discard)
         arriving.add_done_callback(landed)
+        if self._transfer_timeout_s is not None:
+            overdue = asyncio.get_running_loop().call_later(
+                self._transfer_timeout_s, self._transfer_overdue, arriving, self._sessions_lost
+            )
+            arriving.add_done_callback(lambda _: overdue.cancel())
+
+    def _transfer_overdue(self, arriving: asyncio.Future[Any], session: int) -> None:
+        """A receive has not landed within the transfer timeout: the producer's GPU never wrote
+        the bytes (its loop may still answer heartbeats). The link gives it up as it does a
+        silent one: every call fails (this one with a timeout), the transport stops waiting
+        (cuda_ipc releases its copies' waits, NCCL aborts the pair), and a new session starts,
+        in which the producer takes back what the old one held."""
+        if arriving.done() or session != self._sessions_lost or self.core.state is not LinkState.READY:
+            return
+        error = KVRTTimeoutError(
+            f"the producer at {self.endpoint} did not finish a transfer within {self._transfer_timeout_s} s "
+            "(its GPU may be stuck); the link started a new session",
+            phase="transfer",
+        )
+        log.warning("%s", error, extra={"endpoint": self.endpoint})
+        lost, hello = self.core.start_afresh(error, self._now())
+        self.connected.clear()
+        self._fail_all(lost)
+        self._send_nowait(hello)
 
     def _batch_landed(
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, session: int,
         arriving: asyncio.Future[list[ItemTensors]],
     ) -> None:  # fmt: skip
-        if arriving.cancelled() or session != self._sessions_lost:  # as in `_landed`
+        if arriving.cancelled():
+            return
+        if session != self._sessions_lost:  # as in `_landed`
+            arriving.exception()
             return
         error = arriving.exception()
         if error is not None:
@@ -806,6 +845,12 @@ class Consumer(AsyncService):
     Items arrive on `device`. Many `drop_select` calls may be in flight at once. Closing
     ends every pending call with `ClosedError`.
 
+    `transfer_timeout_s`: how long an item's (or a stream layer's) bytes may take to land once
+    its header came, on a GPU transport, before the link gives the producer up as if it had
+    gone silent (the calls fail, with `KVRTTimeoutError` for the late one, and a new session
+    starts): a producer whose GPU hangs while its loop still answers heartbeats. None waits
+    for ever.
+
     `group`: the torch.distributed process group of a decode TP group, one consumer per
     rank. Every rank then returns the same outcome for each lookup (the shortest match,
     the worst status), agreed by one all_reduce; lookups must be made in the same order on
@@ -822,6 +867,7 @@ class Consumer(AsyncService):
         curve: CurveKeys | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
         name: str | None = None,
     ) -> None:
         endpoints = [connect] if isinstance(connect, str) else list(connect)
@@ -831,6 +877,9 @@ class Consumer(AsyncService):
             )
         if not heartbeat_s > 0:
             raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
+        if transfer_timeout_s is not None and not transfer_timeout_s > 0:
+            raise InvalidInputError(f"transfer_timeout_s must be None or positive, got {transfer_timeout_s!r}")
+        self._transfer_timeout_s = transfer_timeout_s
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as exc:
@@ -872,6 +921,7 @@ class Consumer(AsyncService):
                     transports=make_transports(self._transport_names, self.device, store_host=""),
                     connect_timeout_s=self._connect_timeout_s,
                     curve=self._curve,
+                    transfer_timeout_s=self._transfer_timeout_s,
                 )
                 self._links.append(link)
                 await link.start()

@@ -334,6 +334,8 @@ def test_bad_constructor_arguments_are_refused() -> None:
         kvrt.Producer(device="abacus")
     with pytest.raises(kvrt.InvalidInputError, match="connect"):
         kvrt.Consumer(connect="")
+    with pytest.raises(kvrt.InvalidInputError, match="transfer_timeout_s"):
+        kvrt.Consumer(connect="tcp://127.0.0.1:1", transfer_timeout_s=0)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "gloo"])

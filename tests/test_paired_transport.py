@@ -152,6 +152,41 @@ async def test_a_deliver_the_consumer_refuses_fails_its_call_and_the_pair_starts
             assert item is not None and torch.equal(item.key, make_kv(tokens, seed=seed)[0])
 
 
+async def test_bytes_that_never_come_fail_their_call_in_time_and_a_new_session_delivers_the_item() -> None:
+    """A producer that answers heartbeats but never sends an item's bytes (on a GPU: its
+    stream hangs) would hold the call for ever: past `transfer_timeout_s` the call fails with
+    a typed timeout, the link starts a new session, and the item, back in the buffer, arrives
+    intact over the new pair."""
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo", transfer_timeout_s=0.5) as consumer,
+    ):
+        tokens = torch.arange(5)
+        await producer.insert(tokens, None, *make_kv(tokens, seed=3))
+        transport = producer._transports["gloo"]  # type: ignore[attr-defined]
+        send = transport.send
+        withheld: list[int] = []
+
+        async def withholding_once(peer: bytes, item: Any) -> list[memoryview]:
+            if withheld:
+                return await send(peer, item)
+            withheld.append(item.item_id)
+            return []
+
+        transport.send = withholding_once
+        link = consumer._links[0]  # type: ignore[attr-defined]
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(kvrt.KVRTTimeoutError, match="did not finish a transfer") as raised:
+            await consumer.drop_select(tokens)
+        assert raised.value.phase == "transfer" and withheld
+        assert asyncio.get_running_loop().time() - started < 5.0
+        await asyncio.wait_for(link.connected.wait(), 10)  # welcomed again, on a new pair
+        item = await consumer.drop_select(tokens, timeout=10)
+        assert item is not None and torch.equal(item.key, make_kv(tokens, seed=3)[0])
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the receipt went before it
+        assert producer.stats().totals.delivered_items == 1
+
+
 async def test_a_link_that_went_silent_says_hello_again_and_its_new_pair_carries_items() -> None:
     """The producer still knows the consumer when its second hello comes: the old session's
     pair is released, and the pair offered in the new welcome is the one that stays."""
