@@ -309,7 +309,8 @@ def run_gpu_late_inserter(device: str, heartbeat_s: float, control: multiprocess
     """A producer on `device` that, on ("insert", index, tokens, milliseconds), queues that much
     GPU work and then an item (its KV written after the work; its tokens on the host, so the
     insert reads nothing back): the item is buffered, and delivered, long before its bytes
-    are written. Answers "inserted" at once. It first inserts item `WARM_UP` (16 tokens),
+    are written. Answers "inserted" at once; "sync" is answered "synced" once the GPU's work
+    is done. It first inserts item `WARM_UP` (16 tokens),
     written at once: the kernels an insert runs are loaded then, since loading a module
     waits for the whole GPU, and the loop would stop answering heartbeats meanwhile."""
 
@@ -321,6 +322,10 @@ def run_gpu_late_inserter(device: str, heartbeat_s: float, control: multiprocess
             torch.cuda.synchronize(device)
             control.send(producer.endpoint)
             while (command := await asyncio.to_thread(_receive, control)) not in (None, "stop"):
+                if command == "sync":  # answered once the GPU's work is done
+                    await asyncio.to_thread(torch.cuda.synchronize, device)
+                    control.send("synced")
+                    continue
                 _, index, tokens, work_ms = command
                 torch.cuda._sleep(work_ms * GPU_CYCLES_PER_MS)
                 _, key, value, hidden = kv_item(index, tokens, torch.bfloat16, device)

@@ -388,3 +388,39 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
             with pytest.raises(kvrt.PeerLostError):
                 await call
             assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+
+
+async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_come_in_a_new_session() -> None:
+    # The producer's GPU is busy for 4 s, its loop answers heartbeats: past the consumer's
+    # transfer timeout the call fails, the link releases its copy's wait (the consumer's GPU
+    # is free at once) and starts a new session; once written, the item arrives intact.
+    from tests._gpu_processes import WARM_UP, run_gpu_late_inserter
+
+    heartbeat_s, tokens = 0.25, 4096
+    async with child_process(run_gpu_late_inserter, (PRODUCER_DEVICE, heartbeat_s), "GPU late inserter") as (
+        endpoint,
+        _,
+        control,
+    ):
+        async with kvrt.Consumer(
+            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc",
+            transfer_timeout_s=1.0,
+        ) as consumer:  # fmt: skip
+            assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
+            call = asyncio.create_task(consumer.drop_select(kv_tokens(6, tokens), timeout=30))
+            await asyncio.sleep(0)
+            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+            control.send(("insert", 6, tokens, 4000))
+            assert await heard(control) == "inserted"
+            inserted_at = time.monotonic()
+            with pytest.raises(kvrt.KVRTTimeoutError, match="did not finish a transfer"):
+                await call
+            assert time.monotonic() - inserted_at < 3.0
+            await asyncio.wait_for(asyncio.to_thread(torch.cuda.synchronize, CONSUMER_DEVICE), 2.0)
+            assert time.monotonic() - inserted_at < 3.5  # before the producer's GPU is done
+            control.send("sync")
+            assert await heard(control) == "synced"
+            item = await consumer.drop_select(kv_tokens(6, tokens), timeout=10)
+            _, key, value, hidden = kv_item(6, tokens, torch.bfloat16, CONSUMER_DEVICE)
+            assert item is not None and same_bits(item.key, key) and same_bits(item.value, value)
+            assert item.hidden is not None and same_bits(item.hidden, hidden)
