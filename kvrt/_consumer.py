@@ -479,10 +479,7 @@ class _Link:
             phase="transfer",
         )
         log.warning("%s", error, extra={"endpoint": self.endpoint})
-        lost, hello = self.core.start_afresh(error, self._now())
-        self.connected.clear()
-        self._fail_all(lost)
-        self._send_nowait(hello)
+        self._new_session(error)
 
     def _batch_landed(
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, session: int,
@@ -706,7 +703,12 @@ class _Link:
             f"producer at {self.endpoint} sent a transfer this consumer could not take ({error}); "
             "the link started a new session"
         )
-        lost, hello = self.core.start_afresh(restart, self._now())
+        self._new_session(restart)
+
+    def _new_session(self, error: KVRTError) -> None:
+        """Give this session up: every pending call fails with `error`, and a hello starts a
+        new session, in which the producer takes back what the old one held (and pairs anew)."""
+        lost, hello = self.core.start_afresh(error, self._now())
         self.connected.clear()
         self._fail_all(lost)
         self._send_nowait(hello)
@@ -744,10 +746,7 @@ class _Link:
                         extra={"endpoint": self.endpoint, "transport": transport.name})  # fmt: skip
             self.core.transports = remaining
             self._rejoin = asyncio.get_running_loop().create_future()
-            lost, hello = self.core.start_afresh(exc, self._now())
-            self.connected.clear()
-            self._fail_all(lost)
-            self._send_nowait(hello)
+            self._new_session(exc)
             await self._rejoin
 
     async def _joined(self) -> None:

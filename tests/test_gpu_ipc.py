@@ -186,6 +186,15 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_in_time_and_
                 reader.kill()
 
 
+async def killed_and_forgotten(process: Any, producer: kvrt.Producer, heartbeat_s: float) -> None:
+    """Kill a consumer's process and wait until `producer` forgot it (its heartbeat timeout)."""
+    assert process.pid is not None
+    producer._peer_left.clear()
+    os.kill(process.pid, signal.SIGKILL)
+    await asyncio.to_thread(process.join)
+    await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+
+
 async def heard(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 30), "the reader did not answer"
     return control.recv()
@@ -283,11 +292,7 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         await asyncio.to_thread(reader.start)
         assert await heard(control) == "asked"
         assert await heard(control) == "arrived"
-        assert reader.pid is not None
-        producer._peer_left.clear()
-        os.kill(reader.pid, signal.SIGKILL)
-        await asyncio.to_thread(reader.join)
-        await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+        await killed_and_forgotten(reader, producer, heartbeat_s)
         assert producer.stats().items == 1  # back in the buffer
 
         producer._peer_left.clear()
@@ -334,11 +339,7 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
             layer_bytes += 2 * key.nbytes
             del key
         assert await heard(control) == "read"
-        assert reader.pid is not None
-        producer._peer_left.clear()
-        os.kill(reader.pid, signal.SIGKILL)
-        await asyncio.to_thread(reader.join)
-        await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+        await killed_and_forgotten(reader, producer, heartbeat_s)
         await stream.abort("the test gives the prefill up")
         stats = producer.stats()
         assert (stats.items, stats.in_flight) == (0, 0)
