@@ -847,8 +847,9 @@ class Consumer(AsyncService):
     `transfer_timeout_s`: how long an item's (or a stream layer's) bytes may take to land once
     its header came, on a GPU transport, before the link gives the producer up as if it had
     gone silent (the calls fail, with `KVRTTimeoutError` for the late one, and a new session
-    starts): a producer whose GPU hangs while its loop still answers heartbeats. None waits
-    for ever.
+    starts): a producer whose GPU hangs while its loop still answers heartbeats. A stream's
+    layer counts from its header, sent when the prefill queues the layer: keep it above the
+    longest prefill a reader waits through. None waits for ever.
 
     `group`: the torch.distributed process group of a decode TP group, one consumer per
     rank. Every rank then returns the same outcome for each lookup (the shortest match,
