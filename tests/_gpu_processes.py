@@ -181,6 +181,34 @@ def run_gpu_publisher(
     asyncio.run(main())
 
 
+def run_gpu_late_publisher(device: str, heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
+    """`pull_request(5)`'s pools on `device`; on ("publish", index, milliseconds), that much GPU
+    work, then the same request published again under the tokens `kv_tokens(index,
+    PULL_TOKENS)` (tokens and indexes on the host: the publish reads nothing back; its gathers
+    run after the work). Answers "published" at once. It first publishes the request under
+    `WARM_UP`'s tokens, gathered at once: the gathers' kernels are compiled and loaded then."""
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+
+    torch.cuda.set_device(device)
+    pools, _, replica, slots = pull_request(5)
+    table = PoolTable([[[pool.to(device) for pool in layers] for layers in copies] for copies in pools],
+                      Layout.TOKEN_MAJOR)  # fmt: skip
+
+    async def main() -> None:
+        async with kvrt.Producer(device=device, heartbeat_s=heartbeat_s, buffer_bytes=1 << 40) as producer:
+            producer.register_pools(table)
+            await producer.publish(kv_tokens(WARM_UP, PULL_TOKENS), slots, replica)
+            torch.cuda.synchronize(device)
+            control.send(producer.endpoint)
+            while (command := await asyncio.to_thread(_receive, control)) not in (None, "stop"):
+                _, index, work_ms = command
+                torch.cuda._sleep(work_ms * GPU_CYCLES_PER_MS)
+                await producer.publish(kv_tokens(index, PULL_TOKENS), slots, replica)
+                control.send("published")
+
+    asyncio.run(main())
+
+
 def stream_layer_kv(index: int, layer: int, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value of layer `layer` of stream `index`, [tokens, 8, 128], on the CPU from a seed
     (so that both processes know them bit for bit)."""

@@ -425,3 +425,54 @@ async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_co
             _, key, value, hidden = kv_item(6, tokens, torch.bfloat16, CONSUMER_DEVICE)
             assert item is not None and same_bits(item.key, key) and same_bits(item.value, value)
             assert item.hidden is not None and same_bits(item.hidden, hidden)
+
+
+async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() -> None:
+    # Issue 9's safety rule for paged pulls: the request is published while the producer's GPU
+    # is busy (its gathers, so its marks, come 3 s later) and the producer is killed
+    # meanwhile. The pull fails with PeerLostError within the heartbeat timeout; it never
+    # returns the item as pulled (the slots hold no defined bytes then).
+    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from tests._gpu_processes import PULL_LAYERS, PULL_SLOTS, PULL_TOKENS, WARM_UP, run_gpu_late_publisher
+
+    heartbeat_s = 0.25
+    torch.cuda.set_device(CONSUMER_DEVICE)
+    target = PoolTable(
+        [[[torch.zeros((PULL_SLOTS, 16, 128), dtype=torch.bfloat16, device=CONSUMER_DEVICE)
+           for _ in range(PULL_LAYERS)]]],
+        Layout.TOKEN_MAJOR,
+    )  # fmt: skip
+    into_slots = torch.randperm(PULL_SLOTS)[:PULL_TOKENS]
+    async with child_process(run_gpu_late_publisher, (PRODUCER_DEVICE, heartbeat_s), "GPU late publisher") as (
+        endpoint,
+        producer,
+        control,
+    ):
+        async with kvrt.Consumer(
+            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc"
+        ) as consumer:
+            warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
+            assert warm is not None  # the path is warm, the scatters' kernels too
+            link = consumer._links[0]
+            posted = asyncio.Event()
+            on_deliver = link._on_deliver
+
+            def noting_the_post(*args: Any) -> None:
+                on_deliver(*args)
+                posted.set()
+
+            link._on_deliver = noting_the_post  # type: ignore[method-assign]
+            pulling = asyncio.create_task(
+                consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
+            )
+            await asyncio.sleep(0)
+            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+            control.send(("publish", 8, 3000))
+            assert await heard(control) == "published"
+            await asyncio.wait_for(posted.wait(), 10)  # its copies wait for the producer's marks
+            assert producer.pid is not None and not pulling.done()
+            os.kill(producer.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(kvrt.PeerLostError):
+                await pulling
+            assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
