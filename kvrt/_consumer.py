@@ -182,6 +182,8 @@ class _Link:
         self._io = SocketIO(self._socket)
         self._receipts: list[int] = []
         self._flush_scheduled = False
+        self._receipt_sender: asyncio.Task[None] | None = None
+        """Sends the receipts a full send queue refused, once it has room (`_send_receipts`)."""
         self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._landing: dict[int, OnLanding] = {}
@@ -293,10 +295,11 @@ class _Link:
                 # Receipts still waiting for their flush leave before the bye: after it, the
                 # producer would put those items back in its buffer and deliver them again.
                 self._send_receipts()
+                await self._receipts_sent()
             self._fail_all(self.core.close())
             if was_ready:
                 self._send_nowait(m.Bye(reason="consumer closed"))
-        owned = [task for task in (self._task, self._join_task) if task is not None]
+        owned = [task for task in (self._task, self._join_task, self._receipt_sender) if task is not None]
         for task in owned:
             task.cancel()
         for arriving in list(self._arrivals):
@@ -761,10 +764,43 @@ class _Link:
     # -- helpers --------------------------------------------------------------------------
 
     def _send_receipts(self) -> None:
-        """One Received for every item confirmed since the last one."""
+        """One Received for every item confirmed since the last one. A receipt is never
+        dropped for want of room (the producer would give its item to another consumer once
+        this one leaves): what a full send queue refuses waits in `_receipt_sender`."""
+        if self._receipt_sender is not None and not self._receipt_sender.done():
+            return  # it sends these too, in order
         while self._receipts:
-            batch, self._receipts = self._receipts[: m.MAX_RECEIPTS], self._receipts[m.MAX_RECEIPTS :]
-            self._send_nowait(m.Received(item_ids=batch))
+            batch = self._receipts[: m.MAX_RECEIPTS]
+            try:
+                sent = self._io.send_nowait([m.encode(m.Received(item_ids=batch))])
+            except zmq.ZMQError as exc:  # the socket is closing: the link is going away
+                log.debug("could not send receipts to %s: %s", self.endpoint, exc)
+                return
+            if not sent:
+                self._receipt_sender = asyncio.create_task(
+                    self._send_receipts_with_room(), name=f"kvrt-receipts-{self.endpoint}"
+                )
+                return
+            del self._receipts[: len(batch)]
+
+    async def _send_receipts_with_room(self) -> None:
+        """The receipts left waiting, each batch sent as soon as the queue has room for it."""
+        while self._receipts:
+            batch = self._receipts[: m.MAX_RECEIPTS]
+            await self._io.send([m.encode(m.Received(item_ids=batch))])
+            del self._receipts[: len(batch)]
+
+    async def _receipts_sent(self) -> None:
+        """Closing: the receipts left waiting, given a heartbeat to leave (else the producer
+        takes their items back, and may deliver them again)."""
+        sender = self._receipt_sender
+        if sender is None or sender.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(sender), self.core.heartbeat_s)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("closing with %d receipts unsent to %s (%r): those items may be delivered again",
+                        len(self._receipts), self.endpoint, exc, extra={"endpoint": self.endpoint})  # fmt: skip
 
     def _send_nowait(self, message: m.Message) -> None:
         """Queue a small message without awaiting (receipts, cancels, pings, bye).
@@ -783,8 +819,10 @@ class _Link:
     def _fail_all(self, lost: Lost) -> None:
         """Every call of the link fails: those waiting for their answer (`lost.request_ids`)
         and those whose item is still landing, whose bytes cannot be trusted any more (over
-        cuda_ipc, `abandon` lets their copies read whatever a dead producer left)."""
+        cuda_ipc, `abandon` lets their copies read whatever a dead producer left). Receipts not
+        sent yet are dropped: the producer takes the session's items back."""
         self._sessions_lost += 1
+        self._receipts.clear()
         if self._transport is not None:
             self._transport.abandon()
         for stream in self._streams.values():

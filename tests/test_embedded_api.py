@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -265,6 +266,33 @@ async def test_an_item_taken_right_before_close_stays_taken_and_is_never_deliver
     assert (stats.items, stats.in_flight, stats.totals.delivered_items, stats.totals.returned_items) == (0, 0, 1, 0)
     async with kvrt.Consumer(connect=producer.endpoint) as second:
         assert await second.drop_select(torch.arange(4)) is None
+
+
+async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dropped(
+    producer: kvrt.Producer,
+) -> None:
+    # A dropped receipt would leave the item in flight until the consumer leaves, then put it
+    # back in the buffer for the next consumer: taken twice.
+    await insert_tokens(producer, torch.arange(4))
+    producer._peer_left.clear()
+    refused: list[int] = []
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        io = consumer._links[0]._io  # type: ignore[attr-defined]
+        send_nowait = io.send_nowait
+
+        def full_for_three_receipts(frames: Any) -> bool:
+            if isinstance(m.decode(bytes(frames[0])), m.Received) and len(refused) < 3:
+                refused.append(1)
+                return False  # as a full queue answers
+            return bool(send_nowait(frames))
+
+        io.send_nowait = full_for_three_receipts
+        assert await consumer.drop_select(torch.arange(4)) is not None
+        await settle(consumer)
+        assert producer.stats().totals.delivered_items == 1
+    await asyncio.wait_for(producer._peer_left.wait(), 5.0)
+    stats = producer.stats()
+    assert len(refused) == 3 and (stats.items, stats.totals.returned_items) == (0, 0)
 
 
 async def test_a_closing_producer_ends_the_consumers_pending_calls_with_peer_lost() -> None:
