@@ -195,6 +195,29 @@ async def killed_and_forgotten(process: Any, producer: kvrt.Producer, heartbeat_
     await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
 
 
+def posts_noted(link: Any) -> asyncio.Event:
+    """An event set once `link` has posted the receive of a Deliver (its copies queued)."""
+    posted = asyncio.Event()
+    on_deliver = link._on_deliver
+
+    def noting_the_post(*args: Any) -> None:
+        on_deliver(*args)
+        posted.set()
+
+    link._on_deliver = noting_the_post
+    return posted
+
+
+async def fails_with_peer_lost_in_time(call: asyncio.Task[Any], producer: Any, heartbeat_s: float) -> None:
+    """Kill the producer's process: `call` must fail with PeerLostError within the heartbeat timeout."""
+    assert producer.pid is not None
+    os.kill(producer.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(kvrt.PeerLostError):
+        await call
+    assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+
+
 async def heard(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 30), "the reader did not answer"
     return control.recv()
@@ -369,26 +392,15 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
         ) as consumer:
             assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
             link = consumer._links[0]
-            posted = asyncio.Event()
-            on_deliver = link._on_deliver
-
-            def noting_the_post(*args: Any) -> None:
-                on_deliver(*args)
-                posted.set()
-
-            link._on_deliver = noting_the_post  # type: ignore[method-assign]
+            posted = posts_noted(link)
             call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
             await asyncio.sleep(0)
             assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
             control.send(("insert", 5, tokens, 3000))
             assert await heard(control) == "inserted"
             await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
-            assert producer.pid is not None and not call.done() and link._arrivals
-            os.kill(producer.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            with pytest.raises(kvrt.PeerLostError):
-                await call
-            assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+            assert not call.done() and link._arrivals
+            await fails_with_peer_lost_in_time(call, producer, heartbeat_s)
 
 
 async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_come_in_a_new_session() -> None:
@@ -454,14 +466,7 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
             warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
             assert warm is not None  # the path is warm, the scatters' kernels too
             link = consumer._links[0]
-            posted = asyncio.Event()
-            on_deliver = link._on_deliver
-
-            def noting_the_post(*args: Any) -> None:
-                on_deliver(*args)
-                posted.set()
-
-            link._on_deliver = noting_the_post  # type: ignore[method-assign]
+            posted = posts_noted(link)
             pulling = asyncio.create_task(
                 consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
             )
@@ -470,9 +475,5 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
             control.send(("publish", 8, 3000))
             assert await heard(control) == "published"
             await asyncio.wait_for(posted.wait(), 10)  # its copies wait for the producer's marks
-            assert producer.pid is not None and not pulling.done()
-            os.kill(producer.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            with pytest.raises(kvrt.PeerLostError):
-                await pulling
-            assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+            assert not pulling.done()
+            await fails_with_peer_lost_in_time(pulling, producer, heartbeat_s)
