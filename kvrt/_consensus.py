@@ -142,7 +142,12 @@ def error_for(decision: Decision, own: Outcome, own_error: BaseException | None)
 
 
 class ConsensusWindow:
-    """Which lookups are registered, which have a local outcome, which the group decided."""
+    """Which lookups are registered, which have a local outcome, which the group decided.
+
+    Each recorded outcome is kept as the value it sends (without the backlog, which only
+    the round's first row carries): every round of a lookup then reads it instead of
+    encoding it again, and a decided lookup, no longer kept, sends NOT_READY.
+    """
 
     def __init__(self, *, rank: int, world_size: int, max_rows: int = ROWS) -> None:
         self.rank = rank
@@ -153,8 +158,10 @@ class ConsensusWindow:
         self.start = 0
         """The oldest undecided lookup; every rank has the same."""
         self._registered = 0
-        self._outcomes: dict[int, Outcome] = {}
-        self._decided: set[int] = set()
+        self._values: dict[int, int] = {}
+        """Recorded, undecided lookups: the value each sends, its backlog bits zero."""
+        self._decided_ahead: set[int] = set()
+        """Lookups decided past `start` (a round decided them while an older one waited)."""
         self._recent_backlogs: collections.deque[int] = collections.deque(maxlen=_BACKLOG_MEMORY_ROUNDS)
 
     def register(self) -> int:
@@ -164,40 +171,37 @@ class ConsensusWindow:
         return sequence
 
     def record(self, sequence: int, outcome: Outcome) -> None:
-        self._outcomes[sequence] = outcome
+        if outcome.status is Status.OK:
+            value = outcome.matched_tokens << _BACKLOG_BITS | _BACKLOG_MASK
+        else:
+            value = -1 - ((outcome.status * self.world_size + self.rank) << _BACKLOG_BITS)
+        self._values[sequence] = value
 
     @property
     def start_is_ready(self) -> bool:
         """Whether this rank can enter the next round (its oldest undecided lookup has a result)."""
-        return self.start in self._outcomes
+        return self.start in self._values
 
     def values_to_reduce(self) -> list[int]:
         """This rank's contribution to the round over [start, start + rows), one value a lookup."""
-        values: list[int] = []
-        backlog = min(self._registered - self.start, _BACKLOG_MASK)
-        for sequence in range(self.start, self.start + self.rows):
-            outcome = self._outcomes.get(sequence)
-            if outcome is None or sequence in self._decided:
-                values.append(_NOT_READY)
-                continue
-            low = backlog if sequence == self.start else 0
-            if outcome.status is Status.OK:
-                values.append(outcome.matched_tokens << _BACKLOG_BITS | (_BACKLOG_MASK - low))
-            else:
-                values.append(-1 - ((outcome.status * self.world_size + self.rank) << _BACKLOG_BITS | low))
+        ready = self._values.get
+        values = [ready(sequence, _NOT_READY) for sequence in range(self.start, self.start + self.rows)]
+        if values[0] != _NOT_READY:
+            # The first row carries this rank's backlog in its low bits: for a match their
+            # complement (MIN then takes the largest backlog), for a failure the backlog.
+            values[0] -= min(self._registered - self.start, _BACKLOG_MASK)
         return values
 
     def apply(self, reduced: list[int]) -> dict[int, Decision]:
         """Decisions of a round, from the reduced values; moves and resizes the window."""
         decisions: dict[int, Decision] = {}
         backlog = 0
-        for offset in range(self.rows):
-            sequence = self.start + offset
-            value = reduced[offset]
-            if value == _NOT_READY or sequence in self._decided:
+        start = self.start
+        for offset, value in enumerate(reduced[: self.rows]):
+            if value == _NOT_READY:
                 continue
             if value >= 0:
-                decision = Decision(Status.OK, value >> _BACKLOG_BITS, rank=-1)
+                decision = Decision(Status.OK, value >> _BACKLOG_BITS, -1)
                 low = _BACKLOG_MASK - (value & _BACKLOG_MASK)
             else:
                 status_code, rank = divmod((-1 - value) >> _BACKLOG_BITS, self.world_size)
@@ -205,12 +209,15 @@ class ConsensusWindow:
                 low = (-1 - value) & _BACKLOG_MASK
             if offset == 0:
                 backlog = low  # the start row is ready on every rank
-            decisions[sequence] = decision
-            self._decided.add(sequence)
-            self._outcomes.pop(sequence, None)
-        while self.start in self._decided:
-            self._decided.discard(self.start)
-            self.start += 1
+            decisions[start + offset] = decision
+            self._values.pop(start + offset, None)
+        # Move past the decided prefix; lookups decided beyond a gap wait in `_decided_ahead`.
+        ahead = self._decided_ahead
+        ahead.update(decisions)
+        while start in ahead:
+            ahead.discard(start)
+            start += 1
+        self.start = start
         # The next window covers the largest backlog reported in the last few rounds: waves
         # of concurrent lookups then take one round each (a wave's tail round reports a
         # small backlog, which must not shrink the window for the next wave).
@@ -273,9 +280,11 @@ class GroupConsensus:
             raise ClosedError("the consumer is closed")
         return self.window.register()
 
-    async def decide(self, sequence: int, outcome: Outcome) -> Decision:
-        """Record this rank's outcome for lookup `sequence` and wait for the group's decision."""
-        return await self._decision(sequence, outcome)
+    def decide(self, sequence: int, outcome: Outcome) -> asyncio.Future[Decision]:
+        """Record this rank's outcome for lookup `sequence`: await the result for the group's
+        decision. (A future, not a coroutine: one frame less per lookup on the loop that
+        every round waits for.)"""
+        return self._decision(sequence, outcome)
 
     async def decide_many(self, sequences: Sequence[int], outcomes: Sequence[Outcome]) -> list[Decision]:
         """`decide` for lookups that wait together (a batch's): their outcomes are recorded in
@@ -323,10 +332,13 @@ class GroupConsensus:
         in the same iteration (a burst of concurrent requests) then share it."""
         if not self._round_soon:
             self._round_soon = True
-            (self._loop or asyncio.get_running_loop()).call_soon(self._start_round)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._start_round_at_iteration_end)
+
+    def _start_round_at_iteration_end(self) -> None:
+        self._round_soon = False
+        self._start_round()
 
     def _start_round(self) -> None:
-        self._round_soon = False
         """Issue the next round now, if none is running and this rank can enter it."""
         if self._in_round or self._closed or self._broken is not None or not self.window.start_is_ready:
             return
