@@ -399,7 +399,10 @@ class GroupConsensus:
             future = self._waiting.pop(sequence, None)
             if future is not None and not future.done():
                 future.set_result(decision)
-        self._start_round()
+        # The next round starts once the callers just woken have run (their wake-ups are
+        # queued ahead of it): a caller that starts its next lookup at once joins that round,
+        # and the round is issued in this same loop iteration, not one later.
+        self._start_round_soon()
 
     def _break(self, error: BaseException) -> None:
         self._broken = PeerLostError(f"the TP group's collective failed, so its ranks cannot agree any more: {error}")

@@ -8,10 +8,12 @@ same run on the same ranks:
 * bare: one `all_reduce(MIN)` of a 2-int tensor per lookup (the PR's approach, no kvrt):
   the floor for one lookup at a time;
 * kvrt: `GroupConsensus.decide`, one lookup at a time, then 16 in flight per rank (lookups
-  in flight together share a collective), in bursts of 16: each burst starts when the
-  previous one is decided, and a block times whole bursts only;
+  in flight together share a collective): 16 concurrent callers, each starting its next
+  lookup once its last is decided, so 16 are in flight at every moment (the goal's row);
 * bare rounds: one synchronous `all_reduce(MIN)` of 16 values per 16 lookups, no event loop:
   what a round of the in-flight case costs the group itself, the floor for that row;
+* kvrt bursts: bursts of 16 lookups, a task each, the next burst once the last is decided
+  (up to 16 in flight; the rows of the sessions before 2026-12-01 timed this pattern);
 * kvrt per call: the same bursts, each burst's 16 lookups in one `decide_many` (what
   `drop_select_many` does in a TP group): no task per lookup.
 
@@ -43,6 +45,11 @@ from kvrt._bench._processes import free_port, join
 WORLD: Final = 4
 IN_FLIGHT: Final = 16
 BLOCKS: Final = 4
+IN_FLIGHT_ROUNDS_PER_BLOCK: Final = 24
+"""Rounds of 16 lookups each in-flight variant times per block (384 lookups): a lookup in
+flight costs ~1/20 of the reference's, so this many keep its total near the others' while
+its mean rests on enough rounds (a round here takes 1.6 to 11 ms, depending on which rank
+the 2 cores serve)."""
 """The variants run in turns of count / BLOCKS lookups each."""
 _WARMUP: Final = 10
 
@@ -100,49 +107,87 @@ def _time_bare_rounds(count: int, in_flight: int) -> float:
     return (time.perf_counter() - started) / (rounds * in_flight)
 
 
-async def _time_kvrt(count: int, in_flight: int, *, per_call: bool = False) -> tuple[list[float], float, int]:
-    """kvrt's agreement on `count` lookups, `in_flight` at a time: each its own `decide` (as
-    concurrent drop_selects), or with `per_call` the burst's lookups in one `decide_many` (as
-    one drop_select_many in a TP group)."""
+async def _time_kvrt_one_at_a_time(count: int) -> tuple[list[float], int]:
+    """kvrt's agreement on `count` lookups, each started when the last is decided: the
+    latency of each, and the rounds they took."""
     from kvrt._consensus import GroupConsensus, Outcome, Status
 
     rank = dist.get_rank()
     consensus = GroupConsensus(dist.group.WORLD)
     consensus.start()
     latencies: list[float] = []
+    rounds_before = 0
     try:
-        # Warm-up in the pattern that is timed: bursts size the window as in steady state.
-        warmup = _WARMUP if in_flight == 1 else 2 * in_flight
-
-        async def one(index: int) -> None:
+        for index in range(_WARMUP + count):
+            if index == _WARMUP:
+                rounds_before = consensus.rounds
             sequence = consensus.register()
             status, matched = _outcome(index, rank)
             started = time.perf_counter()
             await consensus.decide(sequence, Outcome(Status(status), matched))
-            if index >= warmup:
+            if index >= _WARMUP:
                 latencies.append(time.perf_counter() - started)
+        return latencies, consensus.rounds - rounds_before
+    finally:
+        await consensus.aclose()
 
-        async def one_call(burst: range) -> None:
-            sequences = [consensus.register() for _ in burst]
-            outcomes = [Outcome(Status(status), matched) for status, matched in (_outcome(i, rank) for i in burst)]
-            await consensus.decide_many(sequences, outcomes)
 
-        async def lookups(indices: range) -> None:
-            for first in range(indices.start, indices.stop, in_flight):
-                burst = range(first, min(indices.stop, first + in_flight))
-                if per_call:
-                    await one_call(burst)
-                else:
-                    await asyncio.gather(*(one(index) for index in burst))
+async def _time_kvrt_in_flight(count: int, in_flight: int, *, pattern: str) -> tuple[float, int]:
+    """kvrt's agreement on `count` lookups with `in_flight` of them in flight per rank:
+    seconds for all of them, and the rounds they took. The patterns:
 
+    * "callers": `in_flight` concurrent callers (tasks), each starting its next lookup as
+      soon as its last one is decided, so that `in_flight` are always in flight: a serving
+      loop with that many requests at a time;
+    * "bursts": bursts of `in_flight` lookups, a new task each, the next burst once the whole
+      burst is decided (in flight: `in_flight`, then none while the next burst starts);
+    * "per call": the same bursts, each burst's lookups in one `decide_many` (as one
+      drop_select_many in a TP group): no task per lookup.
+    """
+    from kvrt._consensus import GroupConsensus, Outcome, Status
+
+    rank = dist.get_rank()
+    consensus = GroupConsensus(dist.group.WORLD)
+    consensus.start()
+
+    def outcome(index: int) -> Outcome:
+        status, matched = _outcome(index, rank)
+        return Outcome(Status(status), matched)
+
+    async def lookup(index: int) -> None:
+        sequence = consensus.register()
+        await consensus.decide(sequence, outcome(index))
+
+    async def caller(indices: range) -> None:
+        for index in indices:
+            await lookup(index)
+
+    async def lookups(indices: range) -> None:
+        if pattern == "callers":
+            step = in_flight
+            await asyncio.gather(*(caller(indices[first::step]) for first in range(min(step, len(indices)))))
+            return
+        for first in range(indices.start, indices.stop, in_flight):
+            burst = range(first, min(indices.stop, first + in_flight))
+            if pattern == "per call":
+                sequences = [consensus.register() for _ in burst]
+                await consensus.decide_many(sequences, [outcome(index) for index in burst])
+            else:
+                await asyncio.gather(*(lookup(index) for index in burst))
+
+    try:
+        # Warm-up in the pattern that is timed, so that the window starts at its steady size.
+        warmup = 2 * in_flight
         await lookups(range(warmup))
         rounds_before = consensus.rounds
         started = time.perf_counter()
         await lookups(range(warmup, warmup + count))
-        elapsed = time.perf_counter() - started
-        return latencies, elapsed, consensus.rounds - rounds_before
+        return time.perf_counter() - started, consensus.rounds - rounds_before
     finally:
         await consensus.aclose()
+
+
+IN_FLIGHT_PATTERNS: Final = ("callers", "bursts", "per call")
 
 
 def _rank(rank: int, port: int, count: int, results: Any) -> None:
@@ -156,35 +201,31 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
         reference: list[float] = []
         bare: list[float] = []
         one_latencies: list[float] = []
-        one_rounds = many_rounds = 0
-        many_elapsed = 0.0
+        one_rounds = 0
         floor_per_lookup: list[float] = []
-        per_call_elapsed = 0.0
-        per_call_rounds = 0
+        elapsed = dict.fromkeys(IN_FLIGHT_PATTERNS, 0.0)
+        rounds = dict.fromkeys(IN_FLIGHT_PATTERNS, 0)
         block = count // BLOCKS
         # Whole bursts only: a block's last burst of fewer than IN_FLIGHT lookups would time
         # lookups with fewer in flight than the row says (and cost a round of its own).
-        many_block = block // IN_FLIGHT * IN_FLIGHT
+        many_block = max(block // IN_FLIGHT, IN_FLIGHT_ROUNDS_PER_BLOCK) * IN_FLIGHT
         for _ in range(BLOCKS):
             reference += _time_all_gather_object(block)
             dist.barrier()
             bare += _time_bare_all_reduce(block)
             dist.barrier()
-            latencies, _, rounds = asyncio.run(_time_kvrt(block, 1))
+            latencies, block_rounds = asyncio.run(_time_kvrt_one_at_a_time(block))
             one_latencies += latencies
-            one_rounds += rounds
-            dist.barrier()
-            _, elapsed, rounds = asyncio.run(_time_kvrt(many_block, IN_FLIGHT))
-            many_elapsed += elapsed
-            many_rounds += rounds
+            one_rounds += block_rounds
             dist.barrier()
             floor_per_lookup.append(_time_bare_rounds(many_block, IN_FLIGHT))
             dist.barrier()
-            _, elapsed, rounds = asyncio.run(_time_kvrt(many_block, IN_FLIGHT, per_call=True))
-            per_call_elapsed += elapsed
-            per_call_rounds += rounds
-            dist.barrier()
-        count = block * BLOCKS
+            for pattern in IN_FLIGHT_PATTERNS:
+                seconds, block_rounds = asyncio.run(_time_kvrt_in_flight(many_block, IN_FLIGHT, pattern=pattern))
+                elapsed[pattern] += seconds
+                rounds[pattern] += block_rounds
+                dist.barrier()
+        in_flight_lookups = many_block * BLOCKS
         if rank == 0:
             results.put(
                 {
@@ -192,13 +233,15 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
                     "bare_all_reduce_s": statistics.median(bare),
                     "kvrt_one_s": statistics.median(one_latencies),
                     "kvrt_one_rounds": one_rounds,
-                    "kvrt_in_flight_per_lookup_s": many_elapsed / (many_block * BLOCKS),
                     "bare_rounds_per_lookup_s": statistics.fmean(floor_per_lookup),
-                    "kvrt_per_call_per_lookup_s": per_call_elapsed / (many_block * BLOCKS),
-                    "kvrt_per_call_rounds": per_call_rounds,
-                    "kvrt_in_flight_rounds": many_rounds,
-                    "kvrt_in_flight_lookups": many_block * BLOCKS,
-                    "lookups": count,
+                    "kvrt_in_flight_per_lookup_s": elapsed["callers"] / in_flight_lookups,
+                    "kvrt_in_flight_rounds": rounds["callers"],
+                    "kvrt_bursts_per_lookup_s": elapsed["bursts"] / in_flight_lookups,
+                    "kvrt_bursts_rounds": rounds["bursts"],
+                    "kvrt_per_call_per_lookup_s": elapsed["per call"] / in_flight_lookups,
+                    "kvrt_per_call_rounds": rounds["per call"],
+                    "kvrt_in_flight_lookups": in_flight_lookups,
+                    "lookups": block * BLOCKS,
                 }
             )
     finally:
@@ -233,9 +276,11 @@ def main(args: argparse.Namespace) -> int:
         ("kvrt, one lookup at a time", measured["kvrt_one_s"], f"{reference / measured['kvrt_one_s']:.1f}x", ">= 5x"),
         (f"bare all_reduce(MIN) of {IN_FLIGHT} values per {IN_FLIGHT} lookups", measured["bare_rounds_per_lookup_s"],
          f"{reference / measured['bare_rounds_per_lookup_s']:.1f}x", ""),
-        (f"kvrt, {IN_FLIGHT} in flight per rank", measured["kvrt_in_flight_per_lookup_s"],
+        (f"kvrt, {IN_FLIGHT} in flight per rank ({IN_FLIGHT} callers)", measured["kvrt_in_flight_per_lookup_s"],
          f"{reference / measured['kvrt_in_flight_per_lookup_s']:.1f}x", ">= 20x"),
-        (f"kvrt, {IN_FLIGHT} per call (decide_many)", measured["kvrt_per_call_per_lookup_s"],
+        (f"kvrt, bursts of {IN_FLIGHT} (a task per lookup)", measured["kvrt_bursts_per_lookup_s"],
+         f"{reference / measured['kvrt_bursts_per_lookup_s']:.1f}x", ""),
+        (f"kvrt, bursts of {IN_FLIGHT} per call (decide_many)", measured["kvrt_per_call_per_lookup_s"],
          f"{reference / measured['kvrt_per_call_per_lookup_s']:.1f}x", ""),
     ]  # fmt: skip
     width = max(len(name) for name, *_ in rows)
@@ -245,9 +290,9 @@ def main(args: argparse.Namespace) -> int:
     for name, seconds, ratio, goal in rows:
         print(f"{name:<{width}} | {seconds * 1e3:>7.3f} ms | {ratio:>12} | {goal}")
     print(
-        f"collectives: {measured['kvrt_one_rounds']} for {count} lookups one at a time, "
-        f"{measured['kvrt_in_flight_rounds']} for {measured['kvrt_in_flight_lookups']} lookups {IN_FLIGHT} in flight, "
-        f"{measured['kvrt_per_call_rounds']} for as many {IN_FLIGHT} per call"
+        f"collectives: {measured['kvrt_one_rounds']} for {measured['lookups']} lookups one at a time; "
+        f"for {measured['kvrt_in_flight_lookups']} lookups {IN_FLIGHT} in flight: {measured['kvrt_in_flight_rounds']} "
+        f"(callers), {measured['kvrt_bursts_rounds']} (bursts), {measured['kvrt_per_call_rounds']} (per call)"
     )
     if args.plot:
         path = _plot.bars(
