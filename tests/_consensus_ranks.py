@@ -189,3 +189,35 @@ def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
         asyncio.run(lookup())
     finally:
         dist.destroy_process_group()
+
+
+def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: Any) -> None:
+    """A one-rank gloo group (its collective done at once) and `callers` concurrent callers,
+    each starting its next lookup as soon as its last is decided: reports the lookups and the
+    rounds after a warm-up of four lookups each (the window at its steady size)."""
+    from kvrt._consensus import GroupConsensus, Outcome, Status
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+    async def caller(consensus: GroupConsensus, lookups: int) -> None:
+        for _ in range(lookups):
+            await consensus.decide(consensus.register(), Outcome(Status.OK, 4))
+
+    async def lookups() -> None:
+        consensus = GroupConsensus(dist.group.WORLD)
+        consensus.start()
+        try:
+            async with asyncio.timeout(30):
+                await asyncio.gather(*(caller(consensus, 4) for _ in range(callers)))
+                rounds_before = consensus.rounds
+                await asyncio.gather(*(caller(consensus, lookups_each) for _ in range(callers)))
+            results.put((callers * lookups_each, consensus.rounds - rounds_before))
+        finally:
+            await consensus.aclose()
+
+    try:
+        asyncio.run(lookups())
+    finally:
+        dist.destroy_process_group()

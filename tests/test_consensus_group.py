@@ -171,3 +171,22 @@ def test_a_round_with_a_status_this_version_does_not_know_fails_the_lookup_inste
         if process.is_alive():
             process.kill()
     assert outcome[:2] == ("error", "PeerLostError") and "99 is not a valid Status" in outcome[2]
+
+
+@pytest.mark.timeout(120)
+def test_callers_that_start_their_next_lookup_at_once_share_one_round_per_wave() -> None:
+    from tests._consensus_ranks import run_rank_with_callers
+
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    process = spawn.Process(target=run_rank_with_callers, args=(free_port(), 16, 50, results))
+    process.start()
+    try:
+        lookups, rounds = results.get(timeout=60)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    # Each round wakes the 16 callers, and each caller's next lookup joins the next round:
+    # one round per 16 lookups, not two (a round that leaves before the last caller records).
+    assert (lookups, rounds) == (800, 50)
