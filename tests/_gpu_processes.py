@@ -113,14 +113,19 @@ def run_gpu_consumer(
 
 def run_gpu_stream_reader_that_dies(
     endpoint: str, device: str, heartbeat_s: float, tokens: list[int], layers: int,
-    control: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection, *, sees_the_end: bool = True,
 ) -> None:  # fmt: skip
     """Read `layers` layers of the stream `tokens` name over cuda_ipc, never dropping what it
-    opened of the producer's memory, say "read", and wait: the parent kills it mid-stream."""
+    opened of the producer's memory, say "read", and wait: the parent kills it mid-stream.
+    Without `sees_the_end` it never handles the stream's end (so never confirms the item), as
+    a reader killed before the end of a finished item's stream, which comes with its layers."""
+    from kvrt import _streams
     from kvrt.transports import cuda_ipc
 
     held: list[Any] = []
     cuda_ipc._drop = lambda device, idle, *references: held.extend(list(each) for each in references)
+    if not sees_the_end:
+        _streams.ConsumerStream.finish = lambda self, hidden: None  # type: ignore[method-assign]
 
     async def main() -> None:
         torch.cuda.set_device(device)

@@ -373,6 +373,47 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
         assert held < layer_bytes // read, f"{held} bytes still held of the {layer_bytes} the layers took"
 
 
+async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves_no_producer_memory_pinned() -> None:
+    # A finished item streams too: its key and value lie apart in the item, so each layer is
+    # packed into a buffer of its own for the reader. The reader is killed holding what it
+    # opened, before it handled the stream's end (so before it confirmed the item); the item
+    # goes back to the buffer, and the packed layers' memory must come back.
+    from tests._gpu_processes import run_gpu_stream_reader_that_dies
+
+    heartbeat_s = 0.25
+    tokens, layers, read = kv_tokens(8, 1 << 14), 4, 3
+    torch.cuda.set_device(PRODUCER_DEVICE)
+    async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+        stream = await producer.open_stream(tokens, layers=layers)
+        layer_bytes = 0
+        for layer in range(layers):
+            key = torch.full((tokens.numel(), 8, 128), float(layer), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
+            await stream.put_layer(key, key.clone())
+            layer_bytes = 2 * key.nbytes
+            del key
+        await stream.finish()
+        gc.collect()
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+        before = torch.cuda.memory_allocated(PRODUCER_DEVICE)  # the finished item, in the buffer
+        control, child = spawn.Pipe()
+        reader = spawn.Process(
+            target=run_gpu_stream_reader_that_dies,
+            args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, tokens.tolist(), read, child),
+            kwargs={"sees_the_end": False},
+            daemon=True,
+        )
+        await asyncio.to_thread(reader.start)
+        assert await heard(control) == "read"
+        await killed_and_forgotten(reader, producer, heartbeat_s)
+        stats = producer.stats()
+        assert (stats.items, stats.in_flight) == (1, 0)  # the item is back, whole
+        gc.collect()
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize(PRODUCER_DEVICE)
+        held = torch.cuda.memory_allocated(PRODUCER_DEVICE) - before
+        assert held < layer_bytes, f"{held} bytes still held; a packed layer takes {layer_bytes}"
+
+
 async def test_a_producer_killed_before_its_item_is_written_fails_the_call_instead_of_handing_out_garbage() -> None:
     # The item is delivered at once; its bytes come 3 s later (the producer's GPU is busy).
     # The producer is killed meanwhile: the link gives it up after the heartbeat timeout and

@@ -205,6 +205,10 @@ class CudaIpcTransport(Transport):
         self._unconfirmed_layers: dict[bytes, dict[int, tuple[int, m.IpcShare]]] = {}
         """The same for the layers of streams, per consumer and layer (by the id of the layer's
         first tensor, while it lives): the stream's item id and the share."""
+        self._packed_layers: dict[bytes, dict[int, list[tuple[m.IpcShare, torch.Tensor]]]] = {}
+        """Per consumer and finished item, the layers packed for its stream readers, with their
+        shares: kept while the item lives, so that `forget` can release what a reader that left
+        unconfirmed still counted (torch alone would keep such a buffer in its limbo for good)."""
 
     # -- producer side --------------------------------------------------------------------
 
@@ -273,14 +277,18 @@ class CudaIpcTransport(Transport):
             weakref.finalize(tensors[0], layers.pop, id(tensors[0]), None)
             return [memoryview(m.encode_share(share))]
         # A finished item's layer, whose key and value lie apart: packed into a buffer of its
-        # own that nothing here keeps (torch does, in its limbo, while the count is up), so its
-        # share is not released on the reader's behalf: its slot may be another's by then.
+        # own, kept here with its share while the item lives (its storage: the item leaves the
+        # buffer once confirmed), so that the count's slot is the buffer's when `forget` releases it.
         pair = self._pair(peer)
         with on_device(self.device), OnStream(pair.stream):
             if ready is not None:
                 pair.stream.wait_event(ready)
             buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
         share = self._share(peer, buffer, [None])  # packed on the pair's stream: its marks come after
+        packed = self._packed_layers.setdefault(peer, {})
+        if item_id not in packed:
+            weakref.finalize(tensors[0].untyped_storage(), packed.pop, item_id, None)
+        packed.setdefault(item_id, []).append((share, buffer))
         return [memoryview(m.encode_share(share))]
 
     def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
@@ -293,7 +301,8 @@ class CudaIpcTransport(Transport):
         (torch frees a shared block whose count is not above zero); the item is back in the
         buffer, so its storage, and the count's slot with it, are alive: no other storage's
         count is touched. A stream's layers are released the same way, for the stream items
-        (open, or finished and not confirmed) the reader left with."""
+        (open, or finished and not confirmed) the reader left with; a finished item's layers,
+        packed for the reader, live here until then, so their slots are theirs too."""
         self._pairs.pop(peer, None)
         sent = self._unconfirmed.pop(peer, None)
         if sent is not None:
@@ -305,6 +314,11 @@ class CudaIpcTransport(Transport):
         for item_id, share in list(streamed.values()):
             if item_id in unconfirmed_ids:
                 _release(share)
+        for item_id, layers in self._packed_layers.pop(peer, {}).items():
+            if item_id in unconfirmed_ids:
+                for share, _ in layers:
+                    _release(share)
+            layers.clear()  # the buffers go (torch frees each once its count is not above zero)
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
