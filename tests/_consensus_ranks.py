@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -163,14 +164,23 @@ def run_rank_that_loses_its_peer(rank: int, port: int, results: Any) -> None:
     asyncio.run(lookups())
 
 
+@contextlib.contextmanager
+def one_rank_gloo_group(port: int) -> Iterator[None]:
+    """torch.distributed's default group as a gloo group of this process alone (its
+    collectives complete at once), for the `with` block."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
     """A one-rank gloo group whose round carries a status this version does not know (as a
     rank of another version could send): the lookup reports what it raised."""
     from kvrt._consensus import GroupConsensus, Outcome, Status
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
 
     async def lookup() -> None:
         consensus = GroupConsensus(dist.group.WORLD)
@@ -185,10 +195,8 @@ def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
         finally:
             await consensus.aclose()
 
-    try:
+    with one_rank_gloo_group(port):
         asyncio.run(lookup())
-    finally:
-        dist.destroy_process_group()
 
 
 def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: Any) -> None:
@@ -196,10 +204,6 @@ def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: A
     each starting its next lookup as soon as its last is decided: reports the lookups and the
     rounds after a warm-up of four lookups each (the window at its steady size)."""
     from kvrt._consensus import GroupConsensus, Outcome, Status
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
 
     async def caller(consensus: GroupConsensus, lookups: int) -> None:
         for _ in range(lookups):
@@ -217,7 +221,5 @@ def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: A
         finally:
             await consensus.aclose()
 
-    try:
+    with one_rank_gloo_group(port):
         asyncio.run(lookups())
-    finally:
-        dist.destroy_process_group()
