@@ -218,6 +218,33 @@ async def fails_with_peer_lost_in_time(call: asyncio.Task[Any], producer: Any, h
     assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
 
 
+def producer_memory() -> int:
+    """The producer GPU's allocated bytes, once what nothing holds any more was collected
+    (torch's IPC limbo included) and its queued work done."""
+    gc.collect()
+    torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize(PRODUCER_DEVICE)
+    return torch.cuda.memory_allocated(PRODUCER_DEVICE)
+
+
+async def stream_reader_that_dies(
+    producer: kvrt.Producer, tokens: torch.Tensor, layers: int, heartbeat_s: float, *, sees_the_end: bool = True
+) -> tuple[Any, Any]:
+    """A reader process of the stream `tokens` name, started: it reads `layers` layers, holds
+    what it opened, says "read" on the returned control pipe, and waits to be killed."""
+    from tests._gpu_processes import run_gpu_stream_reader_that_dies
+
+    control, child = spawn.Pipe()
+    reader = spawn.Process(
+        target=run_gpu_stream_reader_that_dies,
+        args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, tokens.tolist(), layers, child),
+        kwargs={"sees_the_end": sees_the_end},
+        daemon=True,
+    )
+    await asyncio.to_thread(reader.start)
+    return reader, control
+
+
 async def heard(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 30), "the reader did not answer"
     return control.recv()
@@ -329,10 +356,7 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         await asyncio.wait_for(producer._peer_left.wait(), 10.0)  # its bye, after its receipt
         stats = producer.stats()
         assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
-        gc.collect()
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-        freed = with_item - torch.cuda.memory_allocated(PRODUCER_DEVICE)
+        freed = with_item - producer_memory()
         assert freed >= item_bytes, f"{freed} bytes freed of the item's {item_bytes}"
 
 
@@ -340,21 +364,13 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
     # The same for a stream's layers: each is shared as it is published. The reader is killed
     # mid-stream holding the layers it opened; the stream goes back to the open streams, and
     # once the prefill gives it up, its layers' memory must come back.
-    from tests._gpu_processes import run_gpu_stream_reader_that_dies
-
     heartbeat_s = 0.25
     tokens, layers, read = kv_tokens(7, 1 << 14), 4, 3
     torch.cuda.set_device(PRODUCER_DEVICE)
     async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
         before = torch.cuda.memory_allocated(PRODUCER_DEVICE)
         stream = await producer.open_stream(tokens, layers=layers)
-        control, child = spawn.Pipe()
-        reader = spawn.Process(
-            target=run_gpu_stream_reader_that_dies,
-            args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, tokens.tolist(), read, child),
-            daemon=True,
-        )
-        await asyncio.to_thread(reader.start)
+        reader, control = await stream_reader_that_dies(producer, tokens, read, heartbeat_s)
         layer_bytes = 0
         for layer in range(read):
             key = torch.full((tokens.numel(), 8, 128), float(layer), dtype=torch.bfloat16, device=PRODUCER_DEVICE)
@@ -366,10 +382,7 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
         await stream.abort("the test gives the prefill up")
         stats = producer.stats()
         assert (stats.items, stats.in_flight) == (0, 0)
-        gc.collect()
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-        held = torch.cuda.memory_allocated(PRODUCER_DEVICE) - before
+        held = producer_memory() - before
         assert held < layer_bytes // read, f"{held} bytes still held of the {layer_bytes} the layers took"
 
 
@@ -378,8 +391,6 @@ async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves
     # packed into a buffer of its own for the reader. The reader is killed holding what it
     # opened, before it handled the stream's end (so before it confirmed the item); the item
     # goes back to the buffer, and the packed layers' memory must come back.
-    from tests._gpu_processes import run_gpu_stream_reader_that_dies
-
     heartbeat_s = 0.25
     tokens, layers, read = kv_tokens(8, 1 << 14), 4, 3
     torch.cuda.set_device(PRODUCER_DEVICE)
@@ -392,25 +403,13 @@ async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves
             layer_bytes = 2 * key.nbytes
             del key
         await stream.finish()
-        gc.collect()
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-        before = torch.cuda.memory_allocated(PRODUCER_DEVICE)  # the finished item, in the buffer
-        control, child = spawn.Pipe()
-        reader = spawn.Process(
-            target=run_gpu_stream_reader_that_dies,
-            args=(producer.endpoint, CONSUMER_DEVICE, heartbeat_s, tokens.tolist(), read, child),
-            kwargs={"sees_the_end": False},
-            daemon=True,
-        )
-        await asyncio.to_thread(reader.start)
+        before = producer_memory()  # the finished item, in the buffer
+        reader, control = await stream_reader_that_dies(producer, tokens, read, heartbeat_s, sees_the_end=False)
         assert await heard(control) == "read"
         await killed_and_forgotten(reader, producer, heartbeat_s)
         stats = producer.stats()
         assert (stats.items, stats.in_flight) == (1, 0)  # the item is back, whole
-        gc.collect()
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-        held = torch.cuda.memory_allocated(PRODUCER_DEVICE) - before
+        held = producer_memory() - before
         assert held < layer_bytes, f"{held} bytes still held; a packed layer takes {layer_bytes}"
 
 
