@@ -13,7 +13,7 @@ same run on the same ranks:
 * bare rounds: one synchronous `all_reduce(MIN)` of 16 values per 16 lookups, no event loop:
   what a round of the in-flight case costs the group itself, the floor for that row;
 * kvrt bursts: bursts of 16 lookups, a task each, the next burst once the last is decided
-  (up to 16 in flight; the rows of the sessions before 2026-12-01 timed this pattern);
+  (up to 16 in flight; the goal's row timed this pattern before commit 7d32c71);
 * kvrt per call: the same bursts, each burst's 16 lookups in one `decide_many` (what
   `drop_select_many` does in a TP group): no task per lookup.
 
@@ -45,12 +45,12 @@ from kvrt._bench._processes import free_port, join
 WORLD: Final = 4
 IN_FLIGHT: Final = 16
 BLOCKS: Final = 4
+"""The variants run in turns of count / BLOCKS lookups each."""
 IN_FLIGHT_ROUNDS_PER_BLOCK: Final = 24
 """Rounds of 16 lookups each in-flight variant times per block (384 lookups): a lookup in
 flight costs ~1/20 of the reference's, so this many keep its total near the others' while
 its mean rests on enough rounds (a round here takes 1.6 to 11 ms, depending on which rank
 the 2 cores serve)."""
-"""The variants run in turns of count / BLOCKS lookups each."""
 _WARMUP: Final = 10
 
 spawn = multiprocessing.get_context("spawn")
