@@ -239,10 +239,11 @@ class GroupConsensus:
 
     Rounds run one at a time, each started from the loop as soon as this rank can enter it
     (at the end of the loop iteration in which a lookup recorded its outcome, so that a burst
-    shares one round, or at once when the previous round ends), so every rank issues the
-    same rounds in the same order. A round's completion comes back as a loop callback: no task
-    sits between the collective and the lookups it decides (on a 2-core host each extra hop
-    of the loop is a visible share of a 2-value collective). A collective that fails (a rank
+    shares one round; when the previous round ends, right after the callers it woke, so that
+    their next lookups join), so every rank issues the same rounds in the same order. A
+    round's completion comes back as a loop callback: no task sits between the collective
+    and the lookups it decides (on a 2-core host each extra hop of the loop is a visible
+    share of a 2-value collective). A collective that fails (a rank
     died, the group timed out) fails every waiting lookup, and later ones, with
     `PeerLostError`: nothing waits for a group that cannot agree any more.
     """
