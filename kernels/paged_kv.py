@@ -307,9 +307,10 @@ def _combined(staging: torch.Tensor, kv: int) -> _Stage:
 
 
 def _split(key: torch.Tensor, value: torch.Tensor, kv: int) -> _Stage:
-    _, tokens, heads, dim = key.shape
+    layers, tokens, heads, dim = key.shape
     row = heads * dim
-    return _Stage(key, value if kv == 2 else key, 0, 0, tokens * row, row)
+    layer_stride = key.stride(0) if layers > 1 else tokens * row  # a cut item's layers lie further apart
+    return _Stage(key, value if kv == 2 else key, 0, 0, layer_stride, row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,8 +380,8 @@ def _plan(
 
     row = to_words((heads[1] - heads[0]) * g.head_dim)
     block = min(triton.next_power_of_2(max(1, tuning.block_words)), triton.next_power_of_2(row))
-    stage_k = stage.key.view(-1).view(word)[to_words(stage.key_offset) :]
-    stage_v = stage.value.view(-1).view(word)[to_words(stage.value_offset) :]
+    stage_k = _flat(stage.key).view(word)[to_words(stage.key_offset) :]
+    stage_v = _flat(stage.value).view(word)[to_words(stage.value_offset) :]
     args = (
         table.addresses,
         replica,
@@ -398,6 +399,16 @@ def _plan(
     constants = {"ROW": row, "KV": kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
     launch = _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
     return _Launch(launch.grid, args, constants, tuning.warps, launch.signature())
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s elements from its first to its last as one 1-D view: `view(-1)` of a
+    contiguous tensor; of one cut along its tokens, the rows between its layers too (the
+    kernel steps over them)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.as_strided((last + 1,), (1,))
 
 
 def _launch(
@@ -451,6 +462,9 @@ def scatter(
 
 
 def _check_split(table: PoolTable, key: torch.Tensor, value: torch.Tensor, tokens: int, heads: tuple[int, int]) -> None:
+    """Separate K and V [layers, >= tokens, heads, head_dim], each layer's rows back to back:
+    contiguous, or cut along the token axis (an item a TP group agreed to shorten), K and V
+    with one layer stride."""
     shape = (table.layers, heads[1] - heads[0], table.geometry.head_dim)
     for name, tensor in (("key", key), ("value", value) if table.geometry.kv == 2 else ("key", key)):
         if (
@@ -458,12 +472,20 @@ def _check_split(table: PoolTable, key: torch.Tensor, value: torch.Tensor, token
             or (tensor.shape[0], tensor.shape[2], tensor.shape[3]) != shape
             or tensor.shape[1] < tokens
             or tensor.dtype != table.dtype
-            or not tensor.is_contiguous()
+            or not _layers_packed(tensor)
+            or (table.layers > 1 and tensor.stride(0) != key.stride(0))
         ):
             raise InvalidInputError(
-                f"{name} must be a contiguous {table.dtype} tensor [{shape[0]}, >= {tokens}, {shape[1]}, {shape[2]}], "
-                f"got {tensor.dtype} {tuple(tensor.shape)}"
+                f"{name} must be a {table.dtype} tensor [{shape[0]}, >= {tokens}, {shape[1]}, {shape[2]}] whose "
+                f"layers each lie contiguous (K and V one layer stride apart), got {tensor.dtype} "
+                f"{tuple(tensor.shape)} strides {tensor.stride()}"
             )
+
+
+def _layers_packed(tensor: torch.Tensor) -> bool:
+    """Whether each layer of `tensor` [layers, tokens, heads, head_dim] lies contiguous and the
+    layers do not overlap (a contiguous tensor, or one cut along its tokens)."""
+    return tensor[0].is_contiguous() and (tensor.shape[0] == 1 or tensor.stride(0) >= tensor[0].numel())
 
 
 def _layer_range(table: PoolTable, layers: tuple[int, int] | None) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import kvrt
+from kvrt.kernels.paged_kv import Layout, PoolTable
 
 RANDOM_ROUNDS = 200
 IN_FLIGHT = 8
@@ -58,6 +59,18 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             await insert(producer, tokens(0, 8 + 8 * rank), rank)
             item = await consumer.drop_select(tokens(0, 32))
             results.put((rank, "different_prefix", summary(item)))
+
+            # A pull is agreed as a drop_select is: every rank writes the agreed tokens (8)
+            # into its pools, no more, from its own item (its rows hold its rank).
+            await insert(producer, tokens(7000, 8 + 8 * rank), rank)
+            empty = -1.0
+            layers = [torch.full((32, 4, 4), empty, dtype=torch.float16) for _ in range(2)]
+            item = await consumer.pull(
+                tokens(7000, 32), into=PoolTable([[layers]], Layout.TOKEN_MAJOR), slots=torch.arange(32)
+            )
+            written = [slot for slot in range(32) if not bool((layers[0][slot] == empty).all())]
+            values = sorted({float(value) for layer in layers for value in layer[written].unique()})
+            results.put((rank, "pull", (summary(item), written, values, producer.stats().items)))
 
             # One rank has no item: a miss everywhere, and the others' items go back.
             if rank != missing_rank(world):

@@ -13,7 +13,7 @@ import pytest
 from tests._consensus_ranks import FAILING_RANK, RANDOM_ROUNDS, missing_rank, run_rank
 
 WORLD = 4
-SCENARIOS = ("different_prefix", "one_missing", "batch", "random_rounds", "producer_failing")
+SCENARIOS = ("different_prefix", "pull", "one_missing", "batch", "random_rounds", "producer_failing")
 """What every rank of `tests._consensus_ranks.scenarios` reports, in order."""
 
 
@@ -61,6 +61,14 @@ def check_different_prefixes(seen: dict[str, dict[int, Any]]) -> None:
     assert set(seen["different_prefix"].values()) == {("item", 8, 8, 8, 8)}
 
 
+def check_pull(seen: dict[str, dict[int, Any]]) -> None:
+    for rank, (outcome, written, values, items_left) in seen["pull"].items():
+        assert outcome == ("item", 8, 8, 8, 8)
+        assert written == list(range(8))  # the agreed tokens' slots, and no other
+        assert values == [float(rank)]  # K and V rows, from this rank's own item
+        assert items_left == 0  # taken, as agreed
+
+
 def check_one_missing(seen: dict[str, dict[int, Any]], world: int) -> None:
     for rank, (outcome, items_left) in seen["one_missing"].items():
         assert outcome == ("miss",)
@@ -100,6 +108,10 @@ def test_ranks_with_different_prefixes_agree_on_the_shortest_and_cut_their_items
     check_different_prefixes(seen)
 
 
+def test_a_pull_writes_only_the_agreed_tokens_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
+    check_pull(seen)
+
+
 @pytest.mark.timeout(240)
 def test_a_rank_missing_the_item_makes_it_a_miss_everywhere_and_nothing_is_lost(
     seen: dict[str, dict[int, Any]],
@@ -127,6 +139,7 @@ def test_a_failing_producer_on_one_rank_is_that_error_on_every_rank(seen: dict[s
 def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
     seen = run_group(2, "nccl")
     check_different_prefixes(seen)
+    check_pull(seen)
     check_one_missing(seen, 2)
     check_batch(seen, 2)
     check_random_rounds(seen)

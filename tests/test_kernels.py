@@ -229,23 +229,32 @@ def test_pools_that_differ_are_refused() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(case=cases(), extra=st.integers(0, 3))
-def test_gather_into_separate_key_and_value_equals_the_reference(case: dict[str, object], extra: int) -> None:
+@given(case=cases(), extra=st.integers(0, 3), cut=st.integers(0, 3))
+def test_gather_into_separate_key_and_value_equals_the_reference(case: dict[str, object], extra: int, cut: int) -> None:
     table, replica, slots = build(case)
     tokens = slots.numel()
-    key, value = poisoned_key_and_value(table, tokens + extra)  # longer than needed: only the first `tokens` move
+    # Longer than needed (only the first `tokens` move), and with `cut`, views of longer
+    # tensors cut along their tokens (an item a TP group agreed to shorten): what lies past
+    # the cut is never written.
+    full_key, full_value = poisoned_key_and_value(table, tokens + extra + cut)
+    key, value = full_key[:, : tokens + extra], full_value[:, : tokens + extra]
     gather_into(table, replica, slots, key, value)
     assert gathered_as_the_reference(table, replica, slots, key, value)
+    past_the_cut = [full_key[:, tokens + extra :], full_value[:, tokens + extra :]]
+    assert all(bool((part.contiguous().view(torch.uint8) == POISON).all()) for part in past_the_cut)
 
 
 @settings(max_examples=25, deadline=None)
-@given(case=cases(), extra=st.integers(0, 3))
-def test_scatter_from_separate_key_and_value_equals_the_reference(case: dict[str, object], extra: int) -> None:
+@given(case=cases(), extra=st.integers(0, 3), cut=st.integers(0, 3))
+def test_scatter_from_separate_key_and_value_equals_the_reference(
+    case: dict[str, object], extra: int, cut: int
+) -> None:
     table, replica, slots = build(case)
     expected_table, _, _ = build(case)
     tokens = slots.numel()
     g = table.geometry
-    key, value = random_key_and_value(table, tokens + extra, seed=7 + case["seed"])  # type: ignore[operator]
+    full_key, full_value = random_key_and_value(table, tokens + extra + cut, seed=7 + case["seed"])  # type: ignore[operator]
+    key, value = full_key[:, : tokens + extra], full_value[:, : tokens + extra]  # with `cut`: a shortened item's
     scatter_from(table, key, value, replica, slots)
     parts = [key[:, :tokens]] if g.kv == 1 else [key[:, :tokens], value[:, :tokens]]
     scatter_reference(expected_table, torch.stack(parts, dim=2), replica, slots)
