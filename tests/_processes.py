@@ -8,10 +8,14 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
+import os
+import signal
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 import torch
 
 import kvrt
@@ -37,6 +41,25 @@ async def child_process(
         if process.is_alive():
             process.kill()
             await asyncio.to_thread(process.join)
+
+
+async def killed_and_forgotten(process: Any, producer: kvrt.Producer, heartbeat_s: float) -> None:
+    """Kill a consumer's process and wait until `producer` forgot it (its heartbeat timeout)."""
+    assert process.pid is not None
+    producer._peer_left.clear()
+    os.kill(process.pid, signal.SIGKILL)
+    await asyncio.to_thread(process.join)
+    await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+
+
+async def fails_with_peer_lost_in_time(call: asyncio.Task[Any], producer: Any, heartbeat_s: float) -> None:
+    """Kill the producer's process: `call` must fail with PeerLostError within the heartbeat timeout."""
+    assert producer.pid is not None
+    os.kill(producer.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(kvrt.PeerLostError):
+        await call
+    assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
 
 
 def item_tensors(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

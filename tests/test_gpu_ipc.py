@@ -10,12 +10,14 @@ them on the lent GPU host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ import kvrt
 from kvrt.transports.cuda_ipc import CudaIpcTransport
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu, two_gpus
-from tests._processes import child_process
+from tests._processes import child_process, fails_with_peer_lost_in_time, killed_and_forgotten
 
 pytestmark = [one_gpu, pytest.mark.timeout(100, method="thread")]
 """One GPU will do (both processes on it) but where NCCL serves: `two_gpus`."""
@@ -186,15 +188,6 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_in_time_and_
                 reader.kill()
 
 
-async def killed_and_forgotten(process: Any, producer: kvrt.Producer, heartbeat_s: float) -> None:
-    """Kill a consumer's process and wait until `producer` forgot it (its heartbeat timeout)."""
-    assert process.pid is not None
-    producer._peer_left.clear()
-    os.kill(process.pid, signal.SIGKILL)
-    await asyncio.to_thread(process.join)
-    await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
-
-
 def posts_noted(link: Any) -> asyncio.Event:
     """An event set once `link` has posted the receive of a Deliver (its copies queued)."""
     posted = asyncio.Event()
@@ -208,14 +201,17 @@ def posts_noted(link: Any) -> asyncio.Event:
     return posted
 
 
-async def fails_with_peer_lost_in_time(call: asyncio.Task[Any], producer: Any, heartbeat_s: float) -> None:
-    """Kill the producer's process: `call` must fail with PeerLostError within the heartbeat timeout."""
-    assert producer.pid is not None
-    os.kill(producer.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    with pytest.raises(kvrt.PeerLostError):
-        await call
-    assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+@contextlib.asynccontextmanager
+async def ipc_consumer_of(
+    runner: Any, what: str, heartbeat_s: float, **options: Any
+) -> AsyncIterator[tuple[kvrt.Consumer, Any, Any]]:
+    """A producer process `runner(PRODUCER_DEVICE, heartbeat_s, control)` and a consumer of it
+    over cuda_ipc (with `options`): the consumer, the process and its control pipe."""
+    async with child_process(runner, (PRODUCER_DEVICE, heartbeat_s), what) as (endpoint, producer, control):
+        async with kvrt.Consumer(
+            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc", **options
+        ) as consumer:
+            yield consumer, producer, control
 
 
 def producer_memory() -> int:
@@ -422,25 +418,22 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
 
     heartbeat_s = 0.25
     tokens = 4096
-    async with child_process(run_gpu_late_inserter, (PRODUCER_DEVICE, heartbeat_s), "GPU late inserter") as (
-        endpoint,
+    async with ipc_consumer_of(run_gpu_late_inserter, "GPU late inserter", heartbeat_s) as (
+        consumer,
         producer,
         control,
     ):
-        async with kvrt.Consumer(
-            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc"
-        ) as consumer:
-            assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
-            link = consumer._links[0]
-            posted = posts_noted(link)
-            call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
-            await asyncio.sleep(0)
-            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
-            control.send(("insert", 5, tokens, 3000))
-            assert await heard(control) == "inserted"
-            await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
-            assert not call.done() and link._arrivals
-            await fails_with_peer_lost_in_time(call, producer, heartbeat_s)
+        assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
+        link = consumer._links[0]
+        posted = posts_noted(link)
+        call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
+        await asyncio.sleep(0)
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        control.send(("insert", 5, tokens, 3000))
+        assert await heard(control) == "inserted"
+        await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
+        assert not call.done() and link._arrivals
+        await fails_with_peer_lost_in_time(call, producer, heartbeat_s)
 
 
 async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_come_in_a_new_session() -> None:
@@ -450,33 +443,29 @@ async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_co
     from tests._gpu_processes import WARM_UP, run_gpu_late_inserter
 
     heartbeat_s, tokens = 0.25, 4096
-    async with child_process(run_gpu_late_inserter, (PRODUCER_DEVICE, heartbeat_s), "GPU late inserter") as (
-        endpoint,
+    async with ipc_consumer_of(run_gpu_late_inserter, "GPU late inserter", heartbeat_s, transfer_timeout_s=1.0) as (
+        consumer,
         _,
         control,
     ):
-        async with kvrt.Consumer(
-            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc",
-            transfer_timeout_s=1.0,
-        ) as consumer:  # fmt: skip
-            assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
-            call = asyncio.create_task(consumer.drop_select(kv_tokens(6, tokens), timeout=30))
-            await asyncio.sleep(0)
-            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
-            control.send(("insert", 6, tokens, 4000))
-            assert await heard(control) == "inserted"
-            inserted_at = time.monotonic()
-            with pytest.raises(kvrt.KVRTTimeoutError, match="did not finish a transfer"):
-                await call
-            assert time.monotonic() - inserted_at < 3.0
-            await asyncio.wait_for(asyncio.to_thread(torch.cuda.synchronize, CONSUMER_DEVICE), 2.0)
-            assert time.monotonic() - inserted_at < 3.5  # before the producer's GPU is done
-            control.send("sync")
-            assert await heard(control) == "synced"
-            item = await consumer.drop_select(kv_tokens(6, tokens), timeout=10)
-            _, key, value, hidden = kv_item(6, tokens, torch.bfloat16, CONSUMER_DEVICE)
-            assert item is not None and same_bits(item.key, key) and same_bits(item.value, value)
-            assert item.hidden is not None and same_bits(item.hidden, hidden)
+        assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
+        call = asyncio.create_task(consumer.drop_select(kv_tokens(6, tokens), timeout=30))
+        await asyncio.sleep(0)
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        control.send(("insert", 6, tokens, 4000))
+        assert await heard(control) == "inserted"
+        inserted_at = time.monotonic()
+        with pytest.raises(kvrt.KVRTTimeoutError, match="did not finish a transfer"):
+            await call
+        assert time.monotonic() - inserted_at < 3.0
+        await asyncio.wait_for(asyncio.to_thread(torch.cuda.synchronize, CONSUMER_DEVICE), 2.0)
+        assert time.monotonic() - inserted_at < 3.5  # before the producer's GPU is done
+        control.send("sync")
+        assert await heard(control) == "synced"
+        item = await consumer.drop_select(kv_tokens(6, tokens), timeout=10)
+        _, key, value, hidden = kv_item(6, tokens, torch.bfloat16, CONSUMER_DEVICE)
+        assert item is not None and same_bits(item.key, key) and same_bits(item.value, value)
+        assert item.hidden is not None and same_bits(item.hidden, hidden)
 
 
 async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() -> None:
@@ -495,25 +484,22 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
         Layout.TOKEN_MAJOR,
     )  # fmt: skip
     into_slots = torch.randperm(PULL_SLOTS)[:PULL_TOKENS]
-    async with child_process(run_gpu_late_publisher, (PRODUCER_DEVICE, heartbeat_s), "GPU late publisher") as (
-        endpoint,
+    async with ipc_consumer_of(run_gpu_late_publisher, "GPU late publisher", heartbeat_s) as (
+        consumer,
         producer,
         control,
     ):
-        async with kvrt.Consumer(
-            connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport="cuda_ipc"
-        ) as consumer:
-            warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
-            assert warm is not None  # the path is warm, the scatters' kernels too
-            link = consumer._links[0]
-            posted = posts_noted(link)
-            pulling = asyncio.create_task(
-                consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
-            )
-            await asyncio.sleep(0)
-            assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
-            control.send(("publish", 8, 3000))
-            assert await heard(control) == "published"
-            await asyncio.wait_for(posted.wait(), 10)  # its copies wait for the producer's marks
-            assert not pulling.done()
-            await fails_with_peer_lost_in_time(pulling, producer, heartbeat_s)
+        warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
+        assert warm is not None  # the path is warm, the scatters' kernels too
+        link = consumer._links[0]
+        posted = posts_noted(link)
+        pulling = asyncio.create_task(
+            consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
+        )
+        await asyncio.sleep(0)
+        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        control.send(("publish", 8, 3000))
+        assert await heard(control) == "published"
+        await asyncio.wait_for(posted.wait(), 10)  # its copies wait for the producer's marks
+        assert not pulling.done()
+        await fails_with_peer_lost_in_time(pulling, producer, heartbeat_s)

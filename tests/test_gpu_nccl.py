@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
-import signal
 import time
 from typing import Any
 
@@ -26,7 +24,7 @@ from tests._gpus import (
     over_each_gpu_transport,
     over_each_gpu_transport_on_two_gpus,
 )
-from tests._processes import child_process
+from tests._processes import child_process, fails_with_peer_lost_in_time, killed_and_forgotten
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 
@@ -182,11 +180,7 @@ async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_t
             assert control.recv() == "asked"
             if attempt == "served":
                 assert await asyncio.to_thread(control.poll, 60) and control.recv() == "arrived"
-            assert process.pid is not None
-            producer._peer_left.clear()
-            os.kill(process.pid, signal.SIGKILL)
-            await asyncio.to_thread(process.join)
-            await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+            await killed_and_forgotten(process, producer, heartbeat_s)
             stats = producer.stats()
             assert (stats.peers, stats.items, stats.in_flight) == (0, 1, 0), attempt
             assert producer._transports[transport]._pairs == {}  # type: ignore[attr-defined]
@@ -206,12 +200,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         assert await consumer.drop_select(kv_tokens(0, 64)) is not None
         waiting = asyncio.create_task(consumer.drop_select(torch.tensor([-1]), None, timeout=None))
         await asyncio.sleep(0)
-        assert process.pid is not None
-        os.kill(process.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        with pytest.raises(kvrt.PeerLostError):
-            await waiting
-        assert time.monotonic() - killed_at < 4 * heartbeat_s + 1.0
+        await fails_with_peer_lost_in_time(waiting, process, heartbeat_s)
 
 
 @over_each_gpu_transport
