@@ -202,13 +202,12 @@ class CudaIpcTransport(Transport):
         self._unconfirmed: dict[bytes, weakref.WeakKeyDictionary[BufferedItem, list[m.IpcShare]]] = {}
         """Per consumer, the shares of the items sent to it, kept while the item lives: when the
         consumer leaves, those of the items it never confirmed are released here (`forget`)."""
-        self._unconfirmed_layers: dict[bytes, dict[int, tuple[int, m.IpcShare]]] = {}
-        """The same for the layers of streams, per consumer and layer (by the id of the layer's
-        first tensor, while it lives): the stream's item id and the share."""
-        self._packed_layers: dict[bytes, dict[int, list[tuple[m.IpcShare, torch.Tensor]]]] = {}
-        """Per consumer and finished item, the layers packed for its stream readers, with their
-        shares: kept while the item lives, so that `forget` can release what a reader that left
-        unconfirmed still counted (torch alone would keep such a buffer in its limbo for good)."""
+        self._unconfirmed_layers: dict[bytes, dict[int, tuple[int, m.IpcShare, torch.Tensor | None]]] = {}
+        """The same for the layers of streams, per consumer and share (by its id), while the bytes
+        they were shared from live: the stream's item id, the share, and for a finished item's
+        layer the buffer it was packed into for the reader (kept here, so that the count's slot
+        is still that buffer's when `forget` releases it; torch alone would keep the buffer in
+        its limbo for good)."""
 
     # -- producer side --------------------------------------------------------------------
 
@@ -268,27 +267,24 @@ class CudaIpcTransport(Transport):
         if nbytes == 0:
             return []
         buffer = span_of(tensors, placed, nbytes)
+        packed: torch.Tensor | None = None
         if buffer is not None:
             share = self._share(peer, buffer, [ready])
-            # Kept while the stream holds the layer (its first tensor keeps the storage, and so
-            # the count's slot, alive): released by `forget` if the reader leaves unconfirmed.
-            layers = self._unconfirmed_layers.setdefault(peer, {})
-            layers[id(tensors[0])] = (item_id, share)
-            weakref.finalize(tensors[0], layers.pop, id(tensors[0]), None)
-            return [memoryview(m.encode_share(share))]
-        # A finished item's layer, whose key and value lie apart: packed into a buffer of its
-        # own, kept here with its share while the item lives (its storage: the item leaves the
-        # buffer once confirmed), so that the count's slot is the buffer's when `forget` releases it.
-        pair = self._pair(peer)
-        with on_device(self.device), OnStream(pair.stream):
-            if ready is not None:
-                pair.stream.wait_event(ready)
-            buffer = pack_back_to_back(tensors, placed, nbytes, self.device)
-        share = self._share(peer, buffer, [None])  # packed on the pair's stream: its marks come after
-        packed = self._packed_layers.setdefault(peer, {})
-        if item_id not in packed:
-            weakref.finalize(tensors[0].untyped_storage(), packed.pop, item_id, None)
-        packed.setdefault(item_id, []).append((share, buffer))
+            source: object = tensors[0]  # the stream holds the layer, so its storage and count's slot
+        else:
+            # A finished item's layer, whose key and value lie apart: packed into a buffer of
+            # its own, kept while the item lives (its storage: it leaves the buffer once confirmed).
+            pair = self._pair(peer)
+            with on_device(self.device), OnStream(pair.stream):
+                if ready is not None:
+                    pair.stream.wait_event(ready)
+                packed = pack_back_to_back(tensors, placed, nbytes, self.device)
+            share = self._share(peer, packed, [None])  # packed on the pair's stream: its marks come after
+            source = tensors[0].untyped_storage()
+        # Released by `forget` if the reader leaves without confirming the stream's item.
+        layers = self._unconfirmed_layers.setdefault(peer, {})
+        layers[id(share)] = (item_id, share, packed)
+        weakref.finalize(source, layers.pop, id(share), None)
         return [memoryview(m.encode_share(share))]
 
     def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
@@ -311,14 +307,10 @@ class CudaIpcTransport(Transport):
                     _release(share)
         streamed = self._unconfirmed_layers.pop(peer, {})
         unconfirmed_ids = {item.item_id for item in unconfirmed}  # a stream's, or its whole item's
-        for item_id, share in list(streamed.values()):
+        for item_id, share, _ in list(streamed.values()):
             if item_id in unconfirmed_ids:
                 _release(share)
-        for item_id, layers in self._packed_layers.pop(peer, {}).items():
-            if item_id in unconfirmed_ids:
-                for share, _ in layers:
-                    _release(share)
-            layers.clear()  # the buffers go (torch frees each once its count is not above zero)
+        streamed.clear()  # the packed buffers go (torch frees each once its count is not above zero)
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
@@ -629,6 +621,8 @@ class CudaIpcTransport(Transport):
         self._end_session()
         self._pairs.clear()
         self._unconfirmed.clear()
+        for layers in self._unconfirmed_layers.values():
+            layers.clear()  # their finalizers keep the dicts: the packed buffers must go now
         self._unconfirmed_layers.clear()
 
 
