@@ -1,7 +1,10 @@
-"""One rank of a 4-process decode TP group, for tests/test_consensus_group.py (spawned).
+"""One rank of a decode TP group (4 gloo processes, or NCCL on the GPUs there are), for
+tests/test_consensus_group.py (spawned).
 
 Each rank has its own producer and a consumer with group=WORLD, runs the same scenarios in
-the same order, and reports what it saw to the parent through `results`.
+the same order, and reports what it saw to the parent through `results`. A group of one
+rank runs them too: its lookups take the same path, collective included (on one GPU the
+only NCCL group there is).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from kvrt.kernels.paged_kv import Layout, PoolTable
 
 RANDOM_ROUNDS = 200
 IN_FLIGHT = 8
-FAILING_RANK = 1
 
 
 def missing_rank(world: int) -> int:
     return min(2, world - 1)
+
+
+def failing_rank(world: int) -> int:
+    return min(1, world - 1)
 
 
 def tokens(base: int, length: int) -> torch.Tensor:
@@ -114,11 +120,11 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
 
             # One rank's producer fails: that error, on every rank, for a lookup and for a
             # batch; the other ranks' items go back to their producers.
-            if rank == FAILING_RANK:
+            if rank == failing_rank(world):
                 await producer.aclose()
             else:
                 await insert(producer, tokens(5000, 8), rank)
-            held = None if rank == FAILING_RANK else producer.stats().items
+            held = None if rank == failing_rank(world) else producer.stats().items
             seen: list[Any] = []
             for lookup in (consumer.drop_select(tokens(5000, 8)), consumer.drop_select_many([tokens(5000, 8)])):
                 try:
@@ -133,20 +139,29 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             results.put((rank, "producer_failing", tuple(seen)))
 
 
-def run_rank(rank: int, world: int, port: int, results: Any, backend: str = "gloo") -> None:
-    torch.set_num_threads(1)
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int, backend: str) -> Iterator[None]:
+    """torch.distributed's default group, this process as `rank` of `world`, for the `with`
+    block. NCCL ranks take a GPU each, this rank's."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if backend == "nccl":
         torch.cuda.set_device(rank)  # the group's collectives run on this rank's GPU
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        asyncio.run(scenarios(rank, world, results))
-    except BaseException as error:
-        results.put((rank, "crashed", repr(error)))
-        raise
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def run_rank(rank: int, world: int, port: int, results: Any, backend: str = "gloo") -> None:
+    torch.set_num_threads(1)
+    with process_group(rank, world, port, backend):
+        try:
+            asyncio.run(scenarios(rank, world, results))
+        except BaseException as error:
+            results.put((rank, "crashed", repr(error)))
+            raise
 
 
 def run_rank_that_loses_its_peer(rank: int, port: int, results: Any) -> None:
@@ -177,19 +192,6 @@ def run_rank_that_loses_its_peer(rank: int, port: int, results: Any) -> None:
     asyncio.run(lookups())
 
 
-@contextlib.contextmanager
-def one_rank_gloo_group(port: int) -> Iterator[None]:
-    """torch.distributed's default group as a gloo group of this process alone (its
-    collectives complete at once), for the `with` block."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
     """A one-rank gloo group whose round carries a status this version does not know (as a
     rank of another version could send): the lookup reports what it raised."""
@@ -208,19 +210,21 @@ def run_rank_that_reads_an_unknown_status(port: int, results: Any) -> None:
         finally:
             await consensus.aclose()
 
-    with one_rank_gloo_group(port):
+    with process_group(0, 1, port, "gloo"):  # its collectives complete at once
         asyncio.run(lookup())
 
 
-def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: Any) -> None:
-    """A one-rank gloo group (its collective done at once) and `callers` concurrent callers,
-    each starting its next lookup as soon as its last is decided: reports the lookups and the
-    rounds after a warm-up of four lookups each (the window at its steady size)."""
-    from kvrt._consensus import GroupConsensus, Outcome, Status
+def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: Any, backend: str = "gloo") -> None:
+    """A one-rank group (gloo: its collective done at once; NCCL: on this host's GPU) and
+    `callers` concurrent callers, each starting its next lookup as soon as its last is decided:
+    reports the lookups and the rounds after a warm-up of four lookups each (the window at its
+    steady size). A caller whose decision is not its own outcome (4 tokens matched) raises."""
+    from kvrt._consensus import Decision, GroupConsensus, Outcome, Status
 
     async def caller(consensus: GroupConsensus, lookups: int) -> None:
         for _ in range(lookups):
-            await consensus.decide(consensus.register(), Outcome(Status.OK, 4))
+            decision = await consensus.decide(consensus.register(), Outcome(Status.OK, 4))
+            assert decision == Decision(Status.OK, 4, -1), decision
 
     async def lookups() -> None:
         consensus = GroupConsensus(dist.group.WORLD)
@@ -231,8 +235,11 @@ def run_rank_with_callers(port: int, callers: int, lookups_each: int, results: A
                 rounds_before = consensus.rounds
                 await asyncio.gather(*(caller(consensus, lookups_each) for _ in range(callers)))
             results.put((callers * lookups_each, consensus.rounds - rounds_before))
+        except BaseException as error:
+            results.put(("crashed", repr(error)))
+            raise
         finally:
             await consensus.aclose()
 
-    with one_rank_gloo_group(port):
+    with process_group(0, 1, port, backend):
         asyncio.run(lookups())

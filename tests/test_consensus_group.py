@@ -1,4 +1,7 @@
-"""A decode TP group of 4 real processes (gloo): every rank returns the same outcome."""
+"""A decode TP group of 4 real processes (gloo): every rank returns the same outcome.
+
+The same scenarios run over NCCL: on two GPUs, and in a group of one rank on one GPU (the
+consensus's NCCL path, its stream and its waiting thread, where only one GPU is lent)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests._consensus_ranks import FAILING_RANK, RANDOM_ROUNDS, missing_rank, run_rank
+from tests._consensus_ranks import RANDOM_ROUNDS, failing_rank, missing_rank, run_rank
 
 WORLD = 4
 SCENARIOS = ("different_prefix", "pull", "one_missing", "batch", "random_rounds", "producer_failing")
@@ -92,13 +95,14 @@ def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
         assert matched == expected
 
 
-def check_producer_failing(seen: dict[str, dict[int, Any]]) -> None:
+def check_producer_failing(seen: dict[str, dict[int, Any]], world: int) -> None:
+    failing = failing_rank(world)
     for rank, (*lookups, items_left) in seen["producer_failing"].items():
         assert len(lookups) == 2  # a drop_select, then a drop_select_many
         for kind, error_type, message in lookups:
             assert (kind, error_type) == ("error", "PeerLostError")
-            assert ("closed" if rank == FAILING_RANK else f"rank {FAILING_RANK}") in message
-        assert items_left == (None if rank == FAILING_RANK else 0)  # each failed lookup gave its item back
+            assert ("closed" if rank == failing else f"rank {failing}") in message
+        assert items_left == (None if rank == failing else 0)  # each failed lookup gave its item back
 
 
 @pytest.mark.timeout(240)
@@ -131,7 +135,7 @@ def test_random_rounds_with_lookups_in_flight_agree_on_every_rank(seen: dict[str
 
 @pytest.mark.timeout(240)
 def test_a_failing_producer_on_one_rank_is_that_error_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
-    check_producer_failing(seen)
+    check_producer_failing(seen, WORLD)
 
 
 @pytest.mark.gpu(count=2)
@@ -143,7 +147,21 @@ def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
     check_one_missing(seen, 2)
     check_batch(seen, 2)
     check_random_rounds(seen)
-    check_producer_failing(seen)
+    check_producer_failing(seen, 2)
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.timeout(240)
+def test_a_one_gpu_group_runs_every_scenario_over_nccl() -> None:
+    # One rank: every agreement is its own outcome, through the NCCL path (the consensus
+    # tensor on the GPU, its stream, the thread that waits for it) and the same checks.
+    seen = run_group(1, "nccl")
+    check_different_prefixes(seen)
+    check_pull(seen)
+    check_one_missing(seen, 1)
+    check_batch(seen, 1)
+    check_random_rounds(seen)
+    check_producer_failing(seen, 1)
 
 
 @pytest.mark.timeout(120)
@@ -186,20 +204,33 @@ def test_a_round_with_a_status_this_version_does_not_know_fails_the_lookup_inste
     assert outcome[:2] == ("error", "PeerLostError") and "99 is not a valid Status" in outcome[2]
 
 
-@pytest.mark.timeout(120)
-def test_callers_that_start_their_next_lookup_at_once_share_one_round_per_wave() -> None:
+def lookups_and_rounds_of_16_callers(backend: str) -> tuple[Any, Any]:
+    """50 lookups each of 16 concurrent callers in a one-rank group: (lookups, rounds)."""
     from tests._consensus_ranks import run_rank_with_callers
 
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    process = spawn.Process(target=run_rank_with_callers, args=(free_port(), 16, 50, results))
+    process = spawn.Process(target=run_rank_with_callers, args=(free_port(), 16, 50, results, backend))
     process.start()
     try:
-        lookups, rounds = results.get(timeout=60)
+        lookups, rounds = results.get(timeout=90)
     finally:
         process.join(30)
         if process.is_alive():
             process.kill()
+    return lookups, rounds
+
+
+@pytest.mark.timeout(120)
+def test_callers_that_start_their_next_lookup_at_once_share_one_round_per_wave() -> None:
     # Each round wakes the 16 callers, and each caller's next lookup joins the next round:
     # one round per 16 lookups, not two (a round that leaves before the last caller records).
-    assert (lookups, rounds) == (800, 50)
+    assert lookups_and_rounds_of_16_callers("gloo") == (800, 50)
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.timeout(150)
+def test_over_nccl_too_callers_share_one_round_per_wave() -> None:
+    # NCCL's round ends on a kvrt thread that waits for the consensus stream, not on gloo's:
+    # the next round still waits for the callers that round woke.
+    assert lookups_and_rounds_of_16_callers("nccl") == (800, 50)
