@@ -105,6 +105,16 @@ def check_producer_failing(seen: dict[str, dict[int, Any]], world: int) -> None:
         assert items_left == (None if rank == failing else 0)  # each failed lookup gave its item back
 
 
+def check_every_scenario(seen: dict[str, dict[int, Any]], world: int) -> None:
+    """Every check above, for a group that ran once (the NCCL groups: one test each)."""
+    check_different_prefixes(seen)
+    check_pull(seen)
+    check_one_missing(seen, world)
+    check_batch(seen, world)
+    check_random_rounds(seen)
+    check_producer_failing(seen, world)
+
+
 @pytest.mark.timeout(240)
 def test_ranks_with_different_prefixes_agree_on_the_shortest_and_cut_their_items(
     seen: dict[str, dict[int, Any]],
@@ -141,13 +151,7 @@ def test_a_failing_producer_on_one_rank_is_that_error_on_every_rank(seen: dict[s
 @pytest.mark.gpu(count=2)
 @pytest.mark.timeout(240)
 def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
-    seen = run_group(2, "nccl")
-    check_different_prefixes(seen)
-    check_pull(seen)
-    check_one_missing(seen, 2)
-    check_batch(seen, 2)
-    check_random_rounds(seen)
-    check_producer_failing(seen, 2)
+    check_every_scenario(run_group(2, "nccl"), 2)
 
 
 @pytest.mark.gpu(count=1)
@@ -155,13 +159,7 @@ def test_a_two_gpu_group_agrees_over_nccl_in_every_scenario() -> None:
 def test_a_one_gpu_group_runs_every_scenario_over_nccl() -> None:
     # One rank: every agreement is its own outcome, through the NCCL path (the consensus
     # tensor on the GPU, its stream, the thread that waits for it) and the same checks.
-    seen = run_group(1, "nccl")
-    check_different_prefixes(seen)
-    check_pull(seen)
-    check_one_missing(seen, 1)
-    check_batch(seen, 1)
-    check_random_rounds(seen)
-    check_producer_failing(seen, 1)
+    check_every_scenario(run_group(1, "nccl"), 1)
 
 
 @pytest.mark.timeout(120)
