@@ -46,11 +46,11 @@ WORLD: Final = 4
 IN_FLIGHT: Final = 16
 BLOCKS: Final = 4
 """The variants run in turns of count / BLOCKS lookups each."""
-IN_FLIGHT_ROUNDS_PER_BLOCK: Final = 24
-"""Rounds of 16 lookups each in-flight variant times per block (384 lookups): a lookup in
-flight costs ~1/20 of the reference's, so this many keep its total near the others' while
-its mean rests on enough rounds (a round here takes 1.6 to 11 ms, depending on which rank
-the 2 cores serve)."""
+IN_FLIGHT_ROUNDS_PER_BLOCK: Final = 96
+"""Rounds of 16 lookups each in-flight variant times per block (1,536 lookups). A round here
+takes 1.6 to 11 ms, depending on which rank the 2 cores serve, and blocks of 24 rounds read
+up to ±15% apart within one run (the same variant, 0.307 to 0.396 ms a lookup): this many
+keep a block's time near the reference's (100 lookups of ~8 ms) and its mean on enough rounds."""
 _WARMUP: Final = 10
 
 spawn = multiprocessing.get_context("spawn")
