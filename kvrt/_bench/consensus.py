@@ -17,9 +17,10 @@ same run on the same ranks:
 * kvrt per call: the same bursts, each burst's 16 lookups in one `decide_many` (what
   `drop_select_many` does in a TP group): no task per lookup.
 
-The variants take turns in blocks (4 blocks of count / 4 lookups each), so that drift in
-the host's load touches them alike. The figure is time per lookup on rank 0 (median over
-lookups one at a time; total over count for lookups in flight).
+The variants take turns in blocks (4 blocks: count / 4 lookups one at a time, 96 rounds of
+16 in flight), so that drift in the host's load touches them alike. The figure is time per
+lookup on rank 0 (median over lookups one at a time; total over the lookups timed for lookups
+in flight).
 """
 
 from __future__ import annotations
