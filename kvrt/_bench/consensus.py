@@ -191,7 +191,7 @@ async def _time_kvrt_in_flight(count: int, in_flight: int, *, pattern: str) -> t
 IN_FLIGHT_PATTERNS: Final = ("callers", "bursts", "per call")
 
 
-def _rank(rank: int, port: int, count: int, results: Any) -> None:
+def _rank(rank: int, port: int, count: int, in_flight_rounds: int, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -209,7 +209,7 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
         block = count // BLOCKS
         # Whole bursts only: a block's last burst of fewer than IN_FLIGHT lookups would time
         # lookups with fewer in flight than the row says (and cost a round of its own).
-        many_block = max(block // IN_FLIGHT, IN_FLIGHT_ROUNDS_PER_BLOCK) * IN_FLIGHT
+        many_block = max(block // IN_FLIGHT, in_flight_rounds) * IN_FLIGHT
         for _ in range(BLOCKS):
             reference += _time_all_gather_object(block)
             dist.barrier()
@@ -250,11 +250,11 @@ def _rank(rank: int, port: int, count: int, results: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    count = 100 if args.quick else 400
+    count, in_flight_rounds = (100, 24) if args.quick else (400, IN_FLIGHT_ROUNDS_PER_BLOCK)
     print(f"kvrt bench consensus: {WORLD} gloo ranks, {count} lookups per variant ...", file=sys.stderr, flush=True)
     results = spawn.Queue()
     port = free_port()
-    ranks = [spawn.Process(target=_rank, args=(rank, port, count, results)) for rank in range(WORLD)]
+    ranks = [spawn.Process(target=_rank, args=(rank, port, count, in_flight_rounds, results)) for rank in range(WORLD)]
     for process in ranks:
         process.start()
     try:
