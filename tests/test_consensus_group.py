@@ -1,7 +1,7 @@
 """A decode TP group of 4 real processes (gloo): every rank returns the same outcome.
 
 The same scenarios run over NCCL: on two GPUs, and in a group of one rank on one GPU (the
-consensus's NCCL path, its stream and its waiting thread, where only one GPU is lent)."""
+consensus's NCCL path, its stream and its waiting thread, on a host with one GPU)."""
 
 from __future__ import annotations
 
