@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvrt._bench._processes import free_port
+from kvrt._bench._processes import free_port, join
 from kvrt._consensus import GroupConsensus, Outcome, Status
 
 WORLD = 4
@@ -167,9 +167,10 @@ def main() -> int:
     ranks = [spawn.Process(target=run_rank, args=(rank, port, rounds, results)) for rank in range(WORLD)]
     for process in ranks:
         process.start()
-    figures = results.get(timeout=600)
-    for process in ranks:
-        process.join()
+    try:
+        figures = results.get(timeout=600)
+    finally:
+        join(*ranks)
     print(f"{WORLD} gloo ranks, {CALLERS} callers a rank, {rounds} rounds, {TURNS} turns; rank 0, ms")
     print(f"{'way':<13} | {'a round (each turn)':<24} | {'collective (median)':<22} | loop (median)")
     for name, turns in figures.items():
