@@ -51,6 +51,7 @@ from kvrt._protocol import (
     Failed,
     LinkState,
     Lost,
+    PayloadCame,
     Refused,
     Replied,
     Stray,
@@ -477,6 +478,9 @@ class _Link:
                 self._on_stream_start(self._pending.get(request_id), start, payload)
             case Streamed(message=message):
                 self._on_streamed(message, payload)
+            case PayloadCame(message=message):
+                if self._transport is not None:
+                    self._transport.payload(message, payload)
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():

@@ -1000,6 +1000,8 @@ class Producer(AsyncService):
                 await transport.send_many(send.peer, message, send.items)
                 return
             frames = await transport.send_many(send.peer, message, send.items)
+            self._post_delivery(send.peer, message, frames, dropped)
+            return
         elif send.item is not None:
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
@@ -1016,7 +1018,22 @@ class Producer(AsyncService):
                 return
             await _all_gathers_queued(send.item)
             frames = await transport.send(send.peer, send.item)
+            if isinstance(message, m.Deliver):
+                self._post_delivery(send.peer, message, frames, dropped)
+                return
         self._post(send.peer, [_encoded(message), *frames], dropped)
+
+    def _post_delivery(
+        self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
+        dropped: list[Dropped],
+    ) -> None:  # fmt: skip
+        """An in-band delivery: with its frames, or, when they are large, its header first and
+        the frames in a `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        if message.payload_bytes < m.SPLIT_PAYLOAD_BYTES or not frames:
+            self._post(peer, [_encoded(message), *frames], dropped)
+            return
+        self._post(peer, [_encoded(message)], dropped)
+        self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
     def _release_departed(self) -> None:
         for departure in self._core.take_departed():

@@ -937,6 +937,13 @@ class Stray:
 
 
 @dataclass(frozen=True, slots=True)
+class PayloadCame:
+    """The frames of a delivery whose header came before them (TCP, large payloads)."""
+
+    message: m.Payload
+
+
+@dataclass(frozen=True, slots=True)
 class Streamed:
     """A layer, the end, or the abort of a stream this link reads (by item id)."""
 
@@ -958,7 +965,7 @@ class Lost:
     request_ids: tuple[int, ...]
 
 
-ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed | PayloadCame
 
 
 LEASE_MARGIN_FRACTION: Final = 0.1
@@ -1081,6 +1088,8 @@ class ConsumerCore:
                 return Stray(message)
             case m.StreamLayer() | m.StreamEnd() | m.StreamAbort():
                 return Streamed(message)
+            case m.Payload():
+                return PayloadCame(message)
             case m.ErrorReply(request_id=request_id, code=code, message=text):
                 if code is ErrorCode.UNKNOWN_PEER:
                     return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")
