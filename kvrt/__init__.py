@@ -34,6 +34,7 @@ from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import serve_metrics
 from kvrt._producer import Producer, ProducerStats
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
+from kvrt._trace import TraceEvent, add_trace_callback, tracing
 
 __version__ = "0.1.0"
 
@@ -61,10 +62,13 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "StreamAbortedError",
+    "TraceEvent",
     "TransportUnavailableError",
     "VersionMismatchError",
     "__version__",
+    "add_trace_callback",
     "log_json",
     "make_keys",
     "serve_metrics",
+    "tracing",
 ]

@@ -60,6 +60,7 @@ from kvrt._errors import (
     PeerLostError,
     fresh_copy,
 )
+from kvrt._trace import emit
 
 ROWS: Final = 64
 """Most lookups one round can decide."""
@@ -352,6 +353,7 @@ class GroupConsensus:
 
     def _issue(self, values: list[int]) -> None:
         """One collective, issued now from the loop; `_end_round` runs on the loop when it is done."""
+        emit("consensus.round_issued", rows=len(values))
         loop = self._loop or asyncio.get_running_loop()
         if self._stream is not None and self._waiter is not None:
             # NCCL: a work's future completes at enqueue, not at completion. So the collective
@@ -375,6 +377,7 @@ class GroupConsensus:
         work.get_future().add_done_callback(lambda _: loop.call_soon_threadsafe(self._end_round, work, tensor, None))
 
     def _end_round(self, work: Any, tensor: torch.Tensor, waited: concurrent.futures.Future[None] | None) -> None:
+        emit("consensus.round_ended", rows=tensor.numel())
         self._in_round = False
         if self._closed:
             return
