@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kvrt
+from tests._checks import caught_up, same_bits
 from tests._gpu_processes import (
     GPU_CYCLES_PER_MS,
     STREAM_SLOTS,
@@ -46,10 +47,6 @@ def streamer(heartbeat_s: float = 1.0) -> Any:
     return child_process(run_gpu_streamer, (PRODUCER_DEVICE, heartbeat_s), "GPU streamer")
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
-
-
 async def answer(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 60), "the streamer did not answer"
     return control.recv()
@@ -60,13 +57,13 @@ async def opened_and_waiting(consumer: kvrt.Consumer, tokens: torch.Tensor, **in
     its request proves that the producer read it)."""
     opening = asyncio.create_task(consumer.open_stream(tokens, timeout=30, **into))
     await asyncio.sleep(0)
-    assert await consumer.drop_select(torch.tensor([-1])) is None
+    await caught_up(consumer)
     return opening
 
 
 async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
     """(items, in flight) on the producer once it handled all this consumer sent (a round trip)."""
-    assert await consumer.drop_select(torch.tensor([-1])) is None
+    await caught_up(consumer)
     control.send("stats")
     return await answer(control)
 

@@ -29,6 +29,7 @@ from kvrt.kernels.paged_kv import (
     scatter_layer_from_any,
     scatter_reference,
 )
+from tests._checks import same_bits
 from tests.conftest import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
 pytestmark = TRITON_KERNEL_MARKS
@@ -88,10 +89,6 @@ def build(case: dict[str, object]) -> tuple[PoolTable, torch.Tensor, torch.Tenso
         chosen = (replica == r).nonzero().flatten()
         slots[chosen] = torch.randperm(table.geometry.slots, generator=generator)[: len(chosen)]
     return table, replica.to(DEVICE), slots.to(DEVICE)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def poisoned_key_and_value(table: PoolTable, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import Layout, PoolTable, Tuning
 from kvrt.kernels.pool_to_pool import move_between, move_between_reference
+from tests._checks import same_bits
 from tests.conftest import TRITON_KERNEL_MARKS
-from tests.test_kernels import DEVICE, DTYPES, pool_shape, random_pool, same_bits, same_pools
+from tests.test_kernels import DEVICE, DTYPES, pool_shape, random_pool, same_pools
 
 pytestmark = TRITON_KERNEL_MARKS
 
