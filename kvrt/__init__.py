@@ -32,6 +32,7 @@ from kvrt._item import KVItem
 from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import serve_metrics
+from kvrt._pools import Layout, PoolGeometry, PoolTable
 from kvrt._producer import Producer, ProducerStats
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
 from kvrt._trace import TraceEvent, add_trace_callback, tracing
@@ -53,9 +54,12 @@ __all__ = [
     "KVItem",
     "KVRTError",
     "KVRTTimeoutError",
+    "Layout",
     "LocalProtocolError",
     "NotFoundError",
     "PeerLostError",
+    "PoolGeometry",
+    "PoolTable",
     "Producer",
     "ProducerStats",
     "ProducerStream",

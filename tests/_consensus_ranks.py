@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
+from kvrt import Layout, PoolTable
 from tests._checks import caught_up
 
 RANDOM_ROUNDS = 200

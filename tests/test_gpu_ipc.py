@@ -246,7 +246,7 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
     # decrement per share it receives (by dropping a counted opening, or releasing it unread).
     # More and the producer frees memory another reader may still use; fewer and it is pinned.
     # A chunked pull reads many ranges of one share: it opened one counted storage each.
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from kvrt.transports import cuda_ipc
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
@@ -468,7 +468,7 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
     # is busy (its gathers, so its marks, come 3 s later) and the producer is killed
     # meanwhile. The pull fails with PeerLostError within the heartbeat timeout; it never
     # returns the item as pulled (the slots hold no defined bytes then).
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, PULL_SLOTS, PULL_TOKENS, WARM_UP, run_gpu_late_publisher
 
     heartbeat_s = 0.25

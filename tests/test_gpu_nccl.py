@@ -207,7 +207,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
 async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
     chunk_bytes: int, mla: bool, host_indexes: bool, transport: str
 ) -> None:
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)

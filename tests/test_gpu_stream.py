@@ -203,7 +203,7 @@ async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for
     """dp=4 token-major pools on the prefill, block pools with two replicas on the reader, which
     writes each layer into replica 1 as it lands. A published item read as a stream waits for
     its gathers (its layers once went with an event recorded before them)."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(CONSUMER_DEVICE)
     layers, tokens = 4, 1024
@@ -262,7 +262,7 @@ async def test_a_published_item_streams_to_a_tcp_reader_while_the_prefills_strea
     """The stream's start (its tokens) and its layers are read back from the GPU in a kvrt
     thread, on a stream of kvrt's own, after the events that wrote them: neither the loop
     nor the reader waits for work the prefill queued after `publish` on the default stream."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(PRODUCER_DEVICE)
     layers, tokens = 2, 256

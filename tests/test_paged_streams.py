@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
+from kvrt import Layout, PoolTable
 from tests._checks import caught_up, same_bits
 from tests.test_pull import HEADS, LAYERS, SLOTS, random_pools, row
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,6 +66,17 @@ def test_drop_select_takes_tokens_roi_and_a_timeout_of_zero_by_default() -> None
 def test_kv_item_has_the_fields_of_the_design() -> None:
     fields = [field.name for field in dataclasses.fields(kvrt.KVItem)]
     assert fields == ["input_tokens", "roi", "key", "value", "hidden", "matched"]
+
+
+def test_the_pool_types_publish_and_pull_take_are_exported_and_need_no_triton() -> None:
+    script = (
+        "import sys, torch, kvrt\n"
+        "table = kvrt.PoolTable([[[torch.zeros(8, 4, 2)]]], kvrt.Layout.TOKEN_MAJOR)\n"
+        "assert table.geometry == kvrt.PoolGeometry(kvrt.Layout.TOKEN_MAJOR, 8, 2, 2, 8, 4), table.geometry\n"
+        "assert 'triton' not in sys.modules, 'importing kvrt and building a PoolTable imported Triton'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
 
 
 def test_every_error_is_a_kvrt_error_and_the_standard_kind_it_resembles() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
+from kvrt import Layout, PoolTable
 from tests._checks import same_bits
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32

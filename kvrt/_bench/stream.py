@@ -94,7 +94,7 @@ def _raw_receives(group: Any) -> list[int]:
 
 
 def _pools(device: str) -> Any:
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     shape = (SLOTS, 2 * HEADS, DIM)
     return PoolTable([[[torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]]],
