@@ -101,9 +101,43 @@ def test_typecheck_fails_on_a_type_error_in_a_subpackage_and_passes_without_it(t
     (tmp_path / "pyproject.toml").write_text("[tool.mypy]\nstrict = true\n")
     (tmp_path / "kernels" / "bad.py").write_text("def half(x: int) -> int:\n    return x / 2\n")
     typecheck = load_tool("typecheck")
-    assert typecheck.main(tmp_path) == 1
+    assert typecheck.main(tmp_path, imports=False) == 1
     (tmp_path / "kernels" / "bad.py").write_text("def half(x: int) -> int:\n    return x // 2\n")
+    assert typecheck.main(tmp_path, imports=False) == 0
+
+
+LAYERS = """
+[tool.mypy]
+strict = true
+
+[tool.importlinter]
+root_package = "kvrt"
+exclude_type_checking_imports = true
+
+[[tool.importlinter.contracts]]
+name = "layers"
+type = "layers"
+containers = ["kvrt"]
+layers = ["_consumer", "transports", "_messages"]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_import_check_fails_on_an_import_against_the_layers_even_from_a_linked_subpackage(
+    tmp_path: Path,
+) -> None:
+    for folder in ("kvrt", "kernels", "transports"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text(LAYERS)
+    (tmp_path / "kvrt" / "_messages.py").write_text("")
+    (tmp_path / "kvrt" / "_consumer.py").write_text("from kvrt.transports import tcp as tcp\n")
+    (tmp_path / "transports" / "tcp.py").write_text("from kvrt import _messages as _messages\n")
+    typecheck = load_tool("typecheck")
     assert typecheck.main(tmp_path) == 0
+    (tmp_path / "transports" / "tcp.py").write_text("from kvrt import _consumer as _consumer\n")  # a cycle
+    assert typecheck.main(tmp_path) != 0
 
 
 @pytest.mark.slow
