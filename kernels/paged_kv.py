@@ -101,8 +101,8 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
     """One program moves one token's rows of one layer. A step loads its K and V words
-    before it stores either: twice the bytes in flight per program, which took a gather
-    of random slots from 72% to 98% of a device copy on an H200 (`tools/kernel_variants.py`)."""
+    before it stores either: twice the bytes in flight per program, which is what brings a
+    gather of random slots near a device copy of the same bytes (`kvrt bench kernels`)."""
     token = tl.program_id(0).to(tl.int64)
     layer = first_layer + tl.program_id(1).to(tl.int64)
     r = tl.load(replica + token)

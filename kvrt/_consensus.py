@@ -18,9 +18,8 @@ the same one: it sizes the next round.
 
 Why one value and not a (matched, -status) pair: gloo's ring all_reduce cuts the tensor
 into 2 x world_size segments and sends each non-empty one around the ring, so its cost
-grows with the values up to 2 x world_size of them (4 ranks on a 2-core host: 0.8-1.0 ms
-for 1 value, 1.4 ms for 2, 2.6-3.0 ms for 3, ~5 ms from 8 on). One lookup at a time then
-costs a 1-value collective, a round of 16 lookups a 16-value one.
+grows with the values up to 2 x world_size of them (`docs/bench/consensus-cpu.md`). One
+lookup at a time then costs a 1-value collective, a round of 16 lookups a 16-value one.
 
 Lookups are numbered in call order, which is the same on every rank (TP ranks run the
 same schedule). A round covers a window of lookups from the oldest undecided one; a rank

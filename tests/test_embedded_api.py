@@ -104,7 +104,7 @@ async def test_insert_waits_while_the_buffer_is_full_and_resumes_when_room_is_ma
         kvrt.Producer(buffer_bytes=2 * item_bytes) as producer,
         kvrt.Consumer(connect=producer.endpoint) as consumer,
     ):
-        for _ in range(3):  # the third goes in: the seed waits only while the buffer is *over* the limit
+        for _ in range(3):  # the third goes in: insert waits only while the buffer is *over* the limit
             await producer.insert(tokens, None, key, value, hidden)
         blocked = asyncio.create_task(producer.insert(tokens, None, key, value, hidden))
         await caught_up(consumer)

@@ -3,8 +3,8 @@ host (producer on cuda:0, consumer on cuda:1, or both on cuda:0 where one GPU is
 `tests/_gpus.py`). Bit-exact transfers of every dtype, batches, pulls and streams over it
 are in `test_gpu_nccl.py` and `test_gpu_stream.py`, run over both GPU transports.
 
-Skipped without CUDA (the fallbacks to NCCL, without two devices); `tools/gpu_check.sh` runs
-them on the lent GPU host.
+Skipped without CUDA (the fallbacks to NCCL, without two devices); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations
@@ -464,7 +464,7 @@ async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_co
 
 
 async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() -> None:
-    # Issue 9's safety rule for paged pulls: the request is published while the producer's GPU
+    # The safety rule for paged pulls over cuda_ipc: the request is published while the producer's GPU
     # is busy (its gathers, so its marks, come 3 s later) and the producer is killed
     # meanwhile. The pull fails with PeerLostError within the heartbeat timeout; it never
     # returns the item as pulled (the slots hold no defined bytes then).

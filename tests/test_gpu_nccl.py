@@ -2,8 +2,8 @@
 consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`).
 
 Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
-there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
-the lent GPU host.
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations

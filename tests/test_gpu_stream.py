@@ -3,8 +3,8 @@ layer's transfer starts when the prefill's stream wrote it, and the reader's str
 its landing; no host waits for either.
 
 Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
-there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
-the lent GPU host.
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
     key, value = (tensor.to(PRODUCER_DEVICE) for tensor in stream_layer_kv(0, 0, 256, torch.bfloat16))
     async with kvrt.Producer(device=PRODUCER_DEVICE) as producer:
         # Each attempt twice; the first, with no work queued, only warms up: CUDA loads a
-        # kernel's module at its first launch, and that waits for the device (seen on an H200).
+        # kernel's module at its first launch, and that waits for the device.
         for index, attempt in enumerate(["stream", "insert"] * 2):
             await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)  # the last second of work
             if index >= 2:

@@ -146,7 +146,7 @@ def test_gather_equals_its_reference_and_writes_every_element(case: dict[str, ob
 @given(case=cases())
 def test_scatter_equals_its_reference_and_touches_nothing_else(case: dict[str, object]) -> None:
     table, replica, slots = build(case)
-    expected_table, _, _ = build(case)  # the same pools, built again from the seed
+    expected_table, _, _ = build(case)  # the same pools, built again from the same random seed
     heads = case["head_range"]
     shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(1 + case["seed"])  # type: ignore[operator]

@@ -1,4 +1,4 @@
-"""The embedded API is a contract (DESIGN.md): these tests pin its names and signatures."""
+"""The embedded API is a contract that engines build on: these tests pin its names and signatures."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import kvrt
 from tests._checks import caught_up
 
 
-def test_design_names_are_exported_from_the_package() -> None:
+def test_the_embedded_api_names_are_exported_from_the_package() -> None:
     required = {
         "Producer",
         "Consumer",
@@ -44,7 +44,7 @@ def test_producer_constructor_takes_bind_device_and_buffer_bytes() -> None:
     assert parameters["buffer_bytes"].default == 1 << 30
 
 
-def test_insert_takes_the_five_tensors_of_the_seed_in_order() -> None:
+def test_insert_takes_the_five_tensors_in_simple_buffers_order() -> None:
     parameters = list(inspect.signature(kvrt.Producer.insert).parameters)
     assert parameters[:6] == ["self", "input_tokens", "roi", "key", "value", "hidden"]
     assert inspect.iscoroutinefunction(kvrt.Producer.insert)
@@ -63,7 +63,7 @@ def test_drop_select_takes_tokens_roi_and_a_timeout_of_zero_by_default() -> None
     assert inspect.iscoroutinefunction(kvrt.Consumer.drop_select)
 
 
-def test_kv_item_has_the_fields_of_the_design() -> None:
+def test_kv_item_has_the_five_tensors_and_the_matched_length() -> None:
     fields = [field.name for field in dataclasses.fields(kvrt.KVItem)]
     assert fields == ["input_tokens", "roi", "key", "value", "hidden", "matched"]
 
