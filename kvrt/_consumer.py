@@ -1296,15 +1296,23 @@ class Consumer(AsyncService):
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
     ) -> KVItem | None:
-        """Take a published prefill (as drop_select does) and write its KV into `into`: the
-        item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
-        tokens as both have. Returns the item (None on a miss; then nothing is written).
+        """Take a published prefill (matched as `drop_select` matches) and write its KV into
+        the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
+        (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
+        and then nothing is written); `timeout` is as in `drop_select`.
 
-        On a GPU, with one producer and no group, the scatter is pipelined with the transfer:
-        each chunk of layers is scattered (on a stream of the consumer's own) as soon as it
-        has landed. Work the caller then queues on its current stream sees the whole request
-        in the pools, also after a pull that failed or was cancelled midway (the slots then
-        hold a partial request)."""
+        `into` must be on this consumer's device; `slots` and `replica` are 1-D int64 tensors
+        on its device or on the host. Raises `InvalidInputError` for pools on another device or
+        slots and replicas outside them (before any item is taken), and the errors of
+        `drop_select` (`KVRTTimeoutError`, `PeerLostError`, `RemoteProtocolError`,
+        `ClosedError`).
+
+        Memory: the pools are the caller's; kvrt writes only the given slots. On a GPU, with one
+        producer and no group, the scatter is pipelined with the transfer: each chunk of layers
+        is scattered (on a stream of the consumer's own) as soon as it has landed. Work the
+        caller queues on its current stream after this returns sees the whole request in the
+        pools, also after a pull that failed or was cancelled midway (the slots then hold a
+        partial request, and no defined bytes where a producer died before writing them)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
         from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any

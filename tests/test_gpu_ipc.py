@@ -95,28 +95,6 @@ async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_bac
     )
 
 
-@two_gpus
-async def test_a_producer_of_an_older_kvrt_gets_nccl_from_this_consumer_not_a_failure(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # The ranges' marks were IPC events before 2261e6a; such a producer's welcome has no
-    # mark word (its shares would not decode here).
-    join = CudaIpcTransport.join
-
-    async def join_an_older_producer(self: CudaIpcTransport, rendezvous: dict[str, str], timeout_s: float) -> None:
-        await join(self, {key: value for key, value in rendezvous.items() if key not in ("marks", "slot")}, timeout_s)
-
-    monkeypatch.setattr(CudaIpcTransport, "join", join_an_older_producer)
-    with caplog.at_level(logging.WARNING, logger="kvrt"):
-        async with (
-            gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
-            kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
-        ):
-            assert consumer.transports == {endpoint: "nccl"}
-            await arrives_right(consumer, 0, 300)
-    assert any("older kvrt" in record.getMessage() for record in caplog.records)
-
-
 async def test_a_consumer_that_forces_cuda_ipc_where_it_cannot_work_gets_a_typed_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
