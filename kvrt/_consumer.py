@@ -17,7 +17,7 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import Any, Final, Self
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import KVItem, check_timeout, query_bytes, truncate
+from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._producer import DEFAULT_HEARTBEAT_S
 from kvrt._protocol import (
     ConsumerCore,
@@ -63,9 +64,6 @@ from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import make_transports, transport_preference
-
-if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -1277,8 +1275,6 @@ class Consumer(AsyncService):
             raise InvalidInputError("a stream into the pools needs both into= and slots=")
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
         indexes_ready = None
         if self.device.type == "cuda":
@@ -1315,7 +1311,7 @@ class Consumer(AsyncService):
         partial request, and no defined bytes where a producer died before writing them)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any
+        from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
 
         # Bad slots are refused before any item is taken.
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)

@@ -37,6 +37,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens, masked_tokens
+from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
@@ -48,7 +49,7 @@ from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import Part, PoolTable, PreparedGather
+    from kvrt.kernels.paged_kv import PreparedGather
 
 log = logging.getLogger("kvrt.producer")
 
@@ -496,15 +497,7 @@ class Producer(AsyncService):
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        from kvrt.kernels.paged_kv import (
-            check_indices,
-            checked_indexes,
-            gather_into_any,
-            index_ranges,
-            per_token,
-            prepare_gather_into,
-            ranges_fit,
-        )
+        from kvrt.kernels.paged_kv import gather_into_any, prepare_gather_into
 
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
@@ -670,8 +663,6 @@ class Producer(AsyncService):
         pools = self._pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")
