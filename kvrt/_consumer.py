@@ -994,6 +994,12 @@ class Consumer(AsyncService):
     def pending_requests(self) -> int:
         return sum(link.core.pending_count for link in self._links)
 
+    def link_for_tests(self, index: int = 0) -> _Link:
+        """The link to the `index`-th producer of `connect` (the only one by default): a hook
+        for tests that watch or steer one link's protocol core, socket or transport. Not part
+        of the serving API, and what a link holds may change between versions."""
+        return self._links[index]
+
     async def drop_select(
         self,
         input_tokens: torch.Tensor | None,

@@ -85,7 +85,7 @@ def run_gpu_consumer_that_dies(
         ) as consumer:
             query = m.tokens_to_bytes(torch.tensor(tokens).numpy())
             request = asyncio.create_task(
-                consumer._links[0].call(
+                consumer.link_for_tests().call(
                     lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=None),
                     confirm=False,
                 )

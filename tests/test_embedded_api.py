@@ -269,7 +269,7 @@ async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dr
     producer._peer_left.clear()
     refused: list[int] = []
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
-        io = consumer._links[0]._io  # type: ignore[attr-defined]
+        io = consumer.link_for_tests()._io  # type: ignore[attr-defined]
         send_nowait = io.send_nowait
 
         def full_for_three_receipts(frames: Any) -> bool:

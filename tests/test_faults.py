@@ -54,7 +54,7 @@ async def test_a_restarted_producer_at_the_same_address_is_reconnected_to() -> N
     first = await kvrt.Producer(heartbeat_s=heartbeat_s).start()
     endpoint = first.endpoint
     async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         await insert_tokens(first, torch.arange(3))
         assert await consumer.drop_select(torch.arange(3)) is not None
         await first.aclose()

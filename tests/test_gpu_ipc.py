@@ -397,7 +397,7 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
         control,
     ):
         assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         posted = posts_noted(link)
         call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
         await asyncio.sleep(0)
@@ -464,7 +464,7 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
     ):
         warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
         assert warm is not None  # the path is warm, the scatters' kernels too
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         posted = posts_noted(link)
         pulling = asyncio.create_task(
             consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)

@@ -130,7 +130,7 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: s
         # handled on both sides): from then on only the GPUs are busy with them, and a
         # control message must not wait for the bytes.
         posted = asyncio.Event()
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         in_use = link._transport
         assert in_use is not None
         receive = in_use.receive

@@ -146,7 +146,7 @@ async def test_a_deliver_the_consumer_refuses_fails_its_call_and_the_pair_starts
         await producer.insert(second, None, *make_kv(second, seed=2))
         with pytest.raises(kvrt.RemoteProtocolError, match=r"needs \d+ bytes"):
             await consumer.drop_select(first)
-        link = consumer._links[0]  # type: ignore[attr-defined]
+        link = consumer.link_for_tests()
         await asyncio.wait_for(link.connected.wait(), 10)  # welcomed again, on a new pair
         for tokens, seed in ((second, 2), (first, 1)):  # the refused item is back in the buffer
             item = await consumer.drop_select(tokens, timeout=10)
@@ -175,7 +175,7 @@ async def test_bytes_that_never_come_fail_their_call_in_time_and_a_new_session_d
             return []
 
         transport.send = withholding_once
-        link = consumer._links[0]  # type: ignore[attr-defined]
+        link = consumer.link_for_tests()
         started = asyncio.get_running_loop().time()
         with pytest.raises(kvrt.KVRTTimeoutError, match="did not finish a transfer") as raised:
             await consumer.drop_select(tokens)
@@ -197,7 +197,7 @@ async def test_a_link_that_went_silent_says_hello_again_and_its_new_pair_carries
     ):
         await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
         assert await consumer.drop_select(torch.arange(3)) is not None
-        link = consumer._links[0]  # type: ignore[attr-defined]
+        link = consumer.link_for_tests()
         core_receive, core_expire = link.core.receive, link.core.expire
         deaf, lost = True, asyncio.Event()
 
