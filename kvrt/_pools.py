@@ -136,7 +136,7 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
     if not slots.numel():
         return torch.zeros(4, dtype=torch.int64, device=slots.device)
-    if on_host:  # numpy: 0.16 ms for 32k tokens on an H200 host, 0.2 through torch's CPU reductions
+    if on_host:  # numpy: cheaper than torch's CPU reductions for a request's indexes
         ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
         return torch.tensor(ranges, dtype=torch.int64)
     (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
