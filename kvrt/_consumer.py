@@ -1008,10 +1008,20 @@ class Consumer(AsyncService):
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
-        The best match is the longest common prefix of the masked sequences, then the
-        oldest item; `input_tokens` None takes the oldest item. `timeout` is how long to
-        wait for a match to be inserted: 0 answers at once, None waits until one is, or
-        until either side closes. Returns None on a miss.
+        Called by the decode engine once per request, from its event loop; many calls may be
+        in flight at once. The best match is the longest common prefix of the masked
+        sequences, then the oldest item; `input_tokens` None takes the oldest item. `timeout`
+        is how long to wait for a match to be inserted: 0 answers at once, None waits until
+        one is, or until either side closes. Returns None on a miss.
+
+        Raises `InvalidInputError` for tokens or a roi that are not 1-D (integer, bool)
+        tensors of one length, `PeerLostError` when no producer can be reached (or the one
+        serving the call went silent), `KVRTTimeoutError` (phase "transfer") when an item's
+        bytes do not come within `transfer_timeout_s`, `RemoteProtocolError` for an answer
+        that breaks the protocol, `ClosedError` when the consumer closes meanwhile; in a TP
+        group, the group's decision (the same error on every rank). Memory: the item's
+        tensors are the caller's, on this consumer's device; the item has left the producer's
+        buffer (its receipt follows).
         """
         return await self._lookup(input_tokens, roi, timeout, what="drop_select")
 
@@ -1028,7 +1038,7 @@ class Consumer(AsyncService):
         the last of them is freed. Items are taken in query order, each at most once. In a TP
         group (one producer) the batch is taken the same way and its lookups are agreed
         together: one round once the group's window knows batches of that size (the first
-        batch after single lookups takes two), where one `drop_select` after the other took a
+        batch after single lookups takes two), where one `drop_select` after the other takes a
         round each. With several producers the queries run as that many `drop_select`s, one
         after the other.
         """
