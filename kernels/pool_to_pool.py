@@ -5,7 +5,7 @@ every layer, no staging buffer.
         dst.pools[dst_replica[t]][every copy][layer] at slot dst_slots[t], heads [g0, g0 + n)
             = src.pools[src_replica[t]][0][layer] at slot src_slots[t], heads [h0, h0 + n)
 
-This is the fused form issue 9 asks of a same-host pull: the producer's GPU reads its own
+This is the fused form of a same-host pull: the producer's GPU reads its own
 dp replicas and writes the consumer's chosen replica and slots, whose pools CUDA IPC maps
 into its address space, over NVLink. Where the staged path gathers into a buffer, copies
 it, and scatters it (three passes, a buffer on each side), this kernel's loads are local and
@@ -27,14 +27,12 @@ import triton
 import triton.language as tl
 
 from kvrt._errors import InvalidInputError
+from kvrt._pools import PoolTable, check_indices, per_token
 from kvrt.kernels.paged_kv import (
     DEFAULT_TUNING,
-    PoolTable,
     Tuning,
     _head_range,
-    check_indices,
     gather_reference,
-    per_token,
     scatter_reference,
     widest_word,
 )

@@ -33,8 +33,10 @@ from kvrt._item import KVItem
 from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import serve_metrics
+from kvrt._pools import Layout, PoolGeometry, PoolTable
 from kvrt._producer import Producer, ProducerStats
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
+from kvrt._trace import TraceEvent, add_trace_callback, tracing
 
 __version__ = "0.1.0"
 
@@ -53,20 +55,26 @@ __all__ = [
     "KVItem",
     "KVRTError",
     "KVRTTimeoutError",
+    "Layout",
     "LeaseExpiredError",
     "LocalProtocolError",
     "NotFoundError",
     "PeerLostError",
+    "PoolGeometry",
+    "PoolTable",
     "Producer",
     "ProducerStats",
     "ProducerStream",
     "ProtocolError",
     "RemoteProtocolError",
     "StreamAbortedError",
+    "TraceEvent",
     "TransportUnavailableError",
     "VersionMismatchError",
     "__version__",
+    "add_trace_callback",
     "log_json",
     "make_keys",
     "serve_metrics",
+    "tracing",
 ]

@@ -18,7 +18,7 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import Any, Final, Self
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import KVItem, check_timeout, query_bytes, truncate
+from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._producer import DEFAULT_HEARTBEAT_S, _heartbeat
 from kvrt._protocol import (
     ConsumerCore,
@@ -67,9 +68,6 @@ from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import make_transports, transport_preference
-
-if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -1165,6 +1163,12 @@ class Consumer(AsyncService):
     def pending_requests(self) -> int:
         return sum(link.core.pending_count for link in self._links)
 
+    def link_for_tests(self, index: int = 0) -> _Link:
+        """The link to the `index`-th producer of `connect` (the only one by default): a hook
+        for tests that watch or steer one link's protocol core, socket or transport. Not part
+        of the serving API, and what a link holds may change between versions."""
+        return self._links[index]
+
     async def drop_select(
         self,
         input_tokens: torch.Tensor | None,
@@ -1173,10 +1177,20 @@ class Consumer(AsyncService):
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
-        The best match is the longest common prefix of the masked sequences, then the
-        oldest item; `input_tokens` None takes the oldest item. `timeout` is how long to
-        wait for a match to be inserted: 0 answers at once, None waits until one is, or
-        until either side closes. Returns None on a miss.
+        Called by the decode engine once per request, from its event loop; many calls may be
+        in flight at once. The best match is the longest common prefix of the masked
+        sequences, then the oldest item; `input_tokens` None takes the oldest item. `timeout`
+        is how long to wait for a match to be inserted: 0 answers at once, None waits until
+        one is, or until either side closes. Returns None on a miss.
+
+        Raises `InvalidInputError` for tokens or a roi that are not 1-D (integer, bool)
+        tensors of one length, `PeerLostError` when no producer can be reached (or the one
+        serving the call went silent), `KVRTTimeoutError` (phase "transfer") when an item's
+        bytes do not come within `transfer_timeout_s`, `RemoteProtocolError` for an answer
+        that breaks the protocol, `ClosedError` when the consumer closes meanwhile; in a TP
+        group, the group's decision (the same error on every rank). Memory: the item's
+        tensors are the caller's, on this consumer's device; the item has left the producer's
+        buffer (its receipt follows).
         """
         return await self._lookup(input_tokens, roi, timeout, what="drop_select")
 
@@ -1193,7 +1207,7 @@ class Consumer(AsyncService):
         the last of them is freed. Items are taken in query order, each at most once. In a TP
         group (one producer) the batch is taken the same way and its lookups are agreed
         together: one round once the group's window knows batches of that size (the first
-        batch after single lookups takes two), where one `drop_select` after the other took a
+        batch after single lookups takes two), where one `drop_select` after the other takes a
         round each. With several producers the queries run as that many `drop_select`s, one
         after the other.
         """
@@ -1454,8 +1468,6 @@ class Consumer(AsyncService):
             raise InvalidInputError("a stream into the pools needs both into= and slots=")
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
         indexes_ready = None
         if self.device.type == "cuda":
@@ -1473,18 +1485,26 @@ class Consumer(AsyncService):
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
     ) -> KVItem | None:
-        """Take a published prefill (as drop_select does) and write its KV into `into`: the
-        item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
-        tokens as both have. Returns the item (None on a miss; then nothing is written).
+        """Take a published prefill (matched as `drop_select` matches) and write its KV into
+        the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
+        (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
+        and then nothing is written); `timeout` is as in `drop_select`.
 
-        On a GPU, with one producer and no group, the scatter is pipelined with the transfer:
-        each chunk of layers is scattered (on a stream of the consumer's own) as soon as it
-        has landed. Work the caller then queues on its current stream sees the whole request
-        in the pools, also after a pull that failed or was cancelled midway (the slots then
-        hold a partial request)."""
+        `into` must be on this consumer's device; `slots` and `replica` are 1-D int64 tensors
+        on its device or on the host. Raises `InvalidInputError` for pools on another device or
+        slots and replicas outside them (before any item is taken), and the errors of
+        `drop_select` (`KVRTTimeoutError`, `PeerLostError`, `RemoteProtocolError`,
+        `ClosedError`).
+
+        Memory: the pools are the caller's; kvrt writes only the given slots. On a GPU, with one
+        producer and no group, the scatter is pipelined with the transfer: each chunk of layers
+        is scattered (on a stream of the consumer's own) as soon as it has landed. Work the
+        caller queues on its current stream after this returns sees the whole request in the
+        pools, also after a pull that failed or was cancelled midway (the slots then hold a
+        partial request, and no defined bytes where a producer died before writing them)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any
+        from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
 
         # Bad slots are refused before any item is taken.
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)

@@ -47,6 +47,7 @@ from kvrt._item import (
     item_from_tokens,
     masked_tokens,
 )
+from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._protocol import HEARTBEAT_MISSES, Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
@@ -58,7 +59,7 @@ from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import Part, PoolTable, PreparedGather
+    from kvrt.kernels.paged_kv import PreparedGather
 
 log = logging.getLogger("kvrt.producer")
 
@@ -224,7 +225,7 @@ def _lookup_key_and(
 def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     """`values` on the host, the copy queued now: the call that returns waits for the device's
     stream once. A GPU copy lands in pinned memory (a pageable copy of a long prompt's tokens
-    took 0.15 ms on an H200 host)."""
+    costs the loop a synchronous staging copy)."""
     if values.device.type != "cuda":
         return values.numpy
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # cached by torch once freed
@@ -515,15 +516,18 @@ class Producer(AsyncService):
             transport.prepare(item)
 
     def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
-        """Register the engine's KV pools once (every replica, every layer): `publish` then
-        takes a finished prefill straight from them.
+        """Register the engine's KV pools (every replica, copy and layer) that `publish` reads.
 
-        A published request travels in chunks of whole layers holding about `chunk_bytes` of
-        K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands. With `taper`, the last chunk
-        is a quarter of that: it leaves less to scatter once the wire is idle. (A small first
-        chunk bought nothing on an H200 pair: while the first segment travels, the later
-        gathers share the producer's memory bandwidth with it whatever its size.)"""
+        Called by the engine once, after it allocated its pools and before the first
+        `publish`; a later call replaces the table for later publishes. `pools` must be on this
+        producer's device. A published request travels in chunks of whole layers holding about
+        `chunk_bytes` of K and V (at least one layer): on a GPU each chunk is sent as soon as it
+        is gathered, and a pulling consumer scatters it as soon as it lands. With `taper`, the
+        last chunk is a quarter of that, which leaves less to scatter once the wire is idle.
+
+        Raises `InvalidInputError` for pools on another device or a `chunk_bytes` that is not
+        a positive int. The pools stay the engine's: kvrt keeps a reference to the table and
+        reads the pools only inside `publish` (see there), never writes them."""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -541,22 +545,28 @@ class Producer(AsyncService):
         *,
         timeout: float | None = None,
     ) -> None:
-        """Buffer a finished prefill from the registered pools: token i's KV is at `slots[i]`
-        of replica `replica[i]` (or of one replica for all). A consumer `pull`s it into its own
-        pools. The KV is gathered (one kernel, all layers) and buffered like an insert."""
+        """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
+        `drop_select`).
+
+        Called by the engine once per request, after its prefill wrote the KV: token i's KV is
+        at `slots[i]` of replica `replica[i]` (an int: one replica for every token). `slots` and
+        `replica` are 1-D int64 tensors on the pools' device or on the host; `roi` masks the
+        tokens that count for matching, as in `insert`. The KV is gathered into an item of
+        kvrt's own (one kernel launch per chunk, all layers) and buffered like an insert;
+        waits while the buffer is over `buffer_bytes`, `timeout` bounds that wait.
+
+        Raises `InvalidInputError` (no pools registered, tokens and slots that disagree, a
+        slot or replica outside the pools: checked before anything is read or buffered),
+        `KVRTTimeoutError` (phase "insert") and `ClosedError`. Memory: on a GPU every gather is
+        queued on the caller's current stream (after the prefill's writes) before this
+        returns, so writes the engine queues on that stream afterwards come after the gathers
+        read the pools (writes from another stream must wait for it); on the CPU the KV is
+        copied before this returns. The item is kvrt's until a consumer takes it."""
         pools = self._pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        from kvrt.kernels.paged_kv import (
-            check_indices,
-            checked_indexes,
-            gather_into_any,
-            index_ranges,
-            per_token,
-            prepare_gather_into,
-            ranges_fit,
-        )
+        from kvrt.kernels.paged_kv import gather_into_any, prepare_gather_into
 
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
@@ -651,7 +661,7 @@ class Producer(AsyncService):
 
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
-        (else a GPU item allocates anew: 0.7 ms for 4 GiB, seen on an H200 host)."""
+        (else a GPU item allocates anew, a device allocation on the loop)."""
         for transport in self._transports.values():
             transport.reclaim()
 
@@ -721,8 +731,6 @@ class Producer(AsyncService):
         pools = self._pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")

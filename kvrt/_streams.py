@@ -38,12 +38,12 @@ import torch
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
+from kvrt._pools import PoolTable
 from kvrt._tensors import copy_into
 from kvrt._threads import launch_on
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
-    from kvrt.kernels.paged_kv import PoolTable
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ import torch
 import zmq
 
 import kvrt
+from tests._gpu_processes import run_gpu_producer
+from tests._gpus import PRODUCER_DEVICE
 
 
 @asynccontextmanager
@@ -175,3 +177,16 @@ def run_busy_producer(heartbeat_s: float, control: multiprocessing.connection.Co
                 control.send("inserted")
 
     asyncio.run(main())
+
+
+def producer_process(items: int, heartbeat_s: float = 1.0) -> Any:
+    """A CPU producer in its own process holding `items` items (`item_tensors`): a
+    `child_process` context giving (endpoint, process, control)."""
+    return child_process(run_producer, (items, heartbeat_s), "producer process", start_s=60, stop_s=10)
+
+
+def gpu_producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
+    """A producer on `PRODUCER_DEVICE` in its own process holding `items` ((index, tokens,
+    dtype) each, `tests._gpu_processes.kv_item`): a `child_process` context giving (endpoint,
+    process, control)."""
+    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")

@@ -99,7 +99,7 @@ async def test_a_deeply_nested_frame_from_the_producer_is_dropped_and_the_link_k
             async with kvrt.Consumer(connect=f"tcp://127.0.0.1:{port}") as consumer:
                 assert await consumer.drop_select(torch.arange(4)) is None
                 assert await consumer.drop_select(torch.arange(4)) is None
-                assert consumer._links[0].rejected_frames == 2
+                assert consumer.link_for_tests().rejected_frames == 2
         finally:
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
