@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
+from kvrt._arguments import checked_endpoint
 from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
@@ -42,9 +43,7 @@ class Client(AsyncService):
         name: str | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        if not isinstance(endpoint, str) or not endpoint:
-            raise InvalidInputError(f"endpoint must be a ZeroMQ address such as 'tcp://host:port', got {endpoint!r}")
-        self.endpoint = endpoint
+        self.endpoint = checked_endpoint(endpoint, what="endpoint")
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat_s = heartbeat_s
         self._curve = curve

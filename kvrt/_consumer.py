@@ -25,6 +25,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
+from kvrt._arguments import checked_endpoint, usable_device
 from kvrt._auth import CurveKeys, handshake_refused, secure_client
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
@@ -913,15 +914,14 @@ class Consumer(AsyncService):
             raise InvalidInputError(
                 f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
             )
+        for endpoint in endpoints:
+            checked_endpoint(endpoint, what="connect")
         if not heartbeat_s > 0:
             raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
         if transfer_timeout_s is not None and not transfer_timeout_s > 0:
             raise InvalidInputError(f"transfer_timeout_s must be None or positive, got {transfer_timeout_s!r}")
         self._transfer_timeout_s = transfer_timeout_s
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
+        self.device = usable_device(device)
         self._endpoints = endpoints
         self._transport_names = transport_preference(transport, self.device)
         self._curve = curve

@@ -26,6 +26,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
+from kvrt._arguments import checked_endpoint, usable_device
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._buffer import BufferedItem, GathersFailed, StreamState
 from kvrt._errors import (
@@ -252,13 +253,6 @@ def _host_of(endpoint: str) -> str:
     return host
 
 
-def _check_device(device: torch.device | str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
-
-
 class Producer(AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
@@ -294,9 +288,9 @@ class Producer(AsyncService):
             raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
         if item_ttl_s is not None and not item_ttl_s > 0:
             raise InvalidInputError(f"item_ttl_s must be None or positive seconds, got {item_ttl_s!r}")
-        self.device = _check_device(device)
+        self.device = usable_device(device)
         self.buffer_bytes = buffer_bytes
-        self._bind = bind
+        self._bind = checked_endpoint(bind, what="bind")
         self._curve = curve
         self._authenticator: Any = None
         self._transport_names = transport_preference(transport, self.device)
