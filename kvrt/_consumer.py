@@ -27,6 +27,7 @@ from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._arguments import checked_endpoint, usable_device
 from kvrt._auth import CurveKeys, handshake_refused, secure_client
+from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
     ClosedError,
@@ -996,25 +997,35 @@ class Consumer(AsyncService):
     def pending_requests(self) -> int:
         return sum(link.core.pending_count for link in self._links)
 
+    @lands_on_caller_stream
     async def drop_select(
         self,
         input_tokens: torch.Tensor | None,
         roi: torch.Tensor | None = None,
         timeout: float | None = 0.0,
+        *,
+        stream: torch.cuda.Stream | None = None,
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
         The best match is the longest common prefix of the masked sequences, then the
         oldest item; `input_tokens` None takes the oldest item. `timeout` is how long to
         wait for a match to be inserted: 0 answers at once, None waits until one is, or
-        until either side closes. Returns None on a miss.
+        until either side closes. Returns None on a miss. On a GPU, work queued on `stream`
+        (None: the caller's current stream) after this returns reads the item as it landed.
         """
         return await self._lookup(input_tokens, roi, timeout, what="drop_select")
 
+    @lands_on_caller_stream
     async def drop_select_many(
-        self, queries: Sequence[torch.Tensor | None], rois: Sequence[torch.Tensor | None] | None = None
+        self,
+        queries: Sequence[torch.Tensor | None],
+        rois: Sequence[torch.Tensor | None] | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
     ) -> list[KVItem | None]:
-        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in order.
+        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
+        order; `stream` as for `drop_select`.
 
         For a serving engine that takes the KV of a whole scheduler step: with one producer
         and no TP group, up to 256 queries travel in one request and the items found come back
@@ -1239,6 +1250,7 @@ class Consumer(AsyncService):
             if taken is not None:
                 taken.settle(keep=keep)
 
+    @on_caller_stream
     async def open_stream(
         self,
         input_tokens: torch.Tensor | None,
@@ -1248,6 +1260,7 @@ class Consumer(AsyncService):
         into: PoolTable | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
@@ -1256,7 +1269,9 @@ class Consumer(AsyncService):
         With `into` (and `slots`, `replica`, as for `pull`) each layer is written into those
         pools as it lands, at the slots, for as many tokens as both have; `layer(i)` returns
         once layer i is written (on a GPU: once the write is queued, with the caller's stream
-        made to wait for it). Slots out of range are refused before anything is taken."""
+        made to wait for it). Slots out of range are refused before anything is taken. The
+        writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
+        when this was called: the work that wrote the slots there."""
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
@@ -1286,6 +1301,7 @@ class Consumer(AsyncService):
             indexes_ready.record(torch.cuda.current_stream(self.device))
         return PoolWriter(Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready)
 
+    @lands_on_caller_stream
     async def pull(
         self,
         input_tokens: torch.Tensor,
@@ -1295,6 +1311,7 @@ class Consumer(AsyncService):
         slots: torch.Tensor,
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
+        stream: torch.cuda.Stream | None = None,
     ) -> KVItem | None:
         """Take a published prefill (as drop_select does) and write its KV into `into`: the
         item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
@@ -1302,9 +1319,9 @@ class Consumer(AsyncService):
 
         On a GPU, with one producer and no group, the scatter is pipelined with the transfer:
         each chunk of layers is scattered (on a stream of the consumer's own) as soon as it
-        has landed. Work the caller then queues on its current stream sees the whole request
-        in the pools, also after a pull that failed or was cancelled midway (the slots then
-        hold a partial request)."""
+        has landed. Work the caller then queues on `stream` (None: its current stream) sees
+        the whole request in the pools, also after a pull that failed or was cancelled midway
+        (the slots then hold a partial request)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
         from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any

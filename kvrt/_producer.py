@@ -29,6 +29,7 @@ from kvrt import _metrics
 from kvrt._arguments import checked_endpoint, usable_device
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._buffer import BufferedItem, GathersFailed, StreamState
+from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -393,6 +394,7 @@ class Producer(AsyncService):
             raise ClosedError("the producer is not started: use `async with` or `await start()`")
         return self._endpoint
 
+    @on_caller_stream
     async def insert(
         self,
         input_tokens: torch.Tensor,
@@ -402,11 +404,14 @@ class Producer(AsyncService):
         hidden: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
 
         Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
-        room appears or the producer closes). Raises `InvalidInputError` for tensors that
+        room appears or the producer closes). On a GPU the copy is queued on `stream` (None: the
+        caller's current stream, see `kvrt._caller_stream`), after the work that wrote the
+        tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
         self._check_open()
@@ -457,6 +462,7 @@ class Producer(AsyncService):
         self._chunk_bytes = chunk_bytes
         self._taper = bool(taper)
 
+    @on_caller_stream
     async def publish(
         self,
         input_tokens: torch.Tensor,
@@ -465,10 +471,13 @@ class Producer(AsyncService):
         roi: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Buffer a finished prefill from the registered pools: token i's KV is at `slots[i]`
         of replica `replica[i]` (or of one replica for all). A consumer `pull`s it into its own
-        pools. The KV is gathered (one kernel, all layers) and buffered like an insert."""
+        pools. The KV is gathered (one kernel, all layers) and buffered like an insert; on a
+        GPU the gathers are queued on `stream` (None: the caller's current stream), after the
+        prefill's work there."""
         pools = self._pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
@@ -609,6 +618,7 @@ class Producer(AsyncService):
             self._gathers = gpu_worker(self.device, "kvrt-gather")
         return self._gathers
 
+    @on_caller_stream
     async def open_stream(
         self,
         input_tokens: torch.Tensor,
@@ -617,6 +627,7 @@ class Producer(AsyncService):
         layers: int | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
@@ -626,7 +637,8 @@ class Producer(AsyncService):
         With `slots` (and `replica`, as for `publish`) the layers are read from the registered
         pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
         (`layers` may be left out). Indexes on the host are checked there; on the GPU the
-        check reads a flag back, which waits for the current stream once."""
+        check reads a flag back, which waits for `stream` (None: the caller's current stream)
+        once."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         placement = None
