@@ -9,6 +9,7 @@
 Everything public is re-exported here; modules with a leading underscore are internal.
 """
 
+from kvrt import blocking
 from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
 from kvrt._consumer import Consumer
@@ -64,6 +65,7 @@ __all__ = [
     "TransportUnavailableError",
     "VersionMismatchError",
     "__version__",
+    "blocking",
     "log_json",
     "make_keys",
     "serve_metrics",
