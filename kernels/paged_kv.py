@@ -10,8 +10,12 @@ ready for one transfer; `scatter` writes a staging buffer into the replica and s
 receiving side chose. Pool layouts, per layer:
 
     token-major  [slots, 2*H, D]             K heads, then V heads (LightLLM)
+                 [slots, 1, D]               one latent per token: MLA as LightLLM keeps it
     block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
-    mla          [slots, D]                  one latent per token, the same on every card
+    mla          [slots, D] or [slots, 1, D]  one latent per token, the same on every card
+
+Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'
+device or the host; the kernels read either and compute addresses in 64 bits.
 
 Both go through one kernel and one code path for dp == 1 and dp > 1 (the seed PR broke its
 dp == 1 path with a name defined on one branch only): a table holds the base address of
@@ -41,6 +45,8 @@ from kvrt._errors import InvalidInputError
 from kvrt._tensors import host_to_device
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+INDEX_DTYPES: Final = (torch.int32, torch.int64)
+"""What replica and slot indexes may be."""
 
 Part = Literal["key", "value"]
 """Only the K rows or only the V rows of a request (None: both)."""
@@ -62,11 +68,9 @@ class PoolGeometry:
     head_dim: int
     token_stride: int
     v_offset: int
-    """From a slot's K row to its V row (0 for MLA, which has no V)."""
-
-    @property
-    def kv(self) -> int:
-        return 1 if self.layout is Layout.MLA else 2
+    """From a slot's K row to its V row (0 for a latent, which has no V)."""
+    kv: int = 2
+    """Rows per slot: K and V, or 1 for a latent (MLA)."""
 
 
 def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
@@ -74,8 +78,14 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
     if not pool.is_contiguous():
         raise InvalidInputError("KV pools must be contiguous")
     if layout is Layout.TOKEN_MAJOR:
+        if pool.dim() == 3 and pool.shape[1] == 1:  # one latent per token (MLA): no V heads
+            slots, _, dim = pool.shape
+            return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
         if pool.dim() != 3 or pool.shape[1] % 2:
-            raise InvalidInputError(f"a token-major pool is [slots, 2*heads, head_dim], got {tuple(pool.shape)}")
+            raise InvalidInputError(
+                "a token-major pool is [slots, 2*heads, head_dim] (K heads, then V heads) or [slots, 1, latent_dim] "
+                f"(MLA), got {tuple(pool.shape)}"
+            )
         slots, two_heads, dim = pool.shape
         return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
     if layout is Layout.BLOCK:
@@ -85,10 +95,14 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
             )
         _, blocks, block_size, heads, dim = pool.shape
         return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+    if pool.dim() == 3 and pool.shape[1] == 1:
+        pool = pool.view(pool.shape[0], pool.shape[2])
     if pool.dim() != 2:
-        raise InvalidInputError(f"an MLA pool is [slots, latent_dim], got {tuple(pool.shape)}")
+        raise InvalidInputError(
+            f"an MLA pool is [slots, latent_dim] or [slots, 1, latent_dim], got {tuple(pool.shape)}"
+        )
     slots, dim = pool.shape
-    return PoolGeometry(layout, slots, 1, dim, dim, 0)
+    return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
 
 
 class PoolTable:
@@ -140,7 +154,7 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     first, end = heads
     if not 0 <= first < end <= table.geometry.heads:
         raise InvalidInputError(f"head range [{first}, {end}) is outside the pools' {table.geometry.heads} heads")
-    if table.layout is Layout.MLA and (first, end) != (0, 1):
+    if table.geometry.kv == 1 and (first, end) != (0, 1):
         raise InvalidInputError("an MLA latent has no heads to select")
     return first, end
 
@@ -152,8 +166,11 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
     `ranges_fit`. Indexes on the host (both of them) are reduced there: no round trip."""
     on_host = replica.device.type == "cpu" and slots.device.type == "cpu"
     for name, index in (("replica", replica), ("slot", slots)):
-        if index.dtype != torch.int64 or index.dim() != 1 or not (on_host or index.device == table.device):
-            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device} or on the host")
+        if index.dtype not in INDEX_DTYPES or index.dim() != 1 or not (on_host or index.device == table.device):
+            raise InvalidInputError(
+                f"{name} indexes must be a 1-D int32 or int64 tensor on {table.device} or on the host, got "
+                f"{index.dtype} {tuple(index.shape)} on {index.device}"
+            )
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
     if not slots.numel():
@@ -162,7 +179,7 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
         ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
         return torch.tensor(ranges, dtype=torch.int64)
     (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
-    return torch.stack((replica_min, replica_max, slot_min, slot_max))
+    return torch.stack([value.to(torch.int64) for value in (replica_min, replica_max, slot_min, slot_max)])
 
 
 def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
@@ -216,8 +233,8 @@ def widest_word(alignment: int, byte_offsets: Sequence[int]) -> torch.dtype:
 @triton.jit(do_not_specialize=["first_layer"])  # type: ignore[untyped-decorator]
 def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
-    replica,  # int64 [tokens]
-    slots,  # int64 [tokens]
+    replica,  # int32 or int64 [tokens]
+    slots,  # int32 or int64 [tokens]
     stage_k,  # words: where the staged K rows start
     stage_v,  # words: where the staged V rows start (unused for MLA)
     layers,
@@ -238,8 +255,8 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     of random slots from 72% to 98% of a device copy on an H200 (`tools/kernel_variants.py`)."""
     token = tl.program_id(0).to(tl.int64)
     layer = first_layer + tl.program_id(1).to(tl.int64)
-    r = tl.load(replica + token)
-    row_start = tl.load(slots + token) * token_stride + head_offset
+    r = tl.load(replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
+    row_start = tl.load(slots + token).to(tl.int64) * token_stride + head_offset
     stage_k_row = stage_k + layer * stage_layer_stride + token * stage_token_stride
     stage_v_row = stage_v + layer * stage_layer_stride + token * stage_token_stride
     word = stage_k.dtype.element_ty
@@ -733,7 +750,7 @@ def scatter_layer_reference(
 def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
     """Per-token replica indexes, from one replica for every token or a tensor of them."""
     if not isinstance(slots, torch.Tensor):
-        raise InvalidInputError(f"slots must be a 1-D int64 tensor, got {type(slots).__name__}")
+        raise InvalidInputError(f"slots must be a 1-D int32 or int64 tensor, got {type(slots).__name__}")
     return torch.full_like(slots, replica) if isinstance(replica, int) else replica
 
 
