@@ -32,7 +32,7 @@ from kvrt._errors import (
 from kvrt._item import KVItem
 from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
-from kvrt._metrics import serve_metrics
+from kvrt._metrics import register_metrics, serve_metrics
 from kvrt._producer import Producer, ProducerStats
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
 
@@ -68,5 +68,6 @@ __all__ = [
     "blocking",
     "log_json",
     "make_keys",
+    "register_metrics",
     "serve_metrics",
 ]

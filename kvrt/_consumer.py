@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -161,8 +162,12 @@ class _Link:
         connect_timeout_s: float,
         curve: CurveKeys | None = None,
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        metrics: _metrics.ConsumerMetrics | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._metrics = metrics
+        self._asked_at: dict[int, float] = {}
+        """When each pending request left (perf_counter), for `metrics`' lookup waits."""
         self._transfer_timeout_s = transfer_timeout_s
         self._device = device
         self.core = ConsumerCore(
@@ -254,6 +259,8 @@ class _Link:
             self._landing[request_id] = on_landing
         if writer is not None:
             self._writers[request_id] = writer
+        if self._metrics is not None:
+            self._asked_at[request_id] = time.perf_counter()
         try:
             await self._io.send([m.encode(message)])
             reply = await future
@@ -270,6 +277,7 @@ class _Link:
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
             self._writers.pop(request_id, None)
+            self._asked_at.pop(request_id, None)
         if confirm:
             for item_id in _item_ids(reply.message):
                 self.settle(item_id, keep=True)
@@ -363,6 +371,7 @@ class _Link:
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
+                    self._answered(request_id, time.perf_counter())
                     future.set_result(_Reply(message))
             case Failed(request_id=request_id, error=error):
                 future = self._pending.get(request_id)
@@ -406,15 +415,26 @@ class _Link:
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
             on_landing(deliver, arrival)
+        header_at = time.perf_counter()
+        if future is not None:
+            self._answered(deliver.request_id, header_at)
         arriving = arrival.complete
         if arriving.done():
-            self._landed(future, deliver, self._sessions_lost, arriving)  # TCP: already here
+            self._landed(future, deliver, self._sessions_lost, arriving, header_at=header_at)  # TCP: already here
         else:
-            self._own_arrival(arriving, functools.partial(self._landed, future, deliver, self._sessions_lost))
+            self._own_arrival(
+                arriving, functools.partial(self._landed, future, deliver, self._sessions_lost, header_at=header_at)
+            )
+
+    def _answered(self, request_id: int, now: float) -> None:
+        """The producer answered a request (an item's header, or a miss): its lookup wait."""
+        asked_at = self._asked_at.pop(request_id, None)
+        if asked_at is not None and self._metrics is not None:
+            self._metrics.lookup_wait.observe(now - asked_at)
 
     def _landed(
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, session: int,
-        arriving: asyncio.Future[ItemTensors],
+        arriving: asyncio.Future[ItemTensors], *, header_at: float = 0.0,
     ) -> None:  # fmt: skip
         """An item's receive ended: complete the call, or give the item back with the reason."""
         if arriving.cancelled():
@@ -433,6 +453,9 @@ class _Link:
             self._send_nowait(m.Release(item_id=deliver.item_id))
             return
         input_tokens, roi, key, value, hidden = arriving.result()
+        if self._metrics is not None and header_at:
+            transport = self._transport.name if self._transport is not None else "unknown"
+            self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
         future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
 
     def _on_deliver_many(
@@ -938,6 +961,8 @@ class Consumer(AsyncService):
         self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a pull's scatters, in order, off the loop (see `pull`)."""
         self.counters = ConsumerCounters()
+        self.metrics = _metrics.ConsumerMetrics()
+        """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
         self._closed = False
 
     async def start(self) -> Self:
@@ -961,6 +986,7 @@ class Consumer(AsyncService):
                     connect_timeout_s=self._connect_timeout_s,
                     curve=self._curve,
                     transfer_timeout_s=self._transfer_timeout_s,
+                    metrics=self.metrics,
                 )
                 self._links.append(link)
                 await link.start()
@@ -982,6 +1008,11 @@ class Consumer(AsyncService):
             self._scatters.shutdown(wait=False)  # queued scatters still run: they only enqueue GPU work
         if self._context is not None:
             self._context.term()
+
+    @property
+    def name(self) -> str:
+        """This consumer's name, as its producers and its metrics (`consumer` label) know it."""
+        return self._name
 
     @property
     def endpoints(self) -> list[str]:
@@ -1063,7 +1094,7 @@ class Consumer(AsyncService):
                 answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
                 items = [item for answer in answers for item in answer.items or ()]
         except KVRTError as error:
-            self._count_error(error)
+            self._count_error(error, lookups=len(wire))
             raise
         timer.done()
         for item in items:
@@ -1140,17 +1171,22 @@ class Consumer(AsyncService):
             self._count_error(error)
             raise
         timer.done()
-        self._count(item)
+        self._count(item, waited=timeout != 0)
         return item
 
-    def _count(self, item: KVItem | None) -> None:
+    def _count(self, item: KVItem | None, *, waited: bool = False) -> None:
+        """A lookup answered: its outcome, and an item's counts. `waited`: the call had a
+        timeout (a miss then is a lookup that timed out)."""
+        miss = _metrics.LookupOutcome.TIMEOUT if waited else _metrics.LookupOutcome.MISS
+        self.metrics.looked_up(miss if item is None else _metrics.LookupOutcome.HIT)
         if item is not None:
             self.counters.items += 1
             self.counters.bytes += sum(
                 tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None
             )
 
-    def _count_error(self, error: KVRTError) -> None:
+    def _count_error(self, error: KVRTError, lookups: int = 1) -> None:
+        self.metrics.looked_up(_metrics.outcome_of_error(error), lookups)
         errors = self.counters.errors
         errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
 
