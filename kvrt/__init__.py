@@ -34,6 +34,7 @@ from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import register_metrics, serve_metrics
 from kvrt._producer import Producer, ProducerStats
+from kvrt._settings import consumer_settings, producer_settings
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
 
 __version__ = "0.1.0"
@@ -66,8 +67,10 @@ __all__ = [
     "VersionMismatchError",
     "__version__",
     "blocking",
+    "consumer_settings",
     "log_json",
     "make_keys",
+    "producer_settings",
     "register_metrics",
     "serve_metrics",
 ]

@@ -228,7 +228,7 @@ def test_each_role_refuses_the_other_roles_call(producer: KVLookupBuffer, consum
     ("arguments", "options", "message"),
     [
         (("prefill", 1e9), {}, "role must be 'producer'"),
-        (("consumer", 1e9), {}, "a consumer needs endpoint="),
+        (("consumer", 1e9), {}, "a consumer needs endpoint= \\(or KVRT_CONNECT\\)"),
         (("consumer", 1e9), {"endpoint": "127.0.0.1:5555"}, "has no scheme: write tcp://HOST:PORT"),
         (("producer", -1), {}, "buffer_size_thresh must be a number of bytes >= 0"),
         (("producer", 1e9), {"buffer_bytes": 10}, "buffer_bytes= is set by endpoint and buffer_size_thresh"),

@@ -25,6 +25,9 @@ shapes) and then the given tokens, key, value and hidden, and as `value` an empt
 `[1, T, 0, S]` whose last size S is the seed's byte count of the item, read on the host.
 `buffer_size_thresh` is kvrt's `buffer_bytes`: the limit counts the items as kvrt holds
 them, a little more than the seed counts (the int64 keys, the header, alignment).
+
+What is not given is read from the `KVRT_*` variables (`kvrt._settings`): `KVRT_BIND` or
+`KVRT_CONNECT` for a missing `endpoint`, `KVRT_DEVICE`, `KVRT_HEARTBEAT_S`, the CURVE files.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvrt._errors import InvalidInputError
 from kvrt._item import KVItem
 from kvrt._messages import TensorMeta
 from kvrt._producer import Producer
+from kvrt._settings import consumer_settings, producer_settings
 from kvrt._tensors import DTYPES, dtype_name
 
 Role = Literal["producer", "consumer"]
@@ -88,7 +92,8 @@ class KVLookupBuffer:
     `role` "producer" binds `endpoint` (default "tcp://127.0.0.1:0"; `endpoint` is then the
     address bound), "consumer" connects to the producer's `endpoint`. `buffer_size_thresh`:
     `insert` waits while the buffer holds more bytes than this. `options` go to
-    `kvrt.blocking.Producer` or `Consumer` (`device`, `heartbeat_s`, `curve`, `transport`, ...).
+    `kvrt.blocking.Producer` or `Consumer` (`device`, `heartbeat_s`, `curve`, `transport`, ...),
+    over the `KVRT_*` variables of the environment.
     Calls may come from any thread, several at once.
     """
 
@@ -105,14 +110,23 @@ class KVLookupBuffer:
         self._producer: blocking.Producer | None = None
         self._consumer: blocking.Consumer | None = None
         if self.role == "producer":
+            settings = producer_settings(**options)
+            settings.pop("buffer_bytes", None)  # buffer_size_thresh says it
+            bind = endpoint or settings.pop("bind", "tcp://127.0.0.1:0")
+            settings.pop("bind", None)
             limit = max(1, math.ceil(buffer_size_thresh)) if math.isfinite(buffer_size_thresh) else 1 << 62
-            self._producer = blocking.Producer(endpoint or "tcp://127.0.0.1:0", buffer_bytes=limit, **options)
-            self.endpoint = self._producer.endpoint
+            self._producer = blocking.Producer(bind, buffer_bytes=limit, **settings)
+            self.endpoint: str = self._producer.endpoint
         else:
-            if endpoint is None:
-                raise InvalidInputError("a consumer needs endpoint=: the address its producer bound (tcp://HOST:PORT)")
-            self._consumer = blocking.Consumer(endpoint, **options)
-            self.endpoint = endpoint
+            settings = consumer_settings(**options)
+            connect = endpoint or settings.pop("connect", None)
+            settings.pop("connect", None)
+            if connect is None:
+                raise InvalidInputError(
+                    "a consumer needs endpoint= (or KVRT_CONNECT): the address its producer bound, tcp://HOST:PORT"
+                )
+            self._consumer = blocking.Consumer(connect, **settings)
+            self.endpoint = connect if isinstance(connect, str) else ",".join(connect)
         self.buffer: Sized = _Buffered(self)
 
     # -- the seed's surface -----------------------------------------------------------
