@@ -97,8 +97,9 @@ class ConsumerMetrics:
 
     def transferred(self, transport: str, seconds: float, nbytes: int) -> None:
         if transport not in self.transfer_seconds:
-            self.transfer_seconds[transport] = Histogram(LATENCY_BUCKETS_S)
+            # Sizes first: a scrape on another thread finds them for every transport it sees.
             self.transfer_bytes[transport] = Histogram(SIZE_BUCKETS_BYTES)
+            self.transfer_seconds[transport] = Histogram(LATENCY_BUCKETS_S)
         self.transfer_seconds[transport].observe(seconds)
         self.transfer_bytes[transport].observe(float(nbytes))
 

@@ -313,6 +313,7 @@ def test_an_insert_from_an_engine_thread_reads_what_a_long_kernel_on_its_side_st
     ):
         key = torch.zeros((2, 64, 4, 128), device=device)
         side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # after the zeros
         with torch.cuda.stream(side):  # the engine's compute stream, not the default one
             torch.cuda._sleep(200 * GPU_CYCLES_PER_MS)  # a long kernel before the write
             key.fill_(7.0)
