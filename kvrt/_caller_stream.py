@@ -4,8 +4,11 @@ Every call that reads or writes GPU memory takes `stream=` (`Producer.insert`, `
 `open_stream`, `ProducerStream.put_layer` and `finish`, `Consumer.drop_select`,
 `drop_select_many`, `pull`, `open_stream`, `ConsumerStream.layer`). None means the current
 stream, on the call's device, of the thread that made the call, captured when the call
-starts; `kvrt.blocking` captures it on the engine's thread, before the call crosses to the
-thread that runs kvrt's loop, whose current stream is not the engine's.
+starts running: for `await producer.insert(...)` that is where it is written; for a call
+wrapped in a task, the task's first step (pass `stream=` to `asyncio.create_task(...)`'s
+call if the current stream changes before then). `kvrt.blocking` captures it on the
+engine's thread, before the call crosses to the thread that runs kvrt's loop, whose
+current stream is not the engine's.
 
 A call takes many steps on the loop (it awaits room, a reply, a worker thread), and the
 loop runs other calls' steps in between. CUDA's current stream is a setting of the thread,
