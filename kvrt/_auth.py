@@ -11,12 +11,18 @@ Keys are ZeroMQ certificate files (`kvrt keys DIR NAME` makes a pair), or Z85 st
 the environment (`CurveKeys.from_env()`: KVRT_CURVE_PUBLIC_KEY, KVRT_CURVE_SECRET_KEY,
 KVRT_CURVE_SERVER_KEY for clients, KVRT_CURVE_ALLOWED_KEYS, comma-separated, for
 producers). The producer checks every client's public key in a ZAP handler (a thread
-pyzmq runs); a client without an allowed key, or that does not know the producer's key,
-never completes the handshake, so it cannot issue any operation, and it gets `AuthError`.
+pyzmq runs); a client without an allowed key, without keys, or that does not know the
+producer's key, never completes the handshake, so it cannot issue any operation, and it
+gets `AuthError`.
+
+Access fails closed: a producer admits exactly the keys it was given. No list means no
+client gets in, unless `allow_any_client=True` (or KVRT_CURVE_ALLOW_ANY_CLIENT=1) says that
+any client that knows the producer's public key may (encryption without authentication).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,9 +34,7 @@ import zmq.auth.thread
 
 from kvrt._errors import AuthError, InvalidInputError
 
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
+log = logging.getLogger("kvrt.auth")
 
 
 def _key(value: bytes | str, what: str) -> bytes:
@@ -43,23 +47,31 @@ def _key(value: bytes | str, what: str) -> bytes:
 @dataclass(frozen=True, slots=True)
 class CurveKeys:
     """One side's CURVE keys: its own pair, and the producer's public key (clients) or the
-    public keys allowed in (producers; None allows any client that knows the producer's key)."""
+    public keys allowed in (producers: exactly those; `allow_any_client` admits any client
+    that knows the producer's public key instead)."""
 
     public_key: bytes
     secret_key: bytes
     server_key: bytes | None = None
-    allowed_clients: frozenset[bytes] | None = None
+    allowed_clients: frozenset[bytes] = frozenset()
+    allow_any_client: bool = False
 
     @classmethod
-    def server(cls, secret_file: str | os.PathLike[str], *, allowed_clients_dir: str | os.PathLike[str] | None = None
-               ) -> CurveKeys:  # fmt: skip
+    def server(
+        cls, secret_file: str | os.PathLike[str], *, allowed_clients_dir: str | os.PathLike[str] | None = None,
+        allow_any_client: bool = False,
+    ) -> CurveKeys:  # fmt: skip
         """A producer's keys from its certificate file, and the clients' public certificates
-        in `allowed_clients_dir` (every `*.key` file there)."""
+        in `allowed_clients_dir` (every `*.key` file there). Without a directory no client is
+        admitted, unless `allow_any_client` is True."""
         public, secret = _load(secret_file)
-        allowed = None
+        allowed: frozenset[bytes] = frozenset()
         if allowed_clients_dir is not None:
-            allowed = frozenset(_load_public(path) for path in Path(allowed_clients_dir).glob("*.key"))
-        return cls(public, secret, allowed_clients=allowed)
+            directory = Path(allowed_clients_dir)
+            if not directory.is_dir():
+                raise InvalidInputError(f"allowed_clients_dir {directory} is not a directory")
+            allowed = frozenset(_load_public(path) for path in directory.glob("*.key"))
+        return cls(public, secret, allowed_clients=allowed, allow_any_client=allow_any_client)
 
     @classmethod
     def client(cls, secret_file: str | os.PathLike[str], *, server_public_file: str | os.PathLike[str]) -> CurveKeys:
@@ -73,12 +85,16 @@ class CurveKeys:
         if not public or not secret:
             return None
         server = os.environ.get("KVRT_CURVE_SERVER_KEY")
-        allowed = os.environ.get("KVRT_CURVE_ALLOWED_KEYS")
+        allowed = os.environ.get("KVRT_CURVE_ALLOWED_KEYS", "")
+        allow_any = os.environ.get("KVRT_CURVE_ALLOW_ANY_CLIENT", "")
+        if allow_any not in ("", "0", "1"):
+            raise InvalidInputError(f"KVRT_CURVE_ALLOW_ANY_CLIENT must be 0 or 1, got {allow_any!r}")
         return cls(
             _key(public, "KVRT_CURVE_PUBLIC_KEY"),
             _key(secret, "KVRT_CURVE_SECRET_KEY"),
             server_key=None if not server else _key(server, "KVRT_CURVE_SERVER_KEY"),
-            allowed_clients=None if not allowed else frozenset(_key(k, "an allowed key") for k in allowed.split(",")),
+            allowed_clients=frozenset(_key(k.strip(), "an allowed key") for k in allowed.split(",") if k.strip()),
+            allow_any_client=allow_any == "1",
         )
 
     def __post_init__(self) -> None:
@@ -86,6 +102,10 @@ class CurveKeys:
         _key(self.secret_key, "secret_key")
         if self.server_key is not None:
             _key(self.server_key, "server_key")
+        if not isinstance(self.allowed_clients, frozenset):
+            raise InvalidInputError("allowed_clients must be a frozenset of public keys")
+        for key in self.allowed_clients:
+            _key(key, "an allowed key")
 
 
 def _load_public(path: str | os.PathLike[str]) -> bytes:
@@ -126,9 +146,12 @@ def secure_server(context: zmq.Context[zmq.Socket[bytes]], socket: zmq.Socket[by
     """Make `socket` (before bind) a CURVE server that admits only `keys.allowed_clients`."""
     authenticator = zmq.auth.thread.ThreadAuthenticator(context)
     authenticator.start()
-    if keys.allowed_clients is None:
+    if keys.allow_any_client:
         authenticator.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
     else:
+        if not keys.allowed_clients:
+            log.warning("CURVE is on with no allowed client keys: no consumer or client can connect "
+                        "(give allowed_clients_dir, or allow_any_client=True)")  # fmt: skip
         authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys(keys.allowed_clients))
     socket.curve_secretkey = keys.secret_key
     socket.curve_publickey = keys.public_key
@@ -136,26 +159,23 @@ def secure_server(context: zmq.Context[zmq.Socket[bytes]], socket: zmq.Socket[by
     return authenticator
 
 
-def secure_client(socket: zmq.Socket[bytes], keys: CurveKeys) -> zmq.Socket[bytes]:
-    """Make `socket` (before connect) a CURVE client; returns a monitor for handshake failures."""
+def secure_client(socket: zmq.Socket[bytes], keys: CurveKeys) -> None:
+    """Make `socket` (before connect) a CURVE client."""
     if keys.server_key is None:
         raise InvalidInputError("a consumer or client needs the producer's public key (server_key)")
     socket.curve_secretkey = keys.secret_key
     socket.curve_publickey = keys.public_key
     socket.curve_serverkey = keys.server_key
-    monitor: zmq.Socket[bytes] = socket.get_monitor_socket(_HANDSHAKE_FAILED)
-    return monitor
 
 
-def handshake_refused(monitor: zmq.Socket[bytes], endpoint: str) -> AuthError | None:
-    """The AuthError to raise if the monitor saw the CURVE handshake fail (read without waiting)."""
-    from zmq.utils.monitor import recv_monitor_message
-
+def handshake_failure(event: int, endpoint: str) -> AuthError:
+    """The AuthError for a monitor's handshake-failure `event` (this side has no keys, or the
+    wrong ones, or the producer does not allow this side's key)."""
     try:
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)
-    except zmq.Again:
-        return None
+        name = zmq.Event(event).name
+    except ValueError:
+        name = str(event)
     return AuthError(
-        f"the CURVE handshake with {endpoint} failed ({zmq.Event(event['event']).name}): check that this side "
-        "has the producer's public key and that the producer allows this side's key"
+        f"the CURVE handshake with {endpoint} failed ({name}): if the producer uses CURVE, give this side its keys "
+        "(curve=CurveKeys.client(...)) with the producer's public key, and have the producer allow this side's key"
     )

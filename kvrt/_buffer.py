@@ -28,7 +28,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -103,6 +103,8 @@ class BufferedItem:
     """Set for a finished stream that its reader received layer by layer: its storage's layers
     are written (and the transports prepare it) only if it must be sent whole after all, when
     the reader left before confirming it. Call it (once) before anything reads the storage."""
+    lease: int = 0
+    """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None
@@ -147,8 +149,21 @@ class Match:
     matched: int
 
 
-_HeapEntry = tuple[int, int, weakref.ref[BufferedItem]]
-"""(seq, generation, item). Weak: an entry left behind by lazy removal must not keep a
+class Indexed(Protocol):
+    """What a radix index keeps of an entry: its masked tokens, its age (`seq`), and the
+    bookkeeping the index writes (`generation`, `buffered`, `node`)."""
+
+    seq: int
+    masked_tokens: np.ndarray
+    generation: int
+    buffered: bool
+    node: _Node | None
+
+
+T = TypeVar("T", bound=Indexed)
+
+_HeapEntry = tuple[int, int, weakref.ref[Indexed]]
+"""(seq, generation, entry). Weak: an entry left behind by lazy removal must not keep a
 delivered item's tensors alive (GPU items hold gigabytes) until the next compaction."""
 
 
@@ -159,7 +174,7 @@ def _alive(entry: _HeapEntry) -> bool:
 
 
 class _Heap:
-    """Oldest-first heap of items with lazy removal and a live count."""
+    """Oldest-first heap of entries with lazy removal and a live count."""
 
     __slots__ = ("entries", "live")
 
@@ -167,7 +182,7 @@ class _Heap:
         self.entries: list[_HeapEntry] = entries if entries is not None else []
         self.live = live
 
-    def push(self, item: BufferedItem) -> None:
+    def push(self, item: Indexed) -> None:
         heapq.heappush(self.entries, (item.seq, item.generation, weakref.ref(item)))
         self.live += 1
 
@@ -178,7 +193,7 @@ class _Heap:
             self.entries = [entry for entry in self.entries if _alive(entry)]
             heapq.heapify(self.entries)
 
-    def oldest(self) -> BufferedItem | None:
+    def oldest(self) -> Indexed | None:
         entries = self.entries
         while entries and not _alive(entries[0]):
             heapq.heappop(entries)
@@ -216,81 +231,37 @@ def prefix_match_length(item_tokens: np.ndarray, query: np.ndarray | None) -> in
     return n
 
 
-class LookupBuffer:
-    """Buffered items by masked tokens, with the bytes they hold.
-
-    `nbytes` counts items in the index and items handed out but not yet confirmed
-    (`hold` / `release` / `forget`), because their memory is still held.
-    """
+class RadixIndex(Generic[T]):
+    """Entries by masked tokens in a radix tree (see the module's docstring): a lookup walks
+    one root-to-leaf path, whatever the number of entries."""
 
     def __init__(self) -> None:
         self._root = _Node(label=np.empty(0, dtype=np.int64), parent=None)
-        self._seq = itertools.count()
-        self._by_id: dict[int, BufferedItem] = {}
-        self.nbytes = 0
-        self.buffered = 0
-        self.held = 0
+        self.count = 0
 
     def __len__(self) -> int:
-        return self.buffered
+        return self.count
 
-    def next_seq(self) -> int:
-        return next(self._seq)
+    def add(self, entry: T) -> None:
+        self._index(entry)
 
-    # -- adding and removing ------------------------------------------------------------
+    def remove(self, entry: T) -> None:
+        self._unindex(entry)
 
-    def add(self, item: BufferedItem) -> None:
-        """Buffer a new item (its bytes start counting)."""
-        self.nbytes += item.nbytes
-        self._index(item)
+    def oldest(self) -> T | None:
+        return cast("T | None", self._root.subtree.oldest())
 
-    def restore(self, item: BufferedItem) -> None:
-        """Buffer again an item that was held (handed out and given back); it keeps its age."""
-        self.held -= 1
-        self._index(item)
+    def entries(self) -> list[T]:
+        """Every entry, oldest first (O(n log n))."""
+        live = [entry for heap_entry in self._root.subtree.entries if _alive(heap_entry) and (entry := heap_entry[2]())]
+        return sorted(cast(list[T], live), key=lambda entry: entry.seq)
 
-    def take(self, item: BufferedItem) -> None:
-        """Remove a buffered item from the index; its bytes still count until `forget`."""
-        self._unindex(item)
-        self.held += 1
-
-    def grow(self, item: BufferedItem, nbytes: int) -> None:
-        """An open stream that this buffer holds (buffered or taken) grew by `nbytes`."""
-        self.nbytes += nbytes
-
-    def add_taken(self, item: BufferedItem) -> None:
-        """Count an item that goes straight to a consumer, never buffered (a finished stream)."""
-        self.nbytes += item.nbytes
-        self.held += 1
-
-    def forget(self, item: BufferedItem) -> None:
-        """A held item was delivered for good: its bytes stop counting."""
-        self.held -= 1
-        self.nbytes -= item.nbytes
-
-    def drop(self, item: BufferedItem) -> None:
-        """Remove a buffered item for good (evicted or expired)."""
-        self._unindex(item)
-        self.nbytes -= item.nbytes
-
-    def get(self, item_id: int) -> BufferedItem | None:
-        """The buffered item with this id (None if taken, dropped, or never inserted)."""
-        return self._by_id.get(item_id)
-
-    def items(self) -> list[BufferedItem]:
-        """Every buffered item, oldest first (for listing; O(n log n))."""
-        return sorted(
-            (item for entry in self._root.subtree.entries if _alive(entry) and (item := entry[2]()) is not None),
-            key=lambda item: item.seq,
-        )
-
-    # -- lookup ---------------------------------------------------------------------------
-
-    def best_match(self, query: np.ndarray | None) -> Match | None:
-        """The item a drop-select with this (masked) query takes, without removing it."""
+    def best_match(self, query: np.ndarray | None) -> tuple[T, int] | None:
+        """The entry a drop-select with this (masked) query takes: the longest match, then the
+        oldest; with its matched length."""
         if query is None:
-            oldest = self._root.subtree.oldest()
-            return None if oldest is None else Match(oldest, len(oldest.masked_tokens))
+            oldest = self.oldest()
+            return None if oldest is None else (oldest, len(oldest.masked_tokens))
         length = len(query)
         if length == 0:
             return None
@@ -302,9 +273,9 @@ class LookupBuffer:
                 break
             common = _common_prefix_length(child.label, query[depth:])
             if depth + common == length:
-                # The query ends on this edge: every item below has it as a prefix.
-                oldest = child.subtree.oldest()
-                return None if oldest is None else Match(oldest, length)
+                # The query ends on this edge: every entry below has it as a prefix.
+                below = cast("T | None", child.subtree.oldest())
+                return None if below is None else (below, length)
             if common < len(child.label):
                 break
             node, depth = child, depth + common
@@ -313,12 +284,39 @@ class LookupBuffer:
         if deepest_prefix is None:
             return None
         prefix_node, matched = deepest_prefix
-        oldest = prefix_node.own.oldest()
-        return None if oldest is None else Match(oldest, matched)
+        own = cast("T | None", prefix_node.own.oldest())
+        return None if own is None else (own, matched)
+
+    def oldest_match(self, tokens: np.ndarray) -> tuple[T, int] | None:
+        """The oldest entry that `tokens` match (either is a prefix of the other, length > 0),
+        with the matched length: who gets a new item, among waiting queries."""
+        length = len(tokens)
+        if length == 0:
+            return None
+        best: tuple[Indexed, int] | None = None
+        node, depth = self._root, 0
+        while depth < length:
+            child = node.children.get(int(tokens[depth]))
+            if child is None:
+                break
+            common = _common_prefix_length(child.label, tokens[depth:])
+            if depth + common == length:  # entries below have `tokens` as a prefix
+                candidate = child.subtree.oldest()
+                if candidate is not None and (best is None or candidate.seq < best[0].seq):
+                    best = (candidate, length)
+                break
+            if common < len(child.label):
+                break
+            node, depth = child, depth + common
+            if node.own.live:  # entries that are a prefix of `tokens`
+                candidate = node.own.oldest()
+                if candidate is not None and (best is None or candidate.seq < best[0].seq):
+                    best = (candidate, depth)
+        return cast("tuple[T, int] | None", best)
 
     # -- the radix tree -------------------------------------------------------------------
 
-    def _index(self, item: BufferedItem) -> None:
+    def _index(self, item: T) -> None:
         item.generation += 1
         item.buffered = True
         tokens = item.masked_tokens
@@ -341,8 +339,7 @@ class LookupBuffer:
         node.own.push(item)
         for ancestor in path:
             ancestor.subtree.push(item)
-        self.buffered += 1
-        self._by_id[item.item_id] = item
+        self.count += 1
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; return the new node standing at the cut."""
@@ -355,13 +352,12 @@ class LookupBuffer:
         middle.children[int(child.label[0])] = child
         return middle
 
-    def _unindex(self, item: BufferedItem) -> None:
+    def _unindex(self, item: T) -> None:
         node = item.node
-        assert node is not None and item.buffered, "item is not buffered"
+        assert node is not None and item.buffered, "entry is not indexed"
         item.buffered = False
         item.node = None
-        self.buffered -= 1
-        del self._by_id[item.item_id]
+        self.count -= 1
         node.own.discard()
         walker: _Node | None = node
         while walker is not None:
@@ -370,7 +366,7 @@ class LookupBuffer:
         self._prune(node)
 
     def _prune(self, node: _Node) -> None:
-        """Drop empty nodes from `node` up, then merge a node left with one child and no items."""
+        """Drop empty nodes from `node` up, then merge a node left with one child and no entries."""
         while node.parent is not None and node.subtree.live == 0:
             parent = node.parent
             del parent.children[int(node.label[0])]
@@ -380,3 +376,87 @@ class LookupBuffer:
             only_child.label = np.concatenate((node.label, only_child.label))
             only_child.parent = node.parent
             node.parent.children[int(only_child.label[0])] = only_child
+
+
+class LookupBuffer:
+    """Buffered items by masked tokens, with the bytes they hold.
+
+    `nbytes` counts items in the index and items handed out but not yet confirmed
+    (`hold` / `release` / `forget`), because their memory is still held.
+    """
+
+    def __init__(self) -> None:
+        self._index: RadixIndex[BufferedItem] = RadixIndex()
+        self._seq = itertools.count()
+        self._by_id: dict[int, BufferedItem] = {}
+        self.nbytes = 0
+        self.held = 0
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._index)
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    # -- adding and removing ------------------------------------------------------------
+
+    def add(self, item: BufferedItem) -> None:
+        """Buffer a new item (its bytes start counting)."""
+        self.nbytes += item.nbytes
+        self._add(item)
+
+    def restore(self, item: BufferedItem) -> None:
+        """Buffer again an item that was held (handed out and given back); it keeps its age."""
+        self.held -= 1
+        self._add(item)
+
+    def take(self, item: BufferedItem) -> None:
+        """Remove a buffered item from the index; its bytes still count until `forget`."""
+        self._remove(item)
+        self.held += 1
+
+    def grow(self, item: BufferedItem, nbytes: int) -> None:
+        """An open stream that this buffer holds (buffered or taken) grew by `nbytes`."""
+        self.nbytes += nbytes
+
+    def add_taken(self, item: BufferedItem) -> None:
+        """Count an item that goes straight to a consumer, never buffered (a finished stream)."""
+        self.nbytes += item.nbytes
+        self.held += 1
+
+    def forget(self, item: BufferedItem) -> None:
+        """A held item was delivered for good: its bytes stop counting."""
+        self.held -= 1
+        self.nbytes -= item.nbytes
+
+    def drop(self, item: BufferedItem) -> None:
+        """Remove a buffered item for good (evicted or expired)."""
+        self._remove(item)
+        self.nbytes -= item.nbytes
+
+    def get(self, item_id: int) -> BufferedItem | None:
+        """The buffered item with this id (None if taken, dropped, or never inserted)."""
+        return self._by_id.get(item_id)
+
+    def items(self) -> list[BufferedItem]:
+        """Every buffered item, oldest first (for listing; O(n log n))."""
+        return self._index.entries()
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def best_match(self, query: np.ndarray | None) -> Match | None:
+        """The item a drop-select with this (masked) query takes, without removing it."""
+        found = self._index.best_match(query)
+        return None if found is None else Match(*found)
+
+    def _add(self, item: BufferedItem) -> None:
+        self._index.add(item)
+        self._by_id[item.item_id] = item
+
+    def _remove(self, item: BufferedItem) -> None:
+        self._index.remove(item)
+        del self._by_id[item.item_id]

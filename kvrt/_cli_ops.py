@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,6 +20,8 @@ import torch
 from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
 from kvrt._errors import InvalidInputError, KVRTError
+from kvrt._messages import MAX_ID as MAX_ITEM_ID
+from kvrt._messages import MAX_LISTED, MAX_SECONDS
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -110,13 +114,41 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _bounded_int(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], or a usage error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{what} must be between {low} and {high}, got {number}")
+        return number
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite, positive number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds must be a number, got {text!r}") from None
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"seconds must be positive and at most {MAX_SECONDS:g}, got {text}")
+    return seconds
+
+
 def add_commands(commands: Any) -> None:
     """Register the endpoint commands on the `kvrt` parser's subcommands."""
 
     def endpoint_command(name: str, help_text: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("endpoint", help="the producer's control endpoint, e.g. tcp://127.0.0.1:5555")
-        parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the producer (default 5)")
+        parser.add_argument(
+            "--timeout", type=_seconds, default=5.0, help="seconds to wait for the producer (default 5)"
+        )
         parser.add_argument("--json", action="store_true", help="print JSON instead of text")
         parser.add_argument("--curve-secret", metavar="FILE", help="this client's CURVE secret certificate")
         parser.add_argument("--curve-server", metavar="FILE", help="the producer's CURVE public certificate")
@@ -125,13 +157,17 @@ def add_commands(commands: Any) -> None:
 
     stat = endpoint_command("stat", "a live table of what a producer holds and has done (Ctrl-C ends it)")
     stat.add_argument("--once", action="store_true", help="print the table once and exit")
-    stat.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    stat.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (default 1)")
     probe = endpoint_command("probe", "how many tokens a producer would match, without taking anything")
     probe.add_argument("--tokens", required=True, help="comma-separated token ids, already roi-masked")
     listing = endpoint_command("list", "the oldest items a producer holds")
-    listing.add_argument("--limit", type=int, default=20, help="how many (default 20)")
+    listing.add_argument(
+        "--limit", type=_bounded_int(0, MAX_LISTED, "--limit"), default=20, help="how many (default 20)"
+    )
     evict = endpoint_command("evict", "drop one buffered item")
-    evict.add_argument("item_id", type=int, help="the item's id, as `kvrt list` shows it")
+    evict.add_argument(
+        "item_id", type=_bounded_int(0, MAX_ITEM_ID, "item_id"), help="the item's id, as `kvrt list` shows it"
+    )
     keys = commands.add_parser(
         "keys", help="make a CURVE key pair (NAME.key to share, NAME.key_secret to keep)",
         description="Make a ZeroMQ CURVE certificate pair for a producer, consumer or client.",

@@ -18,8 +18,8 @@ from typing import Self, TypeVar
 import torch
 import zmq
 
+from kvrt import _arguments
 from kvrt import _messages as m
-from kvrt._arguments import checked_endpoint
 from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
@@ -43,7 +43,7 @@ class Client(AsyncService):
         name: str | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        self.endpoint = checked_endpoint(endpoint, what="endpoint")
+        self.endpoint = _arguments.endpoint(endpoint, "endpoint", binding=False)
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat_s = heartbeat_s
         self._curve = curve

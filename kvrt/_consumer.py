@@ -9,6 +9,7 @@ on one link at once; replies are matched to them by request id, in any order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -26,8 +27,8 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._arguments import checked_endpoint, usable_device
-from kvrt._auth import CurveKeys, handshake_refused, secure_client
+from kvrt._arguments import endpoint, seconds, usable_device
+from kvrt._auth import CurveKeys, handshake_failure, secure_client
 from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
@@ -35,6 +36,7 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTError,
     KVRTTimeoutError,
+    LeaseExpiredError,
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
@@ -44,13 +46,14 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import KVItem, check_timeout, query_bytes, truncate
-from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt._producer import DEFAULT_HEARTBEAT_S, _heartbeat
 from kvrt._protocol import (
     ConsumerCore,
     ConsumerEvent,
     Failed,
     LinkState,
     Lost,
+    PayloadCame,
     Refused,
     Replied,
     Stray,
@@ -61,7 +64,7 @@ from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream, Placement, PoolWriter, StreamAbortedError
 from kvrt._tensors import layer_chunks, transfer_segments, unpack
 from kvrt._threads import gpu_worker, outcome_seen
-from kvrt._zmqio import SocketIO
+from kvrt._zmqio import SocketIO, zmtp_heartbeats
 from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
 from kvrt.transports.cuda_ipc import host_identity
@@ -73,6 +76,11 @@ if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
 log = logging.getLogger("kvrt.consumer")
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_REPLY_TIMEOUT_S = 1.0
+"""How long past what a call lets the producer wait (its `timeout`) the consumer waits for the
+producer's answer: a call with `timeout=t` has its answer, or `KVRTTimeoutError`, within
+`t + reply_timeout_s` whatever the producer does (an item's bytes then have
+`transfer_timeout_s` to land)."""
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 """How long a posted receive may take to land (GPU transports) before the link gives its
 producer up: a producer whose loop answers heartbeats while its GPU never writes the bytes
@@ -119,6 +127,24 @@ def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
     return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
 
 
+_LINK_EVENTS: Final = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+"""What a link learns from its socket's monitor: the connection closed (the producer exited, or
+ZeroMQ's own heartbeats, which its I/O thread answers, went unanswered), came back, or was
+refused."""
+
+
+def _seconds(value: object, name: str) -> float:
+    checked = seconds(value, name)
+    assert checked is not None
+    return checked
+
+
 def _item_ids(reply: m.Message) -> list[int]:
     """The items a reply delivered (to confirm, or to give back)."""
     if isinstance(reply, m.Deliver):
@@ -162,6 +188,7 @@ class _Link:
         connect_timeout_s: float,
         curve: CurveKeys | None = None,
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         metrics: _metrics.ConsumerMetrics | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -169,6 +196,7 @@ class _Link:
         self._asked_at: dict[int, float] = {}
         """When each pending request left (perf_counter), for `metrics`' lookup waits."""
         self._transfer_timeout_s = transfer_timeout_s
+        self._reply_timeout_s = reply_timeout_s
         self._device = device
         self.core = ConsumerCore(
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
@@ -185,12 +213,23 @@ class _Link:
         them belongs to calls that failed then, whatever it lands."""
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = None if curve is None else secure_client(self._socket, curve)
-        self._io = SocketIO(self._socket)
-        self._receipts: list[int] = []
+        # One identity for the link's whole life: after a reconnect the producer still knows
+        # whose receipts it reads (a new connection would otherwise get a new identity).
+        self._socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        zmtp_heartbeats(self._socket, heartbeat_s, self.core.timeout_s)
+        if curve is not None:
+            secure_client(self._socket, curve)
+        self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)
+        self._io = SocketIO(self._socket, self._monitor)
+        self._receipts: list[tuple[int, int]] = []
+        """(item id, lease) of items handed over, to confirm in the next `Received`."""
+        self._leases: dict[int, int] = {}
+        """The lease number of each item delivered and not settled yet."""
         self._flush_scheduled = False
-        self._receipt_sender: asyncio.Task[None] | None = None
-        """Sends the receipts a full send queue refused, once it has room (`_send_receipts`)."""
+        self._in_order: collections.deque[bytes] = collections.deque()
+        """Messages that must reach the producer in this order (receipts, releases, hello, bye)
+        and that a full send queue refused: `_in_order_sender` sends them once it has room."""
+        self._in_order_sender: asyncio.Task[None] | None = None
         self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._landing: dict[int, OnLanding] = {}
@@ -200,6 +239,8 @@ class _Link:
         """Set while the producer is connected (welcomed), cleared when it is lost."""
         self._refused: KVRTError | None = None
         self._task: asyncio.Task[None] | None = None
+        self.rejected_frames = 0
+        """Messages from the producer dropped because they did not decode or could not be handled."""
 
     async def start(self) -> None:
         connect_timeout_s = self._connect_timeout_s
@@ -209,7 +250,7 @@ class _Link:
             self._io.close()
             self._socket.close()
             raise translate_zmq_error(exc, endpoint=self.endpoint) from None
-        self._send_nowait(self.core.connect(self._now()))
+        self._send_in_order(self.core.connect(self._now()))
         self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
         self._task.add_done_callback(self._run_ended)
         try:
@@ -222,10 +263,7 @@ class _Link:
             await self.aclose()
             raise
         except TimeoutError:
-            refused = None if self._monitor is None else handshake_refused(self._monitor, self.endpoint)
             await self.aclose()
-            if refused is not None:
-                raise refused from None
             raise KVRTTimeoutError(
                 f"no producer answered at {self.endpoint} within {connect_timeout_s} s: "
                 "is it running, and is the address right?",
@@ -239,21 +277,26 @@ class _Link:
         confirm: bool = True,
         on_landing: OnLanding | None = None,
         writer: PoolWriter | None = None,
+        waits_s: float | None = 0.0,
     ) -> _Reply:
         """Send a request and wait for its answer (or for the link to fail).
 
         A delivered item is confirmed to the producer when this returns it (unless `confirm`
         is False: then the caller must `settle` it), and given back if the caller is
-        cancelled first, so an item is never freed without reaching someone. `on_landing` is
-        called once the item's receive is posted, if the transport hands out its tensors
-        before they land (GPU): a pull queues its scatters there. A stream's layers are
-        written by `writer` into the pools, if given.
+        cancelled first, so an item is never freed without reaching someone; one that this
+        link's lease no longer covers when it is handed over is given back, and the call
+        raises `LeaseExpiredError`. `on_landing` is called once the item's receive is posted,
+        if the transport hands out its tensors before they land (GPU): a pull queues its
+        scatters there. A stream's layers are written by `writer` into the pools, if given.
+        `waits_s` is how long the producer may wait before it answers (None: for ever): with
+        no answer `reply_timeout_s` after that, the call fails with `KVRTTimeoutError`.
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
         await self._joined()
-        request_id, message = self.core.start_request(build)
-        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        request_id, message = self.core.start_request(build, loop.time())
+        future: asyncio.Future[_Reply] = loop.create_future()
         self._pending[request_id] = future
         if on_landing is not None:
             self._landing[request_id] = on_landing
@@ -261,8 +304,12 @@ class _Link:
             self._writers[request_id] = writer
         if self._metrics is not None:
             self._asked_at[request_id] = time.perf_counter()
+        overdue = None
+        if waits_s is not None:
+            overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
         try:
-            await self._io.send([m.encode(message)])
+            if not self._io.send_nowait([m.encode(message)]):
+                await self._io.send([m.encode(message)])
             reply = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -274,25 +321,59 @@ class _Link:
                     self._send_nowait(cancel)
             raise
         finally:
+            if overdue is not None:
+                overdue.cancel()
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
             self._writers.pop(request_id, None)
             self._asked_at.pop(request_id, None)
         if confirm:
-            for item_id in _item_ids(reply.message):
-                self.settle(item_id, keep=True)
+            kept = [self.settle(item_id, keep=True) for item_id in _item_ids(reply.message)]
+            if not all(kept):
+                raise self._lease_error()
         return reply
 
-    def settle(self, item_id: int, *, keep: bool) -> None:
-        """Confirm (keep) or give back an item delivered to a call made with confirm=False."""
-        if keep:
-            self._receipts.append(item_id)
+    def _reply_overdue(self, request_id: int, waits_s: float) -> None:
+        """A request's answer did not come in time: the call fails; a late answer is a stray."""
+        future = self._pending.get(request_id)
+        if future is None or future.done() or not self.core.is_pending(request_id):
+            return  # answered (its bytes may still be landing: `transfer_timeout_s` has those)
+        cancel = self.core.abandon(request_id)
+        if cancel is not None:
+            self._send_nowait(cancel)
+        future.set_exception(
+            KVRTTimeoutError(
+                f"the producer at {self.endpoint} did not answer within {waits_s + self._reply_timeout_s:.3g} s "
+                f"(the call let it wait {waits_s:.3g} s, plus reply_timeout_s)",
+                phase="reply",
+            )
+        )
+
+    def lease_holds(self) -> bool:
+        """Whether an item delivered by this link may be handed to a caller now."""
+        return self.core.lease_holds(self._now())
+
+    def _lease_error(self) -> LeaseExpiredError:
+        return LeaseExpiredError(
+            f"the producer at {self.endpoint} answered nothing for {self.core.lease_s:.1f} s (this process, or "
+            "the producer, was stalled), so the item it delivered may be another consumer's now: it was given "
+            "back, not handed over"
+        )
+
+    def settle(self, item_id: int, *, keep: bool) -> bool:
+        """Confirm (keep) or give back an item delivered to a call made with confirm=False.
+        Keeping it outside the lease gives it back instead and returns False: the caller must
+        not hand it over (`LeaseExpiredError`)."""
+        lease = self._leases.pop(item_id, 0)
+        if keep and self.lease_holds():
+            self._receipts.append((item_id, lease))
             if not self._flush_scheduled:
                 # Confirmations made in this loop iteration leave together, in one message.
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._flush_receipts)
-        else:
-            self._send_nowait(m.Release(item_id=item_id))
+            return True
+        self._send_in_order(m.Release(item_id=item_id, lease=lease))
+        return not keep
 
     def _flush_receipts(self) -> None:
         self._flush_scheduled = False
@@ -301,15 +382,13 @@ class _Link:
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
             was_ready = self.core.state is LinkState.READY
+            self._fail_all(self.core.close())
             if was_ready:
                 # Receipts still waiting for their flush leave before the bye: after it, the
                 # producer would put those items back in its buffer and deliver them again.
-                self._send_receipts()
-                await self._receipts_sent()
-            self._fail_all(self.core.close())
-            if was_ready:
-                self._send_nowait(m.Bye(reason="consumer closed"))
-        owned = [task for task in (self._task, self._join_task, self._receipt_sender) if task is not None]
+                self._send_in_order(m.Bye(reason="consumer closed"))
+            await self._in_order_sent()
+        owned = [task for task in (self._task, self._join_task, self._in_order_sender) if task is not None]
         for task in owned:
             task.cancel()
         for arriving in list(self._arrivals):
@@ -322,11 +401,11 @@ class _Link:
                 await task
         for transport in self._transports.values():
             await transport.aclose()
+        self._io.close()
         if self._monitor is not None:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
-        self._io.close()
         self._socket.close(linger=0)
 
     # -- the link's task ------------------------------------------------------------------
@@ -339,22 +418,62 @@ class _Link:
             now = self._now()
             if first is not None:
                 for frames in [first, *io.drain()]:
-                    try:
-                        event = core.receive(frames[0].buffer, now)
-                    except ProtocolError as exc:
-                        log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
-                        continue
-                    if event is not None:
-                        await self._handle(event, frames[1:])
+                    self._frame(frames, now)
+            for event, _ in io.monitor_events():
+                self._connection_event(event, now)
             due, lost = core.expire(now)
             if lost is not None:
                 self.connected.clear()
                 log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
                 self._fail_all(lost)
             for message in due:
-                self._send_nowait(message)
+                if isinstance(message, m.Hello):
+                    self._send_in_order(message)
+                else:
+                    self._send_nowait(message)
+            if first is not None:
+                await asyncio.sleep(0)  # a yield once a batch (see `Producer._serve`)
 
-    async def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
+    def _frame(self, frames: list[zmq.Frame], now: float) -> None:
+        """One message from the producer. One that does not decode is dropped and counted; one
+        that this side fails on ends the session (see below); the link goes on either way."""
+        try:
+            event = self.core.receive(frames[0].buffer, now)
+            if event is not None:
+                self._handle(event, frames[1:])
+        except ProtocolError as exc:
+            self.rejected_frames += 1
+            log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
+        except Exception as exc:
+            # A bug, or a case nobody foresaw: this session's state cannot be trusted (a call may
+            # wait for a reply that was just lost). Its calls fail now and a new session starts,
+            # in which the producer takes back what it had sent: nothing hangs, nothing is lost.
+            self.rejected_frames += 1
+            log.exception("a message from the producer could not be handled", extra={"endpoint": self.endpoint})
+            self._new_session(
+                KVRTError(
+                    f"a message from the producer at {self.endpoint} could not be handled "
+                    f"({type(exc).__name__}: {exc}); the link started a new session"
+                )
+            )
+
+    def _connection_event(self, event: int, now: float) -> None:
+        """What the socket's monitor saw (see `_LINK_EVENTS`)."""
+        if event == zmq.EVENT_DISCONNECTED:
+            lost = self.core.disconnected("it exited, or stopped answering ZeroMQ heartbeats")
+            if lost is not None:
+                self.connected.clear()
+                log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
+                self._fail_all(lost)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            hello = self.core.reconnected(now)
+            if hello is not None:
+                self._send_in_order(hello)
+        elif not self._welcomed.is_set():  # a handshake refused before any welcome: start() raises it
+            self._refused = handshake_failure(event, self.endpoint)
+            self._welcomed.set()
+
+    def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
         match event:
             case Welcomed(welcome=welcome):
                 self._start_join(welcome)
@@ -368,6 +487,9 @@ class _Link:
                 self._on_stream_start(self._pending.get(request_id), start, payload)
             case Streamed(message=message):
                 self._on_streamed(message, payload)
+            case PayloadCame(message=message):
+                if self._transport is not None:
+                    self._transport.payload(message, payload)
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
@@ -401,8 +523,13 @@ class _Link:
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, payload: Sequence[zmq.Frame]
     ) -> None:
         """Post the item's receive now (arrival order); complete the call when it lands."""
+        self._leases[deliver.item_id] = deliver.lease
         if self._transport is None:
-            self._send_nowait(m.Release(item_id=deliver.item_id))
+            self._release([deliver.item_id])
+            return
+        if self._transport.out_of_band and not self.lease_holds():
+            # Its bytes may come from memory that is another consumer's by now: not read.
+            self._start_afresh(future, self._lease_error())
             return
         try:
             arrival = self._transport.receive(deliver, payload)
@@ -450,7 +577,10 @@ class _Link:
             self._give_back(future, deliver, translate_torch_error(error, what=f"receiving item {deliver.item_id}"))
             return
         if future is None or future.done():
-            self._send_nowait(m.Release(item_id=deliver.item_id))
+            self._release([deliver.item_id])
+            return
+        if not self.lease_holds():
+            self._give_back(future, deliver, self._lease_error())
             return
         input_tokens, roi, key, value, hidden = arriving.result()
         if self._metrics is not None and header_at:
@@ -462,8 +592,14 @@ class _Link:
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
     ) -> None:
         """Post the receive of a batch's hits now; complete the call when all have landed."""
+        for hit in batch.hits:
+            if hit is not None:
+                self._leases[hit.item_id] = hit.lease
         if self._transport is None:
             self._release(_item_ids(batch))
+            return
+        if self._transport.out_of_band and not self.lease_holds():
+            self._start_afresh(future, self._lease_error())
             return
         try:
             arriving = self._transport.receive_many(batch, payload)
@@ -528,46 +664,55 @@ class _Link:
         if future is None or future.done():
             self._release(_item_ids(batch))
             return
+        if not self.lease_holds():
+            self._release(_item_ids(batch))
+            future.set_exception(self._lease_error())
+            return
         tensors = iter(arriving.result())
         items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]
         future.set_result(_Reply(batch, items=items))
 
     def _release(self, item_ids: Sequence[int]) -> None:
         for item_id in item_ids:
-            self._send_nowait(m.Release(item_id=item_id))
+            self._send_in_order(m.Release(item_id=item_id, lease=self._leases.pop(item_id, 0)))
 
     def _give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
-        self._send_nowait(m.Release(item_id=deliver.item_id))
+        self._release([deliver.item_id])
         if future is not None and not future.done():
             future.set_exception(error)
 
     def _on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
     ) -> None:
+        self._leases[start.item_id] = start.lease
         try:
             if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:
                 raise RemoteProtocolError("stream_start needs one payload frame of payload_bytes")
             input_tokens, roi = unpack((start.input_tokens, start.roi), payload[0].buffer)
             assert input_tokens is not None
         except ProtocolError as exc:
-            self._send_nowait(m.Release(item_id=start.item_id))
+            self._release([start.item_id])
             if future is not None and not future.done():
                 future.set_exception(exc)
             return
         if future is None or future.done():
-            self._send_nowait(m.Release(item_id=start.item_id))
+            self._release([start.item_id])
+            return
+        if not self.lease_holds():
+            self._release([start.item_id])
+            future.set_exception(self._lease_error())
             return
         writer = self._writers.get(start.request_id)
         if writer is not None and start.layers != writer.placement.pools.layers:
-            self._send_nowait(m.Release(item_id=start.item_id))
+            self._release([start.item_id])
             future.set_exception(
                 InvalidInputError(f"the stream has {start.layers} layers, the pools {writer.placement.pools.layers}")
             )
             return
 
-        def confirm() -> None:
+        def confirm() -> KVRTError | None:
             self._streams.pop(start.item_id, None)
-            self.settle(start.item_id, keep=True)
+            return None if self.settle(start.item_id, keep=True) else self._lease_error()
 
         stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm, writer)
         self._streams[start.item_id] = stream
@@ -578,6 +723,9 @@ class _Link:
         transport = self._transport
         out_of_band = transport is not None and transport.out_of_band
         by_transport = transport is not None and transport.streams_tensors
+        if stream is not None and not self.lease_holds():  # the stream may be another reader's by now
+            self._stream_lost(message.item_id, self._lease_error())
+            stream = None
         if stream is None:  # a stream this side gave back
             if out_of_band and transport is not None:
                 self._receive_stray(transport, message, payload)
@@ -609,6 +757,7 @@ class _Link:
                     stream.finish(hidden)
                 case m.StreamAbort(reason=reason):
                     self._streams.pop(message.item_id, None)
+                    self._leases.pop(message.item_id, None)
                     stream.fail(StreamAbortedError(f"producer at {self.endpoint} aborted the stream: {reason}"))
         except (ProtocolError, IndexError) as exc:
             self._streams.pop(message.item_id, None)
@@ -617,7 +766,7 @@ class _Link:
             if out_of_band:  # its bytes are on the way: the pair is out of step
                 self._start_afresh(None, error)
             else:
-                self._send_nowait(m.Release(item_id=message.item_id))
+                self._release([message.item_id])
 
     def _receive_layer(
         self, stream: ConsumerStream, item_id: int, transport: Transport, layer: int,
@@ -717,10 +866,10 @@ class _Link:
         """A stream's receive failed: it fails, and its item goes back to the producer."""
         stream = self._streams.pop(item_id, None)
         if stream is not None:
-            self._send_nowait(m.Release(item_id=item_id))
+            self._release([item_id])
             stream.fail(error)
 
-    def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: ProtocolError) -> None:
+    def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: KVRTError) -> None:
         """A Deliver this side refused after its bytes were sent out of band: the pair is out
         of step (the next receive would take those bytes). Its call fails with `error`, every
         other pending call too, and a new hello starts a new session: the producer takes back
@@ -739,7 +888,7 @@ class _Link:
         lost, hello = self.core.start_afresh(error, self._now())
         self.connected.clear()
         self._fail_all(lost)
-        self._send_nowait(hello)
+        self._send_in_order(hello)
 
     def _start_join(self, welcome: m.Welcome) -> None:
         """Join the transport the producer chose, in a task the link owns (the link keeps
@@ -789,43 +938,55 @@ class _Link:
     # -- helpers --------------------------------------------------------------------------
 
     def _send_receipts(self) -> None:
-        """One Received for every item confirmed since the last one. A receipt is never
-        dropped for want of room (the producer would give its item to another consumer once
-        this one leaves): what a full send queue refuses waits in `_receipt_sender`."""
-        if self._receipt_sender is not None and not self._receipt_sender.done():
-            return  # it sends these too, in order
+        """One Received for every item confirmed since the last one, in order with the
+        messages that must follow it. A receipt is never dropped for want of room (the
+        producer would give its item to another consumer once this one's lease ends)."""
         while self._receipts:
             batch = self._receipts[: m.MAX_RECEIPTS]
-            try:
-                sent = self._io.send_nowait([m.encode(m.Received(item_ids=batch))])
-            except zmq.ZMQError as exc:  # the socket is closing: the link is going away
-                log.debug("could not send receipts to %s: %s", self.endpoint, exc)
-                return
-            if not sent:
-                self._receipt_sender = asyncio.create_task(
-                    self._send_receipts_with_room(), name=f"kvrt-receipts-{self.endpoint}"
-                )
-                return
-            del self._receipts[: len(batch)]
+            del self._receipts[: m.MAX_RECEIPTS]
+            item_ids = [item_id for item_id, _ in batch]
+            self._queue_in_order(m.Received(item_ids=item_ids, leases=[lease for _, lease in batch]))
 
-    async def _send_receipts_with_room(self) -> None:
-        """The receipts left waiting, each batch sent as soon as the queue has room for it."""
-        while self._receipts:
-            batch = self._receipts[: m.MAX_RECEIPTS]
-            await self._io.send([m.encode(m.Received(item_ids=batch))])
-            del self._receipts[: len(batch)]
+    def _send_in_order(self, message: m.Message) -> None:
+        """Send `message` after every receipt and in-order message before it (a release, a
+        hello, a bye): a hello or bye that overtook a receipt would make the producer take
+        that item back, and give it to someone else."""
+        self._send_receipts()
+        self._queue_in_order(message)
 
-    async def _receipts_sent(self) -> None:
-        """Closing: the receipts left waiting, given a heartbeat to leave (else the producer
-        takes their items back, and may deliver them again)."""
-        sender = self._receipt_sender
+    def _queue_in_order(self, message: m.Message) -> None:
+        self._in_order.append(m.encode(message))
+        if self._in_order_sender is not None and not self._in_order_sender.done():
+            return  # it sends this one too, in order
+        try:
+            while self._in_order and self._io.send_nowait([self._in_order[0]]):
+                self._in_order.popleft()
+        except zmq.ZMQError as exc:  # the socket is closing: the link is going away
+            log.debug("could not send to %s: %s", self.endpoint, exc)
+            self._in_order.clear()
+            return
+        if self._in_order:
+            self._in_order_sender = asyncio.create_task(
+                self._send_in_order_with_room(), name=f"kvrt-in-order-{self.endpoint}"
+            )
+
+    async def _send_in_order_with_room(self) -> None:
+        """The in-order messages a full send queue refused, each sent as soon as it has room."""
+        while self._in_order:
+            await self._io.send([self._in_order[0]])
+            self._in_order.popleft()
+
+    async def _in_order_sent(self) -> None:
+        """Closing: the in-order messages left waiting, given a heartbeat to leave (else the
+        producer takes their items back once the lease ends, and may deliver them again)."""
+        sender = self._in_order_sender
         if sender is None or sender.done():
             return
         try:
             await asyncio.wait_for(asyncio.shield(sender), self.core.heartbeat_s)
         except (TimeoutError, zmq.ZMQError) as exc:
-            log.warning("closing with %d receipts unsent to %s (%r): those items may be delivered again",
-                        len(self._receipts), self.endpoint, exc, extra={"endpoint": self.endpoint})  # fmt: skip
+            log.warning("closing with %d messages unsent to %s (%r): their items may be delivered again",
+                        len(self._in_order), self.endpoint, exc, extra={"endpoint": self.endpoint})  # fmt: skip
 
     def _send_nowait(self, message: m.Message) -> None:
         """Queue a small message without awaiting (receipts, cancels, pings, bye).
@@ -844,10 +1005,10 @@ class _Link:
     def _fail_all(self, lost: Lost) -> None:
         """Every call of the link fails: those waiting for their answer (`lost.request_ids`)
         and those whose item is still landing, whose bytes cannot be trusted any more (over
-        cuda_ipc, `abandon` lets their copies read whatever a dead producer left). Receipts not
-        sent yet are dropped: the producer takes the session's items back."""
+        cuda_ipc, `abandon` lets their copies read whatever a dead producer left). Receipts of
+        items already handed over still leave, before any new hello."""
         self._sessions_lost += 1
-        self._receipts.clear()
+        self._send_receipts()  # of items already handed over: they must reach the producer all the same
         if self._transport is not None:
             self._transport.abandon()
         for stream in self._streams.values():
@@ -894,8 +1055,9 @@ class _Taken:
     item_id: int
     link_index: int
 
-    def settle(self, *, keep: bool) -> None:
-        self.link.settle(self.item_id, keep=keep)
+    def settle(self, *, keep: bool) -> bool:
+        """As `_Link.settle`: False if it was to be kept but the link's lease had ended."""
+        return self.link.settle(self.item_id, keep=keep)
 
 
 class Consumer(AsyncService):
@@ -931,19 +1093,22 @@ class Consumer(AsyncService):
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         name: str | None = None,
     ) -> None:
-        endpoints = [connect] if isinstance(connect, str) else list(connect)
-        if not endpoints or not all(isinstance(endpoint, str) and endpoint for endpoint in endpoints):
+        endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
+        if not endpoints:
             raise InvalidInputError(
                 f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
             )
-        for endpoint in endpoints:
-            checked_endpoint(endpoint, what="connect")
-        if not heartbeat_s > 0:
-            raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
-        if transfer_timeout_s is not None and not transfer_timeout_s > 0:
-            raise InvalidInputError(f"transfer_timeout_s must be None or positive, got {transfer_timeout_s!r}")
+        endpoints = [endpoint(address, "connect", binding=False) for address in endpoints]
+        heartbeat_s = _heartbeat(heartbeat_s)
+        connect_timeout_s = _seconds(connect_timeout_s, "connect_timeout_s")
+        reply_timeout_s = _seconds(reply_timeout_s, "reply_timeout_s")
+        transfer_timeout_s = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
+        self._reply_timeout_s = reply_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
         self.device = usable_device(device)
         self._endpoints = endpoints
@@ -986,6 +1151,7 @@ class Consumer(AsyncService):
                     connect_timeout_s=self._connect_timeout_s,
                     curve=self._curve,
                     transfer_timeout_s=self._transfer_timeout_s,
+                    reply_timeout_s=self._reply_timeout_s,
                     metrics=self.metrics,
                 )
                 self._links.append(link)
@@ -1148,9 +1314,10 @@ class Consumer(AsyncService):
                     items.append(None)
             return items
         finally:
-            for (_, item_id), keep in zip(taken, kept, strict=True):
-                if item_id is not None:
-                    link.settle(item_id, keep=keep)
+            settled = [link.settle(item_id, keep=keep) for (_, item_id), keep in zip(taken, kept, strict=True)
+                       if item_id is not None]  # fmt: skip
+            if not all(settled):
+                raise link._lease_error()
 
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
@@ -1166,7 +1333,7 @@ class Consumer(AsyncService):
 
         timer = _metrics.Timer("drop_select")
         try:
-            item = await self._drop_select(build, waits=timeout != 0, on_landing=on_landing)
+            item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing)
         except KVRTError as error:
             self._count_error(error)
             raise
@@ -1191,19 +1358,21 @@ class Consumer(AsyncService):
         errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
 
     async def _drop_select(
-        self, build: Callable[[int], m.Message], *, waits: bool, on_landing: OnLanding | None = None
+        self, build: Callable[[int], m.Message], *, waits_s: float | None, on_landing: OnLanding | None = None
     ) -> KVItem | None:
+        """One drop-select whose producer may wait `waits_s` for a match (None: for ever)."""
         if self._consensus is not None:
-            return await self._agreed_drop_select(build, self._consensus, waits=waits)
+            return await self._agreed_drop_select(build, self._consensus, waits_s=waits_s)
         if len(self._links) == 1:
-            return (await self._links[0].call(build, on_landing=on_landing)).item
-        taken = await self._take(build, waits=waits)
+            return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s)).item
+        taken = await self._take(build, waits_s=waits_s)
         if taken is None:
             return None
-        taken.settle(keep=True)
+        if not taken.settle(keep=True):
+            raise taken.link._lease_error()
         return taken.item
 
-    async def _take(self, build: Callable[[int], m.Message], *, waits: bool) -> _Taken | None:
+    async def _take(self, build: Callable[[int], m.Message], *, waits_s: float | None) -> _Taken | None:
         """The best item over every producer, not yet confirmed (the caller settles it).
 
         Every producer is asked at once. Answering at once (`waits` False): the longest match
@@ -1211,7 +1380,11 @@ class Consumer(AsyncService):
         first match to arrive wins and the other requests are cancelled. A producer that
         cannot be reached is skipped with a warning; if none can be, its error is raised.
         """
-        calls = {asyncio.create_task(link.call(build, confirm=False)): index for index, link in enumerate(self._links)}
+        waits = waits_s != 0
+        calls = {
+            asyncio.create_task(link.call(build, confirm=False, waits_s=waits_s)): index
+            for index, link in enumerate(self._links)
+        }
         try:
             pending = set(calls)
             while pending:
@@ -1254,7 +1427,7 @@ class Consumer(AsyncService):
         return best
 
     async def _agreed_drop_select(
-        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits: bool
+        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits_s: float | None
     ) -> KVItem | None:
         """drop_select for a TP group: look up locally, agree with the group, then keep the
         item cut to the agreed length, or give it back to its producer."""
@@ -1262,7 +1435,7 @@ class Consumer(AsyncService):
         taken: _Taken | None = None
         error: BaseException | None = None
         try:
-            taken = await self._take(build, waits=waits)
+            taken = await self._take(build, waits_s=waits_s)
         except asyncio.CancelledError as cancelled:
             consensus.abandon(sequence, Outcome(status_of(cancelled)))
             raise
@@ -1283,8 +1456,8 @@ class Consumer(AsyncService):
                 return None
             raise error_for(decision, outcome, error)
         finally:
-            if taken is not None:
-                taken.settle(keep=keep)
+            if taken is not None and not taken.settle(keep=keep):
+                raise taken.link._lease_error()
 
     @on_caller_stream
     async def open_stream(
@@ -1318,6 +1491,7 @@ class Consumer(AsyncService):
             lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
             confirm=False,
             writer=writer,
+            waits_s=timeout,
         )
         return reply.stream
 

@@ -6,6 +6,7 @@ Every error kvrt raises is a `KVRTError`. Subclasses say what happened, not wher
     ├── InvalidInputError        the caller passed something kvrt cannot use (also a ValueError)
     ├── KVRTTimeoutError         a deadline passed (also a TimeoutError); `phase` says which wait
     ├── PeerLostError            the other side stopped answering or went away (also a ConnectionError)
+    │   └── LeaseExpiredError    an item arrived after this side's lease on it ended: given back, not handed over
     ├── ProtocolError            a message broke the protocol; `LocalProtocolError` when this side
     │   ├── LocalProtocolError   sent or was asked to send it, `RemoteProtocolError` when the peer did
     │   └── RemoteProtocolError
@@ -69,6 +70,13 @@ class PeerLostError(KVRTError, ConnectionError):
     """The peer went away or stopped answering heartbeats; calls that needed it failed."""
 
     code = ErrorCode.PEER_LOST
+
+
+class LeaseExpiredError(PeerLostError):
+    """An item delivered to this consumer came (or was about to be handed over) after the
+    consumer's lease on it ended: this process, or the producer, was stalled longer than the
+    lease, and the producer may have given the item to another consumer. It was given back, not
+    handed over; ask again."""
 
 
 class ProtocolError(KVRTError):

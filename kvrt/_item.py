@@ -9,7 +9,6 @@ Shapes (token axis in capitals):
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Final
@@ -17,6 +16,7 @@ from typing import Final
 import numpy as np
 import torch
 
+from kvrt._arguments import seconds
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
@@ -52,6 +52,14 @@ def _describe(tensor: object) -> str:
     return type(tensor).__name__
 
 
+def _check_data(tensor: torch.Tensor, name: str, what: str) -> None:
+    """A tensor kvrt can read bytes from: dense, on a real device."""
+    if tensor.device.type == "meta":
+        raise InvalidInputError(f"{what}: {name} is a meta tensor (it has a shape but no data): pass real tensors")
+    if tensor.layout is not torch.strided:
+        raise InvalidInputError(f"{what}: {name} has layout {tensor.layout}; pass a dense tensor (.to_dense())")
+
+
 def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
     """Check a token sequence and its roi; returns the number of tokens."""
     if (
@@ -60,6 +68,7 @@ def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
         or input_tokens.dtype not in _INTEGER_DTYPES
     ):
         raise InvalidInputError(f"{what}: input_tokens must be a 1-D integer tensor, got {_describe(input_tokens)}")
+    _check_data(input_tokens, "input_tokens", what)
     length = input_tokens.shape[0]
     if roi is not None:
         if not isinstance(roi, torch.Tensor) or roi.dtype != torch.bool or roi.dim() != 1:
@@ -68,6 +77,7 @@ def check_tokens(input_tokens: object, roi: object, *, what: str) -> int:
             )
         if roi.shape[0] != length:
             raise InvalidInputError(f"{what}: roi has {roi.shape[0]} entries for {length} input tokens")
+        _check_data(roi, "roi", what)
     return int(length)
 
 
@@ -81,6 +91,7 @@ def check_item(input_tokens: object, roi: object, key: object, value: object, hi
             )
         if tensor.shape[1] != tokens:
             raise InvalidInputError(f"insert: {name} has {tensor.shape[1]} tokens on axis 1, input_tokens has {tokens}")
+        _check_data(tensor, name, "insert")
     assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
     if key.shape[0] != value.shape[0]:
         raise InvalidInputError(f"insert: key has {key.shape[0]} layers, value has {value.shape[0]}")
@@ -91,6 +102,7 @@ def check_item(input_tokens: object, roi: object, key: object, value: object, hi
             )
         if hidden.shape[0] != tokens:
             raise InvalidInputError(f"insert: hidden has {hidden.shape[0]} tokens on axis 0, input_tokens has {tokens}")
+        _check_data(hidden, "hidden", "insert")
 
 
 def query_bytes(input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, what: str) -> bytes | None:
@@ -112,8 +124,8 @@ def query_bytes(input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, 
 
 
 def check_timeout(timeout: float | None, *, what: str) -> None:
-    if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
-        raise InvalidInputError(f"{what}: timeout must be None or a finite number >= 0, got {timeout!r}")
+    """A call's `timeout`: None (for ever), or finite seconds >= 0 the protocol can carry."""
+    seconds(timeout, f"{what}: timeout", none=True, zero=True)
 
 
 def masked_tokens(input_tokens: torch.Tensor, roi: torch.Tensor | None) -> np.ndarray:

@@ -39,12 +39,20 @@ allocating it (ZMQ_MAXMSGSIZE), and the connection with it; the peer may reconne
 
 MAX_NAME_CHARS: Final = 256
 
-RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-ItemId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+MAX_ID: Final = 2**63 - 1
+"""The largest request id, item id or lease number (msgpack's int64, which every client has)."""
+MAX_SECONDS: Final = 1e9
+"""The longest time a message names (about 31 years): anything larger is not a real timeout."""
+MAX_LISTED: Final = 10_000
+"""Most items one `list_items` answers with."""
+
+RequestId = Annotated[int, Meta(ge=0, le=MAX_ID)]
+ItemId = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Lease = Annotated[int, Meta(ge=0, le=MAX_ID)]
 TOKEN_BYTES: Final = 8
 TokenBytes = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_BYTES)]
 """Token ids as consecutive little-endian int64 (numpy's `<i8`): compact, and cheap for any language."""
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 
 
@@ -107,6 +115,10 @@ class Welcome(Message, frozen=True, tag="welcome"):
     transport: Name = "tcp"
     capabilities: Names = []
     rendezvous: Annotated[dict[Name, Annotated[str, Meta(max_length=MAX_RENDEZVOUS_CHARS)]], Meta(max_length=16)] = {}
+    lease_s: Seconds = 0.0
+    """How long the producer holds what it delivered to this consumer after the last message
+    it had from it. The consumer hands a delivered item to its caller only while less than
+    this has passed since it sent its last request that the producer answered."""
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -175,6 +187,9 @@ class Deliver(Message, frozen=True, tag="deliver"):
     transfer of the whole payload. A published prefill travels in chunks of whole layers,
     each sent as soon as it is gathered, so the consumer can start on the first chunks
     while the last ones are still gathered or on the wire."""
+    lease: Lease = 0
+    """This delivery's number: the consumer's `Received` (or `Release`) names it, and the
+    producer refuses one whose delivery is no longer the item's current one."""
 
 
 MAX_BATCH: Final = 256
@@ -207,6 +222,8 @@ class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     hidden: TensorMeta | None
     offset: Annotated[int, Meta(ge=0, le=2**62)]
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)]
+    lease: Lease = 0
+    """As `Deliver.lease`."""
 
 
 class DeliverMany(Message, frozen=True, tag="deliver_many"):
@@ -225,6 +242,21 @@ class DeliverMany(Message, frozen=True, tag="deliver_many"):
     own). Empty: one transfer of the whole payload."""
 
 
+SPLIT_PAYLOAD_BYTES: Final = 1 << 20
+"""Over TCP, a `deliver` or `deliver_many` whose payload is at least this large travels as two
+messages: its header alone, then a `payload` message with the frames. The consumer knows the
+answer as soon as the header comes (the caller's reply deadline stops there) while the bytes
+are still on the wire; a smaller payload rides with its header, in one message."""
+
+
+class Payload(Message, frozen=True, tag="payload"):
+    """Producer → consumer, over TCP: the frames of the `deliver` or `deliver_many` for
+    `request_id`, which came without them (see `SPLIT_PAYLOAD_BYTES`): one frame per item,
+    as they would have followed the header."""
+
+    request_id: RequestId
+
+
 class Miss(Message, frozen=True, tag="miss"):
     """Producer → consumer: no item matched before the request's timeout."""
 
@@ -235,15 +267,20 @@ MAX_RECEIPTS: Final = 4096
 
 
 class Received(Message, frozen=True, tag="received"):
-    """Consumer → producer: these items' tensors arrived; the producer may free them."""
+    """Consumer → producer: these items' tensors arrived and were handed over; the producer may
+    free them. `leases`, when given, names each one's delivery (`Deliver.lease`), in order: a
+    receipt for a delivery whose lease ended is refused (`not_found`)."""
 
     item_ids: Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
+    leases: Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)] = []
 
 
 class Release(Message, frozen=True, tag="release"):
-    """Consumer → producer: the item was not taken (its request was cancelled); buffer it again."""
+    """Consumer → producer: the item was not taken (its request was cancelled); buffer it again.
+    `lease` as in `Received` (0: the item's current delivery)."""
 
     item_id: ItemId
+    lease: Lease = 0
 
 
 class ErrorReply(Message, frozen=True, tag="error"):
@@ -305,7 +342,7 @@ class ListItems(Message, frozen=True, tag="list_items"):
     """Client → producer: the oldest buffered items, at most `limit`. Answered with `item_list`."""
 
     request_id: RequestId
-    limit: Annotated[int, Meta(ge=0, le=10_000)] = 100
+    limit: Annotated[int, Meta(ge=0, le=MAX_LISTED)] = 100
 
 
 class ItemSummary(msgspec.Struct, frozen=True):
@@ -347,6 +384,8 @@ class StreamStart(Message, frozen=True, tag="stream_start"):
     roi: TensorMeta | None
     layers: Annotated[int, Meta(ge=0, le=65536)]
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
+    lease: Lease = 0
+    """As `Deliver.lease`: the stream's end is confirmed under it."""
 
 
 class StreamLayer(Message, frozen=True, tag="stream_layer"):
@@ -377,7 +416,7 @@ class StreamAbort(Message, frozen=True, tag="stream_abort"):
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
-    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany
+    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany | Payload
 )  # fmt: skip
 
 
@@ -410,6 +449,20 @@ class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
     marks: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_IPC_MARK)]], Meta(max_length=MAX_SEGMENTS)]
 
 
+_UNREADABLE: Final = (msgspec.DecodeError, RecursionError, ValueError, OverflowError, MemoryError)
+"""What decoding a peer's bytes may raise: msgspec's own errors, and the interpreter's when a
+frame nests deeper than the recursion limit (a 1 KB frame can) or asks for more memory than
+there is. Each is the peer's fault and fails that frame alone."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "it nests deeper than this side decodes"
+    if isinstance(exc, MemoryError):
+        return "it asks for more memory than this side has"
+    return str(exc)
+
+
 _share_decoder: Final = msgspec.msgpack.Decoder(IpcShare)
 
 
@@ -423,8 +476,8 @@ def decode_share(frame: bytes | memoryview) -> IpcShare:
         raise RemoteProtocolError(f"cuda_ipc frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}")
     try:
         return _share_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise RemoteProtocolError(f"invalid cuda_ipc frame: {exc}") from None
+    except _UNREADABLE as exc:
+        raise RemoteProtocolError(f"invalid cuda_ipc frame: {_reason(exc)}") from None
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -465,8 +518,8 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
         raise RemoteProtocolError(f"control frame of {len(frame)} bytes is over the limit of {MAX_HEADER_BYTES}")
     try:
         envelope = _envelope_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise RemoteProtocolError(f"unreadable control frame: {exc}") from None
+    except _UNREADABLE as exc:
+        raise RemoteProtocolError(f"unreadable control frame: {_reason(exc)}") from None
     if envelope.version != PROTOCOL_VERSION:
         raise VersionMismatchError(
             f"peer speaks protocol version {envelope.version}, this side speaks "
@@ -474,8 +527,8 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
         )
     try:
         return _message_decoder.decode(envelope.message)
-    except msgspec.DecodeError as exc:
-        raise RemoteProtocolError(f"invalid control message: {exc}") from None
+    except _UNREADABLE as exc:
+        raise RemoteProtocolError(f"invalid control message: {_reason(exc)}") from None
 
 
 def peek_request_id(frame: bytes | memoryview) -> int | None:
@@ -483,7 +536,7 @@ def peek_request_id(frame: bytes | memoryview) -> int | None:
     try:
         envelope = _envelope_decoder.decode(frame)
         fields = msgspec.msgpack.decode(envelope.message, type=dict[str, object])
-    except (msgspec.DecodeError, TypeError):
+    except (*_UNREADABLE, TypeError):
         return None
     request_id = fields.get("request_id")
     if isinstance(request_id, int) and 0 <= request_id < 2**63:

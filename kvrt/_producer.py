@@ -26,25 +26,34 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._arguments import checked_endpoint, usable_device
+from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._buffer import BufferedItem, GathersFailed, StreamState
 from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
+    ErrorCode,
     InvalidInputError,
     KVRTError,
     KVRTTimeoutError,
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._item import buffered_item, check_item, check_tokens, item_from_packed, item_from_tokens, masked_tokens
-from kvrt._protocol import Outgoing, ProducerCore, ProducerCounters
+from kvrt._item import (
+    buffered_item,
+    check_item,
+    check_timeout,
+    check_tokens,
+    item_from_packed,
+    item_from_tokens,
+    masked_tokens,
+)
+from kvrt._protocol import HEARTBEAT_MISSES, Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker, launch_on
-from kvrt._zmqio import SocketIO
+from kvrt._zmqio import Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
 from kvrt.transports import Transport
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
@@ -231,6 +240,43 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     return result
 
 
+class _RateLimit:
+    """At most one log line per `per_s` for a kind of event a peer can cause at will (a flood
+    of refused messages must not become a flood of log lines); the others are counted."""
+
+    def __init__(self, per_s: float) -> None:
+        self._per_s = per_s
+        self._next = 0.0
+        self._suppressed = 0
+
+    def allows(self, now: float) -> bool:
+        if now >= self._next:
+            self._next = now + self._per_s
+            return True
+        self._suppressed += 1
+        return False
+
+    def suppressed_note(self) -> str:
+        note = f" ({self._suppressed} more not logged)" if self._suppressed else ""
+        self._suppressed = 0
+        return note
+
+
+class _Unencodable(Exception):
+    """A message the core built that the wire cannot carry (a bug: every value is checked first)."""
+
+
+def _encoded(message: m.Message) -> bytes:
+    try:
+        return m.encode(message)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise _Unencodable(f"{type(message).__name__}: {exc}") from exc
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    return min((deadline for deadline in deadlines if deadline is not None), default=None)
+
+
 def _fill(item: BufferedItem) -> None:
     """Write a finished stream's storage before it is read whole (see `BufferedItem.fill`)."""
     fill, item.fill = item.fill, None
@@ -252,6 +298,22 @@ def _host_of(endpoint: str) -> str:
     if host in ("*", "0.0.0.0", "::", ""):
         return socket.gethostbyname(socket.gethostname())
     return host
+
+
+MAX_HEARTBEAT_S = 3600.0
+"""The longest heartbeat period (libzmq counts its own heartbeats' timeout in ms, up to 6553 s
+for the one it sends its peer)."""
+
+
+def _heartbeat(value: object) -> float:
+    heartbeat_s = seconds(value, "heartbeat_s")
+    assert heartbeat_s is not None
+    if heartbeat_s * HEARTBEAT_MISSES > MAX_HEARTBEAT_S or heartbeat_s < 0.001:
+        raise InvalidInputError(
+            f"heartbeat_s must be between 0.001 and {MAX_HEARTBEAT_S / HEARTBEAT_MISSES:g} s "
+            f"(a peer is lost after {HEARTBEAT_MISSES} of them), got {value!r}"
+        )
+    return heartbeat_s
 
 
 class Producer(AsyncService):
@@ -283,15 +345,15 @@ class Producer(AsyncService):
         item_ttl_s: float | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
-            raise InvalidInputError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
-        if not heartbeat_s > 0:
-            raise InvalidInputError(f"heartbeat_s must be positive, got {heartbeat_s!r}")
-        if item_ttl_s is not None and not item_ttl_s > 0:
-            raise InvalidInputError(f"item_ttl_s must be None or positive seconds, got {item_ttl_s!r}")
+        buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
+        heartbeat_s = _heartbeat(heartbeat_s)
+        item_ttl_s = seconds(item_ttl_s, "item_ttl_s", none=True)
+        bind = endpoint(bind, "bind", binding=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
         self.device = usable_device(device)
         self.buffer_bytes = buffer_bytes
-        self._bind = checked_endpoint(bind, what="bind")
+        self._bind = bind
         self._curve = curve
         self._authenticator: Any = None
         self._transport_names = transport_preference(transport, self.device)
@@ -306,6 +368,7 @@ class Producer(AsyncService):
             same_host_only=SAME_HOST_ONLY,
         )
         self._send_lock = asyncio.Lock()
+        self._refusal_log = _RateLimit(per_s=1.0)
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._taper = False
@@ -319,6 +382,7 @@ class Producer(AsyncService):
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._io: SocketIO | None = None
+        self._outboxes: RouterOutboxes | None = None
         self._endpoint: str | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
@@ -336,6 +400,10 @@ class Producer(AsyncService):
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_INBOUND_MESSAGE_BYTES)
+        # A consumer keeps one identity across reconnects (its receipts must still count): a new
+        # connection under a known identity takes over from a stale one.
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        zmtp_heartbeats(socket, self._core.heartbeat_s, self._core.peer_timeout_s)
         if self._curve is not None:
             self._authenticator = secure_server(self._context, socket, self._curve)
         try:
@@ -349,6 +417,7 @@ class Producer(AsyncService):
         self._socket = socket
         self._core.started_at = self._now()
         self._io = SocketIO(socket)
+        self._outboxes = RouterOutboxes(self._io, stall_s=self._core.peer_timeout_s)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._transports = make_transports(self._transport_names, self.device, store_host=_host_of(self._endpoint))
         self._update_room()
@@ -417,8 +486,7 @@ class Producer(AsyncService):
         self._check_open()
         timer = _metrics.Timer("insert")
         check_item(input_tokens, roi, key, value, hidden)
-        if timeout is not None and not timeout >= 0:
-            raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        check_timeout(timeout, what="insert")
         await self._wait_for_room(timeout)
         self._reclaim()
         item = buffered_item(
@@ -496,8 +564,7 @@ class Producer(AsyncService):
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
         self._check_open()
-        if timeout is not None and not timeout >= 0:
-            raise InvalidInputError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        check_timeout(timeout, what="publish")
         await self._wait_for_room(timeout)
         self._reclaim()
         read_back = None
@@ -799,119 +866,179 @@ class Producer(AsyncService):
         self._check_open()
 
     async def _serve(self) -> None:
-        io = self._io
-        assert io is not None
+        io, outboxes = self._io, self._outboxes
+        assert io is not None and outboxes is not None
         core = self._core
         while True:
-            first = await io.next(core.next_deadline())
+            first = await io.next(_earliest(core.next_deadline(), outboxes.next_retry()))
             now = self._now()
             if first is not None:
                 for frames in [first, *io.drain()]:
                     if len(frames) >= 2:
                         # Answered one by one: a burst's first item goes out (and its transfer
                         # starts) before the rest of the burst is looked up.
-                        await self._perform(core.receive(frames[0].bytes, frames[1].buffer, len(frames) - 2, now))
+                        await self._perform(self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now))
+                        if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
+                            await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
+            await self._perform(self._dropped(outboxes.flush(now), now))
             await self._perform(core.expire(now))
+            if first is not None:
+                # A flood never suspends `io.next`: yield once a batch, so that inserts and the
+                # engine's other tasks on this loop still run while one peer floods.
+                await asyncio.sleep(0)
+
+    def _answer(self, peer: bytes, frame: memoryview, extra_frames: int, now: float) -> list[Outgoing]:
+        """The core's answer to one frame. A frame the core fails on (a bug, or a peer's input
+        nobody foresaw) fails alone: its peer gets an internal error, everyone else is served."""
+        try:
+            return self._core.receive(peer, frame, extra_frames, now)
+        except Exception as exc:
+            log.exception("a frame could not be handled", extra={"peer": peer})
+            return [self._core.refusal(peer, m.peek_request_id(frame), ErrorCode.INTERNAL, f"{type(exc).__name__}")]
+
+    def _dropped(self, dropped: list[Dropped], now: float) -> list[Outgoing]:
+        """Forget the peers the outboxes gave up on (their items go back once their lease ends)."""
+        out: list[Outgoing] = []
+        for gone in dropped:
+            log.warning("dropped a consumer: %s", gone.reason, extra={"peer": gone.peer})
+            out += self._core.peer_unreachable(gone.peer, now, gone.reason)
+        return out
+
+    def _post(self, peer: bytes, frames: list[bytes | memoryview], dropped: list[Dropped]) -> None:
+        """Send to one peer without waiting on it (see `RouterOutboxes`)."""
+        assert self._outboxes is not None
+        gone = self._outboxes.post(peer, frames, self._now())
+        if gone is not None:
+            dropped.append(gone)
 
     async def _perform(self, out: list[Outgoing]) -> None:
-        """Send what the core answered; a peer found unreachable is forgotten (its items return).
+        """Send what the core answered; a peer found unreachable, or not reading, is forgotten.
 
-        Under one lock: an out-of-band transport's sends must be issued in the order their
-        Deliver headers leave, and `insert` and the serve loop both come here.
+        No send waits for a peer: each peer's messages wait in its own outbox when its queue is
+        full. Under one lock all the same: an out-of-band transport's sends must be issued in
+        the order their Deliver headers are posted, and `insert` and the serve loop both come
+        here. A message that cannot be built fails its own request only.
         """
-        io = self._io
-        assert io is not None
+        dropped: list[Dropped] = []
         async with self._send_lock:
             while out:
                 send = out.pop(0)
-                message = send.message
-                if isinstance(message, m.ErrorReply):
-                    log.info(
-                        "refused a message: %s", message.message,
-                        extra={"peer": send.peer, "request_id": message.request_id, "code": message.code.value},
-                    )  # fmt: skip
-                frames: Sequence[bytes | memoryview] = ()
                 try:
-                    if isinstance(message, m.Welcome):
-                        # A second hello ended the peer's old session first: its pair goes now,
-                        # not after the new one is offered (the peer's identity is the same).
-                        self._release_departed()
-                        log.info("a consumer joined; its items travel over %s", message.transport,
-                                 extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
-                        rendezvous = self._transports[message.transport].offer(send.peer)
-                        if rendezvous:
-                            message = msgspec.structs.replace(message, rendezvous=rendezvous)
-                    for item in (send.item, *send.items):
-                        if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
-                            _fill(item)  # a finished stream read whole after all
-                    if isinstance(message, m.StreamStart):
-                        assert send.item is not None
-                        await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first
-                        # The frame: the tokens (and roi) at the head of the item's buffer, read
-                        # back in a kvrt thread for a GPU item (written before its ready event).
-                        head = send.item.storage[: message.payload_bytes]
-                        frames = await self._host_frames([head], send.item.ready_event)
-                    elif isinstance(message, m.StreamLayer | m.StreamEnd):
-                        transport_name = self._core.transport_of(send.peer)
-                        if transport_name is None:
-                            continue  # the peer left meanwhile; the core took the stream back
-                        transport = self._transports[transport_name]
-                        ready = send.ready if send.item is None else send.item.written
-                        if transport.out_of_band and send.tensors:
-                            # The header first, as for a Deliver: the consumer posts the receive
-                            # while the send waits (on the GPU) for the prefill to write the layer.
-                            await io.send([send.peer, m.encode(message)])
-                            await transport.send_tensors(send.peer, send.tensors, ready)
-                            continue
-                        if transport.streams_tensors and not transport.out_of_band:
-                            frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
-                        else:
-                            frames = await self._host_frames(send.tensors, ready)
-                    elif isinstance(message, m.DeliverMany):
-                        transport_name = self._core.transport_of(send.peer)
-                        if transport_name is None:
-                            continue  # the peer left meanwhile; the core took the items back
-                        transport = self._transports[transport_name]
-                        for item in send.items:  # a published item is read whole: every gather queued
-                            await _all_gathers_queued(item)
-                        if transport.out_of_band:
-                            await io.send([send.peer, m.encode(message)])
-                            await transport.send_many(send.peer, message, send.items)
-                            continue
-                        frames = await transport.send_many(send.peer, message, send.items)
-                    elif send.item is not None:
-                        transport_name = self._core.transport_of(send.peer)
-                        if transport_name is None:
-                            continue  # the peer left meanwhile; the core took the item back
-                        transport = self._transports[transport_name]
-                        if transport.out_of_band:
-                            # The header first: the consumer posts its receives while the sends
-                            # are queued here (one per chunk of a publish, each chunk's gather
-                            # queued right before). Under this lock an item's header and sends
-                            # still go before the next item's.
-                            await io.send([send.peer, m.encode(message)])
-                            await _gathers_prepared(send.item)
-                            await transport.send(send.peer, send.item)
-                            continue
-                        await _all_gathers_queued(send.item)
-                        frames = await transport.send(send.peer, send.item)
-                    await io.send([send.peer, m.encode(message), *frames])
-                except zmq.ZMQError as exc:
-                    error = translate_zmq_error(exc, endpoint=self.endpoint)
-                    if not isinstance(error, PeerLostError):
-                        raise error from exc
-                    out += self._core.peer_unreachable(send.peer, self._now())
-                except PeerLostError:
-                    out += self._core.peer_unreachable(send.peer, self._now())
+                    await self._send_one(send, dropped)
+                except (zmq.ZMQError, PeerLostError) as exc:
+                    if isinstance(exc, zmq.ZMQError):
+                        error = translate_zmq_error(exc, endpoint=self.endpoint)
+                        if not isinstance(error, PeerLostError):
+                            raise error from exc
+                    out += self._core.peer_unreachable(send.peer, self._now(), "it is no longer connected")
                 except GathersFailed:
                     # The consumer may hold a header whose bytes will never come: its pair
                     # cannot be trusted any more. The item is gone (`publish` raises).
                     for item in (send.item,) if send.item is not None else send.items:
                         if item.gathers is not None and item.gathers.failed:
                             self._core.discard(item)
-                    out += self._core.peer_unreachable(send.peer, self._now())
+                    out += self._core.peer_unreachable(send.peer, self._now(), "an item's gathers failed")
+                except _Unencodable as exc:
+                    log.error("could not build a reply: %s", exc, extra={"peer": send.peer})
+                    out += self._core.unsendable(send, str(exc), self._now())
+                if dropped:
+                    out += self._dropped(dropped, self._now())
+                    dropped = []
             self._release_departed()
         self._update_room()
+
+    async def _send_one(self, send: Outgoing, dropped: list[Dropped]) -> None:
+        """Build and post one message the core answered, with its payload."""
+        message = send.message
+        if isinstance(message, m.ErrorReply) and self._refusal_log.allows(self._now()):
+            log.info(
+                "refused a message: %s%s", message.message, self._refusal_log.suppressed_note(),
+                extra={"peer": send.peer, "request_id": message.request_id, "code": message.code.value},
+            )  # fmt: skip
+        frames: Sequence[bytes | memoryview] = ()
+        if isinstance(message, m.Welcome):
+            assert self._outboxes is not None
+            self._outboxes.unmute(send.peer)
+            # A second hello ended the peer's old session first: its pair goes now,
+            # not after the new one is offered (the peer's identity is the same).
+            self._release_departed()
+            log.info("a consumer joined; its items travel over %s", message.transport,
+                     extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
+            rendezvous = self._transports[message.transport].offer(send.peer)
+            if rendezvous:
+                message = msgspec.structs.replace(message, rendezvous=rendezvous)
+        for item in (send.item, *send.items):
+            if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
+                _fill(item)  # a finished stream read whole after all
+        if isinstance(message, m.StreamStart):
+            assert send.item is not None
+            await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first
+            # The frame: the tokens (and roi) at the head of the item's buffer, read
+            # back in a kvrt thread for a GPU item (written before its ready event).
+            head = send.item.storage[: message.payload_bytes]
+            frames = await self._host_frames([head], send.item.ready_event)
+        elif isinstance(message, m.StreamLayer | m.StreamEnd):
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the stream back
+            transport = self._transports[transport_name]
+            ready = send.ready if send.item is None else send.item.written
+            if transport.out_of_band and send.tensors:
+                # The header first, as for a Deliver: the consumer posts the receive
+                # while the send waits (on the GPU) for the prefill to write the layer.
+                self._post(send.peer, [_encoded(message)], dropped)
+                await transport.send_tensors(send.peer, send.tensors, ready)
+                return
+            if transport.streams_tensors and not transport.out_of_band:
+                frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
+            else:
+                frames = await self._host_frames(send.tensors, ready)
+        elif isinstance(message, m.DeliverMany):
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the items back
+            transport = self._transports[transport_name]
+            for item in send.items:  # a published item is read whole: every gather queued
+                await _all_gathers_queued(item)
+            if transport.out_of_band:
+                self._post(send.peer, [_encoded(message)], dropped)
+                await transport.send_many(send.peer, message, send.items)
+                return
+            frames = await transport.send_many(send.peer, message, send.items)
+            self._post_delivery(send.peer, message, frames, dropped)
+            return
+        elif send.item is not None:
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the item back
+            transport = self._transports[transport_name]
+            if transport.out_of_band:
+                # The header first: the consumer posts its receives while the sends
+                # are queued here (one per chunk of a publish, each chunk's gather
+                # queued right before). Under the send lock an item's header and sends
+                # still go before the next item's.
+                self._post(send.peer, [_encoded(message)], dropped)
+                await _gathers_prepared(send.item)
+                await transport.send(send.peer, send.item)
+                return
+            await _all_gathers_queued(send.item)
+            frames = await transport.send(send.peer, send.item)
+            if isinstance(message, m.Deliver):
+                self._post_delivery(send.peer, message, frames, dropped)
+                return
+        self._post(send.peer, [_encoded(message), *frames], dropped)
+
+    def _post_delivery(
+        self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
+        dropped: list[Dropped],
+    ) -> None:  # fmt: skip
+        """An in-band delivery: with its frames, or, when they are large, its header first and
+        the frames in a `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        if message.payload_bytes < m.SPLIT_PAYLOAD_BYTES or not frames:
+            self._post(peer, [_encoded(message), *frames], dropped)
+            return
+        self._post(peer, [_encoded(message)], dropped)
+        self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
     def _release_departed(self) -> None:
         for departure in self._core.take_departed():

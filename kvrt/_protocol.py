@@ -11,10 +11,16 @@ Per peer the producer knows one state; the table `_PRODUCER_ACCEPTS` says which 
 peer may send in it. A consumer link's states and their transitions are in
 `_CONSUMER_TRANSITIONS`. Everything else a peer sends is answered with an `ErrorReply`.
 
-Ownership of items: a Deliver hands an item to a consumer, but the producer keeps it (and
-counts its bytes) until the consumer answers `Received`. `Release`, `Bye`, or the
-consumer going silent for `heartbeat_s * HEARTBEAT_MISSES` puts it back in the buffer,
-with its original age. So an item is never lost and never freed while a peer may read it.
+Ownership of items: a Deliver hands an item to a consumer under a lease, but the producer
+keeps it (and counts its bytes) until the consumer answers `Received`. `Release` and `Bye`
+put it back in the buffer at once, with its original age. A consumer that stops answering
+(stalled, dead, not reading, unreachable) keeps its items until its lease ends: `lease_s`
+after the last message the producer had from it. The consumer reckons its side of the lease
+from the send time of its last request the producer answered, which is earlier, and hands an
+item to its caller only inside it; each delivery carries a number (`lease`) that the receipt
+echoes, and a receipt that comes after the lease ended is refused. So an item is never lost,
+never freed while a peer may read it, and a consumer that wakes from a stall longer than its
+lease drops what it was sent meanwhile instead of sharing it with the next consumer.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 import torch
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, LookupBuffer, Match, prefix_match_length
+from kvrt._buffer import BufferedItem, LookupBuffer, Match, RadixIndex, _Node
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -43,11 +49,20 @@ from kvrt._errors import (
 )
 from kvrt._tensors import meta_end, tensor_meta
 
-HEARTBEAT_MISSES: Final = 4
-"""A peer is lost after this many heartbeat periods of silence."""
+HEARTBEAT_MISSES: Final = 10
+"""A peer is lost after this many heartbeat periods without a message from it (10 s with the
+default heartbeat, as SGLang's disaggregation gives a peer): an engine that holds its loop for
+seconds does not trip it. It is also the lease: how long the producer holds what it delivered
+to a silent consumer before it may give it to another (see `ProducerCore`)."""
 
 MAX_WAITING_REQUESTS: Final = 65536
 """Most drop-selects one producer keeps waiting for an insert, over all consumers."""
+MAX_WAITING_PER_PEER: Final = 4096
+"""Most drop-selects one consumer keeps waiting: one peer cannot lock the others out."""
+MAX_WAITING_QUERY_BYTES_PER_PEER: Final = 64 << 20
+"""Most bytes of tokens one consumer's waiting drop-selects hold in the producer."""
+MAX_WAITING_QUERY_BYTES: Final = 1 << 30
+"""Most bytes of tokens all waiting drop-selects hold in the producer."""
 
 
 # --------------------------------------------------------------------------------------
@@ -86,6 +101,9 @@ class Departure:
 class PeerState(enum.Enum):
     UNKNOWN = "unknown"
     READY = "ready"
+    GONE = "gone"
+    """Dropped (unreachable, or not reading), holding its items until its lease ends: it may
+    still confirm or give them back, or start a new session; nothing else."""
 
 
 _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
@@ -105,16 +123,62 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
         m.ListItems,
         m.Evict,
     ),
+    PeerState.GONE: (m.Hello, m.Bye, m.Received, m.Release),
 }
 
 
-@dataclass(slots=True)
+_NO_TOKENS: Final = np.empty(0, dtype=np.int64)
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class _Waiter:
+    """A drop-select waiting for an insert; indexed by its query (see `_Waiters`)."""
+
     peer: bytes
     request_id: int
     query: np.ndarray | None
     deadline: float | None
-    stream: bool = False
+    stream: bool
+    seq: int
+    masked_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    generation: int = 0
+    buffered: bool = False
+    node: _Node | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.query is None else int(self.query.nbytes)
+
+
+class _Waiters:
+    """Waiting drop-selects of one kind by query, so that an insert finds the oldest one its
+    item matches by walking one path (`RadixIndex.oldest_match`), not by scanning them all."""
+
+    def __init__(self) -> None:
+        self.by_query: RadixIndex[_Waiter] = RadixIndex()
+        self.takers: dict[tuple[bytes, int], _Waiter] = {}
+        """Waiters with no query (they take any item), oldest first."""
+
+    def add(self, waiter: _Waiter) -> None:
+        if waiter.query is None:
+            self.takers[(waiter.peer, waiter.request_id)] = waiter
+        else:
+            waiter.masked_tokens = waiter.query
+            self.by_query.add(waiter)
+
+    def remove(self, waiter: _Waiter) -> None:
+        if waiter.query is None:
+            self.takers.pop((waiter.peer, waiter.request_id), None)
+        elif waiter.buffered:
+            self.by_query.remove(waiter)
+
+    def oldest_match(self, tokens: np.ndarray) -> tuple[_Waiter, int] | None:
+        found = self.by_query.oldest_match(tokens)
+        if self.takers and len(tokens):
+            taker = next(iter(self.takers.values()))
+            if found is None or taker.seq < found[0].seq:
+                return taker, len(tokens)
+        return found
 
 
 @dataclass(slots=True)
@@ -125,6 +189,9 @@ class _Peer:
     last_seen: float
     in_flight: dict[int, BufferedItem] = field(default_factory=dict)
     waiting: set[int] = field(default_factory=set)
+    waiting_bytes: int = 0
+    gone: str | None = None
+    """Why it was dropped (see `PeerState.GONE`); None while it is served."""
 
 
 @dataclass(slots=True)
@@ -157,6 +224,7 @@ class ProducerCore:
         producer_id: str,
         heartbeat_s: float,
         transports: Sequence[str] = ("tcp",),
+        peer_timeout_s: float | None = None,
         max_waiting: int = MAX_WAITING_REQUESTS,
         buffer_limit_bytes: int = 0,
         started_at: float = 0.0,
@@ -179,9 +247,17 @@ class ProducerCore:
         self.streams = LookupBuffer()
         """Open streams: prefills still publishing layers, which streaming lookups can take."""
         self.counters = ProducerCounters()
+        self.lease_s = heartbeat_s * HEARTBEAT_MISSES if peer_timeout_s is None else peer_timeout_s
+        """How long a consumer keeps what it was delivered after its last message (see the
+        module's docstring); also how long it may stay silent before it is forgotten."""
         self._max_waiting = max_waiting
         self._peers: dict[bytes, _Peer] = {}
         self._waiters: dict[tuple[bytes, int], _Waiter] = {}
+        self._plain_waiters = _Waiters()
+        self._stream_waiters = _Waiters()
+        self._waiter_seq = itertools.count()
+        self._waiting_bytes = 0
+        self._lease_numbers = itertools.count(1)
         self._timers: list[tuple[float, _TimerKind, int, object]] = []
         self._timer_order = itertools.count()
         self._item_ids = itertools.count(1)
@@ -194,11 +270,12 @@ class ProducerCore:
 
     @property
     def peer_timeout_s(self) -> float:
-        return self.heartbeat_s * HEARTBEAT_MISSES
+        return self.lease_s
 
     @property
     def peer_count(self) -> int:
-        return len(self._peers)
+        """Consumers being served (not those dropped and holding items until their lease ends)."""
+        return sum(1 for peer in self._peers.values() if peer.gone is None)
 
     @property
     def waiting_count(self) -> int:
@@ -208,7 +285,8 @@ class ProducerCore:
         """Connected consumers by the transport chosen at their hello."""
         counts: dict[str, int] = {}
         for state in self._peers.values():
-            counts[state.transport] = counts.get(state.transport, 0) + 1
+            if state.gone is None:
+                counts[state.transport] = counts.get(state.transport, 0) + 1
         return counts
 
     def next_deadline(self) -> float | None:
@@ -220,7 +298,7 @@ class ProducerCore:
     def transport_of(self, peer: bytes) -> str | None:
         """The transport chosen at `peer`'s hello (None once it left)."""
         state = self._peers.get(peer)
-        return None if state is None else state.transport
+        return None if state is None or state.gone is not None else state.transport
 
     def take_departed(self) -> list[Departure]:
         """Peers that left since the last call: the driver releases what their transports held."""
@@ -236,9 +314,13 @@ class ProducerCore:
         except ProtocolError as exc:
             return [self._refuse(peer, m.peek_request_id(frame), exc.code, str(exc))]
         request_id = getattr(message, "request_id", None)
-        state = PeerState.READY if peer in self._peers else PeerState.UNKNOWN
+        state_peer = self._peers.get(peer)
+        if state_peer is None:
+            state = PeerState.UNKNOWN
+        else:
+            state = PeerState.READY if state_peer.gone is None else PeerState.GONE
         if not isinstance(message, _PRODUCER_ACCEPTS[state]):
-            if state is PeerState.UNKNOWN:
+            if state is not PeerState.READY:
                 text = "this producer does not know you (it restarted, or you were silent too long): send hello"
                 return [self._refuse(peer, request_id, ErrorCode.UNKNOWN_PEER, text)]
             text = f"a producer never accepts {type(message).__name__}"
@@ -246,7 +328,6 @@ class ProducerCore:
         if extra_frames:
             text = f"{type(message).__name__} carries no payload frames, got {extra_frames}"
             return [self._refuse(peer, request_id, ErrorCode.PROTOCOL, text)]
-        state_peer = self._peers.get(peer)
         if state_peer is not None:
             state_peer.last_seen = now
         match message:
@@ -263,10 +344,10 @@ class ProducerCore:
             case m.Cancel(request_id=request_id):
                 self._drop_waiter(peer, request_id)
                 return []
-            case m.Received(item_ids=item_ids):
-                return self._on_received(peer, item_ids)
-            case m.Release(item_id=item_id):
-                return self._on_release(peer, item_id, now)
+            case m.Received(item_ids=item_ids, leases=leases):
+                return self._on_received(peer, item_ids, leases)
+            case m.Release(item_id=item_id, lease=lease):
+                return self._on_release(peer, item_id, lease, now)
             case m.Health(request_id=request_id):
                 uptime = max(0.0, now - self.started_at)
                 reply = m.HealthReply(request_id, self.producer_id, uptime, list(self.transports))
@@ -306,9 +387,38 @@ class ProducerCore:
                 self.buffer.forget(item)
                 return
 
-    def peer_unreachable(self, peer: bytes, now: float) -> list[Outgoing]:
-        """The driver could not send to `peer`: treat it as gone."""
-        return self._forget_peer(peer, now)
+    def peer_unreachable(self, peer: bytes, now: float, reason: str = "unreachable") -> list[Outgoing]:
+        """The driver gave up sending to `peer` (it disconnected, or does not read): it is
+        served no more, its waiting requests are dropped, and what it holds goes back once its
+        lease ends, unless it confirms or releases it first."""
+        state = self._peers.get(peer)
+        if state is None or state.gone is not None:
+            return []
+        state.gone = reason
+        for request_id in list(state.waiting):
+            self._drop_waiter(peer, request_id)
+        if not state.in_flight:
+            return self._forget_peer(peer, now)
+        return []
+
+    def refusal(self, peer: bytes, request_id: int | None, code: ErrorCode, text: str) -> Outgoing:
+        """An error reply to `peer`, counted (the driver's, for a frame it could not handle)."""
+        return self._refuse(peer, request_id, code, text)
+
+    def unsendable(self, send: Outgoing, reason: str, now: float) -> list[Outgoing]:
+        """A message that could not be built: the items it carried go back to the buffer, and
+        its request (if it names one) fails with an internal error."""
+        out: list[Outgoing] = []
+        state = self._peers.get(send.peer)
+        for item in (send.item, *send.items):
+            if item is not None and state is not None and state.in_flight.get(item.item_id) is item:
+                del state.in_flight[item.item_id]
+                out += self._restore(item, now)
+        request_id = getattr(send.message, "request_id", None)
+        if request_id is not None:
+            text = f"the reply could not be built: {reason}"
+            out.append(self._refuse(send.peer, request_id, ErrorCode.INTERNAL, text))
+        return out
 
     def expire(self, now: float) -> list[Outgoing]:
         """Answer waiting requests whose timeout passed; forget peers silent for too long."""
@@ -376,6 +486,7 @@ class ProducerCore:
             heartbeat_s=self.heartbeat_s,
             transport=transport,
             capabilities=list(self.transports),
+            lease_s=self.lease_s,
         )
         out.append(Outgoing(peer, welcome))
         return out
@@ -401,12 +512,24 @@ class ProducerCore:
         if key in self._waiters:
             text = f"request id {request.request_id} is already waiting"
             return [self._refuse(peer, request.request_id, ErrorCode.PROTOCOL, text)]
-        if len(self._waiters) >= self._max_waiting:
-            text = f"{len(self._waiters)} requests already wait on this producer; retry with timeout=0"
-            return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
+        state = self._peers[peer]
+        query_bytes = 0 if query is None else int(query.nbytes)
+        full = None
+        if len(state.waiting) >= MAX_WAITING_PER_PEER:
+            full = f"you have {len(state.waiting)} requests waiting on this producer already"
+        elif state.waiting_bytes + query_bytes > MAX_WAITING_QUERY_BYTES_PER_PEER:
+            full = f"your waiting requests hold {state.waiting_bytes} bytes of tokens already"
+        elif len(self._waiters) >= self._max_waiting or self._waiting_bytes + query_bytes > MAX_WAITING_QUERY_BYTES:
+            full = f"{len(self._waiters)} requests already wait on this producer"
+        if full is not None:
+            return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, f"{full}; retry with timeout=0")]
         deadline = None if request.timeout_s is None else now + request.timeout_s
-        self._waiters[key] = _Waiter(peer, request.request_id, query, deadline, request.stream)
-        self._peers[peer].waiting.add(request.request_id)
+        waiter = _Waiter(peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq))
+        self._waiters[key] = waiter
+        (self._stream_waiters if request.stream else self._plain_waiters).add(waiter)
+        state.waiting.add(request.request_id)
+        state.waiting_bytes += query_bytes
+        self._waiting_bytes += query_bytes
         if deadline is not None:
             self._add_timer(deadline, _TimerKind.WAITER, key)
         return []
@@ -427,7 +550,7 @@ class ProducerCore:
                 continue
             item = found.item
             self.buffer.take(item)
-            self._peers[peer].in_flight[item.item_id] = item
+            self._hand_out(peer, item)
             offset = -(-offset // m.BATCH_ALIGNMENT) * m.BATCH_ALIGNMENT
             hits.append(_hit(item, found.matched, offset))
             items.append(item)
@@ -436,26 +559,38 @@ class ProducerCore:
         reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset, segments=segments)
         return [Outgoing(peer, reply, items=tuple(items))]
 
-    def _on_received(self, peer: bytes, item_ids: list[int]) -> list[Outgoing]:
+    def _on_received(self, peer: bytes, item_ids: list[int], leases: list[int]) -> list[Outgoing]:
         in_flight = self._peers[peer].in_flight
         unknown = []
-        for item_id in item_ids:
-            item = in_flight.pop(item_id, None)
-            if item is None:
-                unknown.append(item_id)
+        for index, item_id in enumerate(item_ids):
+            item = in_flight.get(item_id)
+            if item is None or (index < len(leases) and leases[index] != item.lease):
+                unknown.append(item_id)  # a receipt whose lease ended: the item went back
                 continue
+            del in_flight[item_id]
             (self.streams if item.stream is not None else self.buffer).forget(item)
             self.counters.delivered_items += 1
             self.counters.delivered_bytes += item.nbytes
+        out = self._forget_if_done(peer, 0.0)
         if unknown:
-            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"items {unknown} are not in flight to you")]
-        return []
+            text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
+            out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
+        return out
 
-    def _on_release(self, peer: bytes, item_id: int, now: float) -> list[Outgoing]:
-        item = self._peers[peer].in_flight.pop(item_id, None)
-        if item is None:
+    def _on_release(self, peer: bytes, item_id: int, lease: int, now: float) -> list[Outgoing]:
+        in_flight = self._peers[peer].in_flight
+        item = in_flight.get(item_id)
+        if item is None or (lease and lease != item.lease):
             return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
-        return self._restore(item, now)
+        del in_flight[item_id]
+        return self._restore(item, now) + self._forget_if_done(peer, now)
+
+    def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
+        """A dropped peer that holds nothing any more is forgotten now."""
+        state = self._peers.get(peer)
+        if state is not None and state.gone is not None and not state.in_flight:
+            return self._forget_peer(peer, now)
+        return []
 
     def _stats(self, request_id: int) -> m.StatsReply:
         buffer = self.buffer
@@ -504,9 +639,14 @@ class ProducerCore:
         self.refusals[code.value] = self.refusals.get(code.value, 0) + 1
         return Outgoing(peer, m.ErrorReply(request_id=request_id, code=code, message=text))
 
+    def _hand_out(self, peer: bytes, item: BufferedItem) -> None:
+        """`item` is in flight to `peer` under a new lease number."""
+        item.lease = next(self._lease_numbers)
+        self._peers[peer].in_flight[item.item_id] = item
+
     def _deliver(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> Outgoing:
         self.buffer.take(item)
-        self._peers[peer].in_flight[item.item_id] = item
+        self._hand_out(peer, item)
         return Outgoing(peer, _deliver_message(request_id, item, matched), item)
 
     def _restore(self, item: BufferedItem, now: float) -> list[Outgoing]:
@@ -525,18 +665,20 @@ class ProducerCore:
         streaming request)."""
         if self._closed:
             return []
-        for key, waiter in self._waiters.items():
-            if item.stream is not None and not waiter.stream:
-                continue
-            matched = prefix_match_length(item.masked_tokens, waiter.query)
-            if matched:
-                self._drop_waiter(*key)
-                if item.stream is not None:
-                    return self._attach(waiter.peer, waiter.request_id, item, matched)
-                if waiter.stream:
-                    return self._stream_whole(waiter.peer, waiter.request_id, item, matched)
-                return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
-        return []
+        found = self._stream_waiters.oldest_match(item.masked_tokens)
+        if item.stream is None:  # an open stream goes to a streaming request only
+            plain = self._plain_waiters.oldest_match(item.masked_tokens)
+            if plain is not None and (found is None or plain[0].seq < found[0].seq):
+                found = plain
+        if found is None:
+            return []
+        waiter, matched = found
+        self._drop_waiter(waiter.peer, waiter.request_id)
+        if item.stream is not None:
+            return self._attach(waiter.peer, waiter.request_id, item, matched)
+        if waiter.stream:
+            return self._stream_whole(waiter.peer, waiter.request_id, item, matched)
+        return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
 
     # -- streams ------------------------------------------------------------------------
 
@@ -575,6 +717,7 @@ class ProducerCore:
             return self.insert(whole, now)
         self.streams.forget(item)
         whole.inserted_at = item.inserted_at
+        whole.lease = item.lease  # the reader confirms the end under its stream's lease
         self.buffer.add_taken(whole)
         self._peers[reader].in_flight[whole.item_id] = whole
         return [_end_outgoing(reader, whole)]
@@ -596,7 +739,7 @@ class ProducerCore:
         assert stream is not None
         self.streams.take(item)
         stream.reader = peer
-        self._peers[peer].in_flight[item.item_id] = item
+        self._hand_out(peer, item)
         out = [Outgoing(peer, _start_message(request_id, item, matched, stream.layers), item)]
         for layer, (key, value, ready) in enumerate(zip(stream.keys, stream.values, stream.ready, strict=True)):
             out.append(_layer_outgoing(peer, item.item_id, layer, key, value, ready))
@@ -605,7 +748,7 @@ class ProducerCore:
     def _stream_whole(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
         """A streaming request takes a complete item: start, every layer, end, at once."""
         self.buffer.take(item)
-        self._peers[peer].in_flight[item.item_id] = item
+        self._hand_out(peer, item)
         layers = item.key.shape[0]
         out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
         for layer in range(layers):
@@ -614,16 +757,23 @@ class ProducerCore:
         return out
 
     def _drop_waiter(self, peer: bytes, request_id: int) -> None:
-        if self._waiters.pop((peer, request_id), None) is not None:
-            self._peers[peer].waiting.discard(request_id)
+        waiter = self._waiters.pop((peer, request_id), None)
+        if waiter is None:
+            return
+        (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+        self._waiting_bytes -= waiter.nbytes
+        state = self._peers[peer]
+        state.waiting.discard(request_id)
+        state.waiting_bytes -= waiter.nbytes
 
     def _forget_peer(self, identity: bytes, now: float) -> list[Outgoing]:
-        peer = self._peers.pop(identity, None)
+        peer = self._peers.get(identity)
         if peer is None:
             return []
+        for request_id in list(peer.waiting):
+            self._drop_waiter(identity, request_id)
+        del self._peers[identity]
         self._departed.append(Departure(identity, peer.transport, tuple(peer.in_flight.values())))
-        for request_id in peer.waiting:
-            self._waiters.pop((identity, request_id), None)
         out: list[Outgoing] = []
         for item in peer.in_flight.values():
             out += self._restore(item, now)
@@ -649,6 +799,7 @@ def _start_message(request_id: int, item: BufferedItem, matched: int, layers: in
         roi=roi,
         layers=layers,
         payload_bytes=_tokens_bytes(item),
+        lease=item.lease,
     )
 
 
@@ -708,7 +859,7 @@ def batch_segments(hits: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 def _hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:
     input_tokens, roi, key, value, hidden = item.metas
     assert input_tokens is not None and key is not None and value is not None
-    return m.Hit(item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes)
+    return m.Hit(item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes, item.lease)
 
 
 def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deliver:
@@ -725,6 +876,7 @@ def _deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Del
         hidden=hidden,
         payload_bytes=item.nbytes,
         segments=item.segments,
+        lease=item.lease,
     )
 
 
@@ -785,6 +937,13 @@ class Stray:
 
 
 @dataclass(frozen=True, slots=True)
+class PayloadCame:
+    """The frames of a delivery whose header came before them (TCP, large payloads)."""
+
+    message: m.Payload
+
+
+@dataclass(frozen=True, slots=True)
 class Streamed:
     """A layer, the end, or the abort of a stream this link reads (by item id)."""
 
@@ -806,11 +965,24 @@ class Lost:
     request_ids: tuple[int, ...]
 
 
-ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed | PayloadCame
+
+
+LEASE_MARGIN_FRACTION: Final = 0.1
+"""The part of its lease a consumer leaves unused, so that the receipt of an item handed over
+at the lease's last moment still reaches the producer inside it."""
 
 
 class ConsumerCore:
-    """One consumer's link to one producer: handshake, heartbeats, pending request ids."""
+    """One consumer's link to one producer: handshake, heartbeats, pending request ids, and the
+    lease under which delivered items may be handed to callers.
+
+    The lease runs from the send time of the last message the producer answered (a request,
+    a ping, the hello) for the `lease_s` its welcome named: the producer's own reckoning
+    starts later (when it received a message), so while this side's lease holds, the producer
+    has given none of this link's items to anyone else. Past it the session is lost: pending
+    calls fail, items that arrive are not handed over, and the link says hello again.
+    """
 
     def __init__(
         self, *, endpoint: str, name: str, heartbeat_s: float, transports: Sequence[str] = ("tcp",), host: str = ""
@@ -825,12 +997,19 @@ class ConsumerCore:
         self.state = LinkState.CONNECTING
         self.producer_id: str | None = None
         self.transport: str | None = None
+        self.lease_s = heartbeat_s * HEARTBEAT_MISSES
+        """The producer's lease (from its welcome; this side's default until then)."""
         self._request_ids = itertools.count(1)
-        self._pending: set[int] = set()
+        self._pending: dict[int, float] = {}
+        """Request ids waiting for their answer, with the time each was sent."""
+        self._pings: dict[int, float] = {}
+        """Pings waiting for their pong, by nonce, with the time each was sent."""
+        self._ping_nonces = itertools.count(1)
+        self._hello_sent_at = 0.0
+        self._answered_at = 0.0
+        """Send time of the last message the producer answered: the lease runs from it."""
         self._lost_because = ""
-        self._last_heard = 0.0
         self._next_ping = 0.0
-        self._outbox: list[m.Message] = []
 
     @property
     def pending_count(self) -> int:
@@ -838,43 +1017,63 @@ class ConsumerCore:
 
     @property
     def timeout_s(self) -> float:
-        return self.heartbeat_s * HEARTBEAT_MISSES
+        return self.lease_s
+
+    @property
+    def lease_ends(self) -> float:
+        """When this side's lease ends (see the class docstring), with its margin taken off."""
+        return self._answered_at + self.lease_s * (1 - LEASE_MARGIN_FRACTION)
+
+    def lease_holds(self, now: float) -> bool:
+        """Whether an item delivered in this session may be handed to a caller at `now`."""
+        return self.state is LinkState.READY and now < self.lease_ends
+
+    def _answered(self, sent_at: float | None) -> None:
+        if sent_at is not None and sent_at > self._answered_at:
+            self._answered_at = sent_at
 
     def _move(self, event: str) -> None:
         self.state = _CONSUMER_TRANSITIONS.get((self.state, event), self.state)
 
     def connect(self, now: float) -> m.Hello:
         """The hello to send now (at start, and on each retry while the producer is lost)."""
-        self._last_heard = now
+        self._hello_sent_at = now
         self._next_ping = now + self.heartbeat_s
         return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host)
 
-    def start_request(self, build: Callable[[int], m.Message]) -> tuple[int, m.Message]:
-        """Reserve a request id and build the message carrying it; fails if not connected."""
+    def start_request(self, build: Callable[[int], m.Message], now: float) -> tuple[int, m.Message]:
+        """Reserve a request id and build the message carrying it, sent at `now`; fails if not
+        connected."""
         if self.state is not LinkState.READY:
             raise self._not_ready_error()
         request_id = next(self._request_ids)
-        self._pending.add(request_id)
+        self._pending[request_id] = now
         return request_id, build(request_id)
+
+    def is_pending(self, request_id: int) -> bool:
+        """Whether `request_id` still waits for its answer."""
+        return request_id in self._pending
 
     def abandon(self, request_id: int) -> m.Cancel | None:
         """The caller stopped waiting (cancelled): the Cancel to send, if still pending."""
-        if request_id in self._pending:
-            self._pending.discard(request_id)
+        if self._pending.pop(request_id, None) is not None:
             return m.Cancel(request_id=request_id) if self.state is LinkState.READY else None
         return None
 
     def receive(self, frame: bytes | memoryview, now: float) -> ConsumerEvent | None:
-        message = m.decode(frame)  # a producer that sends garbage is broken: let it raise
-        self._last_heard = now
+        """One frame from the producer. Raises `RemoteProtocolError` for one that does not
+        decode; the caller drops that frame and goes on."""
+        message = m.decode(frame)
         match message:
             case m.Welcome():
                 restarted = self.producer_id is not None and message.producer_id != self.producer_id
+                self._answered(self._hello_sent_at)
                 self._accept_welcome(message)
                 if restarted and self._pending:
                     return self._lose(PeerLostError(f"producer at {self.endpoint} restarted"), "welcome")
                 return Welcomed(message)
-            case m.Pong():
+            case m.Pong(nonce=nonce):
+                self._answered(self._pings.pop(nonce, None))
                 return None
             case m.Bye(reason=reason):
                 return self._lose(PeerLostError(f"producer at {self.endpoint} closed ({reason})"), "bye")
@@ -884,39 +1083,50 @@ class ConsumerCore:
                 | m.StreamStart(request_id=request_id)
             ):
                 if request_id in self._pending:
-                    self._pending.discard(request_id)
+                    self._answered(self._pending.pop(request_id))
                     return Replied(request_id, message)
                 return Stray(message)
             case m.StreamLayer() | m.StreamEnd() | m.StreamAbort():
                 return Streamed(message)
+            case m.Payload():
+                return PayloadCame(message)
             case m.ErrorReply(request_id=request_id, code=code, message=text):
                 if code is ErrorCode.UNKNOWN_PEER:
                     return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")
                 if request_id is not None and request_id in self._pending:
-                    self._pending.discard(request_id)
+                    self._answered(self._pending.pop(request_id))
                     return Failed(request_id, error_from_code(code, f"producer at {self.endpoint}: {text}"))
                 return Refused(error_from_code(code, f"producer at {self.endpoint} refused: {text}"))
             case _:
                 request_id = getattr(message, "request_id", None)
                 if isinstance(request_id, int) and request_id in self._pending:
-                    self._pending.discard(request_id)
+                    self._answered(self._pending.pop(request_id))
                     return Replied(request_id, message)
                 raise RemoteProtocolError(f"unexpected {type(message).__name__} from producer at {self.endpoint}")
 
     def next_deadline(self) -> float | None:
         if self.state is LinkState.CLOSED:
             return None
-        return min(self._next_ping, self._last_heard + self.timeout_s)
+        if self.state is LinkState.READY:
+            return min(self._next_ping, self.lease_ends)
+        if self.state is LinkState.CONNECTING:
+            return min(self._next_ping, self._hello_sent_at + self.lease_s)
+        return self._next_ping
 
     def expire(self, now: float) -> tuple[list[m.Message], Lost | None]:
-        """Messages due now (a ping, or a hello while lost) and a Lost event if the producer went silent.
+        """Messages due now (a ping, or a hello while lost) and a Lost event if the lease ended
+        (the producer answered nothing for it) or a hello went unanswered as long.
 
         A link found lost here says hello again one heartbeat later, and every heartbeat after.
         """
-        if self.state in (LinkState.READY, LinkState.CONNECTING) and now >= self._last_heard + self.timeout_s:
+        unanswered = (self.state is LinkState.READY and now >= self.lease_ends) or (
+            self.state is LinkState.CONNECTING and now >= self._hello_sent_at + self.lease_s
+        )
+        if unanswered:
             self._next_ping = now + self.heartbeat_s
             error = PeerLostError(
-                f"producer at {self.endpoint} did not answer for {self.timeout_s:.1f} s; is it running and reachable?"
+                f"producer at {self.endpoint} answered nothing for {self.lease_s:.1f} s, so what it delivered "
+                "is no longer this consumer's; is it running and reachable?"
             )
             return [], self._lose(error, "silence")
         if now < self._next_ping:
@@ -926,8 +1136,26 @@ class ConsumerCore:
             self._move("retry")
             return [self.connect(now)], None
         if self.state is LinkState.READY:
-            return [m.Ping()], None
+            nonce = next(self._ping_nonces)
+            self._pings[nonce] = now
+            if len(self._pings) > HEARTBEAT_MISSES * 2:  # pongs that will never come
+                self._pings.pop(next(iter(self._pings)))
+            return [m.Ping(nonce=nonce)], None
         return [], None
+
+    def disconnected(self, reason: str) -> Lost | None:
+        """The connection to the producer closed (it exited, or stopped answering ZeroMQ's
+        heartbeats): every pending request fails now; the link says hello once it reconnects."""
+        if self.state is not LinkState.READY and self.state is not LinkState.CONNECTING:
+            return None
+        return self._lose(PeerLostError(f"the connection to the producer at {self.endpoint} closed: {reason}"))
+
+    def reconnected(self, now: float) -> m.Hello | None:
+        """The connection is back: the hello to send at once if the link is lost."""
+        if self.state is LinkState.LOST:
+            self._move("retry")
+            return self.connect(now)
+        return None
 
     def close(self) -> Lost:
         return self._lose(ClosedError("the consumer was closed while the call was pending"), "close")
@@ -944,12 +1172,15 @@ class ConsumerCore:
         self.producer_id = welcome.producer_id
         self.transport = welcome.transport
         self.heartbeat_s = min(self.heartbeat_s, welcome.heartbeat_s)
+        if welcome.lease_s > 0:
+            self.lease_s = welcome.lease_s
         self._move("welcome")
 
     def _lose(self, error: KVRTError, event: str = "silence") -> Lost:
         self._lost_because = str(error)
         pending = tuple(self._pending)
         self._pending.clear()
+        self._pings.clear()
         self._move(event)
         return Lost(error, pending)
 

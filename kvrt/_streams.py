@@ -132,7 +132,7 @@ class ConsumerStream:
 
     def __init__(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, matched: int, layers: int,
-        confirm: Callable[[], None], writer: PoolWriter | None = None,
+        confirm: Callable[[], KVRTError | None], writer: PoolWriter | None = None,
     ) -> None:  # fmt: skip
         self.input_tokens = input_tokens
         self.roi = roi
@@ -174,12 +174,15 @@ class ConsumerStream:
             return
         self._end_waits = None
         if not self._end.done():
+            refused = self._confirm()
+            if refused is not None:  # the link's lease ended: the stream may be another reader's
+                self.fail(refused)
+                return
             for index, future in enumerate(self._layers):
                 if not future.done():  # a producer that ended early: nobody may wait for ever
                     future.set_exception(RemoteProtocolError(f"the stream ended without layer {index}"))
                     future.exception()
             self._end.set_result(hidden)
-            self._confirm()
 
     def fail(self, error: KVRTError) -> None:
         """End the stream with `error`; the layers already received are dropped."""

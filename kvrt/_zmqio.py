@@ -19,7 +19,10 @@ everything already queued.
 from __future__ import annotations
 
 import asyncio
+import errno
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Final, cast
 
 import zmq
@@ -31,26 +34,49 @@ Frames = Sequence[bytes | memoryview | zmq.Frame]
 
 
 class SocketIO:
-    """Asyncio waits for one ZeroMQ socket. Create it, use it and close it on one event loop."""
+    """Asyncio waits for one ZeroMQ socket (and, optionally, its monitor socket). Create it,
+    use it and close it on one event loop."""
 
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None = None) -> None:
         self.socket = socket
+        self.monitor = monitor
         self._loop = asyncio.get_running_loop()
         self._fd = cast(int, socket.getsockopt(zmq.FD))
         self._ready = asyncio.Event()
         self._loop.add_reader(self._fd, self._ready.set)
+        self._monitor_fd: int | None = None
+        if monitor is not None:
+            self._monitor_fd = cast(int, monitor.getsockopt(zmq.FD))
+            self._loop.add_reader(self._monitor_fd, self._ready.set)
         self._blocked_senders = 0
         self._closed = False
 
     async def next(self, deadline: float | None) -> list[zmq.Frame] | None:
-        """The next multipart message, or None once `deadline` (loop time) has passed."""
+        """The next multipart message, or None once `deadline` (loop time) has passed or the
+        monitor has events to read (`monitor_events`)."""
         while True:
             try:
                 return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 pass
-            if not await self._wait(zmq.POLLIN, deadline):
+            if self._monitor_pending() or not await self._wait(zmq.POLLIN, deadline):
                 return None
+
+    def monitor_events(self) -> list[tuple[int, int]]:
+        """The monitor's events read so far, as (event, value), taken without waiting."""
+        events: list[tuple[int, int]] = []
+        if self.monitor is None:
+            return events
+        while len(events) < MAX_BATCH:
+            try:
+                first, _ = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            events.append((int.from_bytes(first[:2], "little"), int.from_bytes(first[2:6], "little")))
+        return events
+
+    def _monitor_pending(self) -> bool:
+        return self.monitor is not None and bool(cast(int, self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def drain(self) -> list[list[zmq.Frame]]:
         """Messages already queued, taken without waiting."""
@@ -90,7 +116,7 @@ class SocketIO:
     async def _wait(self, event: int, deadline: float | None) -> bool:
         """Wait until the socket may have `event`; False once `deadline` has passed."""
         self._ready.clear()
-        if self._events() & event:
+        if self._events() & event or (event == zmq.POLLIN and self._monitor_pending()):
             return True
         loop = self._loop
         if deadline is not None and deadline <= loop.time():
@@ -111,3 +137,145 @@ class SocketIO:
         if not self._closed:
             self._closed = True
             self._loop.remove_reader(self._fd)
+            if self._monitor_fd is not None:
+                self._loop.remove_reader(self._monitor_fd)
+
+
+def zmtp_heartbeats(socket: zmq.Socket[bytes], heartbeat_s: float, timeout_s: float) -> None:
+    """ZeroMQ's own heartbeats on `socket` (before it connects or binds): libzmq's I/O thread
+    pings every `heartbeat_s` and closes a connection silent for `timeout_s`, so a dead or
+    stopped peer is found without the Python loop, and a loop busy for seconds (an engine
+    holding the GIL) does not make its peer look dead."""
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat_s * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout_s * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, round(timeout_s * 1000))))
+
+
+MAX_QUEUED_MESSAGES: Final = 4096
+"""Most messages kept for one peer beyond what its ZeroMQ queue holds; past this the peer is
+dropped as one that does not read."""
+
+MAX_MUTED_PEERS: Final = 65536
+"""Most dropped peers remembered as muted (the oldest are forgotten first)."""
+
+FIRST_RETRY_S: Final = 0.001
+LAST_RETRY_S: Final = 0.05
+"""A ROUTER tells no one when one peer's queue has room again (its POLLOUT is the socket's,
+set while any peer has room), so a peer's waiting messages are retried on a backoff from
+`FIRST_RETRY_S` to `LAST_RETRY_S`, and whenever that peer sends something."""
+
+
+@dataclass(slots=True)
+class _Outbox:
+    messages: deque[Frames]
+    stalled_since: float
+    """When the first waiting message stopped moving (reset whenever one leaves)."""
+    retry_in_s: float = FIRST_RETRY_S
+    retry_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Dropped:
+    """A peer that `RouterOutboxes` gave up sending to, and why."""
+
+    peer: bytes
+    reason: str
+
+
+@dataclass(slots=True)
+class RouterOutboxes:
+    """Sends to each peer of a ROUTER without ever waiting on one peer for another.
+
+    A message goes out at once when its peer's ZeroMQ queue has room; otherwise it waits in
+    that peer's own outbox, in order, behind the ones already waiting there. A peer whose
+    outbox made no progress for `stall_s`, or holds more than `MAX_QUEUED_MESSAGES`, is
+    dropped (the caller forgets it) and muted: nothing more is sent to it until it starts a
+    new session (`unmute`), so a peer that floods without reading costs no more replies. One
+    that ZeroMQ no longer routes to (it disconnected) is dropped too. The serve loop calls
+    `flush` at `next_retry()` and whenever a peer sends.
+    """
+
+    io: SocketIO
+    stall_s: float
+    _outboxes: dict[bytes, _Outbox] = field(default_factory=dict)
+    _muted: dict[bytes, None] = field(default_factory=dict)
+    discarded: int = 0
+    """Messages not sent because their peer was muted."""
+
+    def post(self, peer: bytes, frames: Frames, now: float) -> Dropped | None:
+        """Send `frames` to `peer` now, or queue them behind its waiting messages."""
+        if peer in self._muted:
+            self.discarded += 1
+            return None
+        outbox = self._outboxes.get(peer)
+        if outbox is not None:
+            if len(outbox.messages) >= MAX_QUEUED_MESSAGES:
+                return self._drop(peer, f"it left {MAX_QUEUED_MESSAGES} messages unread")
+            outbox.messages.append(frames)
+            return None
+        try:
+            if self.io.send_nowait([peer, *frames]):
+                return None
+        except zmq.ZMQError as exc:
+            return self._unroutable(peer, exc)
+        self._outboxes[peer] = _Outbox(deque([frames]), now, retry_at=now + FIRST_RETRY_S)
+        return None
+
+    def flush(self, now: float, only: bytes | None = None) -> list[Dropped]:
+        """Send what waits (for `only`, or for every peer whose retry is due); the peers dropped."""
+        dropped: list[Dropped] = []
+        if only is not None:
+            peers = [only] if only in self._outboxes else []
+        else:
+            peers = [peer for peer, outbox in self._outboxes.items() if outbox.retry_at <= now]
+        for peer in peers:
+            outbox = self._outboxes[peer]
+            moved = False
+            try:
+                while outbox.messages and self.io.send_nowait([peer, *outbox.messages[0]]):
+                    outbox.messages.popleft()
+                    moved = True
+            except zmq.ZMQError as exc:
+                if (gone := self._unroutable(peer, exc)) is not None:
+                    dropped.append(gone)
+                continue
+            if not outbox.messages:
+                del self._outboxes[peer]
+                continue
+            if moved:
+                outbox.stalled_since, outbox.retry_in_s = now, FIRST_RETRY_S
+            elif now - outbox.stalled_since >= self.stall_s:
+                dropped.append(self._drop(peer, f"it read nothing for {self.stall_s:.1f} s"))
+                continue
+            else:
+                outbox.retry_in_s = min(LAST_RETRY_S, outbox.retry_in_s * 2)
+            outbox.retry_at = now + outbox.retry_in_s
+        return dropped
+
+    def next_retry(self) -> float | None:
+        return min((outbox.retry_at for outbox in self._outboxes.values()), default=None)
+
+    def waiting(self, peer: bytes) -> int:
+        """Messages waiting for room to `peer`."""
+        outbox = self._outboxes.get(peer)
+        return 0 if outbox is None else len(outbox.messages)
+
+    def discard(self, peer: bytes) -> None:
+        """Forget what waits for a peer that left."""
+        self._outboxes.pop(peer, None)
+
+    def unmute(self, peer: bytes) -> None:
+        """`peer` starts a new session: send to it again."""
+        self._muted.pop(peer, None)
+
+    def _drop(self, peer: bytes, reason: str) -> Dropped:
+        self._outboxes.pop(peer, None)
+        self._muted[peer] = None
+        if len(self._muted) > MAX_MUTED_PEERS:
+            del self._muted[next(iter(self._muted))]  # the longest muted
+        return Dropped(peer, reason)
+
+    def _unroutable(self, peer: bytes, exc: zmq.ZMQError) -> Dropped | None:
+        if exc.errno != errno.EHOSTUNREACH:
+            raise exc
+        return self._drop(peer, "it is no longer connected")

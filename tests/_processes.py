@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 import kvrt
 
@@ -92,5 +93,85 @@ def run_producer(items: int, heartbeat_s: float, control: multiprocessing.connec
                 await producer.insert(tokens, None, key, value, hidden)
             control.send(producer.endpoint)
             await asyncio.to_thread(_wait_for_stop, control)
+
+    asyncio.run(main())
+
+
+def run_waiting_consumer(
+    endpoint: str, heartbeat_s: float, tokens: list[int], control: multiprocessing.connection.Connection
+) -> None:
+    """Post one waiting drop_select for `tokens`, say "asked" once the producer holds it; told
+    ("hold", seconds), say "holding" and hold the event loop's thread that long (a forward
+    pass: libzmq still receives meanwhile, the loop reads nothing); then report how the call
+    ended: ("item", its key's sum) or ("error", the error's class name)."""
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            call = asyncio.create_task(consumer.drop_select(torch.tensor(tokens), None, timeout=None))
+            await asyncio.sleep(0)  # a yield: the call runs up to its wait for the answer (no time passes)
+            assert consumer.pending_requests == 1
+            # Answered in order: once this miss is back, the producer holds the waiting request.
+            assert await consumer.drop_select(torch.tensor([-1]), None, timeout=0.0) is None
+            control.send("asked")
+            command = await asyncio.to_thread(control.recv)
+            if command[0] == "hold":
+                control.send("holding")
+                until = time.monotonic() + command[1]
+                while time.monotonic() < until:  # pure Python: the loop and the GIL are held
+                    pass
+            try:
+                item = await asyncio.wait_for(call, 60)
+            except kvrt.KVRTError as exc:
+                control.send(("error", type(exc).__name__))
+            else:
+                assert item is not None
+                control.send(("item", float(item.key.float().sum())))
+            await asyncio.to_thread(_wait_for_stop, control)
+
+    asyncio.run(main())
+
+
+def run_non_reader(endpoint: str, requests: int, control: multiprocessing.connection.Connection) -> None:
+    """A peer that says hello, sends `requests` stats requests and never reads a reply."""
+    from kvrt import _messages as m
+
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 16)
+    socket.setsockopt(zmq.SNDTIMEO, 5000)
+    socket.connect(endpoint)
+    socket.send(m.encode(m.Hello(version=m.PROTOCOL_VERSION, name="non-reader")))
+    sent = 0
+    for request_id in range(1, requests + 1):
+        try:
+            socket.send(m.encode(m.Stats(request_id=request_id)))
+            sent += 1
+        except zmq.Again:
+            break
+    control.send(sent)
+    _wait_for_stop(control)
+    socket.close()
+    context.term()
+
+
+def run_busy_producer(heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
+    """Serve; on ("busy", seconds, tokens) hold the event loop's thread (and the GIL) that long,
+    as an engine's forward pass does, then insert an item for `tokens` and say "inserted"."""
+
+    async def main() -> None:
+        async with kvrt.Producer(heartbeat_s=heartbeat_s) as producer:
+            control.send(producer.endpoint)
+            while True:
+                command = await asyncio.to_thread(control.recv)
+                if command == "stop":
+                    return
+                _, seconds, tokens = command
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:  # pure Python: the GIL is held throughout
+                    pass
+                key = torch.ones(1, len(tokens), 1, 4)
+                await producer.insert(torch.tensor(tokens), None, key, key)
+                control.send("inserted")
 
     asyncio.run(main())

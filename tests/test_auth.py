@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,51 @@ async def test_a_consumer_that_does_not_know_the_producers_key_is_refused(keys: 
             await kvrt.Consumer(connect=producer.endpoint, curve=wrong_server, connect_timeout_s=1.0).start()
 
 
-async def test_a_plain_client_cannot_issue_any_operation(keys: Path) -> None:
+async def test_a_plain_client_cannot_issue_any_operation_and_is_told_so_with_auth_error(keys: Path) -> None:
     async with kvrt.Producer(curve=server(keys)) as producer:
-        with pytest.raises(kvrt.KVRTTimeoutError, match="no producer answered"):
-            await kvrt.Client(producer.endpoint, connect_timeout_s=0.5).start()
+        started = time.monotonic()
+        with pytest.raises(kvrt.AuthError, match="CURVE handshake"):
+            await kvrt.Client(producer.endpoint, connect_timeout_s=5.0).start()
+        with pytest.raises(kvrt.AuthError, match="CURVE handshake"):
+            await kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=5.0).start()
+        assert time.monotonic() - started < 4.0  # told, not left to time out
         assert producer.stats().peers == 0
+
+
+async def test_a_producer_given_no_key_list_admits_no_client(keys: Path) -> None:
+    allowed = kvrt.CurveKeys.client(keys / "allowed" / "decode.key_secret", server_public_file=keys / "producer.key")
+    closed = kvrt.CurveKeys.server(keys / "producer.key_secret")
+    assert not closed.allow_any_client and closed.allowed_clients == frozenset()
+    async with kvrt.Producer(curve=closed) as producer:
+        with pytest.raises(kvrt.AuthError):
+            await kvrt.Consumer(connect=producer.endpoint, curve=allowed, connect_timeout_s=5.0).start()
+        with pytest.raises(kvrt.AuthError):  # the operator's tools neither: evict and all
+            await kvrt.Client(producer.endpoint, curve=allowed, connect_timeout_s=5.0).start()
+
+
+async def test_any_client_that_knows_the_producers_key_gets_in_only_when_the_producer_says_so(keys: Path) -> None:
+    stranger = kvrt.CurveKeys.client(
+        keys / "strangers" / "stranger.key_secret", server_public_file=keys / "producer.key"
+    )
+    open_to_all = kvrt.CurveKeys.server(keys / "producer.key_secret", allow_any_client=True)
+    async with kvrt.Producer(curve=open_to_all) as producer:
+        async with kvrt.Consumer(connect=producer.endpoint, curve=stranger) as consumer:
+            assert await consumer.drop_select(torch.arange(3)) is None
+
+
+def test_keys_from_the_environment_without_allowed_keys_admit_no_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    public, secret = zmq.curve_keypair()
+    monkeypatch.setenv("KVRT_CURVE_PUBLIC_KEY", public.decode())
+    monkeypatch.setenv("KVRT_CURVE_SECRET_KEY", secret.decode())
+    monkeypatch.delenv("KVRT_CURVE_ALLOWED_KEYS", raising=False)
+    keys = kvrt.CurveKeys.from_env()
+    assert keys is not None and keys.allowed_clients == frozenset() and not keys.allow_any_client
+    monkeypatch.setenv("KVRT_CURVE_ALLOW_ANY_CLIENT", "1")
+    keys = kvrt.CurveKeys.from_env()
+    assert keys is not None and keys.allow_any_client
+    monkeypatch.setenv("KVRT_CURVE_ALLOW_ANY_CLIENT", "yes please")
+    with pytest.raises(kvrt.InvalidInputError, match="ALLOW_ANY_CLIENT"):
+        kvrt.CurveKeys.from_env()
 
 
 def test_keys_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,7 @@ def test_a_batch_is_answered_in_query_order_with_its_hits_back_to_back_and_align
     first, _ = pair.insert([1, 2, 3])
     second, _ = pair.insert([4, 5])
     request_id, message = pair.consumer.start_request(
-        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([4, 5, 6]), query([9]), query([1, 2])])
+        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([4, 5, 6]), query([9]), query([1, 2])]), pair.now
     )
     (out,) = pair.send(message)
     reply = out.message
@@ -52,14 +52,16 @@ def test_an_item_goes_to_one_query_of_a_batch_and_returns_when_its_consumer_leav
     pair.connect()
     item, _ = pair.insert([1, 2])
     _, message = pair.consumer.start_request(
-        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1, 2]), query([1]), query(None)])
+        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1, 2]), query([1]), query(None)]), pair.now
     )
     (out,) = pair.send(message)
     assert isinstance(out.message, m.DeliverMany)
     assert [hit is not None for hit in out.message.hits] == [True, False, False]
     assert pair.producer.buffer.nbytes == item.nbytes  # in flight
     pair.send(m.Bye())
-    _, message = pair.consumer.start_request(lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1])]))
+    _, message = pair.consumer.start_request(
+        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1])]), pair.now
+    )
     pair.connect()
     (out,) = pair.send(message)
     assert isinstance(out.message, m.DeliverMany) and out.items == (item,)
@@ -87,7 +89,7 @@ def test_a_batch_with_a_bad_query_is_refused_whole_and_takes_nothing() -> None:
     pair.connect()
     pair.insert([1, 2])
     _, message = pair.consumer.start_request(
-        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1, 2]), b"\x01\x02\x03"])
+        lambda rid: m.DropSelectMany(request_id=rid, queries=[query([1, 2]), b"\x01\x02\x03"]), pair.now
     )
     (out,) = pair.send(message)
     assert isinstance(out.message, m.ErrorReply) and "whole number" in out.message.message

@@ -177,7 +177,7 @@ def test_the_index_shrinks_back_to_nothing_when_emptied_newest_first() -> None:
     for item in reversed(items):
         buffer.take(item)
         buffer.forget(item)
-    root = buffer._root
+    root = buffer._index._root
     assert root.children == {}
     assert len(root.subtree.entries) <= 16
     assert buffer.nbytes == 0
@@ -247,7 +247,7 @@ def test_a_lookup_walks_one_path_whatever_the_number_of_items(count: int) -> Non
     for item in items:
         buffer.add(item)
     visited = 0
-    original = buffer._root.children.__class__.get
+    original = buffer._index._root.children.__class__.get
 
     class CountingDict(dict[int, object]):
         def get(self, key: int, default: object = None) -> object:  # type: ignore[override]
@@ -260,7 +260,7 @@ def test_a_lookup_walks_one_path_whatever_the_number_of_items(count: int) -> Non
         for child in node.children.values():  # type: ignore[attr-defined]
             instrument(child)
 
-    instrument(buffer._root)
+    instrument(buffer._index._root)
     found = buffer.best_match(items[-1].masked_tokens)
     assert found is not None and found.item is items[-1]
     assert visited <= 3  # root → (branch on the first token) → leaf

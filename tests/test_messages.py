@@ -128,15 +128,65 @@ def test_arbitrary_bytes_decode_to_a_message_or_a_protocol_error(frame: bytes) -
         pass
 
 
-_msgpack_values = st.recursive(
+_msgpack_scalars = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**63), max_value=2**64 - 1)
     | st.floats()
-    | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    | st.text(max_size=8)
+    | st.binary(max_size=16)
+    | st.builds(msgspec.msgpack.Ext, st.integers(min_value=-128, max_value=127), st.binary(max_size=17))
+)
+"""Every msgpack type: nil, bool, ints of every width and sign, floats, str, bin, and ext
+(timestamps, code -1, among them)."""
+
+_msgpack_values = st.recursive(
+    _msgpack_scalars,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    | st.dictionaries(st.integers(min_value=-5, max_value=5) | st.binary(max_size=4), children, max_size=3),
     max_leaves=12,
 )
+
+
+def _nested(depth: int, inner: bytes, *, as_map: bool) -> bytes:
+    """`inner` wrapped in `depth` one-element arrays (or one-entry maps keyed by 0)."""
+    return (b"\x81\x00" if as_map else b"\x91") * depth + inner
+
+
+def test_a_frame_nested_deeper_than_the_decoder_goes_is_a_remote_protocol_error() -> None:
+    # 1003 bytes: a version, then 1000 nested one-element arrays.
+    with pytest.raises(RemoteProtocolError, match="nests deeper"):
+        m.decode(b"\x92\x01" + b"\x91" * 1000 + b"\xc0")
+    assert m.peek_request_id(b"\x92\x01" + b"\x91" * 1000 + b"\xc0") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    depth=st.integers(min_value=1, max_value=20_000),
+    as_map=st.booleans(),
+    where=st.sampled_from(["envelope", "message", "field", "version"]),
+    leaf=_msgpack_scalars,
+)
+def test_nesting_of_any_depth_anywhere_in_a_frame_decodes_or_is_a_protocol_error(
+    depth: int, as_map: bool, where: str, leaf: object
+) -> None:
+    inner = msgspec.msgpack.encode(leaf)
+    nested = _nested(depth, inner, as_map=as_map)
+    if where == "envelope":
+        frame = nested
+    elif where == "version":
+        frame = b"\x92" + nested + msgspec.msgpack.encode({"type": "ping"})
+    elif where == "message":
+        frame = b"\x92\x01" + nested
+    else:  # deep inside a field of a message the producer accepts
+        frame = b"\x92\x01" + b"\x83\xa4type\xabdrop_select\xaarequest_id\x07\xa6tokens" + nested
+    for decode in (m.decode, m.decode_share):
+        try:
+            decode(frame)
+        except ProtocolError:
+            pass
+    assert m.peek_request_id(frame) in (None, 7)
 
 
 @settings(max_examples=300, deadline=None)

@@ -52,7 +52,7 @@ class Pair:
     def drop_select(self, tokens: list[int] | None, timeout_s: float | None = 0.0) -> tuple[int, list[Outgoing]]:
         wire = None if tokens is None else m.tokens_to_bytes(np.array(tokens))
         request_id, message = self.consumer.start_request(
-            lambda request_id: m.DropSelect(request_id=request_id, tokens=wire, timeout_s=timeout_s)
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=wire, timeout_s=timeout_s), self.now
         )
         return request_id, self.send(message)
 
@@ -261,23 +261,41 @@ def test_receipt_for_an_item_not_in_flight_is_refused(pair: Pair) -> None:
     assert isinstance(error, m.ErrorReply) and error.code is ErrorCode.NOT_FOUND
 
 
-def test_the_consumer_pings_every_heartbeat_and_loses_a_silent_producer(pair: Pair) -> None:
+def test_the_consumer_pings_every_heartbeat_and_loses_a_producer_that_answers_nothing_for_its_lease(
+    pair: Pair,
+) -> None:
     assert pair.consumer.next_deadline() == HEARTBEAT_S
     due, lost = pair.consumer.expire(HEARTBEAT_S)
-    assert due == [m.Ping()] and lost is None
-    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
-    due, lost = pair.consumer.expire(HEARTBEAT_S * HEARTBEAT_MISSES)
+    assert due == [m.Ping(nonce=1)] and lost is None
+    request_id, _ = pair.consumer.start_request(
+        lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None), pair.now
+    )
+    lease_ends = pair.consumer.lease_ends  # from the hello, the last message answered
+    assert lease_ends < HEARTBEAT_S * HEARTBEAT_MISSES == pair.producer.lease_s
+    assert pair.consumer.expire(lease_ends - 0.01)[1] is None
+    due, lost = pair.consumer.expire(lease_ends)
     assert isinstance(lost, Lost) and lost.request_ids == (request_id,)
-    assert isinstance(lost.error, PeerLostError) and "did not answer" in str(lost.error)
+    assert isinstance(lost.error, PeerLostError) and "answered nothing" in str(lost.error)
     assert pair.consumer.state is LinkState.LOST
+
+
+def test_an_answered_ping_renews_the_lease_from_when_it_was_sent(pair: Pair) -> None:
+    pair.now = 3.0
+    due, _ = pair.consumer.expire(pair.now)
+    (ping,) = due
+    pair.now = 3.5  # the pong comes later: the lease still counts from the ping's send time
+    pair.deliver(pair.send(ping))
+    assert pair.consumer.lease_ends == pytest.approx(3.0 + 0.9 * pair.consumer.lease_s)
+    assert pair.consumer.lease_holds(pair.consumer.lease_ends - 0.01)
+    assert not pair.consumer.lease_holds(pair.consumer.lease_ends)
 
 
 def test_a_lost_link_says_hello_again_and_recovers(pair: Pair) -> None:
     pair.consumer.expire(HEARTBEAT_S * HEARTBEAT_MISSES)
     assert pair.consumer.state is LinkState.LOST
     with pytest.raises(PeerLostError, match="not connected"):
-        pair.consumer.start_request(lambda rid: m.Ping())
-    pair.now = 10.0
+        pair.consumer.start_request(lambda rid: m.Ping(), pair.now)
+    pair.now = HEARTBEAT_S * (HEARTBEAT_MISSES + 1)
     due, _ = pair.consumer.expire(pair.now)
     assert [type(message) for message in due] == [m.Hello]
     pair.deliver(pair.send(due[0]))
@@ -301,7 +319,9 @@ def test_a_link_that_starts_afresh_fails_its_calls_and_its_hello_returns_what_th
 
 
 def test_a_restarted_producer_fails_pending_calls_and_the_link_reconnects(pair: Pair) -> None:
-    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
+    request_id, _ = pair.consumer.start_request(
+        lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None), pair.now
+    )
     restarted = ProducerCore(producer_id="producer-B", heartbeat_s=HEARTBEAT_S)
     refusal = restarted.receive(PEER, m.encode(m.Ping()), 0, pair.now)
     events = pair.deliver(refusal)
@@ -313,7 +333,9 @@ def test_a_restarted_producer_fails_pending_calls_and_the_link_reconnects(pair: 
 
 
 def test_bye_from_the_producer_fails_pending_calls(pair: Pair) -> None:
-    request_id, _ = pair.consumer.start_request(lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None))
+    request_id, _ = pair.consumer.start_request(
+        lambda rid: m.DropSelect(request_id=rid, tokens=None, timeout_s=None), pair.now
+    )
     events = pair.deliver(pair.producer.close("shutting down"))
     assert isinstance(events[0], Lost) and events[0].request_ids == (request_id,)
     assert "shutting down" in str(events[0].error)

@@ -322,7 +322,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as leaving:
         reader = await leaving.open_stream(tokens)
         assert reader is not None
-        monkeypatch.setattr(leaving._links[0], "settle", lambda item_id, *, keep: None)  # type: ignore[attr-defined]
+        monkeypatch.setattr(leaving._links[0], "settle", lambda item_id, *, keep: True)  # type: ignore[attr-defined]
         for layer in range(LAYERS):
             await stream.put_layer(*layer_kv(layer))
         hidden = torch.randn(TOKENS, 3)

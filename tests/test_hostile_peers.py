@@ -1,0 +1,451 @@
+"""A serving core no peer, stall or load can break: each test is one way a peer (or the host)
+misbehaves, with real processes and sockets where the fault crosses them, and stalls made
+with SIGSTOP/SIGCONT."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+import kvrt
+from kvrt import _messages as m
+from kvrt._protocol import HEARTBEAT_MISSES, MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER, ProducerCore
+from tests._processes import child_process, run_busy_producer, run_non_reader, run_producer, run_waiting_consumer
+
+HEARTBEAT_S = 0.1
+LEASE_S = HEARTBEAT_S * HEARTBEAT_MISSES
+
+
+def _stop(process: object) -> None:
+    pid = getattr(process, "pid", None)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+
+
+def _resume(process: object) -> None:
+    pid = getattr(process, "pid", None)
+    assert pid is not None
+    os.kill(pid, signal.SIGCONT)
+
+
+# -- 1. frames that do not decode --------------------------------------------------------------
+
+
+DEEP_FRAME = b"\x92\x01" + b"\x91" * 1000 + b"\xc0"
+"""1003 bytes of nested arrays: deeper than the decoder goes."""
+
+
+async def _raw_reply(socket: zmq.asyncio.Socket) -> m.Message:
+    async with asyncio.timeout(5):
+        return m.decode((await socket.recv_multipart())[0])
+
+
+@pytest.mark.parametrize("said_hello", [False, True], ids=["stranger", "after-hello"])
+async def test_a_deeply_nested_frame_is_refused_alone_and_the_producer_keeps_every_item(said_hello: bool) -> None:
+    async with kvrt.Producer() as producer:
+        await producer.insert(torch.arange(8), None, torch.ones(1, 8, 1, 4), torch.ones(1, 8, 1, 4))
+        context = zmq.asyncio.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(producer.endpoint)
+            if said_hello:
+                await socket.send(m.encode(m.Hello(version=m.PROTOCOL_VERSION)))
+                assert isinstance(await _raw_reply(socket), m.Welcome)
+            for frame in (DEEP_FRAME, b"\x92\x01\x83\xa4type\xabdrop_select\xaarequest_id\x07\xa6tokens" + DEEP_FRAME):
+                await socket.send(frame)
+                reply = await _raw_reply(socket)
+                assert isinstance(reply, m.ErrorReply) and reply.code is kvrt.ErrorCode.PROTOCOL
+                assert "nests deeper" in reply.message
+        finally:
+            socket.close()
+            context.term()
+        assert producer.refusals()["protocol"] == 2
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            item = await consumer.drop_select(torch.arange(8))
+            assert item is not None and torch.equal(item.key, torch.ones(1, 8, 1, 4))
+
+
+async def test_a_deeply_nested_frame_from_the_producer_is_dropped_and_the_link_keeps_working() -> None:
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+
+        async def fake_producer() -> None:
+            while True:
+                peer, frame = await router.recv_multipart()
+                message = m.decode(frame)
+                if isinstance(message, m.Hello):
+                    welcome = m.Welcome(version=m.PROTOCOL_VERSION, producer_id="fake", heartbeat_s=1.0, lease_s=10.0)
+                    await router.send_multipart([peer, m.encode(welcome)])
+                elif isinstance(message, m.DropSelect):
+                    await router.send_multipart([peer, DEEP_FRAME])  # garbage first, then the answer
+                    await router.send_multipart([peer, m.encode(m.Miss(request_id=message.request_id))])
+
+        serving = asyncio.create_task(fake_producer())
+        try:
+            async with kvrt.Consumer(connect=f"tcp://127.0.0.1:{port}") as consumer:
+                assert await consumer.drop_select(torch.arange(4)) is None
+                assert await consumer.drop_select(torch.arange(4)) is None
+                assert consumer._links[0].rejected_frames == 2
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+    finally:
+        router.close()
+        context.term()
+
+
+# -- 2. exactly once across a stall -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [4 << 10, 256 << 10], ids=["4KiB", "256KiB"])
+@pytest.mark.parametrize("then", ["taken-by-another", "evicted"])
+async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_to_it(size: int, then: str) -> None:
+    tokens = torch.arange(16)
+    key = torch.randn(1, 16, 1, size // 2 // 16 // 4)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        args = (producer.endpoint, HEARTBEAT_S, tokens.tolist())
+        async with child_process(run_waiting_consumer, args, "a waiting consumer") as (asked, stalled, control):
+            assert asked == "asked" and producer.stats().waiting_requests == 1
+            # Its loop is held while the item reaches its process (libzmq's thread queues it),
+            # then the whole process stops: when it wakes, the item is the first thing it reads.
+            control.send(("hold", 0.5))
+            assert await asyncio.to_thread(control.recv) == "holding"
+            producer._peer_left.clear()
+            await producer.insert(tokens, None, key, key)
+            assert producer.stats().in_flight == 1  # sent to the consumer whose loop is held
+            _stop(stalled)  # and now stopped for longer than its lease (a GC pause, SIGSTOP)
+            try:
+                async with asyncio.timeout(LEASE_S + 5):  # its lease ends; the item comes back
+                    await producer._peer_left.wait()
+                assert producer.stats().items == 1
+                if then == "taken-by-another":
+                    async with kvrt.Consumer(connect=producer.endpoint) as other:
+                        item = await other.drop_select(tokens)
+                        assert item is not None and torch.equal(item.key, key)
+                else:
+                    async with kvrt.Client(producer.endpoint) as client:
+                        (listed,) = (await client.list_items()).items
+                        await client.evict(listed.item_id)
+                assert producer.stats().items == 0
+            finally:
+                _resume(stalled)
+            outcome = await asyncio.to_thread(control.recv)
+            assert outcome[0] == "error" and outcome[1] in ("LeaseExpiredError", "PeerLostError"), outcome
+        stats = producer.stats()
+        assert stats.totals.delivered_items == (1 if then == "taken-by-another" else 0)
+        assert (stats.items, stats.in_flight) == (0, 0)
+
+
+def test_a_receipt_after_the_lease_ended_is_refused_and_the_item_stays_with_its_new_holder() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
+    for peer in (b"a", b"b"):
+        core.receive(peer, m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
+    from tests.test_protocol import make_item
+
+    item = make_item(core, [1, 2, 3])
+    core.insert(item, 0.0)
+    (sent,) = core.receive(b"a", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+    assert isinstance(sent.message, m.Deliver)
+    first_lease = sent.message.lease
+    core.receive(b"b", m.encode(m.Ping()), 0, core.lease_s)  # b stays; a said nothing since 0.0
+    core.expire(core.lease_s)  # a's lease ended: the item is back
+    (again,) = core.receive(b"b", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, core.lease_s)
+    assert isinstance(again.message, m.Deliver) and again.message.lease != first_lease
+    late = core.receive(b"a", m.encode(m.Received(item_ids=[item.item_id], leases=[first_lease])), 0, core.lease_s)
+    assert isinstance(late[0].message, m.ErrorReply)  # a is forgotten: it must say hello again
+    core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, core.lease_s)
+    stale = core.receive(b"a", m.encode(m.Received(item_ids=[item.item_id], leases=[first_lease])), 0, core.lease_s)
+    assert isinstance(stale[0].message, m.ErrorReply) and stale[0].message.code is kvrt.ErrorCode.NOT_FOUND
+    assert core.receive(b"b", m.encode(m.Received(item_ids=[item.item_id], leases=[again.message.lease])), 0, 1.0) == []
+    assert core.counters.delivered_items == 1
+
+
+# -- 3. a peer that stops reading --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requests", [15_000, 300_000], ids=["stalls", "floods"])
+async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it(requests: int) -> None:
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        assert producer._outboxes is not None
+        async with (
+            kvrt.Consumer(connect=producer.endpoint) as consumer,
+            child_process(run_non_reader, (producer.endpoint, requests), "a non-reader") as (sent, _, _),
+        ):
+            assert sent == requests
+            latencies = []
+            for index in range(200):
+                await producer.insert(torch.tensor([index, 1]), None, torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2))
+                started = time.monotonic()
+                assert await consumer.drop_select(torch.tensor([index, 1])) is not None
+                latencies.append(time.monotonic() - started)
+            assert max(latencies) < 0.5, f"a call waited {max(latencies):.3f} s behind the non-reader"
+            async with kvrt.Client(producer.endpoint) as newcomer:  # new peers still get in
+                assert (await newcomer.health()).producer_id
+            if requests < 100_000:  # its replies wait in its outbox: the producer waits for room idly
+                stuck = producer._outboxes.next_retry() is not None
+                cpu_before, wall_before = time.process_time(), time.monotonic()
+                await asyncio.sleep(0.5)
+                cpu_share = (time.process_time() - cpu_before) / (time.monotonic() - wall_before)
+                assert stuck and cpu_share < 0.2, f"the producer spun on a full queue ({cpu_share:.0%} CPU)"
+            async with asyncio.timeout(LEASE_S + 30):
+                while producer.stats().peers > 1:  # the non-reader is dropped: stalled for its lease, or overflowing
+                    producer._peer_left.clear()
+                    await producer._peer_left.wait()
+            assert await consumer.drop_select(torch.tensor([-1])) is None
+
+
+# -- 4. bounds per peer ------------------------------------------------------------------------
+
+
+def _hello(core: ProducerCore, peer: bytes) -> None:
+    core.receive(peer, m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
+
+
+def _wait(core: ProducerCore, peer: bytes, request_id: int, tokens: np.ndarray) -> list[object]:
+    request = m.DropSelect(request_id=request_id, tokens=m.tokens_to_bytes(tokens), timeout_s=None)
+    return [out.message for out in core.receive(peer, m.encode(request), 0, 0.0)]
+
+
+def test_one_peer_cannot_park_more_than_its_share_of_waiting_requests() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0)
+    _hello(core, b"greedy")
+    _hello(core, b"other")
+    for request_id in range(1, MAX_WAITING_PER_PEER + 1):
+        assert _wait(core, b"greedy", request_id, np.array([request_id])) == []
+    (refused,) = _wait(core, b"greedy", MAX_WAITING_PER_PEER + 1, np.array([0]))
+    assert isinstance(refused, m.ErrorReply) and refused.code is kvrt.ErrorCode.CAPACITY
+    assert _wait(core, b"other", 1, np.array([7])) == []  # not locked out
+
+
+def test_one_peer_cannot_hold_more_than_its_share_of_query_bytes() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0)
+    _hello(core, b"greedy")
+    _hello(core, b"other")
+    big = m.MAX_TOKENS  # 8 MiB of tokens each
+    fits = MAX_WAITING_QUERY_BYTES_PER_PEER // (big * m.TOKEN_BYTES)
+    for request_id in range(1, fits + 1):
+        assert _wait(core, b"greedy", request_id, np.full(big, request_id)) == []
+    (refused,) = _wait(core, b"greedy", fits + 1, np.full(big, 0))
+    assert isinstance(refused, m.ErrorReply) and refused.code is kvrt.ErrorCode.CAPACITY
+    assert _wait(core, b"other", 1, np.full(big, -1)) == []
+
+
+def _lookups_of_an_insert(waiters: int) -> int:
+    """Dict lookups the waiter index makes while an insert finds (none of) its waiters."""
+    from tests.test_protocol import make_item
+
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0)
+    _hello(core, b"peer")
+    for request_id in range(1, waiters + 1):
+        _wait(core, b"peer", request_id, np.array([request_id, request_id + 1, request_id + 2]))
+    lookups = 0
+
+    class Counting(dict):  # type: ignore[type-arg]
+        def get(self, key: object, default: object = None) -> object:
+            nonlocal lookups
+            lookups += 1
+            return super().get(key, default)
+
+    def instrument(node: object) -> None:
+        children = node.children  # type: ignore[attr-defined]
+        node.children = Counting(children)  # type: ignore[attr-defined]
+        for child in children.values():
+            instrument(child)
+
+    instrument(core._plain_waiters.by_query._root)
+    core.insert(make_item(core, [-5, -6, -7]), 0.0)
+    return lookups
+
+
+def test_an_insert_finds_its_waiter_without_looking_at_the_others() -> None:
+    assert _lookups_of_an_insert(10) == _lookups_of_an_insert(4000) <= 3
+
+
+# -- 5. values the wire cannot carry -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"buffer_bytes": 2**64}, "buffer_bytes"),
+        ({"buffer_bytes": True}, "buffer_bytes"),
+        ({"buffer_bytes": 0}, "buffer_bytes"),
+        ({"heartbeat_s": float("inf")}, "heartbeat_s"),
+        ({"heartbeat_s": True}, "heartbeat_s"),
+        ({"heartbeat_s": float("nan")}, "heartbeat_s"),
+        ({"heartbeat_s": 1e12}, "heartbeat_s"),
+        ({"item_ttl_s": float("inf")}, "item_ttl_s"),
+        ({"item_ttl_s": True}, "item_ttl_s"),
+        ({"bind": "tcp://127.0.0.1:70000"}, "70000"),
+        ({"bind": "tcp://127.0.0.1:-1"}, "-1"),
+        ({"bind": 5555}, "bind"),
+    ],
+)
+async def test_producer_arguments_the_protocol_cannot_carry_are_refused(
+    arguments: dict[str, object], named: str
+) -> None:
+    with pytest.raises(kvrt.InvalidInputError, match=named):
+        await kvrt.Producer(**arguments).start()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"heartbeat_s": float("inf")}, "heartbeat_s"),
+        ({"heartbeat_s": True}, "heartbeat_s"),
+        ({"connect_timeout_s": float("inf")}, "connect_timeout_s"),
+        ({"connect_timeout_s": -1}, "connect_timeout_s"),
+        ({"transfer_timeout_s": float("inf")}, "transfer_timeout_s"),
+        ({"reply_timeout_s": 0}, "reply_timeout_s"),
+        ({"connect": "tcp://127.0.0.1:99999"}, "99999"),
+    ],
+)
+async def test_consumer_arguments_the_protocol_cannot_carry_are_refused(
+    arguments: dict[str, object], named: str
+) -> None:
+    fields = {"connect": "tcp://127.0.0.1:5555", **arguments}
+    with pytest.raises(kvrt.InvalidInputError, match=named):
+        await kvrt.Consumer(**fields).start()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), True, -1.0, 1e12])
+async def test_a_call_timeout_the_protocol_cannot_carry_is_refused(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, timeout: float
+) -> None:
+    with pytest.raises(kvrt.InvalidInputError, match="timeout"):
+        await consumer.drop_select(torch.arange(3), None, timeout=timeout)
+    with pytest.raises(kvrt.InvalidInputError, match="timeout"):
+        await producer.insert(torch.arange(3), None, torch.ones(1, 3, 1, 1), torch.ones(1, 3, 1, 1), timeout=timeout)
+
+
+async def test_a_reply_that_cannot_be_built_fails_that_request_alone(producer: kvrt.Producer) -> None:
+    producer._core.buffer_limit_bytes = 2**64  # what validation keeps out, as if it got in
+    async with kvrt.Client(producer.endpoint) as client:
+        with pytest.raises(kvrt.KVRTError, match="could not be built"):
+            await client.stats()
+        assert (await client.health()).producer_id  # still serving
+    await producer.insert(torch.arange(3), None, torch.ones(1, 3, 1, 1), torch.ones(1, 3, 1, 1))
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        assert await consumer.drop_select(torch.arange(3)) is not None
+
+
+# -- 7. the caller's timeout bounds the call ---------------------------------------------------
+
+
+async def test_a_call_against_a_stalled_producer_ends_within_its_own_timeout_plus_the_reply_timeout() -> None:
+    async with child_process(run_producer, (0, 1.0), "a producer") as (endpoint, stalled, _):
+        async with kvrt.Consumer(connect=endpoint, reply_timeout_s=0.3) as consumer:
+            assert await consumer.drop_select(torch.arange(4)) is None
+            _stop(stalled)
+            try:
+                started = time.monotonic()
+                with pytest.raises(kvrt.KVRTTimeoutError) as raised:
+                    await consumer.drop_select(torch.arange(4), None, timeout=0.5)
+                took = time.monotonic() - started
+            finally:
+                _resume(stalled)
+            assert raised.value.phase == "reply" and 0.5 <= took < 0.5 + 0.3 + 0.4, took
+            assert await consumer.drop_select(torch.arange(4), None, timeout=0.5) is None  # and it goes on
+
+
+# -- 9. bad values at the call that got them ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def meta_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """A meta KV block and meta tokens (made off the event loop: torch's first meta tensor is slow)."""
+    return torch.empty(1, 4, 1, 2, device="meta"), torch.arange(4, device="meta")
+
+
+async def test_meta_tensors_are_refused_with_a_typed_error(
+    producer: kvrt.Producer, meta_tensors: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    meta, meta_tokens = meta_tensors
+    with pytest.raises(kvrt.InvalidInputError, match="meta"):
+        await producer.insert(torch.arange(4), None, meta, meta)
+    with pytest.raises(kvrt.InvalidInputError, match="meta"):
+        await producer.insert(meta_tokens, None, torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 2))
+
+
+def test_evicting_an_item_id_the_protocol_cannot_carry_is_a_clear_cli_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrt", "evict", "tcp://127.0.0.1:9", str(2**70)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "item" in result.stderr and str(2**70) in result.stderr
+
+
+async def test_a_large_item_answers_with_its_header_first_and_its_bytes_in_a_payload_message_behind(
+    producer: kvrt.Producer,
+) -> None:
+    key = torch.randn(2, 64, 8, m.SPLIT_PAYLOAD_BYTES // (2 * 64 * 8 * 4) + 1)
+    await producer.insert(torch.arange(64), None, key, key)
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(producer.endpoint)
+        await socket.send(m.encode(m.Hello(version=m.PROTOCOL_VERSION)))
+        assert isinstance(await _raw_reply(socket), m.Welcome)
+        await socket.send(m.encode(m.DropSelect(request_id=5, tokens=None)))
+        async with asyncio.timeout(10):
+            header = await socket.recv_multipart()
+            payload = await socket.recv_multipart()
+        deliver = m.decode(header[0])
+        assert isinstance(deliver, m.Deliver) and len(header) == 1
+        assert m.decode(payload[0]) == m.Payload(request_id=5) and len(payload[1]) == deliver.payload_bytes
+        await socket.send(m.encode(m.Received(item_ids=[deliver.item_id], leases=[deliver.lease])))
+        await socket.send(m.encode(m.Stats(request_id=6)))
+        stats = await _raw_reply(socket)
+        assert isinstance(stats, m.StatsReply) and stats.totals["delivered_items"] == 1
+    finally:
+        socket.close()
+        context.term()
+
+
+async def test_a_large_item_arrives_whole_through_the_consumer_with_its_header_first(producer: kvrt.Producer) -> None:
+    key = torch.randn(4, 256, 8, 128)  # 4 MiB each for key and value
+    await producer.insert(torch.arange(256), None, key, -key)
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        item = await consumer.drop_select(torch.arange(256))
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
+        items = await consumer.drop_select_many([torch.arange(256)])
+        assert items == [None]
+    await producer.insert(torch.arange(256), None, key, -key)
+    await producer.insert(torch.arange(1000, 1256), None, -key, key)
+    producer._peer_left.clear()
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        first, second = await consumer.drop_select_many([torch.arange(256), torch.arange(1000, 1256)])
+        assert first is not None and second is not None and torch.equal(second.key, -key)
+    await asyncio.wait_for(producer._peer_left.wait(), 5)  # its receipts, then its bye, were handled
+    assert (producer.stats().items, producer.stats().in_flight, producer.stats().totals.delivered_items) == (0, 0, 3)
+
+
+# -- 6. liveness under load ---------------------------------------------------------------------
+
+
+async def test_a_producer_whose_loop_is_held_for_seconds_is_not_taken_for_dead() -> None:
+    heartbeat_s = 0.2  # its lease: 2 s; the loop is held 1.5 s, past 4 heartbeats of silence
+    async with child_process(run_busy_producer, (heartbeat_s,), "a busy producer") as (endpoint, _, control):
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            waiting = asyncio.create_task(consumer.drop_select(torch.arange(8), None, timeout=None))
+            assert await consumer.drop_select(torch.arange(9, 12)) is None  # the wait is posted
+            control.send(("busy", 1.5, list(range(8))))
+            assert await asyncio.to_thread(control.recv) == "inserted"
+            item = await asyncio.wait_for(waiting, 10)
+            assert item is not None and item.matched == 8
