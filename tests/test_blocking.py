@@ -278,17 +278,22 @@ def test_a_thread_interrupted_while_it_waits_cancels_its_own_call() -> None:
         with kvrt.blocking.Producer() as producer, kvrt.blocking.Consumer(producer.endpoint) as consumer:
             service = consumer._service
             original = service.drop_select
+            ended = threading.Event()
 
             async def waiting(*args, **kwargs):
                 # Ctrl-C, once the call is on kvrt's loop and the main thread waits for it.
                 threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
-                return await original(*args, **kwargs)
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    ended.set()
 
             service.drop_select = waiting
             try:
                 consumer.drop_select(torch.arange(4), None, timeout=None)
             except KeyboardInterrupt:
                 print("interrupted")
+            assert ended.wait(10), "the call went on waiting on kvrt's loop"
             print("pending", consumer.pending_requests)
         print("closed")
         """
