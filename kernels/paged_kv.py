@@ -7,7 +7,9 @@ copies them, for every layer at once, into a contiguous staging buffer
     staging[layer, token, kv, head, dim]      kv: 0 = K, 1 = V (MLA: K only)
 
 ready for one transfer; `scatter` writes a staging buffer into the replica and slots the
-receiving side chose. This is the shape of LightLLM's kv_trans kernels for dp > 1.
+receiving side chose. This is the shape of LightLLM's kv_trans kernels for dp > 1. Replica and
+slot indexes are int32 or int64 (engines keep them as either), on the pools' device or the host;
+the kernels read either and compute addresses in 64 bits.
 
 Both go through one kernel and one code path for dp == 1 and dp > 1, so that no path can
 use a name another path defines: a table holds the base address of every (replica, copy,
@@ -54,7 +56,7 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     first, end = heads
     if not 0 <= first < end <= table.geometry.heads:
         raise InvalidInputError(f"head range [{first}, {end}) is outside the pools' {table.geometry.heads} heads")
-    if table.layout is Layout.MLA and (first, end) != (0, 1):
+    if table.geometry.kv == 1 and (first, end) != (0, 1):
         raise InvalidInputError("an MLA latent has no heads to select")
     return first, end
 
@@ -83,8 +85,8 @@ def widest_word(alignment: int, byte_offsets: Sequence[int]) -> torch.dtype:
 @triton.jit(do_not_specialize=["first_layer"])  # type: ignore[untyped-decorator]
 def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
-    replica,  # int64 [tokens]
-    slots,  # int64 [tokens]
+    replica,  # int32 or int64 [tokens]
+    slots,  # int32 or int64 [tokens]
     stage_k,  # words: where the staged K rows start
     stage_v,  # words: where the staged V rows start (unused for MLA)
     layers,
@@ -105,8 +107,8 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     gather of random slots near a device copy of the same bytes (`kvrt bench kernels`)."""
     token = tl.program_id(0).to(tl.int64)
     layer = first_layer + tl.program_id(1).to(tl.int64)
-    r = tl.load(replica + token)
-    row_start = tl.load(slots + token) * token_stride + head_offset
+    r = tl.load(replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
+    row_start = tl.load(slots + token).to(tl.int64) * token_stride + head_offset
     stage_k_row = stage_k + layer * stage_layer_stride + token * stage_token_stride
     stage_v_row = stage_v + layer * stage_layer_stride + token * stage_token_stride
     word = stage_k.dtype.element_ty

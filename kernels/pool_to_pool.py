@@ -41,11 +41,11 @@ from kvrt.kernels.paged_kv import (
 @triton.jit  # type: ignore[untyped-decorator]
 def _move_rows(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     src_addresses,  # int64 [replicas, copies, layers]: base address of each source pool
-    src_replica,  # int64 [tokens]
-    src_slots,  # int64 [tokens]
+    src_replica,  # int32 or int64 [tokens]
+    src_slots,  # int32 or int64 [tokens]
     dst_addresses,  # int64 [replicas, copies, layers]: base address of each destination pool
-    dst_replica,  # int64 [tokens]
-    dst_slots,  # int64 [tokens]
+    dst_replica,  # int32 or int64 [tokens]
+    dst_slots,  # int32 or int64 [tokens]
     word_like,  # a tensor of the word type: the pointers' element type
     layers,
     src_token_stride,  # words between consecutive slots of a source pool
@@ -65,11 +65,11 @@ def _move_rows(  # type: ignore[no-untyped-def]  # Triton reads its own annotati
     token = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     word = word_like.dtype.element_ty
-    r = tl.load(src_replica + token)
-    q = tl.load(dst_replica + token)
+    r = tl.load(src_replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
+    q = tl.load(dst_replica + token).to(tl.int64)
     src_base = tl.load(src_addresses + r * SRC_COPIES * layers + layer).to(tl.pointer_type(word))
-    src_row = src_base + tl.load(src_slots + token) * src_token_stride + src_head_offset
-    dst_row_start = tl.load(dst_slots + token) * dst_token_stride + dst_head_offset
+    src_row = src_base + tl.load(src_slots + token).to(tl.int64) * src_token_stride + src_head_offset
+    dst_row_start = tl.load(dst_slots + token).to(tl.int64) * dst_token_stride + dst_head_offset
     for start in tl.static_range(0, ROW, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         if ROW % BLOCK == 0:  # noqa: SIM108 (a static branch: Triton folds it at compile time)

@@ -7,8 +7,12 @@ names every pool of a node, `pools[replica][copy][layer]`; `Producer.register_po
 `Consumer.pull(into=...)` take one. Pool layouts, per layer:
 
     token-major  [slots, 2*H, D]                K heads, then V heads (LightLLM)
+                 [slots, 1, D]                  one latent per token: MLA as LightLLM keeps it
     block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
-    mla          [slots, D]                     one latent per token, the same on every card
+    mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card
+
+Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'
+device or the host.
 
 The kernels that move KV in and out of such pools are in `kvrt.kernels.paged_kv`.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 import torch
@@ -28,6 +32,9 @@ from kvrt._tensors import host_to_device
 
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 """The word types a kernel may move a pool's bytes as, widest first."""
+
+INDEX_DTYPES: Final = (torch.int32, torch.int64)
+"""What replica and slot indexes may be."""
 
 Part = Literal["key", "value"]
 """Only the K rows or only the V rows of a request (None: both)."""
@@ -51,11 +58,9 @@ class PoolGeometry:
     head_dim: int
     token_stride: int
     v_offset: int
-    """From a slot's K row to its V row (0 for MLA, which has no V)."""
-
-    @property
-    def kv(self) -> int:
-        return 1 if self.layout is Layout.MLA else 2
+    """From a slot's K row to its V row (0 for a latent, which has no V)."""
+    kv: int = 2
+    """Rows per slot: K and V, or 1 for a latent (MLA)."""
 
 
 def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
@@ -63,8 +68,14 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
     if not pool.is_contiguous():
         raise InvalidInputError("KV pools must be contiguous")
     if layout is Layout.TOKEN_MAJOR:
+        if pool.dim() == 3 and pool.shape[1] == 1:  # one latent per token (MLA): no V heads
+            slots, _, dim = pool.shape
+            return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
         if pool.dim() != 3 or pool.shape[1] % 2:
-            raise InvalidInputError(f"a token-major pool is [slots, 2*heads, head_dim], got {tuple(pool.shape)}")
+            raise InvalidInputError(
+                "a token-major pool is [slots, 2*heads, head_dim] (K heads, then V heads) or [slots, 1, latent_dim] "
+                f"(MLA), got {tuple(pool.shape)}"
+            )
         slots, two_heads, dim = pool.shape
         return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
     if layout is Layout.BLOCK:
@@ -74,10 +85,14 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
             )
         _, blocks, block_size, heads, dim = pool.shape
         return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+    if pool.dim() == 3 and pool.shape[1] == 1:
+        pool = pool.view(pool.shape[0], pool.shape[2])
     if pool.dim() != 2:
-        raise InvalidInputError(f"an MLA pool is [slots, latent_dim], got {tuple(pool.shape)}")
+        raise InvalidInputError(
+            f"an MLA pool is [slots, latent_dim] or [slots, 1, latent_dim], got {tuple(pool.shape)}"
+        )
     slots, dim = pool.shape
-    return PoolGeometry(layout, slots, 1, dim, dim, 0)
+    return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
 
 
 class PoolTable:
@@ -130,8 +145,11 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
     `ranges_fit`. Indexes on the host (both of them) are reduced there: no round trip."""
     on_host = replica.device.type == "cpu" and slots.device.type == "cpu"
     for name, index in (("replica", replica), ("slot", slots)):
-        if index.dtype != torch.int64 or index.dim() != 1 or not (on_host or index.device == table.device):
-            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device} or on the host")
+        if index.dtype not in INDEX_DTYPES or index.dim() != 1 or not (on_host or index.device == table.device):
+            raise InvalidInputError(
+                f"{name} indexes must be a 1-D int32 or int64 tensor on {table.device} or on the host, got "
+                f"{index.dtype} {tuple(index.shape)} on {index.device}"
+            )
     if replica.shape != slots.shape:
         raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
     if not slots.numel():
@@ -140,7 +158,7 @@ def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -
         ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
         return torch.tensor(ranges, dtype=torch.int64)
     (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
-    return torch.stack((replica_min, replica_max, slot_min, slot_max))
+    return torch.stack([value.to(torch.int64) for value in (replica_min, replica_max, slot_min, slot_max)])
 
 
 def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
@@ -173,5 +191,5 @@ def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) 
 def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
     """Per-token replica indexes, from one replica for every token or a tensor of them."""
     if not isinstance(slots, torch.Tensor):
-        raise InvalidInputError(f"slots must be a 1-D int64 tensor, got {type(slots).__name__}")
+        raise InvalidInputError(f"slots must be a 1-D int32 or int64 tensor, got {type(slots).__name__}")
     return torch.full_like(slots, replica) if isinstance(replica, int) else replica

@@ -26,9 +26,10 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._arguments import byte_count, endpoint, seconds
+from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._buffer import BufferedItem, GathersFailed, StreamState
+from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -316,13 +317,6 @@ def _heartbeat(value: object) -> float:
     return heartbeat_s
 
 
-def _check_device(device: torch.device | str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
-
-
 class Producer(AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
@@ -358,7 +352,7 @@ class Producer(AsyncService):
         bind = endpoint(bind, "bind", binding=True)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        self.device = _check_device(device)
+        self.device = usable_device(device)
         self.buffer_bytes = buffer_bytes
         self._bind = bind
         self._curve = curve
@@ -470,6 +464,7 @@ class Producer(AsyncService):
             raise ClosedError("the producer is not started: use `async with` or `await start()`")
         return self._endpoint
 
+    @on_caller_stream
     async def insert(
         self,
         input_tokens: torch.Tensor,
@@ -479,11 +474,14 @@ class Producer(AsyncService):
         hidden: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
 
         Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
-        room appears or the producer closes). Raises `InvalidInputError` for tensors that
+        room appears or the producer closes). On a GPU the copy is queued on `stream` (None: the
+        caller's current stream, see `kvrt._caller_stream`), after the work that wrote the
+        tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
         self._check_open()
@@ -536,6 +534,7 @@ class Producer(AsyncService):
         self._chunk_bytes = chunk_bytes
         self._taper = bool(taper)
 
+    @on_caller_stream
     async def publish(
         self,
         input_tokens: torch.Tensor,
@@ -544,24 +543,25 @@ class Producer(AsyncService):
         roi: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
         `drop_select`).
 
         Called by the engine once per request, after its prefill wrote the KV: token i's KV is
         at `slots[i]` of replica `replica[i]` (an int: one replica for every token). `slots` and
-        `replica` are 1-D int64 tensors on the pools' device or on the host; `roi` masks the
-        tokens that count for matching, as in `insert`. The KV is gathered into an item of
+        `replica` are 1-D int32 or int64 tensors on the pools' device or on the host; `roi` masks
+        the tokens that count for matching, as in `insert`. The KV is gathered into an item of
         kvrt's own (one kernel launch per chunk, all layers) and buffered like an insert;
         waits while the buffer is over `buffer_bytes`, `timeout` bounds that wait.
 
         Raises `InvalidInputError` (no pools registered, tokens and slots that disagree, a
         slot or replica outside the pools: checked before anything is read or buffered),
         `KVRTTimeoutError` (phase "insert") and `ClosedError`. Memory: on a GPU every gather is
-        queued on the caller's current stream (after the prefill's writes) before this
-        returns, so writes the engine queues on that stream afterwards come after the gathers
-        read the pools (writes from another stream must wait for it); on the CPU the KV is
-        copied before this returns. The item is kvrt's until a consumer takes it."""
+        queued on `stream` (None: the calling thread's current stream, after the prefill's
+        writes) before this returns, so writes the engine queues on that stream afterwards come
+        after the gathers read the pools (writes from another stream must wait for it); on the
+        CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
         pools = self._pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
@@ -693,6 +693,7 @@ class Producer(AsyncService):
             self._gathers = gpu_worker(self.device, "kvrt-gather")
         return self._gathers
 
+    @on_caller_stream
     async def open_stream(
         self,
         input_tokens: torch.Tensor,
@@ -701,6 +702,7 @@ class Producer(AsyncService):
         layers: int | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
@@ -710,7 +712,8 @@ class Producer(AsyncService):
         With `slots` (and `replica`, as for `publish`) the layers are read from the registered
         pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
         (`layers` may be left out). Indexes on the host are checked there; on the GPU the
-        check reads a flag back, which waits for the current stream once."""
+        check reads a flag back, which waits for `stream` (None: the caller's current stream)
+        once."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         placement = None

@@ -107,3 +107,23 @@ async def test_close_ends_pending_calls_like_aclose() -> None:
         await consumer.close()
         with pytest.raises(kvrt.ClosedError):
             await pending
+
+
+def test_the_blocking_sides_and_the_vllm_drop_in_are_where_design_names_them() -> None:
+    import kvrt.blocking
+    import kvrt.compat.vllm
+
+    empty, positional, keyword = inspect.Parameter.empty, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter
+    assert isinstance(kvrt.blocking.Producer, type) and isinstance(kvrt.blocking.Consumer, type)
+    drop_in = kvrt.compat.vllm.KVLookupBuffer
+    described = [(p.name, p.kind, p.default) for p in inspect.signature(drop_in).parameters.values()]
+    assert described == [
+        ("role", positional, empty),
+        ("buffer_size_thresh", positional, empty),
+        ("endpoint", keyword.KEYWORD_ONLY, None),
+        ("options", keyword.VAR_KEYWORD, empty),
+    ]
+    insert = list(inspect.signature(drop_in.insert).parameters)
+    assert insert == ["self", "input_tokens", "roi", "key", "value", "hidden"]
+    assert list(inspect.signature(drop_in.drop_select).parameters) == ["self", "input_tokens", "roi"]
+    assert list(inspect.signature(drop_in.close).parameters) == ["self"]

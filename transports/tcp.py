@@ -41,6 +41,9 @@ class TcpTransport(Transport):
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         if item.frames is None:  # a GPU item for a consumer without a GPU transport
+            written = item.written  # on the inserting caller's stream, not this thread's
+            if written is not None:
+                torch.cuda.current_stream(item.storage.device).wait_event(written)
             item.frames = [tensor_bytes(item.storage.cpu())]
         return item.frames
 
