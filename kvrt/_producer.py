@@ -274,6 +274,10 @@ def _encoded(message: m.Message) -> bytes:
         raise _Unencodable(f"{type(message).__name__}: {exc}") from exc
 
 
+def _frame_bytes(frame: bytes | memoryview) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
 def _earliest(*deadlines: float | None) -> float | None:
     return min((deadline for deadline in deadlines if deadline is not None), default=None)
 
@@ -1038,9 +1042,10 @@ class Producer(AsyncService):
         self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
         dropped: list[Dropped],
     ) -> None:  # fmt: skip
-        """An in-band delivery: with its frames, or, when they are large, its header first and
-        the frames in a `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
-        if message.payload_bytes < m.SPLIT_PAYLOAD_BYTES or not frames:
+        """An in-band delivery: with its frames, or, when they are large (the bytes themselves,
+        over TCP; not a cuda_ipc share that names them), its header first and the frames in a
+        `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        if not frames or sum(_frame_bytes(frame) for frame in frames) < m.SPLIT_PAYLOAD_BYTES:
             self._post(peer, [_encoded(message), *frames], dropped)
             return
         self._post(peer, [_encoded(message)], dropped)

@@ -449,3 +449,19 @@ async def test_a_producer_whose_loop_is_held_for_seconds_is_not_taken_for_dead()
             assert await asyncio.to_thread(control.recv) == "inserted"
             item = await asyncio.wait_for(waiting, 10)
             assert item is not None and item.matched == 8
+
+
+async def test_a_delivery_whose_frames_only_name_its_bytes_travels_in_one_message(
+    producer: kvrt.Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuda_ipc's frame is a share of a few hundred bytes naming an item of any size: it rides
+    # with its header; only the bytes themselves (TCP) follow in a payload message.
+    posted: list[list[object]] = []
+    monkeypatch.setattr(producer, "_post", lambda peer, frames, dropped: posted.append(list(frames)))
+    meta = m.TensorMeta("float16", [1, 1 << 20, 1, 1])
+    deliver = m.Deliver(1, 2, 1, meta, None, meta, meta, None, payload_bytes=4 << 20)
+    producer._post_delivery(b"peer", deliver, [b"a share of 300 bytes".ljust(300)], [])
+    assert [len(frames) for frames in posted] == [2]
+    posted.clear()
+    producer._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
+    assert [len(frames) for frames in posted] == [1, 2]
