@@ -456,8 +456,8 @@ class _Link:
                         self._receipts[:0] = receipts[: m.MAX_RECEIPTS]
                 else:
                     self._send_nowait(message)
-            if first is not None:
-                await asyncio.sleep(0)  # a yield once a batch (see `Producer._serve`)
+            if first is not None and self._io.drained_a_full_batch:
+                await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
 
     def _frame(self, frames: list[zmq.Frame], now: float) -> None:
         """One message from the producer. One that does not decode is dropped and counted; one

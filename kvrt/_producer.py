@@ -54,7 +54,7 @@ from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker, launch_on
-from kvrt._zmqio import Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
+from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
 from kvrt.transports import Transport
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
@@ -882,19 +882,26 @@ class Producer(AsyncService):
         while True:
             first = await io.next(_earliest(core.next_deadline(), outboxes.next_retry()))
             now = self._now()
-            if first is not None:
-                for frames in [first, *io.drain()]:
-                    if len(frames) >= 2:
-                        # Answered one by one: a burst's first item goes out (and its transfer
-                        # starts) before the rest of the burst is looked up.
-                        await self._perform(self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now))
-                        if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
-                            await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
-            await self._perform(self._dropped(outboxes.flush(now), now))
-            await self._perform(core.expire(now))
-            if first is not None:
-                # A flood never suspends `io.next`: yield once a batch, so that inserts and the
-                # engine's other tasks on this loop still run while one peer floods.
+            batch = [] if first is None else [first, *io.drain()]
+            for frames in batch:
+                if len(frames) >= 2:
+                    # Answered one by one: a burst's first item goes out (and its transfer
+                    # starts) before the rest of the burst is looked up.
+                    out = self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+                    if out:
+                        await self._perform(out)
+                    if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
+                        await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
+            if outboxes.next_retry() is not None:
+                await self._perform(self._dropped(outboxes.flush(now), now))
+            expired = core.expire(now)
+            if expired:
+                await self._perform(expired)
+            self._release_departed()
+            self._update_room()  # receipts in the batch may have made room
+            if len(batch) > MAX_BATCH:
+                # A flood never suspends `io.next`: yield once a full batch, so that inserts
+                # and the engine's other tasks on this loop still run while one peer floods.
                 await asyncio.sleep(0)
 
     def _answer(self, peer: bytes, frame: memoryview, extra_frames: int, now: float) -> list[Outgoing]:

@@ -54,6 +54,8 @@ class SocketIO:
             self._loop.add_reader(self._monitor_fd, self._ready.set)
         self._blocked_senders = 0
         self._closed = False
+        self.drained_a_full_batch = False
+        """Whether the last `drain` stopped at `MAX_BATCH`: more may be waiting (a flood)."""
 
     async def next(self, deadline: float | None) -> list[zmq.Frame] | None:
         """The next multipart message, or None once `deadline` (loop time) has passed or the
@@ -91,6 +93,7 @@ class SocketIO:
                 batch.append(self.socket.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
+        self.drained_a_full_batch = len(batch) == MAX_BATCH
         if self._blocked_senders:
             self._ready.set()  # the reads may have swallowed the signal that room to send was made
         return batch
