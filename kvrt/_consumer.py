@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
 
-import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -80,8 +79,6 @@ DEFAULT_REPLY_TIMEOUT_S = 1.0
 producer's answer: a call with `timeout=t` has its answer, or `KVRTTimeoutError`, within
 `t + reply_timeout_s` whatever the producer does (an item's bytes then have
 `transfer_timeout_s` to land)."""
-RECEIPT_DELAY_S: Final = 0.002
-"""How long a receipt waits for a request or ping to ride on before it leaves alone."""
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 """How long a posted receive may take to land (GPU transports) before the link gives its
 producer up: a producer whose loop answers heartbeats while its GPU never writes the bytes
@@ -309,8 +306,8 @@ class _Link:
         if waits_s is not None:
             overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
         try:
-            if not self._send_request(message):
-                await self._io.send([m.encode(message)])  # the queue is full: without receipts
+            if not self._io.send_nowait([m.encode(message)]):
+                await self._io.send([m.encode(message)])
             reply = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -369,10 +366,9 @@ class _Link:
         if keep and self.lease_holds():
             self._receipts.append((item_id, lease))
             if not self._flush_scheduled:
-                # Receipts ride on the next request or ping when one leaves soon (one message
-                # each way per request); else they leave together, in one message, a moment later.
+                # Confirmations made in this loop iteration leave together, in one message.
                 self._flush_scheduled = True
-                asyncio.get_running_loop().call_later(RECEIPT_DELAY_S, self._flush_receipts)
+                asyncio.get_running_loop().call_soon(self._flush_receipts)
             return True
         self._send_in_order(m.Release(item_id=item_id, lease=lease))
         return not keep
@@ -380,25 +376,6 @@ class _Link:
     def _flush_receipts(self) -> None:
         self._flush_scheduled = False
         self._send_receipts()
-
-    def _send_request(self, message: m.Message) -> bool:
-        """Send a request now if the queue has room, with the receipts not sent yet riding on
-        it (kept for the next message if it had none)."""
-        if not self._receipts or not isinstance(message, m.DropSelect | m.DropSelectMany):
-            return self._io.send_nowait([m.encode(message)])
-        receipts = list(self._receipts)
-        if self._io.send_nowait([m.encode(self._with_receipts(message))]):
-            return True
-        self._receipts[:0] = receipts[: m.MAX_RECEIPTS]  # not sent: they leave with another message
-        return False
-
-    def _with_receipts(self, message: m.DropSelect | m.DropSelectMany | m.Ping) -> m.Message:
-        """`message` carrying the receipts not sent yet (as many as one message holds)."""
-        batch = self._receipts[: m.MAX_RECEIPTS]
-        del self._receipts[: m.MAX_RECEIPTS]
-        return msgspec.structs.replace(
-            message, received=[item_id for item_id, _ in batch], received_leases=[lease for _, lease in batch]
-        )
 
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
@@ -450,10 +427,6 @@ class _Link:
             for message in due:
                 if isinstance(message, m.Hello):
                     self._send_in_order(message)
-                elif isinstance(message, m.Ping) and self._receipts and not self._in_order:
-                    receipts = list(self._receipts)
-                    if not self._io.send_nowait([m.encode(self._with_receipts(message))]):
-                        self._receipts[:0] = receipts[: m.MAX_RECEIPTS]
                 else:
                     self._send_nowait(message)
             if first is not None and self._io.drained_a_full_batch:

@@ -121,20 +121,10 @@ class Welcome(Message, frozen=True, tag="welcome"):
     this has passed since it sent its last request that the producer answered."""
 
 
-MAX_RECEIPTS: Final = 4096
-
-ItemIds = Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
-Leases = Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)]
-
-
 class Ping(Message, frozen=True, tag="ping"):
-    """Consumer → producer, at least every `heartbeat_s`; the producer answers Pong.
-    `received` / `received_leases` confirm items as a `received` message would (before the
-    ping is answered), so a receipt need not travel alone."""
+    """Consumer → producer, at least every `heartbeat_s`; the producer answers Pong."""
 
     nonce: int = 0
-    received: ItemIds = []
-    received_leases: Leases = []
 
 
 class Pong(Message, frozen=True, tag="pong"):
@@ -162,9 +152,6 @@ class DropSelect(Message, frozen=True, tag="drop_select"):
     stream: bool = False
     """True: the consumer takes the item layer by layer (`stream_start`, `stream_layer`...,
     `stream_end`), and may take a request whose prefill is still running."""
-    received: ItemIds = []
-    received_leases: Leases = []
-    """Receipts riding on the request, as in `ping`: handled before the request is."""
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
@@ -220,9 +207,6 @@ class DropSelectMany(Message, frozen=True, tag="drop_select_many"):
 
     request_id: RequestId
     queries: Annotated[list[TokenBytes | None], Meta(min_length=1, max_length=MAX_BATCH)]
-    received: ItemIds = []
-    received_leases: Leases = []
-    """Receipts riding on the request, as in `ping`."""
 
 
 class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -279,13 +263,16 @@ class Miss(Message, frozen=True, tag="miss"):
     request_id: RequestId
 
 
+MAX_RECEIPTS: Final = 4096
+
+
 class Received(Message, frozen=True, tag="received"):
     """Consumer → producer: these items' tensors arrived and were handed over; the producer may
     free them. `leases`, when given, names each one's delivery (`Deliver.lease`), in order: a
     receipt for a delivery whose lease ended is refused (`not_found`)."""
 
-    item_ids: ItemIds
-    leases: Leases = []
+    item_ids: Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
+    leases: Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)] = []
 
 
 class Release(Message, frozen=True, tag="release"):

@@ -330,20 +330,17 @@ class ProducerCore:
             return [self._refuse(peer, request_id, ErrorCode.PROTOCOL, text)]
         if state_peer is not None:
             state_peer.last_seen = now
-        receipts: list[Outgoing] = []
-        if isinstance(message, m.Ping | m.DropSelect | m.DropSelectMany) and message.received:
-            receipts = self._on_received(peer, message.received, message.received_leases)
         match message:
             case m.Hello():
                 return self._on_hello(peer, message, now)
             case m.Ping(nonce=nonce):
-                return [*receipts, Outgoing(peer, m.Pong(nonce=nonce))]
+                return [Outgoing(peer, m.Pong(nonce=nonce))]
             case m.Bye():
                 return self._forget_peer(peer, now)
             case m.DropSelect():
-                return [*receipts, *self._on_drop_select(peer, message, now)]
+                return self._on_drop_select(peer, message, now)
             case m.DropSelectMany():
-                return [*receipts, *self._on_drop_select_many(peer, message)]
+                return self._on_drop_select_many(peer, message)
             case m.Cancel(request_id=request_id):
                 self._drop_waiter(peer, request_id)
                 return []

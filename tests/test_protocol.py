@@ -439,18 +439,3 @@ def test_a_query_travels_as_little_endian_int64_whatever_its_tensor(tokens: torc
     wire = query_bytes(tokens, None, what="drop_select")
     assert wire == np.array(tokens.tolist(), dtype="<i8").tobytes()
     assert m.tokens_from_bytes(wire).tolist() == tokens.tolist()
-
-
-def test_receipts_riding_on_a_request_confirm_their_items_before_it_is_answered(pair: Pair) -> None:
-    item, _ = pair.insert([1, 2])
-    _, outgoing = pair.drop_select([1, 2])
-    (deliver,) = [out.message for out in outgoing]
-    assert isinstance(deliver, m.Deliver) and pair.producer.buffer.held == 1
-    riding = m.DropSelect(request_id=99, tokens=None, received=[item.item_id], received_leases=[deliver.lease])
-    (answer,) = pair.send(riding)
-    assert isinstance(answer.message, m.Miss)  # nothing else buffered: the item was confirmed first
-    assert pair.producer.counters.delivered_items == 1 and pair.producer.buffer.held == 0
-    stale = m.Ping(nonce=3, received=[item.item_id], received_leases=[deliver.lease])
-    refused, pong = pair.send(stale)
-    assert isinstance(refused.message, m.ErrorReply) and refused.message.code is ErrorCode.NOT_FOUND
-    assert pong.message == m.Pong(nonce=3)
