@@ -465,3 +465,40 @@ async def test_a_delivery_whose_frames_only_name_its_bytes_travels_in_one_messag
     posted.clear()
     producer._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
     assert [len(frames) for frames in posted] == [1, 2]
+
+
+def _ticked(core: ProducerCore, until: float) -> list[object]:
+    """`expire` every tenth of a heartbeat up to `until`, as a running serve loop calls it."""
+    out: list[object] = []
+    now = 0.0
+    while now < until:
+        now = min(until, now + core.heartbeat_s / 10)
+        out += core.expire(now)
+    return out
+
+
+def test_a_producer_woken_from_a_stall_reads_what_was_sent_meanwhile_before_any_lease_ends() -> None:
+    from tests.test_protocol import make_item
+
+    def delivered_core() -> tuple[ProducerCore, m.Deliver, int]:
+        core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
+        core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
+        item = make_item(core, [1, 2, 3])
+        core.insert(item, 0.0)
+        (sent,) = core.receive(b"a", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+        assert isinstance(sent.message, m.Deliver)
+        return core, sent.message, item.item_id
+
+    # Running all along: the lease ends on time and the item goes back.
+    core, _, _ = delivered_core()
+    _ticked(core, core.lease_s + HEARTBEAT_S)
+    assert core.peer_count == 0 and len(core.buffer) == 1
+    # Stopped from before the lease's end to well after it: the consumer's receipt (sent inside
+    # its lease) waits unread; woken, the producer holds the lease a heartbeat more, reads it.
+    core, deliver, item_id = delivered_core()
+    _ticked(core, core.lease_s * 0.8)
+    woken = core.lease_s * 3
+    assert core.expire(woken) == [] and core.peer_count == 1  # not forgotten at once
+    receipt = m.Received(item_ids=[item_id], leases=[deliver.lease])
+    assert core.receive(b"a", m.encode(receipt), 0, woken + 0.001) == []
+    assert core.counters.delivered_items == 1 and len(core.buffer) == 0
