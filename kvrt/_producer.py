@@ -48,6 +48,7 @@ from kvrt._item import (
     item_from_tokens,
     masked_tokens,
 )
+from kvrt._messages import Capability
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._protocol import HEARTBEAT_MISSES, Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
@@ -967,6 +968,16 @@ class Producer(AsyncService):
     async def _send_one(self, send: Outgoing, dropped: list[Dropped]) -> None:
         """Build and post one message the core answered, with its payload."""
         message = send.message
+        item = send.item
+        if (
+            type(message) is m.Deliver and item is not None and item.frames is not None
+            and item.gathers is None and item.fill is None
+            and self._core.transport_of(send.peer) == Capability.TCP
+        ):  # fmt: skip
+            # The common case on a CPU host, without a coroutine in the way: an inserted item's
+            # bytes, framed once at insert, go with its header.
+            self._post_delivery(send.peer, message, item.frames, dropped)
+            return
         if isinstance(message, m.ErrorReply) and self._refusal_log.allows(self._now()):
             log.info(
                 "refused a message: %s%s", message.message, self._refusal_log.suppressed_note(),
