@@ -105,6 +105,8 @@ class BufferedItem:
     the reader left before confirming it. Call it (once) before anything reads the storage."""
     lease: int = 0
     """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
+    charged: int = 0
+    """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None

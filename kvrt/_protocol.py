@@ -68,6 +68,10 @@ MAX_WAITING_QUERY_BYTES_PER_PEER: Final = 64 << 20
 """Most bytes of tokens one consumer's waiting drop-selects hold in the producer."""
 MAX_WAITING_QUERY_BYTES: Final = 1 << 30
 """Most bytes of tokens all waiting drop-selects hold in the producer."""
+UNCONFIRMED_SHARE: Final = 0.5
+"""Most of the buffer's limit one consumer may hold delivered and not confirmed: one that
+takes items and never confirms them (alive, pinging) cannot fill the buffer and stall every
+insert; past it, it is served again once it confirms or releases some."""
 
 
 # --------------------------------------------------------------------------------------
@@ -195,6 +199,11 @@ class _Peer:
     in_flight: dict[int, BufferedItem] = field(default_factory=dict)
     waiting: set[int] = field(default_factory=set)
     waiting_bytes: int = 0
+    unconfirmed_bytes: int = 0
+    """Bytes of the items in flight to it, as charged when each left (`_hand_out`)."""
+    suspended: bool = False
+    """Over its share of unconfirmed bytes: its waiting requests are out of the indexes (no
+    insert serves them) until it confirms or releases enough."""
     gone: str | None = None
     """Why it was dropped (see `PeerState.GONE`); None while it is served."""
 
@@ -358,7 +367,7 @@ class ProducerCore:
                 self._drop_waiter(peer, request_id)
                 return []
             case m.Received(item_ids=item_ids, leases=leases):
-                return self._on_received(peer, item_ids, leases)
+                return self._on_received(peer, item_ids, leases, now)
             case m.Release(item_id=item_id, lease=lease):
                 return self._on_release(peer, item_id, lease, now)
             case m.Health(request_id=request_id):
@@ -395,8 +404,9 @@ class ProducerCore:
         if item.buffered:
             self.buffer.drop(item)
             return
-        for peer in self._peers.values():
-            if peer.in_flight.pop(item.item_id, None) is item:
+        for state in self._peers.values():
+            if state.in_flight.get(item.item_id) is item:
+                self._take_back(state, item.item_id)
                 self.buffer.forget(item)
                 return
 
@@ -425,7 +435,7 @@ class ProducerCore:
         state = self._peers.get(send.peer)
         for item in (send.item, *send.items):
             if item is not None and state is not None and state.in_flight.get(item.item_id) is item:
-                del state.in_flight[item.item_id]
+                self._take_back(state, item.item_id)
                 out += self._restore(item, now)
         request_id = getattr(send.message, "request_id", None)
         if request_id is not None:
@@ -519,6 +529,9 @@ class ProducerCore:
             query = None if request.tokens is None else m.tokens_from_bytes(request.tokens)
         except ProtocolError as exc:
             return [self._refuse(peer, request.request_id, exc.code, str(exc))]
+        state = self._peers[peer]
+        if state.suspended:
+            return self._while_suspended(peer, request, query, now)
         found = self.buffer.best_match(query)
         if request.stream:
             opened = self.streams.best_match(query)
@@ -531,6 +544,10 @@ class ProducerCore:
         if request.timeout_s == 0.0:
             self.counters.misses += 1
             return [Outgoing(peer, m.Miss(request_id=request.request_id))]
+        return self._park(peer, request, query, now)
+
+    def _park(self, peer: bytes, request: m.DropSelect, query: np.ndarray | None, now: float) -> list[Outgoing]:
+        """Keep a drop-select waiting for an insert (within the per-peer and global bounds)."""
         key = (peer, request.request_id)
         if key in self._waiters:
             text = f"request id {request.request_id} is already waiting"
@@ -557,7 +574,32 @@ class ProducerCore:
             self._add_timer(deadline, _TimerKind.WAITER, key)
         return []
 
+    def _while_suspended(
+        self, peer: bytes, request: m.DropSelect, query: np.ndarray | None, now: float
+    ) -> list[Outgoing]:
+        """A drop-select from a peer over its share of unconfirmed bytes: one that may wait
+        waits, out of the indexes, until the peer confirms enough; one that may not is refused."""
+        state = self._peers[peer]
+        if request.timeout_s == 0.0:
+            text = (
+                f"you hold {state.unconfirmed_bytes} bytes delivered and not confirmed, more than "
+                f"{UNCONFIRMED_SHARE:.0%} of this producer's buffer: confirm (or release) items first"
+            )
+            return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
+        out = self._park(peer, request, query, now)
+        waiter = self._waiters.get((peer, request.request_id))
+        if waiter is not None:  # parked: out of the indexes while the peer is suspended
+            (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+        return out
+
     def _on_drop_select_many(self, peer: bytes, request: m.DropSelectMany) -> list[Outgoing]:
+        state = self._peers[peer]
+        if state.suspended:
+            text = (
+                f"you hold {state.unconfirmed_bytes} bytes delivered and not confirmed, more than "
+                f"{UNCONFIRMED_SHARE:.0%} of this producer's buffer: confirm (or release) items first"
+            )
+            return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
         try:
             queries = [None if tokens is None else m.tokens_from_bytes(tokens) for tokens in request.queries]
         except ProtocolError as exc:
@@ -582,31 +624,31 @@ class ProducerCore:
         reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset, segments=segments)
         return [Outgoing(peer, reply, items=tuple(items))]
 
-    def _on_received(self, peer: bytes, item_ids: list[int], leases: list[int]) -> list[Outgoing]:
-        in_flight = self._peers[peer].in_flight
+    def _on_received(self, peer: bytes, item_ids: list[int], leases: list[int], now: float) -> list[Outgoing]:
+        state = self._peers[peer]
         unknown = []
         for index, item_id in enumerate(item_ids):
-            item = in_flight.get(item_id)
+            item = state.in_flight.get(item_id)
             if item is None or (index < len(leases) and leases[index] != item.lease):
                 unknown.append(item_id)  # a receipt whose lease ended: the item went back
                 continue
-            del in_flight[item_id]
+            self._take_back(state, item_id)
             (self.streams if item.stream is not None else self.buffer).forget(item)
             self.counters.delivered_items += 1
             self.counters.delivered_bytes += item.nbytes
-        out = self._forget_if_done(peer, 0.0)
+        out = self._resume_if_under(state, now) + self._forget_if_done(peer, now)
         if unknown:
             text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
             out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
         return out
 
     def _on_release(self, peer: bytes, item_id: int, lease: int, now: float) -> list[Outgoing]:
-        in_flight = self._peers[peer].in_flight
-        item = in_flight.get(item_id)
+        state = self._peers[peer]
+        item = state.in_flight.get(item_id)
         if item is None or (lease and lease != item.lease):
             return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
-        del in_flight[item_id]
-        return self._restore(item, now) + self._forget_if_done(peer, now)
+        self._take_back(state, item_id)
+        return self._restore(item, now) + self._resume_if_under(state, now) + self._forget_if_done(peer, now)
 
     def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
         """A dropped peer that holds nothing any more is forgotten now."""
@@ -662,10 +704,55 @@ class ProducerCore:
         self.refusals[code.value] = self.refusals.get(code.value, 0) + 1
         return Outgoing(peer, m.ErrorReply(request_id=request_id, code=code, message=text))
 
-    def _hand_out(self, peer: bytes, item: BufferedItem) -> None:
-        """`item` is in flight to `peer` under a new lease number."""
-        item.lease = next(self._lease_numbers)
-        self._peers[peer].in_flight[item.item_id] = item
+    def _hand_out(self, peer: bytes, item: BufferedItem, lease: int | None = None) -> None:
+        """`item` is in flight to `peer` under a new lease number (or `lease`); a peer that now
+        holds more than its share unconfirmed is suspended (`UNCONFIRMED_SHARE`)."""
+        item.lease = next(self._lease_numbers) if lease is None else lease
+        state = self._peers[peer]
+        state.in_flight[item.item_id] = item
+        item.charged = item.nbytes
+        state.unconfirmed_bytes += item.charged
+        if not state.suspended and self._over_share(state):
+            self._suspend(state)
+
+    def _take_back(self, state: _Peer, item_id: int) -> BufferedItem | None:
+        """An item leaves `state`'s in-flight set (confirmed, released, or going back)."""
+        item = state.in_flight.pop(item_id, None)
+        if item is not None:
+            state.unconfirmed_bytes -= item.charged
+        return item
+
+    def _over_share(self, state: _Peer) -> bool:
+        return 0 < self.buffer_limit_bytes * UNCONFIRMED_SHARE < state.unconfirmed_bytes
+
+    def _suspend(self, state: _Peer) -> None:
+        """Stop serving `state`'s waiting requests: out of the indexes, kept in `_waiters`."""
+        state.suspended = True
+        for request_id in state.waiting:
+            waiter = self._waiters[(state.identity, request_id)]
+            (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+
+    def _resume_if_under(self, state: _Peer, now: float) -> list[Outgoing]:
+        """A suspended peer back under its share: its waiting requests are served again (those
+        a buffered item matches at once, the others indexed for the next insert)."""
+        if not state.suspended or self._over_share(state) or state.gone is not None:
+            return []
+        state.suspended = False
+        out: list[Outgoing] = []
+        for request_id in sorted(state.waiting):  # oldest first
+            waiter = self._waiters[(state.identity, request_id)]
+            if state.suspended:  # over its share again (`_hand_out`): the rest were taken out anew
+                break
+            found = self.buffer.best_match(waiter.query)
+            if found is None:
+                (self._stream_waiters if waiter.stream else self._plain_waiters).add(waiter)
+                continue
+            self._drop_waiter(state.identity, request_id)
+            if waiter.stream:
+                out += self._stream_whole(state.identity, request_id, found.item, found.matched)
+            else:
+                out.append(self._deliver(state.identity, request_id, found.item, found.matched))
+        return out
 
     def _deliver(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> Outgoing:
         self.buffer.take(item)
@@ -740,9 +827,10 @@ class ProducerCore:
             return self.insert(whole, now)
         self.streams.forget(item)
         whole.inserted_at = item.inserted_at
-        whole.lease = item.lease  # the reader confirms the end under its stream's lease
         self.buffer.add_taken(whole)
-        self._peers[reader].in_flight[whole.item_id] = whole
+        state = self._peers[reader]
+        self._take_back(state, item.item_id)
+        self._hand_out(reader, whole, lease=item.lease)  # the reader confirms the end under its stream's lease
         return [_end_outgoing(reader, whole)]
 
     def abort_stream(self, item: BufferedItem, reason: str) -> list[Outgoing]:
@@ -752,7 +840,7 @@ class ProducerCore:
         if stream.reader is None:
             self.streams.drop(item)
             return []
-        self._peers[stream.reader].in_flight.pop(item.item_id, None)
+        self._take_back(self._peers[stream.reader], item.item_id)
         self.streams.forget(item)
         return [Outgoing(stream.reader, m.StreamAbort(item_id=item.item_id, reason=reason))]
 

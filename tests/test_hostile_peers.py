@@ -502,3 +502,31 @@ def test_a_producer_woken_from_a_stall_reads_what_was_sent_meanwhile_before_any_
     receipt = m.Received(item_ids=[item_id], leases=[deliver.lease])
     assert core.receive(b"a", m.encode(receipt), 0, woken + 0.001) == []
     assert core.counters.delivered_items == 1 and len(core.buffer) == 0
+
+
+def test_a_live_peer_that_never_confirms_cannot_hold_more_than_its_share_of_the_buffer() -> None:
+    from tests.test_protocol import make_item
+
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0, buffer_limit_bytes=10_000)
+    for peer in (b"hoarder", b"legit"):
+        _hello(core, peer)
+    for request_id in range(1, 9):  # the hoarder parks 8 lookups for anything
+        request = m.DropSelect(request_id=request_id, tokens=None, timeout_s=None)
+        assert core.receive(b"hoarder", m.encode(request), 0, 0.0) == []
+    sent: list[m.Deliver] = []
+    while not core._peers[b"hoarder"].suspended:
+        (out,) = core.insert(make_item(core, [len(sent) + 1] * 100), 0.0)
+        assert out.peer == b"hoarder" and isinstance(out.message, m.Deliver)
+        sent.append(out.message)
+    held = core._peers[b"hoarder"].unconfirmed_bytes
+    assert held > 5_000 and len(sent) < 8  # past half the buffer: suspended with lookups still parked
+    assert core.insert(make_item(core, [77] * 100), 0.0) == []  # not served to the hoarder: buffered
+    (refused,) = core.receive(b"hoarder", m.encode(m.DropSelect(request_id=99, tokens=None)), 0, 0.0)
+    assert isinstance(refused.message, m.ErrorReply) and refused.message.code is kvrt.ErrorCode.CAPACITY
+    (taken,) = core.receive(b"legit", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+    assert isinstance(taken.message, m.Deliver)  # the others are served
+    confirm = m.Received(item_ids=[d.item_id for d in sent], leases=[d.lease for d in sent])
+    assert core.receive(b"hoarder", m.encode(confirm), 0, 0.0) == []  # it confirms (nothing buffered now)
+    assert not core._peers[b"hoarder"].suspended
+    (again,) = core.insert(make_item(core, [78] * 100), 0.0)  # its parked lookups are served again
+    assert again.peer == b"hoarder" and isinstance(again.message, m.Deliver)
