@@ -1,0 +1,61 @@
+"""Promises the adversarial suite (`kvrt attack`) found broken, each as the smallest test that
+shows it with real processes and sockets. A test marked xfail(strict) is a promise still broken;
+its reason says what happens."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.connection
+
+import torch
+
+import kvrt
+from tests._processes import child_process
+
+HEARTBEAT_S = 0.1
+"""Short heartbeats, so that a lease (10 heartbeats) ends within a second."""
+TOKENS = (7, 8, 9)
+
+
+def _checksum(tensor: torch.Tensor) -> float:
+    return float(tensor.float().sum())
+
+
+def run_consumer_that_holds_its_loop_after_a_take(
+    endpoint: str, heartbeat_s: float, control: multiprocessing.connection.Connection
+) -> None:
+    """Take one item, then hold the event loop (as a forward pass or a GC pause right after the
+    call returned does) until `control` says go; report what was taken."""
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            control.send("connected")
+            item = await consumer.drop_select(torch.tensor(TOKENS), None, timeout=60)
+            assert item is not None
+            control.send(("took", _checksum(item.key)))
+            control.recv()  # no await: the loop is held as long as the caller's own work takes
+            await asyncio.to_thread(control.recv)
+
+    asyncio.run(main())
+
+
+async def test_an_item_handed_over_is_not_delivered_again_when_its_taker_then_holds_its_loop() -> None:
+    key = torch.ones(1, len(TOKENS), 1, 4)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        args = (producer.endpoint, HEARTBEAT_S)
+        async with child_process(run_consumer_that_holds_its_loop_after_a_take, args, "a consumer") as (
+            said,
+            _,
+            control,
+        ):
+            assert said == "connected"
+            await producer.insert(torch.tensor(TOKENS), None, key, key)
+            assert await asyncio.to_thread(control.recv) == ("took", _checksum(key))
+            producer._peer_left.clear()
+            async with asyncio.timeout(10 * HEARTBEAT_S * 10):  # its lease ends (its loop sends nothing)
+                await producer._peer_left.wait()
+            async with kvrt.Consumer(connect=producer.endpoint) as other:
+                assert await other.drop_select(torch.tensor(TOKENS)) is None, "the item was taken twice"
+            control.send("go")
+        stats = producer.stats()
+        assert (stats.totals.delivered_items, stats.totals.returned_items, stats.items) == (1, 0, 0)
