@@ -1270,8 +1270,8 @@ class Consumer(AsyncService):
                     items.append(None)
             return items
         finally:
-            settled = [link.settle(item_id, keep=keep, send=False) for (_, item_id), keep in zip(taken, kept, strict=True)
-                       if item_id is not None]  # fmt: skip
+            pairs = zip(taken, kept, strict=True)
+            settled = [link.settle(item_id, keep=keep, send=False) for (_, item_id), keep in pairs if item_id is not None]
             link._send_receipts()
             if not all(settled):
                 raise link._lease_error()
