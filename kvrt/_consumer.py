@@ -1270,8 +1270,11 @@ class Consumer(AsyncService):
                     items.append(None)
             return items
         finally:
-            pairs = zip(taken, kept, strict=True)
-            settled = [link.settle(item_id, keep=keep, send=False) for (_, item_id), keep in pairs if item_id is not None]
+            settled = [
+                link.settle(item_id, keep=keep, send=False)
+                for (_, item_id), keep in zip(taken, kept, strict=True)
+                if item_id is not None
+            ]
             link._send_receipts()
             if not all(settled):
                 raise link._lease_error()
