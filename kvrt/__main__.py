@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--only", nargs="+", choices=[scenario.name for scenario in SCENARIOS], metavar="SCENARIO",
         help="run only these scenarios (" + ", ".join(scenario.name for scenario in SCENARIOS) + ")",
     )  # fmt: skip
+    attack.add_argument(
+        "--keep", metavar="DIR",
+        help="leave every process's journal (what it inserted and took) and log in DIR/SCENARIO",
+    )  # fmt: skip
     attack.set_defaults(run=_attack)
     add_commands(commands)
     return parser

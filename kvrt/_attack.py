@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -38,6 +39,7 @@ import multiprocessing.process
 import os
 import random
 import resource
+import shutil
 import signal
 import tempfile
 import threading
@@ -188,6 +190,11 @@ class _Journal:
         os.close(self._fd)
 
 
+def _log_to(journal: str) -> None:
+    """kvrt's warnings in a child go beside its journal, not into the suite's table."""
+    logging.basicConfig(filename=journal.removesuffix(".log") + ".messages", level=logging.INFO, force=True)
+
+
 def _commands(control: multiprocessing.connection.Connection, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
     """A child's commands from its pipe, read by a thread and queued on its loop (EOF: "stop")."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -224,6 +231,7 @@ def producer_main(plan: ProducerPlan, control: multiprocessing.connection.Connec
     """Serve, insert legitimate items at a steady rate, and attacked items as told:
     ("attack", per_s, nbytes) (per_s inf: as fast as the buffer has room; 0: none),
     ("quiesce",) stops inserting and answers "quiet", ("stop",) closes."""
+    _log_to(plan.journal)
     asyncio.run(_producer(plan, control))
 
 
@@ -294,6 +302,7 @@ class TakerPlan:
 def taker_main(plan: TakerPlan, control: multiprocessing.connection.Connection) -> None:
     """`consumers` kvrt.Consumers taking items of `kind`, journaling every item handed over and
     every failed call, until told ("stop",); answers "stopped"."""
+    _log_to(plan.journal)
     asyncio.run(_taker(plan, control))
 
 
@@ -643,6 +652,11 @@ class _Run:
     def journal(self, name: str) -> str:
         return str(self.directory / f"{name}.log")
 
+    def event(self, what: str) -> None:
+        """A line in the run's `events` file (phases, signals, kills), on the journals' clock."""
+        with open(self.directory / "events", "a") as events:
+            events.write(f"{time.monotonic_ns()} {what}\n")
+
     async def spawn(self, name: str, target: Callable[..., None], *args: object, promised: bool) -> _Child:
         control, end = self._context.Pipe()
         process = self._context.Process(target=target, args=(*args, end), name=f"kvrt-attack-{name}", daemon=True)
@@ -650,6 +664,7 @@ class _Run:
         end.close()  # the child's end lives in the child: its death is our EOF
         child = _Child(name, process, control, promised)
         self._children.append(child)
+        self.event(f"started {name} pid {process.pid}")
         return child
 
     async def receive(self, child: _Child, timeout_s: float) -> Any:
@@ -690,8 +705,10 @@ class _Run:
     def signal(self, child: _Child, signum: int) -> None:
         assert child.process.pid is not None
         os.kill(child.process.pid, signum)
+        self.event(f"{signal.Signals(signum).name} {child.name}")
 
     async def kill(self, child: _Child) -> None:
+        self.event(f"SIGKILL {child.name}")
         child.process.kill()
         await asyncio.to_thread(child.process.join)
 
@@ -1004,25 +1021,39 @@ def tally(run: _Run, scenario: Scenario, windows: tuple[int, int, int]) -> Tally
 # -- running -----------------------------------------------------------------------------
 
 
-async def run_scenario(scenario: Scenario, timing: Timing, context: multiprocessing.context.ForkServerContext) -> Tally:
-    """One scenario from start to end: baseline, attack, settling, counting."""
-    with tempfile.TemporaryDirectory(prefix=f"kvrt-attack-{scenario.name}-") as directory:
-        async with _Run(timing, Path(directory), context) as run:
+async def run_scenario(
+    scenario: Scenario, timing: Timing, context: multiprocessing.context.ForkServerContext, keep: Path | None = None
+) -> Tally:
+    """One scenario from start to end: baseline, attack, settling, counting. `keep`: a folder
+    to leave the journals (and each process's log) in, under the scenario's name."""
+    with contextlib.ExitStack() as stack:
+        if keep is None:
+            directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvrt-attack-{scenario.name}-")))
+        else:
+            directory = keep / scenario.name
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+        async with _Run(timing, directory, context) as run:
             run.buffer_bytes = scenario.buffer_bytes
             await run.start_producer()
             legit = await run.start_taker("legit", LEGIT, polls_per_s=LEGIT_POLLS_PER_S)
             base_start = time.monotonic_ns()
+            run.event("baseline")
             await run.wait(timing.baseline_s)
             rss_before = run.rss()
             attack_start = time.monotonic_ns()
+            run.event("attack")
             sampler = asyncio.create_task(run.sample_rss())
             try:
                 await scenario.attack(run)
                 attack_end = time.monotonic_ns()
+                run.event("attack over")
                 await run.stop_attackers()
                 await run.quiesce()
                 await run.stop(legit)
+                run.event("drain")
                 drained = await run.drain()
+                run.event("drained" if drained else "not drained")
             finally:
                 sampler.cancel()
             rss_after = run.rss()
@@ -1101,7 +1132,7 @@ def main(args: argparse.Namespace) -> int:
     results = []
     for scenario in chosen:
         print(f"-- {scenario.name}: {scenario.what}", flush=True)
-        result = asyncio.run(run_scenario(scenario, timing, context))
+        result = asyncio.run(run_scenario(scenario, timing, context, None if args.keep is None else Path(args.keep)))
         print(_goal_line(result), flush=True)
         results.append(result)
     print()
