@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--only", nargs="+", choices=[scenario.name for scenario in SCENARIOS], metavar="SCENARIO",
         help="run only these scenarios (" + ", ".join(scenario.name for scenario in SCENARIOS) + ")",
     )  # fmt: skip
+    attack.add_argument("--json", metavar="PATH", help="also write each scenario's counts and goals as JSON to PATH")
     attack.add_argument(
         "--keep", metavar="DIR",
         help="leave every process's journal (what it inserted and took) and log in DIR/SCENARIO",

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import math
 import multiprocessing
@@ -141,7 +143,7 @@ QUICK: Final = Timing(
 
 def _item(kind: int, item_id: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, key, value and hidden of item `item_id`: its tensors' bytes depend on the id, and
-    its tokens carry the id and their CRC-32 (what `_check` verifies on arrival)."""
+    its tokens carry the id and their CRC-32 (what `_whole` verifies on arrival)."""
     dim = max(1, nbytes // BYTES_PER_DIM)
     shape = (ITEM_LAYERS, ITEM_TOKENS, ITEM_HEADS, dim)
     pattern = torch.arange(math.prod(shape), dtype=torch.int16) ^ (item_id & 0x7FFF)
@@ -161,15 +163,23 @@ def _crc(tensors: tuple[torch.Tensor | None, ...]) -> int:
     return crc
 
 
-def _check(item: kvrt.KVItem) -> tuple[int, bool]:
-    """The id an arrived item names, and whether its tokens and tensors are what was inserted."""
+def _item_id(item: kvrt.KVItem) -> int:
+    """The id an arrived item names (-1 if its tokens are not an item's of this suite)."""
     tokens = item.input_tokens
     if tokens.dtype != torch.int64 or tokens.shape != (ITEM_TOKENS,):
-        return -1, False
-    item_id = int(tokens[1])
+        return -1
+    return int(tokens[1])
+
+
+def _whole(item: kvrt.KVItem) -> bool:
+    """Whether an arrived item's tokens and tensors are what was inserted under its id."""
+    item_id = _item_id(item)
+    if item_id < 0:
+        return False
+    tokens = item.input_tokens
     expected = torch.full((ITEM_TOKENS,), item_id, dtype=torch.int64) + torch.arange(ITEM_TOKENS)
     whole = bool(torch.equal(tokens[3:], expected[3:])) and int(tokens[0]) in (LEGIT, ATTACKED)
-    return item_id, whole and int(tokens[2]) == _crc((item.key, item.value, item.hidden))
+    return whole and int(tokens[2]) == _crc((item.key, item.value, item.hidden))
 
 
 # -- what each process writes ------------------------------------------------------------
@@ -177,8 +187,9 @@ def _check(item: kvrt.KVItem) -> tuple[int, bool]:
 
 class _Journal:
     """Lines appended to a file with one write each: a process killed with SIGKILL keeps every
-    line it wrote. `I id kind t_ns` an insert begins, `B id` it returned, `T id t_ns ok` a
-    take was handed over, `E name t_ns` a call failed."""
+    line it wrote. `I id kind t_ns` an insert begins, `B id` it returned, `T id t_ns` an item
+    was handed over, `V id ok` whether it arrived whole, `E name t_ns` a call failed, `L t_ns
+    took_ns` a lookup of the legitimate consumer."""
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -193,6 +204,14 @@ class _Journal:
 def _log_to(journal: str) -> None:
     """kvrt's warnings in a child go beside its journal, not into the suite's table."""
     logging.basicConfig(filename=journal.removesuffix(".log") + ".messages", level=logging.INFO, force=True)
+
+
+def _journal_take(journal: _Journal, item: kvrt.KVItem) -> None:
+    """An item handed over: journaled at once (a process killed right after still counts it as
+    taken), then checked (`V id ok`; a take killed before its check is not counted as damaged)."""
+    item_id = _item_id(item)
+    journal.write(f"T {item_id} {time.monotonic_ns()}")
+    journal.write(f"V {item_id} {int(_whole(item))}")
 
 
 def _commands(control: multiprocessing.connection.Connection, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
@@ -246,7 +265,9 @@ async def _producer(plan: ProducerPlan, control: multiprocessing.connection.Conn
             next_at = loop.time()
             while True:
                 item_id = next(ids)
-                tokens, key, value, hidden = _item(kind, item_id, nbytes)
+                # Made in a thread (torch and zlib let go of the GIL): making a 2 MiB item is the
+                # suite's work, and must not hold the loop whose latency the suite measures.
+                tokens, key, value, hidden = await asyncio.to_thread(_item, kind, item_id, nbytes)
                 journal.write(f"I {item_id} {kind} {time.monotonic_ns()}")
                 await producer.insert(tokens, None, key, value, hidden)
                 journal.write(f"B {item_id}")
@@ -324,8 +345,7 @@ async def _taker(plan: TakerPlan, control: multiprocessing.connection.Connection
         if plan.polls_per_s > 0:
             journal.write(f"L {started} {time.monotonic_ns() - started}")
         if item is not None:
-            item_id, whole = _check(item)
-            journal.write(f"T {item_id} {time.monotonic_ns()} {int(whole)}")
+            _journal_take(journal, item)
             if plan.hold_s:
                 await asyncio.sleep(plan.hold_s)
         return failed
@@ -560,19 +580,25 @@ def parker_main(
     endpoint: str, waiters: int, heartbeat_s: float, control: multiprocessing.connection.Connection
 ) -> None:
     """A live peer (it pings, and reads) that parks lookups that never match: 8 MiB of tokens
-    each until refused, then `waiters` small ones. Stops when told; answers ("refused", n)."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    socket = _dealer(context, endpoint, SNDHWM=0, RCVHWM=0)
-    socket.send(_hello("parker"))
+    each until refused, then `waiters` small ones, sent in one burst (built first, so that the
+    burst costs the host's CPU nothing while the producer reads it). Stops when told; answers
+    ("refused", n)."""
     large = np.full(MAX_TOKENS, NEVER, dtype="<i8")
+    burst = []
     for request_id in range(1, LARGE_LOOKUPS + 1):
         large[1] = request_id
-        socket.send(
+        burst.append(
             _frame({"type": "drop_select", "request_id": request_id, "tokens": large.tobytes(), "timeout_s": None})
         )
     for request_id in range(LARGE_LOOKUPS + 1, LARGE_LOOKUPS + waiters + 1):
         lookup = {"type": "drop_select", "request_id": request_id, "tokens": _tokens([NEVER, request_id])}
-        socket.send(_frame({**lookup, "timeout_s": None}))
+        burst.append(_frame({**lookup, "timeout_s": None}))
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socket = _dealer(context, endpoint, SNDHWM=0, RCVHWM=0)
+    socket.send(_hello("parker"))
+    for frame in burst:
+        socket.send(frame, copy=False)
+    del burst
     refused = 0
     stop = _stop_when_told(control)
     nonce = 0
@@ -617,6 +643,16 @@ def _rss_bytes(pid: int | None) -> int:
     return 0
 
 
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds a process has used (user and system; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class _Run:
     """One scenario's processes, journals and measurements. Leaving it (`async with`) resumes
     and kills whatever it started that still runs."""
@@ -635,6 +671,8 @@ class _Run:
         self.hung: list[str] = []
         self.notes: list[str] = []
         self.rss_peak = 0
+        self.delivered_by_producer: int | None = None
+        """The producer's own count of items confirmed, read once drained."""
 
     async def __aenter__(self) -> _Run:
         return self
@@ -745,6 +783,9 @@ class _Run:
     def rss(self) -> int:
         return _rss_bytes(None if self.producer is None else self.producer.process.pid)
 
+    def cpu_s(self) -> float:
+        return _cpu_s(None if self.producer is None else self.producer.process.pid)
+
     async def sample_rss(self) -> None:
         while True:
             self.rss_peak = max(self.rss_peak, self.rss())
@@ -763,11 +804,11 @@ class _Run:
                 while time.monotonic() < deadline:
                     item = await sweeper.drop_select(None, None, timeout=0.0)
                     if item is not None:
-                        item_id, whole = _check(item)
-                        journal.write(f"T {item_id} {time.monotonic_ns()} {int(whole)}")
+                        _journal_take(journal, item)
                         continue
                     stats = await client.stats()
                     if stats.items == 0 and stats.in_flight == 0:
+                        self.delivered_by_producer = stats.totals.get("delivered_items")
                         return True
                     await asyncio.sleep(SETTLE_POLL_S)
         except kvrt.KVRTError as exc:
@@ -939,6 +980,9 @@ class Tally:
     rss_before: int = 0
     rss_after: int = 0
     rss_peak: int = 0
+    cpu_base: float = math.nan
+    """The producer's CPU use (a share of one core) before the attack, and during it."""
+    cpu_attack: float = math.nan
     hung: list[str] = field(default_factory=list)
     drained: bool = True
     latency_applies: bool = True
@@ -997,7 +1041,8 @@ def tally(run: _Run, scenario: Scenario, windows: tuple[int, int, int]) -> Tally
             elif kind == "T":
                 item_id = int(record[1])
                 takes[item_id] = takes.get(item_id, 0) + 1
-                result.damaged += record[3] != "1"
+            elif kind == "V":
+                result.damaged += record[2] != "1"
             elif kind == "L" and path.stem == "legit":
                 started, took = int(record[1]), int(record[2])
                 if base_start <= started < attack_start:
@@ -1037,16 +1082,16 @@ async def run_scenario(
             run.buffer_bytes = scenario.buffer_bytes
             await run.start_producer()
             legit = await run.start_taker("legit", LEGIT, polls_per_s=LEGIT_POLLS_PER_S)
-            base_start = time.monotonic_ns()
+            base_start, cpu_at_base = time.monotonic_ns(), run.cpu_s()
             run.event("baseline")
             await run.wait(timing.baseline_s)
             rss_before = run.rss()
-            attack_start = time.monotonic_ns()
+            attack_start, cpu_at_attack = time.monotonic_ns(), run.cpu_s()
             run.event("attack")
             sampler = asyncio.create_task(run.sample_rss())
             try:
                 await scenario.attack(run)
-                attack_end = time.monotonic_ns()
+                attack_end, cpu_at_end = time.monotonic_ns(), run.cpu_s()
                 run.event("attack over")
                 await run.stop_attackers()
                 await run.quiesce()
@@ -1062,6 +1107,14 @@ async def run_scenario(
             result = tally(run, scenario, (base_start, attack_start, attack_end))
             result.drained, result.hung, result.notes = drained, run.hung, run.notes
             result.rss_before, result.rss_after, result.rss_peak = rss_before, rss_after, run.rss_peak
+            result.cpu_base = (cpu_at_attack - cpu_at_base) / ((attack_start - base_start) / 1e9)
+            if not run.killed_incarnations:  # a new producer's clock started at zero
+                result.cpu_attack = (cpu_at_end - cpu_at_attack) / ((attack_end - attack_start) / 1e9)
+                if run.delivered_by_producer is not None and run.delivered_by_producer != result.delivered:
+                    result.notes.append(
+                        f"the producer counts {run.delivered_by_producer} items confirmed, the journals "
+                        f"{result.delivered} (a consumer killed between its receipt and its journal)"
+                    )
             if run.killed_incarnations:
                 result.notes.append("RSS after: the new producer's")
             return result
@@ -1071,13 +1124,17 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.0f}"
 
 
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0%}"
+
+
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 HEADER: Final = (
     "scenario", "inserted", "delivered", "lost", "dup", "gone", "damaged",
-    "p99 base ms", "p99 attack ms", "ratio", "RSS before", "after", "peak MiB", "goal",
+    "p99 base ms", "p99 attack ms", "ratio", "CPU base", "attack", "RSS before", "after", "peak MiB", "goal",
 )  # fmt: skip
 
 
@@ -1086,7 +1143,8 @@ def _row(result: Tally) -> tuple[str, ...]:
     return (
         result.scenario, str(result.inserted), str(result.delivered), str(result.lost), str(result.duplicated),
         str(result.gone_with_producer), str(result.damaged), _ms(result.p99_base_ms), _ms(result.p99_attack_ms),
-        ratio, _mib(result.rss_before), _mib(result.rss_after), _mib(result.rss_peak),
+        ratio, _share(result.cpu_base), _share(result.cpu_attack),
+        _mib(result.rss_before), _mib(result.rss_after), _mib(result.rss_peak),
         "FAIL" if result.failures() else "ok",
     )  # fmt: skip
 
@@ -1138,6 +1196,12 @@ def main(args: argparse.Namespace) -> int:
     print()
     _print_table(results)
     failed = [result.scenario for result in results if result.failures()]
+    if args.json:
+        report = [
+            {**dataclasses.asdict(result), "p99_ratio": result.ratio, "failures": result.failures()}
+            for result in results
+        ]
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(
         f"\noverall: {sum(r.lost for r in results)} lost, {sum(r.duplicated for r in results)} duplicated, "
         f"{sum(r.damaged for r in results)} damaged over {sum(r.inserted for r in results)} items; "
