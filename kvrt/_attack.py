@@ -202,8 +202,9 @@ class _Journal:
 
 
 def _log_to(journal: str) -> None:
-    """kvrt's warnings in a child go beside its journal, not into the suite's table."""
-    logging.basicConfig(filename=journal.removesuffix(".log") + ".messages", level=logging.INFO, force=True)
+    """kvrt's warnings in a child go beside its journal, not into the suite's table (WARNING, as
+    Python logs by default: INFO writes a line per consumer that joins or leaves)."""
+    logging.basicConfig(filename=journal.removesuffix(".log") + ".messages", level=logging.WARNING, force=True)
 
 
 def _journal_take(journal: _Journal, item: kvrt.KVItem) -> None:
