@@ -10,14 +10,14 @@ process that inserts or takes items appends what it did to a file of its own (a 
 killed with SIGKILL keeps what it wrote), so that the suite counts, across every process,
 items inserted, delivered, lost, duplicated and damaged.
 
-Per scenario it prints those counts, the legitimate consumer's p99 latency (insert to
-hand-over) before and during the attack, and the producer's RSS before and after, and it
-checks the goal: nothing lost, nothing taken twice, nothing damaged, no process that does
-not stop when told, p99 under attack at most `P99_RATIO_GOAL` times the baseline's, and RSS
-growth at most `RSS_GROWTH_GOAL_BYTES` once the attack is over and the buffer drained (a
-leak grows with the attack's length; what the producer caches once does not). Killing the
-producer loses what it buffered: those items are counted as "gone with the producer", not
-lost, and the latency goal does not apply when the producer itself is stopped or killed.
+Per scenario it prints those counts, the legitimate consumer's p99 latency before and during
+the attack, and the producer's RSS before and after, and it checks the goal: nothing lost,
+nothing taken twice, nothing damaged, no process that does not stop when told and no call that
+outlives its timeout, p99 under attack at most `P99_RATIO_GOAL` times the baseline's, and RSS
+growth at most `RSS_GROWTH_GOAL_BYTES` once the attack is over and the buffer drained (a leak
+grows with the attack's length; what the producer caches once does not). Killing the producer
+loses what it buffered: those items are counted as "gone with the producer", not lost, and
+the latency goal does not apply when the producer itself is stopped or killed.
 The exit status is non-zero when a goal fails.
 
 Attackers that speak raw ZeroMQ build their frames by hand from docs/protocol.md, as a
@@ -58,6 +58,7 @@ import torch
 import zmq
 
 import kvrt
+from kvrt._consumer import DEFAULT_REPLY_TIMEOUT_S
 from kvrt._messages import MAX_TOKENS
 from kvrt._protocol import HEARTBEAT_MISSES
 
@@ -95,6 +96,9 @@ LOOKUP_WAIT_S: Final = 2.0
 """How long a taker's waiting lookup waits before it asks again."""
 LEGIT_POLLS_PER_S: Final = 100.0
 """Lookups a second the legitimate consumer makes (twice the rate its items come in)."""
+CALL_GRACE_S: Final = 2.0
+"""What a lookup may take past its timeout and the consumer's reply timeout (an item's bytes,
+a loaded host) before it counts as a call that hung."""
 ERROR_PAUSE_S: Final = 0.05
 """A taker's pause after a failed call, so that a dead producer does not make it spin."""
 STOP_S: Final = 15.0
@@ -333,6 +337,7 @@ async def _taker(plan: TakerPlan, control: multiprocessing.connection.Connection
     commands = _commands(control, asyncio.get_running_loop())
     query = None if plan.kind is None else torch.tensor([plan.kind])
     wait_s = 0.0 if plan.polls_per_s > 0 else LOOKUP_WAIT_S
+    allowed_ns = int((wait_s + DEFAULT_REPLY_TIMEOUT_S + CALL_GRACE_S) * 1e9)
 
     async def take_one(consumer: kvrt.Consumer) -> bool:
         """One lookup; whether it failed."""
@@ -343,8 +348,7 @@ async def _taker(plan: TakerPlan, control: multiprocessing.connection.Connection
         except kvrt.KVRTError as exc:
             journal.write(f"E {type(exc).__name__} {time.monotonic_ns()}")
             item, failed = None, True
-        if plan.polls_per_s > 0:
-            journal.write(f"L {started} {time.monotonic_ns() - started}")
+        journal.write(f"L {started} {time.monotonic_ns() - started} {allowed_ns}")
         if item is not None:
             _journal_take(journal, item)
             if plan.hold_s:
@@ -670,6 +674,8 @@ class _Run:
         self.killed_incarnations: set[int] = set()
         self.buffer_bytes = 1 << 30
         self.hung: list[str] = []
+        self.stopped: set[str] = set()
+        """Children stopped with SIGSTOP at some point: their calls' durations include the stop."""
         self.notes: list[str] = []
         self.rss_peak = 0
         self.delivered_by_producer: int | None = None
@@ -744,6 +750,8 @@ class _Run:
     def signal(self, child: _Child, signum: int) -> None:
         assert child.process.pid is not None
         os.kill(child.process.pid, signum)
+        if signum == signal.SIGSTOP:
+            self.stopped.add(child.name)  # its own clock ran while it stood still
         self.event(f"{signal.Signals(signum).name} {child.name}")
 
     async def kill(self, child: _Child) -> None:
@@ -985,6 +993,9 @@ class Tally:
     """The producer's CPU use (a share of one core) before the attack, and during it."""
     cpu_attack: float = math.nan
     hung: list[str] = field(default_factory=list)
+    overlong_calls: int = 0
+    """Lookups of processes never stopped that took longer than their timeout, the reply
+    timeout and `CALL_GRACE_S` together: calls that hung."""
     drained: bool = True
     latency_applies: bool = True
     notes: list[str] = field(default_factory=list)
@@ -1003,6 +1014,8 @@ class Tally:
             failed.append(f"{self.damaged} damaged")
         if self.hung:
             failed.append(f"did not stop when told: {', '.join(self.hung)}")
+        if self.overlong_calls:
+            failed.append(f"{self.overlong_calls} calls outlived their timeout")
         if not self.drained:
             failed.append("the producer still held items at the end")
         if self.latency_applies and not self.ratio <= P99_RATIO_GOAL:
@@ -1044,8 +1057,12 @@ def tally(run: _Run, scenario: Scenario, windows: tuple[int, int, int]) -> Tally
                 takes[item_id] = takes.get(item_id, 0) + 1
             elif kind == "V":
                 result.damaged += record[2] != "1"
-            elif kind == "L" and path.stem == "legit":
+            elif kind == "L":
                 started, took = int(record[1]), int(record[2])
+                if path.stem not in run.stopped and took > int(record[3]):
+                    result.overlong_calls += 1
+                if path.stem != "legit":
+                    continue
                 if base_start <= started < attack_start:
                     base_ns.append(took)
                 elif attack_start <= started < attack_end:
@@ -1172,7 +1189,8 @@ def _goal_line(result: Tally) -> str:
     verdict = "PASS" if not result.failures() else "FAIL: " + "; ".join(result.failures())
     return (
         f"{result.scenario}: {result.lost} lost, {result.duplicated} duplicated, {result.damaged} damaged, "
-        f"{result.gone_with_producer} gone with the producer; {latency}; RSS {growth:+.0f} MiB "
+        f"{result.gone_with_producer} gone with the producer, {result.overlong_calls} calls past their timeout; "
+        f"{latency}; RSS {growth:+.0f} MiB "
         f"(<= {RSS_GROWTH_GOAL_BYTES >> 20}); legit errors {result.legit_errors} -> {verdict}"
         + (f"  [{'; '.join(result.notes)}]" if result.notes else "")
     )
@@ -1209,7 +1227,8 @@ def main(args: argparse.Namespace) -> int:
         + ("every goal met" if not failed else f"goals missed in {', '.join(failed)}")
     )
     print(
-        f"goals: 0 lost, 0 duplicated, 0 damaged, every kvrt process stops when told; the legitimate consumer's "
+        f"goals: 0 lost, 0 duplicated, 0 damaged, every kvrt process stops when told and no call outlives its "
+        f"timeout + reply_timeout_s + {CALL_GRACE_S:g} s; the legitimate consumer's "
         f"p99 under attack <= {P99_RATIO_GOAL:g}x its p99 before the attack (same run); the producer's RSS once "
         f"drained at most {RSS_GROWTH_GOAL_BYTES >> 20} MiB above its RSS right before the attack"
     )
