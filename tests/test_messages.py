@@ -142,11 +142,9 @@ _msgpack_scalars = (
 
 _msgpack_values = st.recursive(
     _msgpack_scalars,
-    lambda children: (
-        st.lists(children, max_size=4)
-        | st.dictionaries(st.text(max_size=8), children, max_size=4)
-        | st.dictionaries(st.integers(min_value=-5, max_value=5) | st.binary(max_size=4), children, max_size=3)
-    ),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    | st.dictionaries(st.integers(min_value=-5, max_value=5) | st.binary(max_size=4), children, max_size=3),
     max_leaves=12,
 )
 
