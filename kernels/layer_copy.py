@@ -2,11 +2,10 @@
 
 A prefill hands `put_layer` its K and V as views: often columns of a wider projection output
 (`out[:, :H*D]`), whose tokens lie a whole row of that output apart. torch copies such a view
-element by element (its strided path: 69-79 us for the 32 MiB of an 8B model's layer at 8k
-tokens on an H200, `kvrt bench stream`), and that copy shares the GPU with the sends of the
-layers before. Each token's heads x head_dim are contiguous in such views, so one program
-moves one token's row as words (8, 4, 2 or 1 bytes, the widest every address and stride
-allows), as `paged_kv` does: a layer's gather out of pools, the same bytes, took 22 us.
+element by element (its strided path, `kvrt bench kernels` times it), and that copy shares
+the GPU with the sends of the layers before. Each token's heads x head_dim are contiguous in
+such views, so one program moves one token's row as words (8, 4, 2 or 1 bytes, the widest
+every address and stride allows), as `paged_kv` does.
 
 `copy_layer_reference` is the plain-torch reference the tests compare against, bit for bit,
 under `TRITON_INTERPRET=1` on CPU.

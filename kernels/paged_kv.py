@@ -1,23 +1,21 @@
 """Gather a request's KV out of paged pools into one staging buffer, and scatter it back.
 
-Serving engines keep KV in paged pools, one per layer, and with data parallelism one set of
-pools per replica (`seeds/004`): a request's tokens may sit in any replica, at any slots.
-`gather` copies them, for every layer at once, into a contiguous staging buffer
+A request's tokens may sit in any data-parallel replica's pools, at any slots (the pools and
+their layouts: `kvrt._pools`, exported as `kvrt.PoolTable` and `kvrt.Layout`). `gather`
+copies them, for every layer at once, into a contiguous staging buffer
 
     staging[layer, token, kv, head, dim]      kv: 0 = K, 1 = V (MLA: K only)
 
 ready for one transfer; `scatter` writes a staging buffer into the replica and slots the
-receiving side chose. Pool layouts, per layer:
+receiving side chose. This is the shape of LightLLM's kv_trans kernels for dp > 1. Replica and
+slot indexes are int32 or int64 (engines keep them as either), on the pools' device or the host;
+the kernels read either and compute addresses in 64 bits.
 
-    token-major  [slots, 2*H, D]             K heads, then V heads (LightLLM)
-    block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
-    mla          [slots, D]                  one latent per token, the same on every card
-
-Both go through one kernel and one code path for dp == 1 and dp > 1 (the seed PR broke its
-dp == 1 path with a name defined on one branch only): a table holds the base address of
-every (replica, copy, layer) pool, and each token names its replica and slot. A head range
-[h0, h1) moves only those heads (a decode TP that shards heads differently from prefill).
-For MLA a scatter writes every copy of a replica (every card of its group).
+Both go through one kernel and one code path for dp == 1 and dp > 1, so that no path can
+use a name another path defines: a table holds the base address of every (replica, copy,
+layer) pool, and each token names its replica and slot. A head range [h0, h1) moves only
+those heads (a decode TP that shards heads differently from prefill). For MLA a scatter
+writes every copy of a replica (every card of its group).
 
 The kernel moves bytes, not numbers: the host wrapper views everything as the widest word
 (8, 4, 2 or 1 bytes) that the layout's strides allow, so fp16, bf16, fp32 and fp8 stored as
@@ -27,111 +25,29 @@ the tests compare bit for bit under `TRITON_INTERPRET=1` on CPU.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kvrt._errors import InvalidInputError
-from kvrt._tensors import host_to_device
+from kvrt._pools import WORDS
 
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-Part = Literal["key", "value"]
-"""Only the K rows or only the V rows of a request (None: both)."""
-
-
-class Layout(enum.Enum):
-    TOKEN_MAJOR = "token_major"
-    BLOCK = "block"
-    MLA = "mla"
-
-
-@dataclass(frozen=True, slots=True)
-class PoolGeometry:
-    """Where a slot's K and V rows sit in one layer's pool, in elements of the pool's dtype."""
-
-    layout: Layout
-    slots: int
-    heads: int
-    head_dim: int
-    token_stride: int
-    v_offset: int
-    """From a slot's K row to its V row (0 for MLA, which has no V)."""
-
-    @property
-    def kv(self) -> int:
-        return 1 if self.layout is Layout.MLA else 2
-
-
-def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
-    """The geometry of one layer's pool, checking its shape against `layout`."""
-    if not pool.is_contiguous():
-        raise InvalidInputError("KV pools must be contiguous")
-    if layout is Layout.TOKEN_MAJOR:
-        if pool.dim() != 3 or pool.shape[1] % 2:
-            raise InvalidInputError(f"a token-major pool is [slots, 2*heads, head_dim], got {tuple(pool.shape)}")
-        slots, two_heads, dim = pool.shape
-        return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
-    if layout is Layout.BLOCK:
-        if pool.dim() != 5 or pool.shape[0] != 2:
-            raise InvalidInputError(
-                f"a block pool is [2, blocks, block_size, heads, head_dim], got {tuple(pool.shape)}"
-            )
-        _, blocks, block_size, heads, dim = pool.shape
-        return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
-    if pool.dim() != 2:
-        raise InvalidInputError(f"an MLA pool is [slots, latent_dim], got {tuple(pool.shape)}")
-    slots, dim = pool.shape
-    return PoolGeometry(layout, slots, 1, dim, dim, 0)
-
-
-class PoolTable:
-    """Every pool of a node: `pools[replica][copy][layer]`, all alike; registered once.
-
-    `copy` is for MLA, where every card of a replica's group holds the same latents (one
-    copy per card); other layouts have one copy per replica.
-    """
-
-    def __init__(self, pools: Sequence[Sequence[Sequence[torch.Tensor]]], layout: Layout) -> None:
-        if not pools or not pools[0] or not pools[0][0]:
-            raise InvalidInputError("pools must name at least one replica, copy and layer")
-        first = pools[0][0][0]
-        self.layout = layout
-        self.geometry = geometry(first, layout)
-        self.dtype = first.dtype
-        self.device = first.device
-        self.replicas = len(pools)
-        self.copies = len(pools[0])
-        self.layers = len(pools[0][0])
-        addresses = []
-        for replica, copies in enumerate(pools):
-            if len(copies) != self.copies or any(len(layers) != self.layers for layers in copies):
-                raise InvalidInputError(f"replica {replica} has a different number of copies or layers")
-            for layers in copies:
-                for pool in layers:
-                    if pool.shape != first.shape or pool.dtype != first.dtype or pool.device != first.device:
-                        raise InvalidInputError(
-                            f"every pool must match the first: {tuple(first.shape)} {first.dtype} on {first.device}"
-                        )
-                    if not pool.is_contiguous():
-                        raise InvalidInputError("KV pools must be contiguous")
-                    addresses.append(pool.data_ptr())
-        self.pools = [[list(layers) for layers in copies] for copies in pools]
-        self.address_alignment = next(w.itemsize for w in _WORDS if all(a % w.itemsize == 0 for a in addresses))
-        """The widest word (bytes) every pool's address is a multiple of (found once: a
-        launch must not walk every pool)."""
-        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=self.device).view(
-            self.replicas, self.copies, self.layers
-        )
-
-    def staging_shape(self, tokens: int, heads: tuple[int, int]) -> tuple[int, ...]:
-        return (self.layers, tokens, self.geometry.kv, heads[1] - heads[0], self.geometry.head_dim)
+# The pools' types and index checks live in `kvrt._pools` (no Triton there); callers of the
+# kernels may name them here too.
+from kvrt._pools import Layout as Layout
+from kvrt._pools import Part as Part
+from kvrt._pools import PoolGeometry as PoolGeometry
+from kvrt._pools import PoolTable as PoolTable
+from kvrt._pools import check_indices as check_indices
+from kvrt._pools import checked_indexes as checked_indexes
+from kvrt._pools import geometry as geometry
+from kvrt._pools import index_ranges as index_ranges
+from kvrt._pools import per_token as per_token
+from kvrt._pools import ranges_fit as ranges_fit
 
 
 def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, int]:
@@ -140,56 +56,9 @@ def _head_range(table: PoolTable, heads: tuple[int, int] | None) -> tuple[int, i
     first, end = heads
     if not 0 <= first < end <= table.geometry.heads:
         raise InvalidInputError(f"head range [{first}, {end}) is outside the pools' {table.geometry.heads} heads")
-    if table.layout is Layout.MLA and (first, end) != (0, 1):
+    if table.geometry.kv == 1 and (first, end) != (0, 1):
         raise InvalidInputError("an MLA latent has no heads to select")
     return first, end
-
-
-def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """int64 [4] where the indexes are: the smallest and largest replica index, then slot
-    (zeros when there are none). On the pools' device it is queued, not read (three small
-    kernels): a caller can read it with other values in one round trip and pass it to
-    `ranges_fit`. Indexes on the host (both of them) are reduced there: no round trip."""
-    on_host = replica.device.type == "cpu" and slots.device.type == "cpu"
-    for name, index in (("replica", replica), ("slot", slots)):
-        if index.dtype != torch.int64 or index.dim() != 1 or not (on_host or index.device == table.device):
-            raise InvalidInputError(f"{name} indexes must be a 1-D int64 tensor on {table.device} or on the host")
-    if replica.shape != slots.shape:
-        raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
-    if not slots.numel():
-        return torch.zeros(4, dtype=torch.int64, device=slots.device)
-    if on_host:  # numpy: 0.16 ms for 32k tokens on an H200 host, 0.2 through torch's CPU reductions
-        ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
-        return torch.tensor(ranges, dtype=torch.int64)
-    (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
-    return torch.stack((replica_min, replica_max, slot_min, slot_max))
-
-
-def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
-    """Whether `index_ranges`, read back, lie inside the pools."""
-    replica_min, replica_max, slot_min, slot_max = (int(value) for value in ranges)
-    return replica_min >= 0 and replica_max < table.replicas and slot_min >= 0 and slot_max < table.geometry.slots
-
-
-def checked_indexes(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`check_indices`, then the indexes on the pools' device, where the kernels read them:
-    indexes on the host are checked there (no device round trip) and copied over on the
-    current stream, without waiting for it."""
-    check_indices(table, replica, slots)
-    if table.device.type == "cuda" and slots.device.type == "cpu":
-        return host_to_device(replica, table.device), host_to_device(slots, table.device)
-    return replica, slots
-
-
-def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
-    """Refuse replica or slot indexes outside the pools, before anything is launched (one
-    read back from the device when all are in range)."""
-    if ranges_fit(table, index_ranges(table, replica, slots).tolist()):
-        return
-    for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
-        outside = (index < 0) | (index >= bound)
-        if bool(outside.any()):
-            raise InvalidInputError(f"{name} index {index[outside][0].item()} is out of range [0, {bound})")
 
 
 def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) -> tuple[torch.dtype, int]:
@@ -202,8 +71,8 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
 
 
 def widest_word(alignment: int, byte_offsets: Sequence[int]) -> torch.dtype:
-    """The widest word (of `_WORDS`) that divides `alignment` and every one of `byte_offsets`."""
-    for word in _WORDS:
+    """The widest word (of `WORDS`) that divides `alignment` and every one of `byte_offsets`."""
+    for word in WORDS:
         size = word.itemsize
         if alignment % size == 0 and all(value % size == 0 for value in byte_offsets):
             return word
@@ -216,8 +85,8 @@ def widest_word(alignment: int, byte_offsets: Sequence[int]) -> torch.dtype:
 @triton.jit(do_not_specialize=["first_layer"])  # type: ignore[untyped-decorator]
 def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     addresses,  # int64 [replicas, copies, layers]: base address of each pool
-    replica,  # int64 [tokens]
-    slots,  # int64 [tokens]
+    replica,  # int32 or int64 [tokens]
+    slots,  # int32 or int64 [tokens]
     stage_k,  # words: where the staged K rows start
     stage_v,  # words: where the staged V rows start (unused for MLA)
     layers,
@@ -234,12 +103,12 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     GATHER: tl.constexpr,  # pools -> staging; else staging -> every copy's pools
 ):
     """One program moves one token's rows of one layer. A step loads its K and V words
-    before it stores either: twice the bytes in flight per program, which took a gather
-    of random slots from 72% to 98% of a device copy on an H200 (`tools/kernel_variants.py`)."""
+    before it stores either: twice the bytes in flight per program, which is what brings a
+    gather of random slots near a device copy of the same bytes (`kvrt bench kernels`)."""
     token = tl.program_id(0).to(tl.int64)
     layer = first_layer + tl.program_id(1).to(tl.int64)
-    r = tl.load(replica + token)
-    row_start = tl.load(slots + token) * token_stride + head_offset
+    r = tl.load(replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
+    row_start = tl.load(slots + token).to(tl.int64) * token_stride + head_offset
     stage_k_row = stage_k + layer * stage_layer_stride + token * stage_token_stride
     stage_v_row = stage_v + layer * stage_layer_stride + token * stage_token_stride
     word = stage_k.dtype.element_ty
@@ -728,13 +597,6 @@ def scatter_layer_reference(
 
 
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
-
-
-def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
-    """Per-token replica indexes, from one replica for every token or a tensor of them."""
-    if not isinstance(slots, torch.Tensor):
-        raise InvalidInputError(f"slots must be a 1-D int64 tensor, got {type(slots).__name__}")
-    return torch.full_like(slots, replica) if isinstance(replica, int) else replica
 
 
 def gather_into_any(

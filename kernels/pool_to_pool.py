@@ -5,7 +5,7 @@ every layer, no staging buffer.
         dst.pools[dst_replica[t]][every copy][layer] at slot dst_slots[t], heads [g0, g0 + n)
             = src.pools[src_replica[t]][0][layer] at slot src_slots[t], heads [h0, h0 + n)
 
-This is the fused form issue 9 asks of a same-host pull: the producer's GPU reads its own
+This is the fused form of a same-host pull: the producer's GPU reads its own
 dp replicas and writes the consumer's chosen replica and slots, whose pools CUDA IPC maps
 into its address space, over NVLink. Where the staged path gathers into a buffer, copies
 it, and scatters it (three passes, a buffer on each side), this kernel's loads are local and
@@ -27,14 +27,12 @@ import triton
 import triton.language as tl
 
 from kvrt._errors import InvalidInputError
+from kvrt._pools import PoolTable, check_indices, per_token
 from kvrt.kernels.paged_kv import (
     DEFAULT_TUNING,
-    PoolTable,
     Tuning,
     _head_range,
-    check_indices,
     gather_reference,
-    per_token,
     scatter_reference,
     widest_word,
 )
@@ -43,11 +41,11 @@ from kvrt.kernels.paged_kv import (
 @triton.jit  # type: ignore[untyped-decorator]
 def _move_rows(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     src_addresses,  # int64 [replicas, copies, layers]: base address of each source pool
-    src_replica,  # int64 [tokens]
-    src_slots,  # int64 [tokens]
+    src_replica,  # int32 or int64 [tokens]
+    src_slots,  # int32 or int64 [tokens]
     dst_addresses,  # int64 [replicas, copies, layers]: base address of each destination pool
-    dst_replica,  # int64 [tokens]
-    dst_slots,  # int64 [tokens]
+    dst_replica,  # int32 or int64 [tokens]
+    dst_slots,  # int32 or int64 [tokens]
     word_like,  # a tensor of the word type: the pointers' element type
     layers,
     src_token_stride,  # words between consecutive slots of a source pool
@@ -67,11 +65,11 @@ def _move_rows(  # type: ignore[no-untyped-def]  # Triton reads its own annotati
     token = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     word = word_like.dtype.element_ty
-    r = tl.load(src_replica + token)
-    q = tl.load(dst_replica + token)
+    r = tl.load(src_replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
+    q = tl.load(dst_replica + token).to(tl.int64)
     src_base = tl.load(src_addresses + r * SRC_COPIES * layers + layer).to(tl.pointer_type(word))
-    src_row = src_base + tl.load(src_slots + token) * src_token_stride + src_head_offset
-    dst_row_start = tl.load(dst_slots + token) * dst_token_stride + dst_head_offset
+    src_row = src_base + tl.load(src_slots + token).to(tl.int64) * src_token_stride + src_head_offset
+    dst_row_start = tl.load(dst_slots + token).to(tl.int64) * dst_token_stride + dst_head_offset
     for start in tl.static_range(0, ROW, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         if ROW % BLOCK == 0:  # noqa: SIM108 (a static branch: Triton folds it at compile time)

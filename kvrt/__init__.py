@@ -9,6 +9,7 @@
 Everything public is re-exported here; modules with a leading underscore are internal.
 """
 
+from kvrt import blocking
 from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
 from kvrt._consumer import Consumer
@@ -32,9 +33,12 @@ from kvrt._errors import (
 from kvrt._item import KVItem
 from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
-from kvrt._metrics import serve_metrics
+from kvrt._metrics import register_metrics, serve_metrics
+from kvrt._pools import Layout, PoolGeometry, PoolTable
 from kvrt._producer import Producer, ProducerStats
+from kvrt._settings import consumer_settings, producer_settings
 from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
+from kvrt._trace import TraceEvent, add_trace_callback, tracing
 
 __version__ = "0.1.0"
 
@@ -53,20 +57,30 @@ __all__ = [
     "KVItem",
     "KVRTError",
     "KVRTTimeoutError",
+    "Layout",
     "LeaseExpiredError",
     "LocalProtocolError",
     "NotFoundError",
     "PeerLostError",
+    "PoolGeometry",
+    "PoolTable",
     "Producer",
     "ProducerStats",
     "ProducerStream",
     "ProtocolError",
     "RemoteProtocolError",
     "StreamAbortedError",
+    "TraceEvent",
     "TransportUnavailableError",
     "VersionMismatchError",
     "__version__",
+    "add_trace_callback",
+    "blocking",
+    "consumer_settings",
     "log_json",
     "make_keys",
+    "producer_settings",
+    "register_metrics",
     "serve_metrics",
+    "tracing",
 ]

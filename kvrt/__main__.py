@@ -11,9 +11,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import kvrt
 from kvrt._bench import BENCHMARKS
 from kvrt._cli_ops import add_commands
 from kvrt._demo import DemoShape, run_demo
+from kvrt._errors import KVRTError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvrt",
         description="Move the KV cache of LLM requests from prefill to decode instances.",
     )
+    parser.add_argument("--version", action="version", version=f"kvrt {kvrt.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
@@ -95,7 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.plot is not None:
+        # Refused before the benchmark runs, not after minutes of measuring.
+        from kvrt._bench._plot import require_pyplot
+
+        try:
+            require_pyplot()
+        except KVRTError as error:
+            parser.error(str(error))
     return int(args.run(args))
 
 

@@ -1,6 +1,6 @@
 """The producer's lookup buffer: buffered items, byte accounting, and the prefix index.
 
-Matching follows the seed (`SimpleBuffer._matches`) with DESIGN's selection rule:
+Matching follows vLLM's `SimpleBuffer._matches`, with a selection rule of kvrt's own:
 
 * each side's roi mask is applied to its tokens first;
 * an item matches a query when one masked sequence is a prefix of the other, and

@@ -18,6 +18,7 @@ from typing import Self, TypeVar
 import torch
 import zmq
 
+from kvrt import _arguments
 from kvrt import _messages as m
 from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
@@ -42,9 +43,7 @@ class Client(AsyncService):
         name: str | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        if not isinstance(endpoint, str) or not endpoint:
-            raise InvalidInputError(f"endpoint must be a ZeroMQ address such as 'tcp://host:port', got {endpoint!r}")
-        self.endpoint = endpoint
+        self.endpoint = _arguments.endpoint(endpoint, "endpoint", binding=False)
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat_s = heartbeat_s
         self._curve = curve

@@ -18,9 +18,8 @@ the same one: it sizes the next round.
 
 Why one value and not a (matched, -status) pair: gloo's ring all_reduce cuts the tensor
 into 2 x world_size segments and sends each non-empty one around the ring, so its cost
-grows with the values up to 2 x world_size of them (4 ranks on a 2-core host: 0.8-1.0 ms
-for 1 value, 1.4 ms for 2, 2.6-3.0 ms for 3, ~5 ms from 8 on). One lookup at a time then
-costs a 1-value collective, a round of 16 lookups a 16-value one.
+grows with the values up to 2 x world_size of them (`docs/bench/consensus-cpu.md`). One
+lookup at a time then costs a 1-value collective, a round of 16 lookups a 16-value one.
 
 Lookups are numbered in call order, which is the same on every rank (TP ranks run the
 same schedule). A round covers a window of lookups from the oldest undecided one; a rank
@@ -60,6 +59,7 @@ from kvrt._errors import (
     PeerLostError,
     fresh_copy,
 )
+from kvrt._trace import emit
 
 ROWS: Final = 64
 """Most lookups one round can decide."""
@@ -352,6 +352,7 @@ class GroupConsensus:
 
     def _issue(self, values: list[int]) -> None:
         """One collective, issued now from the loop; `_end_round` runs on the loop when it is done."""
+        emit("consensus.round_issued", rows=len(values))
         loop = self._loop or asyncio.get_running_loop()
         if self._stream is not None and self._waiter is not None:
             # NCCL: a work's future completes at enqueue, not at completion. So the collective
@@ -375,6 +376,7 @@ class GroupConsensus:
         work.get_future().add_done_callback(lambda _: loop.call_soon_threadsafe(self._end_round, work, tensor, None))
 
     def _end_round(self, work: Any, tensor: torch.Tensor, waited: concurrent.futures.Future[None] | None) -> None:
+        emit("consensus.round_ended", rows=tensor.numel())
         self._in_round = False
         if self._closed:
             return

@@ -15,10 +15,11 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import Any, Final, Self
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,9 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._arguments import endpoint, seconds
+from kvrt._arguments import endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys, handshake_failure, secure_client
+from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
 from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
 from kvrt._errors import (
     ClosedError,
@@ -44,6 +46,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import KVItem, check_timeout, query_bytes, truncate
+from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._producer import DEFAULT_HEARTBEAT_S, _heartbeat
 from kvrt._protocol import (
     ConsumerCore,
@@ -51,6 +54,7 @@ from kvrt._protocol import (
     Failed,
     LinkState,
     Lost,
+    PayloadCame,
     Refused,
     Replied,
     Stray,
@@ -66,9 +70,6 @@ from kvrt.transports import Transport
 from kvrt.transports._base import Arrival, ItemTensors
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import make_transports, transport_preference
-
-if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -186,8 +187,12 @@ class _Link:
         curve: CurveKeys | None = None,
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
+        metrics: _metrics.ConsumerMetrics | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._metrics = metrics
+        self._asked_at: dict[int, float] = {}
+        """When each pending request left (perf_counter), for `metrics`' lookup waits."""
         self._transfer_timeout_s = transfer_timeout_s
         self._reply_timeout_s = reply_timeout_s
         self._device = device
@@ -294,6 +299,8 @@ class _Link:
             self._landing[request_id] = on_landing
         if writer is not None:
             self._writers[request_id] = writer
+        if self._metrics is not None:
+            self._asked_at[request_id] = time.perf_counter()
         overdue = None
         if waits_s is not None:
             overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
@@ -316,6 +323,7 @@ class _Link:
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
             self._writers.pop(request_id, None)
+            self._asked_at.pop(request_id, None)
         if confirm:
             kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
             self._send_receipts()
@@ -420,8 +428,8 @@ class _Link:
                     self._send_in_order(message)
                 else:
                     self._send_nowait(message)
-            if first is not None:
-                await asyncio.sleep(0)  # a yield once a batch (see `Producer._serve`)
+            if first is not None and self._io.drained_a_full_batch:
+                await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
 
     def _frame(self, frames: list[zmq.Frame], now: float) -> None:
         """One message from the producer. One that does not decode is dropped and counted; one
@@ -476,9 +484,13 @@ class _Link:
                 self._on_stream_start(self._pending.get(request_id), start, payload)
             case Streamed(message=message):
                 self._on_streamed(message, payload)
+            case PayloadCame(message=message):
+                if self._transport is not None:
+                    self._transport.payload(message, payload)
             case Replied(request_id=request_id, message=message):
                 future = self._pending.get(request_id)
                 if future is not None and not future.done():
+                    self._answered(request_id, time.perf_counter())
                     future.set_result(_Reply(message))
             case Failed(request_id=request_id, error=error):
                 future = self._pending.get(request_id)
@@ -527,15 +539,26 @@ class _Link:
         on_landing = self._landing.get(deliver.request_id)
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
             on_landing(deliver, arrival)
+        header_at = time.perf_counter()
+        if future is not None:
+            self._answered(deliver.request_id, header_at)
         arriving = arrival.complete
         if arriving.done():
-            self._landed(future, deliver, self._sessions_lost, arriving)  # TCP: already here
+            self._landed(future, deliver, self._sessions_lost, arriving, header_at=header_at)  # TCP: already here
         else:
-            self._own_arrival(arriving, functools.partial(self._landed, future, deliver, self._sessions_lost))
+            self._own_arrival(
+                arriving, functools.partial(self._landed, future, deliver, self._sessions_lost, header_at=header_at)
+            )
+
+    def _answered(self, request_id: int, now: float) -> None:
+        """The producer answered a request (an item's header, or a miss): its lookup wait."""
+        asked_at = self._asked_at.pop(request_id, None)
+        if asked_at is not None and self._metrics is not None:
+            self._metrics.lookup_wait.observe(now - asked_at)
 
     def _landed(
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, session: int,
-        arriving: asyncio.Future[ItemTensors],
+        arriving: asyncio.Future[ItemTensors], *, header_at: float = 0.0,
     ) -> None:  # fmt: skip
         """An item's receive ended: complete the call, or give the item back with the reason."""
         if arriving.cancelled():
@@ -557,6 +580,9 @@ class _Link:
             self._give_back(future, deliver, self._lease_error())
             return
         input_tokens, roi, key, value, hidden = arriving.result()
+        if self._metrics is not None and header_at:
+            transport = self._transport.name if self._transport is not None else "unknown"
+            self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
         future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
 
     def _on_deliver_many(
@@ -1081,10 +1107,7 @@ class Consumer(AsyncService):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
         self._reply_timeout_s = reply_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
+        self.device = usable_device(device)
         self._endpoints = endpoints
         self._transport_names = transport_preference(transport, self.device)
         self._curve = curve
@@ -1100,6 +1123,8 @@ class Consumer(AsyncService):
         self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a pull's scatters, in order, off the loop (see `pull`)."""
         self.counters = ConsumerCounters()
+        self.metrics = _metrics.ConsumerMetrics()
+        """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
         self._closed = False
 
     async def start(self) -> Self:
@@ -1124,6 +1149,7 @@ class Consumer(AsyncService):
                     curve=self._curve,
                     transfer_timeout_s=self._transfer_timeout_s,
                     reply_timeout_s=self._reply_timeout_s,
+                    metrics=self.metrics,
                 )
                 self._links.append(link)
                 await link.start()
@@ -1147,6 +1173,11 @@ class Consumer(AsyncService):
             self._context.term()
 
     @property
+    def name(self) -> str:
+        """This consumer's name, as its producers and its metrics (`consumer` label) know it."""
+        return self._name
+
+    @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
@@ -1160,25 +1191,53 @@ class Consumer(AsyncService):
     def pending_requests(self) -> int:
         return sum(link.core.pending_count for link in self._links)
 
+    def link_for_tests(self, index: int = 0) -> _Link:
+        """The link to the `index`-th producer of `connect` (the only one by default): a hook
+        for tests that watch or steer one link's protocol core, socket or transport. Not part
+        of the serving API, and what a link holds may change between versions."""
+        return self._links[index]
+
+    @lands_on_caller_stream
     async def drop_select(
         self,
         input_tokens: torch.Tensor | None,
         roi: torch.Tensor | None = None,
         timeout: float | None = 0.0,
+        *,
+        stream: torch.cuda.Stream | None = None,
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
-        The best match is the longest common prefix of the masked sequences, then the
-        oldest item; `input_tokens` None takes the oldest item. `timeout` is how long to
-        wait for a match to be inserted: 0 answers at once, None waits until one is, or
-        until either side closes. Returns None on a miss.
+        Called by the decode engine once per request, from its event loop; many calls may be
+        in flight at once. The best match is the longest common prefix of the masked
+        sequences, then the oldest item; `input_tokens` None takes the oldest item. `timeout`
+        is how long to wait for a match to be inserted: 0 answers at once, None waits until
+        one is, or until either side closes. Returns None on a miss.
+
+        Raises `InvalidInputError` for tokens or a roi that are not 1-D (integer, bool)
+        tensors of one length, `PeerLostError` when no producer can be reached (or its
+        connection closed), `LeaseExpiredError` for an item that came after the link's lease
+        ended (given back, not handed over), `KVRTTimeoutError` (phase "reply") when no answer
+        came within `timeout + reply_timeout_s`, (phase "transfer") when an item's bytes do not
+        come within `transfer_timeout_s`, `RemoteProtocolError` for an answer that breaks the
+        protocol, `ClosedError` when the consumer closes meanwhile; in a TP group, the group's
+        decision (the same error on every rank). Memory: the item's tensors are the caller's,
+        on this consumer's device; the item has left the producer's buffer (its receipt
+        follows). On a GPU, work queued on `stream` (None: the calling thread's current stream)
+        after this returns reads the item as it landed.
         """
         return await self._lookup(input_tokens, roi, timeout, what="drop_select")
 
+    @lands_on_caller_stream
     async def drop_select_many(
-        self, queries: Sequence[torch.Tensor | None], rois: Sequence[torch.Tensor | None] | None = None
+        self,
+        queries: Sequence[torch.Tensor | None],
+        rois: Sequence[torch.Tensor | None] | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
     ) -> list[KVItem | None]:
-        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in order.
+        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
+        order; `stream` as for `drop_select`.
 
         For a serving engine that takes the KV of a whole scheduler step: with one producer
         and no TP group, up to 256 queries travel in one request and the items found come back
@@ -1188,7 +1247,7 @@ class Consumer(AsyncService):
         the last of them is freed. Items are taken in query order, each at most once. In a TP
         group (one producer) the batch is taken the same way and its lookups are agreed
         together: one round once the group's window knows batches of that size (the first
-        batch after single lookups takes two), where one `drop_select` after the other took a
+        batch after single lookups takes two), where one `drop_select` after the other takes a
         round each. With several producers the queries run as that many `drop_select`s, one
         after the other.
         """
@@ -1216,7 +1275,7 @@ class Consumer(AsyncService):
                 answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
                 items = [item for answer in answers for item in answer.items or ()]
         except KVRTError as error:
-            self._count_error(error)
+            self._count_error(error, lookups=len(wire))
             raise
         timer.done()
         for item in items:
@@ -1298,17 +1357,22 @@ class Consumer(AsyncService):
             self._count_error(error)
             raise
         timer.done()
-        self._count(item)
+        self._count(item, waited=timeout != 0)
         return item
 
-    def _count(self, item: KVItem | None) -> None:
+    def _count(self, item: KVItem | None, *, waited: bool = False) -> None:
+        """A lookup answered: its outcome, and an item's counts. `waited`: the call had a
+        timeout (a miss then is a lookup that timed out)."""
+        miss = _metrics.LookupOutcome.TIMEOUT if waited else _metrics.LookupOutcome.MISS
+        self.metrics.looked_up(miss if item is None else _metrics.LookupOutcome.HIT)
         if item is not None:
             self.counters.items += 1
             self.counters.bytes += sum(
                 tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None
             )
 
-    def _count_error(self, error: KVRTError) -> None:
+    def _count_error(self, error: KVRTError, lookups: int = 1) -> None:
+        self.metrics.looked_up(_metrics.outcome_of_error(error), lookups)
         errors = self.counters.errors
         errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
 
@@ -1414,6 +1478,7 @@ class Consumer(AsyncService):
             if taken is not None and not taken.settle(keep=keep):
                 raise taken.link._lease_error()
 
+    @on_caller_stream
     async def open_stream(
         self,
         input_tokens: torch.Tensor | None,
@@ -1423,6 +1488,7 @@ class Consumer(AsyncService):
         into: PoolTable | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
@@ -1431,7 +1497,9 @@ class Consumer(AsyncService):
         With `into` (and `slots`, `replica`, as for `pull`) each layer is written into those
         pools as it lands, at the slots, for as many tokens as both have; `layer(i)` returns
         once layer i is written (on a GPU: once the write is queued, with the caller's stream
-        made to wait for it). Slots out of range are refused before anything is taken."""
+        made to wait for it). Slots out of range are refused before anything is taken. The
+        writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
+        when this was called: the work that wrote the slots there."""
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
@@ -1453,8 +1521,6 @@ class Consumer(AsyncService):
             raise InvalidInputError("a stream into the pools needs both into= and slots=")
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
         indexes_ready = None
         if self.device.type == "cuda":
@@ -1462,6 +1528,7 @@ class Consumer(AsyncService):
             indexes_ready.record(torch.cuda.current_stream(self.device))
         return PoolWriter(Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready)
 
+    @lands_on_caller_stream
     async def pull(
         self,
         input_tokens: torch.Tensor,
@@ -1471,19 +1538,28 @@ class Consumer(AsyncService):
         slots: torch.Tensor,
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
+        stream: torch.cuda.Stream | None = None,
     ) -> KVItem | None:
-        """Take a published prefill (as drop_select does) and write its KV into `into`: the
-        item's token i lands at `slots[i]` of replica `replica` (or `replica[i]`), for as many
-        tokens as both have. Returns the item (None on a miss; then nothing is written).
+        """Take a published prefill (matched as `drop_select` matches) and write its KV into
+        the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
+        (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
+        and then nothing is written); `timeout` is as in `drop_select`.
 
-        On a GPU, with one producer and no group, the scatter is pipelined with the transfer:
-        each chunk of layers is scattered (on a stream of the consumer's own) as soon as it
-        has landed. Work the caller then queues on its current stream sees the whole request
-        in the pools, also after a pull that failed or was cancelled midway (the slots then
-        hold a partial request)."""
+        `into` must be on this consumer's device; `slots` and `replica` are 1-D int32 or int64
+        tensors on its device or on the host. Raises `InvalidInputError` for pools on another
+        device or slots and replicas outside them (before any item is taken), and the errors of
+        `drop_select`.
+
+        Memory: the pools are the caller's; kvrt writes only the given slots. On a GPU, with one
+        producer and no group, the scatter is pipelined with the transfer: each chunk of layers
+        is scattered (on a stream of the consumer's own) as soon as it has landed. Work the
+        caller queues on `stream` (None: the calling thread's current stream) after this
+        returns sees the whole request in the pools, also after a pull that failed or was
+        cancelled midway (the slots then hold a partial request, and no defined bytes where a
+        producer died before writing them)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token, scatter_from_any
+        from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
 
         # Bad slots are refused before any item is taken.
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)

@@ -1,4 +1,4 @@
-"""What an item is: the five tensors of the seed, checked once at the API boundary.
+"""What an item is: the five tensors of vLLM's SimpleBuffer, checked once at the API boundary.
 
 Shapes (token axis in capitals):
     input_tokens  [TOKENS]                        integer dtype

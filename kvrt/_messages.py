@@ -242,6 +242,21 @@ class DeliverMany(Message, frozen=True, tag="deliver_many"):
     own). Empty: one transfer of the whole payload."""
 
 
+SPLIT_PAYLOAD_BYTES: Final = 1 << 20
+"""Over TCP, a `deliver` or `deliver_many` whose payload is at least this large travels as two
+messages: its header alone, then a `payload` message with the frames. The consumer knows the
+answer as soon as the header comes (the caller's reply deadline stops there) while the bytes
+are still on the wire; a smaller payload rides with its header, in one message."""
+
+
+class Payload(Message, frozen=True, tag="payload"):
+    """Producer → consumer, over TCP: the frames of the `deliver` or `deliver_many` for
+    `request_id`, which came without them (see `SPLIT_PAYLOAD_BYTES`): one frame per item,
+    as they would have followed the header."""
+
+    request_id: RequestId
+
+
 class Miss(Message, frozen=True, tag="miss"):
     """Producer → consumer: no item matched before the request's timeout."""
 
@@ -401,7 +416,7 @@ class StreamAbort(Message, frozen=True, tag="stream_abort"):
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
-    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany
+    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany | Payload
 )  # fmt: skip
 
 

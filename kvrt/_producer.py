@@ -26,9 +26,10 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._arguments import byte_count, endpoint, seconds
+from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._buffer import BufferedItem, GathersFailed, StreamState
+from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -47,18 +48,19 @@ from kvrt._item import (
     item_from_tokens,
     masked_tokens,
 )
+from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._protocol import HEARTBEAT_MISSES, Outgoing, ProducerCore, ProducerCounters
 from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker, launch_on
-from kvrt._zmqio import Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
+from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
 from kvrt.transports import Transport
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
-    from kvrt.kernels.paged_kv import Part, PoolTable, PreparedGather
+    from kvrt.kernels.paged_kv import PreparedGather
 
 log = logging.getLogger("kvrt.producer")
 
@@ -224,7 +226,7 @@ def _lookup_key_and(
 def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     """`values` on the host, the copy queued now: the call that returns waits for the device's
     stream once. A GPU copy lands in pinned memory (a pageable copy of a long prompt's tokens
-    took 0.15 ms on an H200 host)."""
+    costs the loop a synchronous staging copy)."""
     if values.device.type != "cuda":
         return values.numpy
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # cached by torch once freed
@@ -272,6 +274,10 @@ def _encoded(message: m.Message) -> bytes:
         raise _Unencodable(f"{type(message).__name__}: {exc}") from exc
 
 
+def _frame_bytes(frame: bytes | memoryview) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
 def _earliest(*deadlines: float | None) -> float | None:
     return min((deadline for deadline in deadlines if deadline is not None), default=None)
 
@@ -315,13 +321,6 @@ def _heartbeat(value: object) -> float:
     return heartbeat_s
 
 
-def _check_device(device: torch.device | str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
-
-
 class Producer(AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
@@ -357,7 +356,7 @@ class Producer(AsyncService):
         bind = endpoint(bind, "bind", binding=True)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        self.device = _check_device(device)
+        self.device = usable_device(device)
         self.buffer_bytes = buffer_bytes
         self._bind = bind
         self._curve = curve
@@ -469,6 +468,7 @@ class Producer(AsyncService):
             raise ClosedError("the producer is not started: use `async with` or `await start()`")
         return self._endpoint
 
+    @on_caller_stream
     async def insert(
         self,
         input_tokens: torch.Tensor,
@@ -478,11 +478,14 @@ class Producer(AsyncService):
         hidden: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
 
         Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
-        room appears or the producer closes). Raises `InvalidInputError` for tensors that
+        room appears or the producer closes). On a GPU the copy is queued on `stream` (None: the
+        caller's current stream, see `kvrt._caller_stream`), after the work that wrote the
+        tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
         self._check_open()
@@ -515,15 +518,18 @@ class Producer(AsyncService):
             transport.prepare(item)
 
     def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
-        """Register the engine's KV pools once (every replica, every layer): `publish` then
-        takes a finished prefill straight from them.
+        """Register the engine's KV pools (every replica, copy and layer) that `publish` reads.
 
-        A published request travels in chunks of whole layers holding about `chunk_bytes` of
-        K and V (at least one layer): on a GPU each chunk is sent as soon as it is gathered,
-        and a pulling consumer scatters it as soon as it lands. With `taper`, the last chunk
-        is a quarter of that: it leaves less to scatter once the wire is idle. (A small first
-        chunk bought nothing on an H200 pair: while the first segment travels, the later
-        gathers share the producer's memory bandwidth with it whatever its size.)"""
+        Called by the engine once, after it allocated its pools and before the first
+        `publish`; a later call replaces the table for later publishes. `pools` must be on this
+        producer's device. A published request travels in chunks of whole layers holding about
+        `chunk_bytes` of K and V (at least one layer): on a GPU each chunk is sent as soon as it
+        is gathered, and a pulling consumer scatters it as soon as it lands. With `taper`, the
+        last chunk is a quarter of that, which leaves less to scatter once the wire is idle.
+
+        Raises `InvalidInputError` for pools on another device or a `chunk_bytes` that is not
+        a positive int. The pools stay the engine's: kvrt keeps a reference to the table and
+        reads the pools only inside `publish` (see there), never writes them."""
         if pools.device != self.device:
             raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -532,6 +538,7 @@ class Producer(AsyncService):
         self._chunk_bytes = chunk_bytes
         self._taper = bool(taper)
 
+    @on_caller_stream
     async def publish(
         self,
         input_tokens: torch.Tensor,
@@ -540,23 +547,30 @@ class Producer(AsyncService):
         roi: torch.Tensor | None = None,
         *,
         timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Buffer a finished prefill from the registered pools: token i's KV is at `slots[i]`
-        of replica `replica[i]` (or of one replica for all). A consumer `pull`s it into its own
-        pools. The KV is gathered (one kernel, all layers) and buffered like an insert."""
+        """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
+        `drop_select`).
+
+        Called by the engine once per request, after its prefill wrote the KV: token i's KV is
+        at `slots[i]` of replica `replica[i]` (an int: one replica for every token). `slots` and
+        `replica` are 1-D int32 or int64 tensors on the pools' device or on the host; `roi` masks
+        the tokens that count for matching, as in `insert`. The KV is gathered into an item of
+        kvrt's own (one kernel launch per chunk, all layers) and buffered like an insert;
+        waits while the buffer is over `buffer_bytes`, `timeout` bounds that wait.
+
+        Raises `InvalidInputError` (no pools registered, tokens and slots that disagree, a
+        slot or replica outside the pools: checked before anything is read or buffered),
+        `KVRTTimeoutError` (phase "insert") and `ClosedError`. Memory: on a GPU every gather is
+        queued on `stream` (None: the calling thread's current stream, after the prefill's
+        writes) before this returns, so writes the engine queues on that stream afterwards come
+        after the gathers read the pools (writes from another stream must wait for it); on the
+        CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
         pools = self._pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
-        from kvrt.kernels.paged_kv import (
-            check_indices,
-            checked_indexes,
-            gather_into_any,
-            index_ranges,
-            per_token,
-            prepare_gather_into,
-            ranges_fit,
-        )
+        from kvrt.kernels.paged_kv import gather_into_any, prepare_gather_into
 
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
@@ -651,7 +665,7 @@ class Producer(AsyncService):
 
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
-        (else a GPU item allocates anew: 0.7 ms for 4 GiB, seen on an H200 host)."""
+        (else a GPU item allocates anew, a device allocation on the loop)."""
         for transport in self._transports.values():
             transport.reclaim()
 
@@ -683,6 +697,7 @@ class Producer(AsyncService):
             self._gathers = gpu_worker(self.device, "kvrt-gather")
         return self._gathers
 
+    @on_caller_stream
     async def open_stream(
         self,
         input_tokens: torch.Tensor,
@@ -691,6 +706,7 @@ class Producer(AsyncService):
         layers: int | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
@@ -700,7 +716,8 @@ class Producer(AsyncService):
         With `slots` (and `replica`, as for `publish`) the layers are read from the registered
         pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
         (`layers` may be left out). Indexes on the host are checked there; on the GPU the
-        check reads a flag back, which waits for the current stream once."""
+        check reads a flag back, which waits for `stream` (None: the caller's current stream)
+        once."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         placement = None
@@ -721,8 +738,6 @@ class Producer(AsyncService):
         pools = self._pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
-        from kvrt.kernels.paged_kv import checked_indexes, per_token
-
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")
@@ -867,19 +882,26 @@ class Producer(AsyncService):
         while True:
             first = await io.next(_earliest(core.next_deadline(), outboxes.next_retry()))
             now = self._now()
-            if first is not None:
-                for frames in [first, *io.drain()]:
-                    if len(frames) >= 2:
-                        # Answered one by one: a burst's first item goes out (and its transfer
-                        # starts) before the rest of the burst is looked up.
-                        await self._perform(self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now))
-                        if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
-                            await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
-            await self._perform(self._dropped(outboxes.flush(now), now))
-            await self._perform(core.expire(now))
-            if first is not None:
-                # A flood never suspends `io.next`: yield once a batch, so that inserts and the
-                # engine's other tasks on this loop still run while one peer floods.
+            batch = [] if first is None else [first, *io.drain()]
+            for frames in batch:
+                if len(frames) >= 2:
+                    # Answered one by one: a burst's first item goes out (and its transfer
+                    # starts) before the rest of the burst is looked up.
+                    out = self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+                    if out:
+                        await self._perform(out)
+                    if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
+                        await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
+            if outboxes.next_retry() is not None:
+                await self._perform(self._dropped(outboxes.flush(now), now))
+            expired = core.expire(now)
+            if expired:
+                await self._perform(expired)
+            self._release_departed()
+            self._update_room()  # receipts in the batch may have made room
+            if len(batch) > MAX_BATCH:
+                # A flood never suspends `io.next`: yield once a full batch, so that inserts
+                # and the engine's other tasks on this loop still run while one peer floods.
                 await asyncio.sleep(0)
 
     def _answer(self, peer: bytes, frame: memoryview, extra_frames: int, now: float) -> list[Outgoing]:
@@ -1000,6 +1022,8 @@ class Producer(AsyncService):
                 await transport.send_many(send.peer, message, send.items)
                 return
             frames = await transport.send_many(send.peer, message, send.items)
+            self._post_delivery(send.peer, message, frames, dropped)
+            return
         elif send.item is not None:
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
@@ -1016,7 +1040,23 @@ class Producer(AsyncService):
                 return
             await _all_gathers_queued(send.item)
             frames = await transport.send(send.peer, send.item)
+            if isinstance(message, m.Deliver):
+                self._post_delivery(send.peer, message, frames, dropped)
+                return
         self._post(send.peer, [_encoded(message), *frames], dropped)
+
+    def _post_delivery(
+        self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
+        dropped: list[Dropped],
+    ) -> None:  # fmt: skip
+        """An in-band delivery: with its frames, or, when they are large (the bytes themselves,
+        over TCP; not a cuda_ipc share that names them), its header first and the frames in a
+        `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        if not frames or sum(_frame_bytes(frame) for frame in frames) < m.SPLIT_PAYLOAD_BYTES:
+            self._post(peer, [_encoded(message), *frames], dropped)
+            return
+        self._post(peer, [_encoded(message)], dropped)
+        self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
     def _release_departed(self) -> None:
         for departure in self._core.take_departed():

@@ -55,6 +55,11 @@ default heartbeat, as SGLang's disaggregation gives a peer): an engine that hold
 seconds does not trip it. It is also the lease: how long the producer holds what it delivered
 to a silent consumer before it may give it to another (see `ProducerCore`)."""
 
+TICK_FRACTION: Final = 0.25
+"""With peers connected, `expire` runs at least every this part of a heartbeat."""
+STALL_GAP_FRACTION: Final = 0.5
+"""A gap between two `expire` calls over this part of a heartbeat is a stall of this process."""
+
 MAX_WAITING_REQUESTS: Final = 65536
 """Most drop-selects one producer keeps waiting for an insert, over all consumers."""
 MAX_WAITING_PER_PEER: Final = 4096
@@ -258,6 +263,8 @@ class ProducerCore:
         self._waiter_seq = itertools.count()
         self._waiting_bytes = 0
         self._lease_numbers = itertools.count(1)
+        self._last_expire: float | None = None
+        self._hold_leases_until = 0.0
         self._timers: list[tuple[float, _TimerKind, int, object]] = []
         self._timer_order = itertools.count()
         self._item_ids = itertools.count(1)
@@ -290,7 +297,13 @@ class ProducerCore:
         return counts
 
     def next_deadline(self) -> float | None:
-        return self._timers[0][0] if self._timers else None
+        """When to call `expire` next: the first timer, and with peers connected at least every
+        quarter heartbeat (so that a gap between calls tells a stalled loop, see `expire`)."""
+        first = self._timers[0][0] if self._timers else None
+        if self._peers and self._last_expire is not None:
+            tick = self._last_expire + self.heartbeat_s * TICK_FRACTION
+            first = tick if first is None else min(first, tick)
+        return first
 
     def new_item_id(self) -> int:
         return next(self._item_ids)
@@ -421,8 +434,18 @@ class ProducerCore:
         return out
 
     def expire(self, now: float) -> list[Outgoing]:
-        """Answer waiting requests whose timeout passed; forget peers silent for too long."""
+        """Answer waiting requests whose timeout passed; forget peers silent for too long.
+
+        A lease ends only after this side has run for a while without a gap: a gap of more
+        than `STALL_GAP_FRACTION` of a heartbeat between two calls means this process was
+        stopped or starved (SIGSTOP, a GC pause, a busy host), and what consumers sent meanwhile
+        (a receipt for an item handed over inside its lease, say) may still wait unread in
+        ZeroMQ's queues. Leases that ended during the gap end only once a heartbeat more has
+        passed, by which time those messages are read."""
         out: list[Outgoing] = []
+        if self._last_expire is not None and now - self._last_expire > self.heartbeat_s * STALL_GAP_FRACTION:
+            self._hold_leases_until = now + self.heartbeat_s
+        self._last_expire = now
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, kind, _, key = heapq.heappop(timers)
@@ -431,7 +454,7 @@ class ProducerCore:
                 peer = self._peers.get(key)
                 if peer is None:
                     continue
-                expires = peer.last_seen + self.peer_timeout_s
+                expires = max(peer.last_seen + self.peer_timeout_s, self._hold_leases_until)
                 if expires <= now:
                     out += self._forget_peer(key, now)
                 else:
@@ -937,6 +960,13 @@ class Stray:
 
 
 @dataclass(frozen=True, slots=True)
+class PayloadCame:
+    """The frames of a delivery whose header came before them (TCP, large payloads)."""
+
+    message: m.Payload
+
+
+@dataclass(frozen=True, slots=True)
 class Streamed:
     """A layer, the end, or the abort of a stream this link reads (by item id)."""
 
@@ -958,7 +988,7 @@ class Lost:
     request_ids: tuple[int, ...]
 
 
-ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed
+ConsumerEvent = Welcomed | Replied | Failed | Stray | Lost | Refused | Streamed | PayloadCame
 
 
 LEASE_MARGIN_FRACTION: Final = 0.1
@@ -1081,6 +1111,8 @@ class ConsumerCore:
                 return Stray(message)
             case m.StreamLayer() | m.StreamEnd() | m.StreamAbort():
                 return Streamed(message)
+            case m.Payload():
+                return PayloadCame(message)
             case m.ErrorReply(request_id=request_id, code=code, message=text):
                 if code is ErrorCode.UNKNOWN_PEER:
                     return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")

@@ -18,7 +18,7 @@ class AsyncService(abc.ABC):
     async def aclose(self) -> None: ...
 
     async def close(self) -> None:
-        """The same as `aclose` (DESIGN names both): end every pending call with an error, stop."""
+        """The same as `aclose` (both names are part of the API): end every pending call with an error, stop."""
         await self.aclose()
 
     async def __aenter__(self) -> Self:

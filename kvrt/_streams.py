@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrt._buffer import BufferedItem
+from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
+from kvrt._pools import PoolTable
 from kvrt._tensors import copy_into
 from kvrt._threads import launch_on
 
 if TYPE_CHECKING:
     from kvrt._producer import Producer
-    from kvrt.kernels.paged_kv import PoolTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +201,8 @@ class ConsumerStream:
 
     async def layer(self, index: int, *, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s key and value, [tokens, heads, head_dim] each, once it arrived; on a
-        GPU, once its receive is posted, with `stream` (default: the current one) made to wait
+        GPU, once its receive is posted, with `stream` (default: the thread's current one
+        when the layer is handed out; `kvrt.blocking` passes the engine thread's) made to wait
         for its landing. For a reader of the pools: once the layer is written there (GPU: once
         the write is queued, with `stream` made to wait for it)."""
         if not 0 <= index < self.layers:
@@ -251,17 +253,30 @@ class ProducerStream:
         self.published = 0
         self._ended = False
 
-    async def put_layer(self, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
+    @property
+    def device(self) -> torch.device:
+        """The producer's device, where the layers' own copies live."""
+        return self._producer.device
+
+    @on_caller_stream
+    async def put_layer(
+        self,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         """Publish the next layer.
 
         A plain stream takes its key and value, [tokens, heads, head_dim] each, copied before
-        this returns (on a GPU producer: the copy queued on the current stream, which is not
-        made to wait; the caller may overwrite its tensors in later work on that stream).
+        this returns (on a GPU producer: the copy queued on `stream`, None meaning the caller's
+        current stream, which is not made to wait; the caller may overwrite its tensors in
+        later work on that stream).
 
         A stream of the pools takes none: the layer is gathered from the pools at the
-        stream's slots, once the prefill wrote it (on a GPU: the gather queued on the current
-        stream after the prefill's work there, which is not made to wait; the caller may
-        overwrite those slots in later work on that stream)."""
+        stream's slots, once the prefill wrote it (on a GPU: the gather queued on `stream`
+        after the prefill's work there, which is not made to wait; the caller may overwrite
+        those slots in later work on that stream)."""
         if self._ended:
             raise InvalidInputError("the stream has ended")
         if self.published == self.layers:
@@ -281,8 +296,10 @@ class ProducerStream:
         self.published += 1
         await self._producer._stream_layer(self._item, *owned)
 
-    async def finish(self, hidden: torch.Tensor | None = None) -> None:
-        """End the stream after its last layer; `hidden` [tokens, hidden] travels with the end."""
+    @on_caller_stream
+    async def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:
+        """End the stream after its last layer; `hidden` [tokens, hidden] travels with the end
+        (on a GPU copied on `stream`, None meaning the caller's current stream)."""
         if self.published != self.layers:
             raise InvalidInputError(f"finish after {self.published} of {self.layers} layers: publish them all")
         if hidden is not None and (hidden.dim() != 2 or hidden.shape[0] != self.tokens):

@@ -30,6 +30,10 @@ import zmq
 MAX_BATCH: Final = 64
 """Most messages taken per wakeup, so deadlines are still checked under a flood."""
 
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+"""As plain ints: pyzmq's flags are enums, whose `&` costs twenty times an int's."""
+
 Frames = Sequence[bytes | memoryview | zmq.Frame]
 
 
@@ -50,16 +54,19 @@ class SocketIO:
             self._loop.add_reader(self._monitor_fd, self._ready.set)
         self._blocked_senders = 0
         self._closed = False
+        self.drained_a_full_batch = False
+        """Whether the last `drain` stopped at `MAX_BATCH`: more may be waiting (a flood)."""
 
     async def next(self, deadline: float | None) -> list[zmq.Frame] | None:
         """The next multipart message, or None once `deadline` (loop time) has passed or the
         monitor has events to read (`monitor_events`)."""
         while True:
-            try:
-                return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                pass
-            if self._monitor_pending() or not await self._wait(zmq.POLLIN, deadline):
+            if self._events() & _POLLIN:  # cheaper than a receive that raises `Again`
+                try:
+                    return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
+            if self._monitor_pending() or not await self._wait(_POLLIN, deadline):
                 return None
 
     def monitor_events(self) -> list[tuple[int, int]]:
@@ -76,16 +83,17 @@ class SocketIO:
         return events
 
     def _monitor_pending(self) -> bool:
-        return self.monitor is not None and bool(cast(int, self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        return self.monitor is not None and bool(cast(int, self.monitor.getsockopt(zmq.EVENTS)) & _POLLIN)
 
     def drain(self) -> list[list[zmq.Frame]]:
         """Messages already queued, taken without waiting."""
         batch: list[list[zmq.Frame]] = []
-        while len(batch) < MAX_BATCH:
+        while len(batch) < MAX_BATCH and self._events() & _POLLIN:
             try:
                 batch.append(self.socket.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
+        self.drained_a_full_batch = len(batch) == MAX_BATCH
         if self._blocked_senders:
             self._ready.set()  # the reads may have swallowed the signal that room to send was made
         return batch
@@ -95,7 +103,7 @@ class SocketIO:
         while not self.send_nowait(frames):
             self._blocked_senders += 1
             try:
-                if not await self._wait(zmq.POLLOUT, deadline):
+                if not await self._wait(_POLLOUT, deadline):
                     return False
             finally:
                 self._blocked_senders -= 1
@@ -110,13 +118,13 @@ class SocketIO:
             return False
         finally:
             # The send may have swallowed the FD's signal for a message that arrived.
-            if self._events() & zmq.POLLIN:
+            if self._events() & _POLLIN:
                 self._ready.set()
 
     async def _wait(self, event: int, deadline: float | None) -> bool:
         """Wait until the socket may have `event`; False once `deadline` has passed."""
         self._ready.clear()
-        if self._events() & event or (event == zmq.POLLIN and self._monitor_pending()):
+        if self._events() & event or (event == _POLLIN and self._monitor_pending()):
             return True
         loop = self._loop
         if deadline is not None and deadline <= loop.time():

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
+from kvrt import Layout, PoolTable
+from tests._checks import caught_up
 
 RANDOM_ROUNDS = 200
 IN_FLIGHT = 8
@@ -52,12 +53,6 @@ def summary(outcome: kvrt.KVItem | BaseException | None) -> tuple[Any, ...]:
     return ("item", outcome.matched, len(outcome.input_tokens), outcome.key.shape[1], outcome.value.shape[1])
 
 
-async def settle(consumer: kvrt.Consumer) -> None:
-    """A round trip after which the producer has handled every earlier message of this rank.
-    (It also takes part in consensus, as every rank does it at the same point.)"""
-    assert await consumer.drop_select(tokens(-10_000, 4)) is None
-
-
 async def scenarios(rank: int, world: int, results: Any) -> None:
     async with kvrt.Producer(heartbeat_s=0.5) as producer:
         async with kvrt.Consumer(connect=producer.endpoint, group=dist.group.WORLD, heartbeat_s=0.5) as consumer:
@@ -82,7 +77,7 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             if rank != missing_rank(world):
                 await insert(producer, tokens(1000, 16), rank)
             item = await consumer.drop_select(tokens(1000, 16))
-            await settle(consumer)
+            await caught_up(consumer)
             results.put((rank, "one_missing", (summary(item), producer.stats().items)))
 
             # A batch: each of its queries is agreed as a drop_select's would be, all of them
@@ -95,7 +90,7 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             before = consensus.rounds
             items = await consumer.drop_select_many([tokens(2000, 6), tokens(3000, 10), tokens(4000, 3)])
             rounds = [consensus.rounds - before]
-            await settle(consumer)
+            await caught_up(consumer)
             before = consensus.rounds
             misses = await consumer.drop_select_many([tokens(6000, 2), tokens(6100, 2), tokens(6200, 2)])
             rounds.append(consensus.rounds - before)

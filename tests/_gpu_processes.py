@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import kvrt
+from tests._checks import caught_up
 
 
 def kv_tokens(index: int, tokens: int, device: str = "cpu") -> torch.Tensor:
@@ -84,7 +85,7 @@ def run_gpu_consumer_that_dies(
         ) as consumer:
             query = m.tokens_to_bytes(torch.tensor(tokens).numpy())
             request = asyncio.create_task(
-                consumer._links[0].call(
+                consumer.link_for_tests().call(
                     lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=None),
                     confirm=False,
                 )
@@ -166,7 +167,7 @@ def run_gpu_publisher(
 ) -> None:  # fmt: skip
     """Publish `pull_request(seed, mla)` from pools on `device` in chunks of `chunk_bytes`,
     its tokens and indexes on the host or on `device`; serve until told to stop."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(device)
     pools, tokens, replica, slots = pull_request(seed, mla)
@@ -192,7 +193,7 @@ def run_gpu_late_publisher(device: str, heartbeat_s: float, control: multiproces
     PULL_TOKENS)` (tokens and indexes on the host: the publish reads nothing back; its gathers
     run after the work). Answers "published" at once. It first publishes the request under
     `WARM_UP`'s tokens, gathered at once: the gathers' kernels are compiled and loaded then."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(device)
     pools, _, replica, slots = pull_request(5)
@@ -313,7 +314,7 @@ async def _stream_paged(
 ) -> None:  # fmt: skip
     """A prefill into dp=4 pools that streams each layer out of them as it writes it (or, when
     `published`, publishes the request once every layer is written)."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     dtype = getattr(torch, dtype_name)
     pools = [[[zeros((STREAM_SLOTS, 16, 128), dtype, device) for _ in range(layers)]] for _ in range(STREAM_REPLICAS)]
@@ -390,7 +391,7 @@ def run_gpu_ipc_reader(
             for index, said in ((3, "warming"), (0, "opened")):
                 opening = asyncio.create_task(consumer.open_stream(kv_tokens(index, 256), timeout=30))
                 await asyncio.sleep(0)
-                assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+                await caught_up(consumer)  # the request is in
                 control.send((said,))
                 if said == "warming":
                     warm = await opening

@@ -20,6 +20,8 @@ import torch
 import zmq
 
 import kvrt
+from tests._gpu_processes import run_gpu_producer
+from tests._gpus import PRODUCER_DEVICE
 
 
 @asynccontextmanager
@@ -100,8 +102,10 @@ def run_producer(items: int, heartbeat_s: float, control: multiprocessing.connec
 def run_waiting_consumer(
     endpoint: str, heartbeat_s: float, tokens: list[int], control: multiprocessing.connection.Connection
 ) -> None:
-    """Post one waiting drop_select for `tokens`, say "asked" once the producer holds it, then
-    report how the call ended: ("item", its key's sum) or ("error", the error's class name)."""
+    """Post one waiting drop_select for `tokens`, say "asked" once the producer holds it; told
+    ("hold", seconds), say "holding" and hold the event loop's thread that long (a forward
+    pass: libzmq still receives meanwhile, the loop reads nothing); then report how the call
+    ended: ("item", its key's sum) or ("error", the error's class name)."""
 
     async def main() -> None:
         async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
@@ -111,6 +115,12 @@ def run_waiting_consumer(
             # Answered in order: once this miss is back, the producer holds the waiting request.
             assert await consumer.drop_select(torch.tensor([-1]), None, timeout=0.0) is None
             control.send("asked")
+            command = await asyncio.to_thread(control.recv)
+            if command[0] == "hold":
+                control.send("holding")
+                until = time.monotonic() + command[1]
+                while time.monotonic() < until:  # pure Python: the loop and the GIL are held
+                    pass
             try:
                 item = await asyncio.wait_for(call, 60)
             except kvrt.KVRTError as exc:
@@ -145,3 +155,38 @@ def run_non_reader(endpoint: str, requests: int, control: multiprocessing.connec
     _wait_for_stop(control)
     socket.close()
     context.term()
+
+
+def run_busy_producer(heartbeat_s: float, control: multiprocessing.connection.Connection) -> None:
+    """Serve; on ("busy", seconds, tokens) hold the event loop's thread (and the GIL) that long,
+    as an engine's forward pass does, then insert an item for `tokens` and say "inserted"."""
+
+    async def main() -> None:
+        async with kvrt.Producer(heartbeat_s=heartbeat_s) as producer:
+            control.send(producer.endpoint)
+            while True:
+                command = await asyncio.to_thread(control.recv)
+                if command == "stop":
+                    return
+                _, seconds, tokens = command
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:  # pure Python: the GIL is held throughout
+                    pass
+                key = torch.ones(1, len(tokens), 1, 4)
+                await producer.insert(torch.tensor(tokens), None, key, key)
+                control.send("inserted")
+
+    asyncio.run(main())
+
+
+def producer_process(items: int, heartbeat_s: float = 1.0) -> Any:
+    """A CPU producer in its own process holding `items` items (`item_tensors`): a
+    `child_process` context giving (endpoint, process, control)."""
+    return child_process(run_producer, (items, heartbeat_s), "producer process", start_s=60, stop_s=10)
+
+
+def gpu_producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
+    """A producer on `PRODUCER_DEVICE` in its own process holding `items` ((index, tokens,
+    dtype) each, `tests._gpu_processes.kv_item`): a `child_process` context giving (endpoint,
+    process, control)."""
+    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")

@@ -133,7 +133,7 @@ def give_up_when_its_reply_comes(
     then arrives for a request the link no longer waits for."""
     from kvrt import _messages as m
 
-    link = consumer._links[0]  # type: ignore[attr-defined]
+    link = consumer.link_for_tests()
     core_receive = link.core.receive
 
     def the_caller_gives_up_just_before(frame: bytes, now: float) -> object:

@@ -1,4 +1,5 @@
-"""The lookup buffer: the seed's matching, DESIGN's selection, and an index that stays small."""
+"""The lookup buffer: vLLM SimpleBuffer's matching, the longest-then-oldest selection, and an
+index that stays small."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvrt._bench.seed_simple_buffer import SimpleBuffer
+from kvrt._bench.vllm_simple_buffer import SimpleBuffer
 from kvrt._buffer import BufferedItem, LookupBuffer, prefix_match_length
 from kvrt._item import masked_tokens
 
 VOCAB = 4
 """A tiny vocabulary, so that random sequences share prefixes often (and stay far below the
-token ids where the seed's `allclose` starts to call neighbouring ids equal)."""
+token ids where SimpleBuffer's `allclose` starts to call neighbouring ids equal)."""
 
 
-def seed_matched(tokens: torch.Tensor, roi: torch.Tensor, query: torch.Tensor | None, query_roi: torch.Tensor) -> int:
-    """The seed's `_matches`, as a number (it returns True for a query of None)."""
+def simple_buffer_matched(
+    tokens: torch.Tensor, roi: torch.Tensor, query: torch.Tensor | None, query_roi: torch.Tensor
+) -> int:
+    """SimpleBuffer's `_matches`, as a number (it returns True for a query of None)."""
     result = SimpleBuffer._matches(None, [tokens, roi], [query, query_roi])
     return int(result)
 
@@ -72,23 +75,23 @@ def tokens_and_roi(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 
 @settings(max_examples=2000, deadline=None)
 @given(item=tokens_and_roi(), query=tokens_and_roi())
-def test_matched_length_equals_the_seeds_on_random_pairs(
+def test_matched_length_equals_simple_buffers_on_random_pairs(
     item: tuple[torch.Tensor, torch.Tensor], query: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    expected = seed_matched(item[0], item[1], query[0], query[1])
+    expected = simple_buffer_matched(item[0], item[1], query[0], query[1])
     assert prefix_match_length(masked_tokens(*item), masked_tokens(*query)) == expected
 
 
 @settings(max_examples=200, deadline=None)
 @given(item=tokens_and_roi())
-def test_a_query_of_none_matches_every_item_like_the_seed(item: tuple[torch.Tensor, torch.Tensor]) -> None:
-    assert seed_matched(item[0], item[1], None, torch.ones(0, dtype=torch.bool)) == 1
+def test_a_query_of_none_matches_every_item_as_in_simple_buffer(item: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert simple_buffer_matched(item[0], item[1], None, torch.ones(0, dtype=torch.bool)) == 1
     assert prefix_match_length(masked_tokens(*item), None) == int(item[1].sum())
 
 
 @settings(max_examples=500, deadline=None)
 @given(items=st.lists(tokens_and_roi(), max_size=12), query=tokens_and_roi())
-def test_selection_is_the_longest_seed_match_then_the_oldest(
+def test_selection_is_the_longest_simple_buffer_match_then_the_oldest(
     items: list[tuple[torch.Tensor, torch.Tensor]], query: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
     buffer = LookupBuffer()
@@ -96,7 +99,7 @@ def test_selection_is_the_longest_seed_match_then_the_oldest(
     for tokens, roi in items:
         item = make_item(buffer, tokens.tolist(), roi.tolist())
         buffer.add(item)
-        inserted.append((item, seed_matched(tokens, roi, query[0], query[1])))
+        inserted.append((item, simple_buffer_matched(tokens, roi, query[0], query[1])))
     matching = [(matched, -item.seq, item) for item, matched in inserted if matched > 0]
     found = buffer.best_match(masked_tokens(*query))
     if not matching:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,33 @@ def test_help_lists_the_commands() -> None:
     result = run_kvrt("--help")
     assert result.returncode == 0
     assert "demo" in result.stdout and "bench" in result.stdout
+
+
+def test_version_prints_the_package_version() -> None:
+    import tomllib
+    from pathlib import Path
+
+    import kvrt
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    result = run_kvrt("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kvrt {declared['version']}" == f"kvrt {kvrt.__version__}"
+
+
+def test_plot_without_matplotlib_is_refused_before_the_benchmark_runs(tmp_path: Path) -> None:
+    # A matplotlib that cannot be imported, ahead of the installed one on the path.
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrt", "bench", "buffer", "--quick", "--json", str(tmp_path / "out.json"),
+         "--plot", str(tmp_path / "plots")],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--plot needs matplotlib: pip install 'kvrt[plot]'" in result.stderr
+    assert not (tmp_path / "out.json").exists() and result.stdout == ""
 
 
 def test_an_unknown_command_exits_with_usage_error() -> None:

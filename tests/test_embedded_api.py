@@ -15,16 +15,8 @@ import zmq.asyncio
 import kvrt
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode
+from tests._checks import caught_up
 from tests.conftest import insert_tokens, make_kv
-
-
-async def settle(consumer: kvrt.Consumer) -> None:
-    """Return once the producer has handled everything this consumer sent before.
-
-    ZeroMQ keeps one connection's messages in order and the producer answers them in order,
-    so the answer to a fresh request (a miss) comes after every earlier one was handled.
-    """
-    assert await consumer.drop_select(torch.tensor([-1, -2, -3]), None, timeout=0.0) is None
 
 
 async def test_an_inserted_item_arrives_equal_with_its_matched_length(
@@ -76,7 +68,7 @@ async def test_roi_masks_apply_on_both_sides(producer: kvrt.Producer, consumer: 
 
 async def test_drop_select_waits_for_a_later_insert(producer: kvrt.Producer, consumer: kvrt.Consumer) -> None:
     waiting = asyncio.create_task(consumer.drop_select(torch.arange(8), None, timeout=None))
-    await settle(consumer)
+    await caught_up(consumer)
     assert producer.stats().waiting_requests == 1
     await insert_tokens(producer, torch.arange(8))
     item = await waiting
@@ -112,10 +104,10 @@ async def test_insert_waits_while_the_buffer_is_full_and_resumes_when_room_is_ma
         kvrt.Producer(buffer_bytes=2 * item_bytes) as producer,
         kvrt.Consumer(connect=producer.endpoint) as consumer,
     ):
-        for _ in range(3):  # the third goes in: the seed waits only while the buffer is *over* the limit
+        for _ in range(3):  # the third goes in: insert waits only while the buffer is *over* the limit
             await producer.insert(tokens, None, key, value, hidden)
         blocked = asyncio.create_task(producer.insert(tokens, None, key, value, hidden))
-        await settle(consumer)
+        await caught_up(consumer)
         assert not blocked.done()
         assert producer.stats().buffer_bytes == 3 * item_bytes
         assert await consumer.drop_select(tokens) is not None
@@ -243,7 +235,7 @@ async def test_garbage_from_a_raw_socket_gets_a_typed_reply_and_others_are_still
 async def test_closing_the_consumer_ends_its_pending_calls_with_closed_error(producer: kvrt.Producer) -> None:
     consumer = await kvrt.Consumer(connect=producer.endpoint).start()
     pending = [asyncio.create_task(consumer.drop_select(torch.arange(3), None, timeout=None)) for _ in range(3)]
-    await settle(consumer)
+    await caught_up(consumer)
     await consumer.aclose()
     for task in pending:
         with pytest.raises(kvrt.ClosedError):
@@ -277,7 +269,7 @@ async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dr
     producer._peer_left.clear()
     refused: list[int] = []
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
-        io = consumer._links[0]._io  # type: ignore[attr-defined]
+        io = consumer.link_for_tests()._io  # type: ignore[attr-defined]
         send_nowait = io.send_nowait
 
         def full_for_three_receipts(frames: Any) -> bool:
@@ -288,7 +280,7 @@ async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dr
 
         io.send_nowait = full_for_three_receipts
         assert await consumer.drop_select(torch.arange(4)) is not None
-        await settle(consumer)
+        await caught_up(consumer)
         assert producer.stats().totals.delivered_items == 1
     await asyncio.wait_for(producer._peer_left.wait(), 5.0)
     stats = producer.stats()
@@ -299,7 +291,7 @@ async def test_a_closing_producer_ends_the_consumers_pending_calls_with_peer_los
     producer = await kvrt.Producer().start()
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
         pending = asyncio.create_task(consumer.drop_select(torch.arange(3), None, timeout=None))
-        await settle(consumer)
+        await caught_up(consumer)
         await producer.aclose()
         with pytest.raises(kvrt.PeerLostError, match="closed"):
             await pending
@@ -321,11 +313,11 @@ async def test_a_cancelled_drop_select_stops_waiting_on_the_producer(
     producer: kvrt.Producer, consumer: kvrt.Consumer
 ) -> None:
     waiting = asyncio.create_task(consumer.drop_select(torch.arange(3), None, timeout=None))
-    await settle(consumer)
+    await caught_up(consumer)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    await settle(consumer)
+    await caught_up(consumer)
     assert producer.stats().waiting_requests == 0
     await insert_tokens(producer, torch.arange(3))
     assert producer.stats().items == 1

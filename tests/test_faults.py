@@ -54,7 +54,7 @@ async def test_a_restarted_producer_at_the_same_address_is_reconnected_to() -> N
     first = await kvrt.Producer(heartbeat_s=heartbeat_s).start()
     endpoint = first.endpoint
     async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         await insert_tokens(first, torch.arange(3))
         assert await consumer.drop_select(torch.arange(3)) is not None
         await first.aclose()
@@ -116,7 +116,7 @@ async def test_an_unexpected_error_handling_a_reply_fails_its_call_and_a_new_ses
                 async with asyncio.timeout(10):
                     await waiting
         async with asyncio.timeout(10):  # the new session gets the item the old one was sent
-            while not consumer._links[0].connected.is_set():
-                await consumer._links[0].connected.wait()
+            while not consumer.link_for_tests().connected.is_set():
+                await consumer.link_for_tests().connected.wait()
             item = await consumer.drop_select(torch.arange(4), None, timeout=5.0)
         assert item is not None and producer.stats().totals.returned_items == 1

@@ -3,8 +3,8 @@ host (producer on cuda:0, consumer on cuda:1, or both on cuda:0 where one GPU is
 `tests/_gpus.py`). Bit-exact transfers of every dtype, batches, pulls and streams over it
 are in `test_gpu_nccl.py` and `test_gpu_stream.py`, run over both GPU transports.
 
-Skipped without CUDA (the fallbacks to NCCL, without two devices); `tools/gpu_check.sh` runs
-them on the lent GPU host.
+Skipped without CUDA (the fallbacks to NCCL, without two devices); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 
 import kvrt
 from kvrt.transports.cuda_ipc import CudaIpcTransport
+from tests._checks import caught_up, same_bits
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu, two_gpus
-from tests._processes import child_process, fails_with_peer_lost_in_time, killed_and_forgotten
+from tests._processes import child_process, fails_with_peer_lost_in_time, gpu_producer_process, killed_and_forgotten
 
 pytestmark = [one_gpu, pytest.mark.timeout(100, method="thread")]
 """One GPU will do (both processes on it) but where NCCL serves: `two_gpus`."""
@@ -35,12 +36,6 @@ pytestmark = [one_gpu, pytest.mark.timeout(100, method="thread")]
 spawn = multiprocessing.get_context("spawn")
 
 
-def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
-    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 async def arrives_right(consumer: kvrt.Consumer, index: int, tokens: int) -> None:
@@ -61,7 +56,7 @@ async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_s
     ):
         assert consumer.transports == {endpoint: "cuda_ipc"}
         await arrives_right(consumer, 0, 300)
-        assert await consumer.drop_select(torch.tensor([-1])) is None  # the receipt went before it
+        await caught_up(consumer)  # the receipt went before it
         control.send("stats")
         items, in_flight, peers = await asyncio.to_thread(control.recv)
         assert (items, in_flight, peers) == (0, 0, 1)
@@ -71,7 +66,7 @@ async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_s
 async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvrt._consumer.host_identity", lambda: "boot:another-machine")
     async with (
-        producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
+        gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):
         assert consumer.transports == {endpoint: "nccl"}
@@ -89,7 +84,7 @@ async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_bac
     monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
     with caplog.at_level(logging.WARNING, logger="kvrt"):
         async with (
-            producer_process([(0, 300, "bfloat16"), (1, 200, "bfloat16")]) as (endpoint, _, _),
+            gpu_producer_process([(0, 300, "bfloat16"), (1, 200, "bfloat16")]) as (endpoint, _, _),
             kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
         ):
             assert consumer.transports == {endpoint: "nccl"}
@@ -100,33 +95,11 @@ async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_bac
     )
 
 
-@two_gpus
-async def test_a_producer_of_an_older_kvrt_gets_nccl_from_this_consumer_not_a_failure(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # The ranges' marks were IPC events before 2261e6a; such a producer's welcome has no
-    # mark word (its shares would not decode here).
-    join = CudaIpcTransport.join
-
-    async def join_an_older_producer(self: CudaIpcTransport, rendezvous: dict[str, str], timeout_s: float) -> None:
-        await join(self, {key: value for key, value in rendezvous.items() if key not in ("marks", "slot")}, timeout_s)
-
-    monkeypatch.setattr(CudaIpcTransport, "join", join_an_older_producer)
-    with caplog.at_level(logging.WARNING, logger="kvrt"):
-        async with (
-            producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
-            kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
-        ):
-            assert consumer.transports == {endpoint: "nccl"}
-            await arrives_right(consumer, 0, 300)
-    assert any("older kvrt" in record.getMessage() for record in caplog.records)
-
-
 async def test_a_consumer_that_forces_cuda_ipc_where_it_cannot_work_gets_a_typed_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
-    async with producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _):
+    async with gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _):
         with pytest.raises(kvrt.PeerLostError, match="cannot be opened here"):
             async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport="cuda_ipc"):
                 pass
@@ -139,7 +112,7 @@ async def test_memory_from_expandable_segments_travels_or_falls_back_never_crash
     # The producer's allocator maps its memory in expandable segments, which legacy CUDA IPC
     # cannot share: torch shares them by file descriptor, or the probe fails and NCCL serves.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    async with producer_process([(0, 300, "bfloat16"), (1, 5000, "bfloat16")]) as (endpoint, _, _):
+    async with gpu_producer_process([(0, 300, "bfloat16"), (1, 5000, "bfloat16")]) as (endpoint, _, _):
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
         async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
             chosen = consumer.transports[endpoint]
@@ -251,7 +224,7 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
     # decrement per share it receives (by dropping a counted opening, or releasing it unread).
     # More and the producer frees memory another reader may still use; fewer and it is pinned.
     # A chunked pull reads many ranges of one share: it opened one counted storage each.
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from kvrt.transports import cuda_ipc
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
@@ -424,11 +397,11 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
         control,
     ):
         assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         posted = posts_noted(link)
         call = asyncio.create_task(consumer.drop_select(kv_tokens(5, tokens), timeout=30))
         await asyncio.sleep(0)
-        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        await caught_up(consumer)  # the request is in
         control.send(("insert", 5, tokens, 3000))
         assert await heard(control) == "inserted"
         await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
@@ -451,7 +424,7 @@ async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_co
         assert await consumer.drop_select(kv_tokens(WARM_UP, 16)) is not None  # the path is warm
         call = asyncio.create_task(consumer.drop_select(kv_tokens(6, tokens), timeout=30))
         await asyncio.sleep(0)
-        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        await caught_up(consumer)  # the request is in
         control.send(("insert", 6, tokens, 4000))
         assert await heard(control) == "inserted"
         inserted_at = time.monotonic()
@@ -469,11 +442,11 @@ async def test_bytes_a_live_producer_does_not_write_in_time_fail_the_call_and_co
 
 
 async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() -> None:
-    # Issue 9's safety rule for paged pulls: the request is published while the producer's GPU
+    # The safety rule for paged pulls over cuda_ipc: the request is published while the producer's GPU
     # is busy (its gathers, so its marks, come 3 s later) and the producer is killed
     # meanwhile. The pull fails with PeerLostError within the heartbeat timeout; it never
     # returns the item as pulled (the slots hold no defined bytes then).
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, PULL_SLOTS, PULL_TOKENS, WARM_UP, run_gpu_late_publisher
 
     heartbeat_s = 0.25
@@ -491,13 +464,13 @@ async def test_a_producer_killed_mid_pull_fails_the_pull_with_a_typed_error() ->
     ):
         warm = await consumer.pull(kv_tokens(WARM_UP, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
         assert warm is not None  # the path is warm, the scatters' kernels too
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         posted = posts_noted(link)
         pulling = asyncio.create_task(
             consumer.pull(kv_tokens(8, PULL_TOKENS), into=target, slots=into_slots, timeout=30)
         )
         await asyncio.sleep(0)
-        assert await consumer.drop_select(torch.tensor([-1])) is None  # the request is in
+        await caught_up(consumer)  # the request is in
         control.send(("publish", 8, 3000))
         assert await heard(control) == "published"
         await asyncio.wait_for(posted.wait(), 10)  # its copies wait for the producer's marks

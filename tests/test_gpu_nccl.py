@@ -2,8 +2,8 @@
 consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`).
 
 Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
-there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
-the lent GPU host.
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import pytest
 import torch
 
 import kvrt
-from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
+from tests._checks import same_bits
+from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies
 from tests._gpus import (
     CONSUMER_DEVICE,
     PRODUCER_DEVICE,
     over_each_gpu_transport,
     over_each_gpu_transport_on_two_gpus,
 )
-from tests._processes import child_process, fails_with_peer_lost_in_time, killed_and_forgotten
+from tests._processes import child_process, fails_with_peer_lost_in_time, gpu_producer_process, killed_and_forgotten
 
 pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(100, method="thread")]
 
@@ -33,12 +34,6 @@ GIB_TOKENS = 1 << 17
 """Tokens of an item of about 1 GiB: key and value [2, T, 8, 128] bf16 are 512 MiB each."""
 
 
-def producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
-    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "bool", "int64"]
@@ -48,7 +43,7 @@ DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "b
 async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu(transport: str) -> None:
     items = [(index, 64 + index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
-        producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         assert consumer.transports == {endpoint: transport}
@@ -65,7 +60,7 @@ async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu(transport: s
 async def test_a_batch_of_every_dtype_arrives_bit_for_bit(transport: str) -> None:
     items = [(index, 64 + 3 * index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
-        producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, tokens, CONSUMER_DEVICE) for index, tokens, _ in reversed(items)]
@@ -89,7 +84,7 @@ def matmuls(count: int) -> None:
 async def test_compute_on_the_default_stream_overlaps_transfers(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (
-        producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
@@ -121,7 +116,7 @@ async def test_compute_on_the_default_stream_overlaps_transfers(transport: str) 
 async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: str) -> None:
     items = [(index, GIB_TOKENS, "bfloat16") for index in range(8)]
     async with (
-        producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, GIB_TOKENS) for index in range(8)]
@@ -135,7 +130,7 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: s
         # handled on both sides): from then on only the GPUs are busy with them, and a
         # control message must not wait for the bytes.
         posted = asyncio.Event()
-        link = consumer._links[0]
+        link = consumer.link_for_tests()
         in_use = link._transport
         assert in_use is not None
         receive = in_use.receive
@@ -192,7 +187,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
 ) -> None:
     heartbeat_s = 0.25
     async with (
-        producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
+        gpu_producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
         kvrt.Consumer(
             connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport=transport
         ) as consumer,
@@ -212,7 +207,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
 async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_the_callers_stream_sees_it(
     chunk_bytes: int, mla: bool, host_indexes: bool, transport: str
 ) -> None:
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)

@@ -3,8 +3,8 @@ layer's transfer starts when the prefill's stream wrote it, and the reader's str
 its landing; no host waits for either.
 
 Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
-there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on
-the lent GPU host.
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
+GPU host.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kvrt
+from tests._checks import caught_up, same_bits
 from tests._gpu_processes import (
     GPU_CYCLES_PER_MS,
     STREAM_SLOTS,
@@ -46,10 +47,6 @@ def streamer(heartbeat_s: float = 1.0) -> Any:
     return child_process(run_gpu_streamer, (PRODUCER_DEVICE, heartbeat_s), "GPU streamer")
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
-
-
 async def answer(control: Any) -> Any:
     assert await asyncio.to_thread(control.poll, 60), "the streamer did not answer"
     return control.recv()
@@ -60,13 +57,13 @@ async def opened_and_waiting(consumer: kvrt.Consumer, tokens: torch.Tensor, **in
     its request proves that the producer read it)."""
     opening = asyncio.create_task(consumer.open_stream(tokens, timeout=30, **into))
     await asyncio.sleep(0)
-    assert await consumer.drop_select(torch.tensor([-1])) is None
+    await caught_up(consumer)
     return opening
 
 
 async def held_by_the_producer(consumer: kvrt.Consumer, control: Any) -> Any:
     """(items, in flight) on the producer once it handled all this consumer sent (a round trip)."""
-    assert await consumer.drop_select(torch.tensor([-1])) is None
+    await caught_up(consumer)
     control.send("stats")
     return await answer(control)
 
@@ -177,7 +174,7 @@ async def test_put_layer_finish_and_insert_never_wait_for_the_prefills_stream() 
     key, value = (tensor.to(PRODUCER_DEVICE) for tensor in stream_layer_kv(0, 0, 256, torch.bfloat16))
     async with kvrt.Producer(device=PRODUCER_DEVICE) as producer:
         # Each attempt twice; the first, with no work queued, only warms up: CUDA loads a
-        # kernel's module at its first launch, and that waits for the device (seen on an H200).
+        # kernel's module at its first launch, and that waits for the device.
         for index, attempt in enumerate(["stream", "insert"] * 2):
             await asyncio.to_thread(torch.cuda.synchronize, PRODUCER_DEVICE)  # the last second of work
             if index >= 2:
@@ -206,7 +203,7 @@ async def test_a_paged_prefill_lands_in_the_readers_pools_layer_by_layer_bit_for
     """dp=4 token-major pools on the prefill, block pools with two replicas on the reader, which
     writes each layer into replica 1 as it lands. A published item read as a stream waits for
     its gathers (its layers once went with an event recorded before them)."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(CONSUMER_DEVICE)
     layers, tokens = 4, 1024
@@ -265,7 +262,7 @@ async def test_a_published_item_streams_to_a_tcp_reader_while_the_prefills_strea
     """The stream's start (its tokens) and its layers are read back from the GPU in a kvrt
     thread, on a stream of kvrt's own, after the events that wrote them: neither the loop
     nor the reader waits for work the prefill queued after `publish` on the default stream."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     torch.cuda.set_device(PRODUCER_DEVICE)
     layers, tokens = 2, 256

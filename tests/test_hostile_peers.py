@@ -20,7 +20,7 @@ import zmq.asyncio
 import kvrt
 from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES, MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER, ProducerCore
-from tests._processes import child_process, run_non_reader, run_producer, run_waiting_consumer
+from tests._processes import child_process, run_busy_producer, run_non_reader, run_producer, run_waiting_consumer
 
 HEARTBEAT_S = 0.1
 LEASE_S = HEARTBEAT_S * HEARTBEAT_MISSES
@@ -99,7 +99,7 @@ async def test_a_deeply_nested_frame_from_the_producer_is_dropped_and_the_link_k
             async with kvrt.Consumer(connect=f"tcp://127.0.0.1:{port}") as consumer:
                 assert await consumer.drop_select(torch.arange(4)) is None
                 assert await consumer.drop_select(torch.arange(4)) is None
-                assert consumer._links[0].rejected_frames == 2
+                assert consumer.link_for_tests().rejected_frames == 2
         finally:
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
@@ -120,11 +120,15 @@ async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_
         args = (producer.endpoint, HEARTBEAT_S, tokens.tolist())
         async with child_process(run_waiting_consumer, args, "a waiting consumer") as (asked, stalled, control):
             assert asked == "asked" and producer.stats().waiting_requests == 1
-            _stop(stalled)  # a GC pause, a long forward pass
+            # Its loop is held while the item reaches its process (libzmq's thread queues it),
+            # then the whole process stops: when it wakes, the item is the first thing it reads.
+            control.send(("hold", 0.5))
+            assert await asyncio.to_thread(control.recv) == "holding"
+            producer._peer_left.clear()
+            await producer.insert(tokens, None, key, key)
+            assert producer.stats().in_flight == 1  # sent to the consumer whose loop is held
+            _stop(stalled)  # and now stopped for longer than its lease (a GC pause, SIGSTOP)
             try:
-                producer._peer_left.clear()
-                await producer.insert(tokens, None, key, key)
-                assert producer.stats().in_flight == 1  # sent to the stalled consumer
                 async with asyncio.timeout(LEASE_S + 5):  # its lease ends; the item comes back
                     await producer._peer_left.wait()
                 assert producer.stats().items == 1
@@ -384,3 +388,117 @@ def test_evicting_an_item_id_the_protocol_cannot_carry_is_a_clear_cli_error() ->
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "item" in result.stderr and str(2**70) in result.stderr
+
+
+async def test_a_large_item_answers_with_its_header_first_and_its_bytes_in_a_payload_message_behind(
+    producer: kvrt.Producer,
+) -> None:
+    key = torch.randn(2, 64, 8, m.SPLIT_PAYLOAD_BYTES // (2 * 64 * 8 * 4) + 1)
+    await producer.insert(torch.arange(64), None, key, key)
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(producer.endpoint)
+        await socket.send(m.encode(m.Hello(version=m.PROTOCOL_VERSION)))
+        assert isinstance(await _raw_reply(socket), m.Welcome)
+        await socket.send(m.encode(m.DropSelect(request_id=5, tokens=None)))
+        async with asyncio.timeout(10):
+            header = await socket.recv_multipart()
+            payload = await socket.recv_multipart()
+        deliver = m.decode(header[0])
+        assert isinstance(deliver, m.Deliver) and len(header) == 1
+        assert m.decode(payload[0]) == m.Payload(request_id=5) and len(payload[1]) == deliver.payload_bytes
+        await socket.send(m.encode(m.Received(item_ids=[deliver.item_id], leases=[deliver.lease])))
+        await socket.send(m.encode(m.Stats(request_id=6)))
+        stats = await _raw_reply(socket)
+        assert isinstance(stats, m.StatsReply) and stats.totals["delivered_items"] == 1
+    finally:
+        socket.close()
+        context.term()
+
+
+async def test_a_large_item_arrives_whole_through_the_consumer_with_its_header_first(producer: kvrt.Producer) -> None:
+    key = torch.randn(4, 256, 8, 128)  # 4 MiB each for key and value
+    await producer.insert(torch.arange(256), None, key, -key)
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        item = await consumer.drop_select(torch.arange(256))
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
+        items = await consumer.drop_select_many([torch.arange(256)])
+        assert items == [None]
+    await producer.insert(torch.arange(256), None, key, -key)
+    await producer.insert(torch.arange(1000, 1256), None, -key, key)
+    producer._peer_left.clear()
+    async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+        first, second = await consumer.drop_select_many([torch.arange(256), torch.arange(1000, 1256)])
+        assert first is not None and second is not None and torch.equal(second.key, -key)
+    await asyncio.wait_for(producer._peer_left.wait(), 5)  # its receipts, then its bye, were handled
+    assert (producer.stats().items, producer.stats().in_flight, producer.stats().totals.delivered_items) == (0, 0, 3)
+
+
+# -- 6. liveness under load ---------------------------------------------------------------------
+
+
+async def test_a_producer_whose_loop_is_held_for_seconds_is_not_taken_for_dead() -> None:
+    heartbeat_s = 0.2  # its lease: 2 s; the loop is held 1.5 s, past 4 heartbeats of silence
+    async with child_process(run_busy_producer, (heartbeat_s,), "a busy producer") as (endpoint, _, control):
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            waiting = asyncio.create_task(consumer.drop_select(torch.arange(8), None, timeout=None))
+            assert await consumer.drop_select(torch.arange(9, 12)) is None  # the wait is posted
+            control.send(("busy", 1.5, list(range(8))))
+            assert await asyncio.to_thread(control.recv) == "inserted"
+            item = await asyncio.wait_for(waiting, 10)
+            assert item is not None and item.matched == 8
+
+
+async def test_a_delivery_whose_frames_only_name_its_bytes_travels_in_one_message(
+    producer: kvrt.Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuda_ipc's frame is a share of a few hundred bytes naming an item of any size: it rides
+    # with its header; only the bytes themselves (TCP) follow in a payload message.
+    posted: list[list[object]] = []
+    monkeypatch.setattr(producer, "_post", lambda peer, frames, dropped: posted.append(list(frames)))
+    meta = m.TensorMeta("float16", [1, 1 << 20, 1, 1])
+    deliver = m.Deliver(1, 2, 1, meta, None, meta, meta, None, payload_bytes=4 << 20)
+    producer._post_delivery(b"peer", deliver, [b"a share of 300 bytes".ljust(300)], [])
+    assert [len(frames) for frames in posted] == [2]
+    posted.clear()
+    producer._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
+    assert [len(frames) for frames in posted] == [1, 2]
+
+
+def _ticked(core: ProducerCore, until: float) -> list[object]:
+    """`expire` every tenth of a heartbeat up to `until`, as a running serve loop calls it."""
+    out: list[object] = []
+    now = 0.0
+    while now < until:
+        now = min(until, now + core.heartbeat_s / 10)
+        out += core.expire(now)
+    return out
+
+
+def test_a_producer_woken_from_a_stall_reads_what_was_sent_meanwhile_before_any_lease_ends() -> None:
+    from tests.test_protocol import make_item
+
+    def delivered_core() -> tuple[ProducerCore, m.Deliver, int]:
+        core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
+        core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
+        item = make_item(core, [1, 2, 3])
+        core.insert(item, 0.0)
+        (sent,) = core.receive(b"a", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+        assert isinstance(sent.message, m.Deliver)
+        return core, sent.message, item.item_id
+
+    # Running all along: the lease ends on time and the item goes back.
+    core, _, _ = delivered_core()
+    _ticked(core, core.lease_s + HEARTBEAT_S)
+    assert core.peer_count == 0 and len(core.buffer) == 1
+    # Stopped from before the lease's end to well after it: the consumer's receipt (sent inside
+    # its lease) waits unread; woken, the producer holds the lease a heartbeat more, reads it.
+    core, deliver, item_id = delivered_core()
+    _ticked(core, core.lease_s * 0.8)
+    woken = core.lease_s * 3
+    assert core.expire(woken) == [] and core.peer_count == 1  # not forgotten at once
+    receipt = m.Received(item_ids=[item_id], leases=[deliver.lease])
+    assert core.receive(b"a", m.encode(receipt), 0, woken + 0.001) == []
+    assert core.counters.delivered_items == 1 and len(core.buffer) == 0

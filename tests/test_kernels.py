@@ -29,6 +29,7 @@ from kvrt.kernels.paged_kv import (
     scatter_layer_from_any,
     scatter_reference,
 )
+from tests._checks import same_bits
 from tests.conftest import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
 pytestmark = TRITON_KERNEL_MARKS
@@ -90,10 +91,6 @@ def build(case: dict[str, object]) -> tuple[PoolTable, torch.Tensor, torch.Tenso
     return table, replica.to(DEVICE), slots.to(DEVICE)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 def poisoned_key_and_value(table: PoolTable, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Separate K and V tensors [layers, tokens, heads, head_dim] for `table`, every byte
     poisoned: an element a gather forgets to write shows up."""
@@ -149,7 +146,7 @@ def test_gather_equals_its_reference_and_writes_every_element(case: dict[str, ob
 @given(case=cases())
 def test_scatter_equals_its_reference_and_touches_nothing_else(case: dict[str, object]) -> None:
     table, replica, slots = build(case)
-    expected_table, _, _ = build(case)  # the same pools, built again from the seed
+    expected_table, _, _ = build(case)  # the same pools, built again from the same random seed
     heads = case["head_range"]
     shape = table.staging_shape(slots.numel(), heads)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(1 + case["seed"])  # type: ignore[operator]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrt.kernels.layer_copy import PreparedCopy, copy_layer, copy_layer_reference, rows_contiguous
+from tests._checks import same_bits
 from tests.conftest import KERNEL_DEVICE, TRITON_KERNEL_MARKS
 
 pytestmark = TRITON_KERNEL_MARKS
@@ -31,10 +32,6 @@ def poisoned_block(tokens: int, heads: int, dim: int, dtype: torch.dtype) -> tor
         .view(dtype)
         .view(2, tokens, heads, dim)
     )
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @settings(max_examples=40, deadline=None)

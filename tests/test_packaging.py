@@ -19,3 +19,22 @@ def test_the_distribution_lists_every_package_of_the_source_tree() -> None:
             on_disk.add(".".join([package, *relative.parts]))
     assert on_disk == declared
     assert "kvrt._bench" in declared  # `python -m kvrt` imports it first thing
+
+
+def test_the_package_ships_its_type_hints() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert (ROOT / "kvrt" / "py.typed").is_file()
+    assert "py.typed" in config["package-data"]["kvrt"]
+
+
+def test_the_license_file_is_the_license_the_package_declares() -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_the_changelog_has_a_section_for_the_released_version() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## [{version}]" in changelog and "## [Unreleased]" in changelog

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
-from tests.test_pull import HEADS, LAYERS, SLOTS, random_pools, row, same_bits
-from tests.test_streams import settle
+from kvrt import Layout, PoolTable
+from tests._checks import caught_up, same_bits
+from tests.test_pull import HEADS, LAYERS, SLOTS, random_pools, row
 
 TOKENS = 12
 FROM_REPLICA = torch.arange(TOKENS) % 4
@@ -86,7 +86,7 @@ async def test_a_prefill_in_four_replicas_streams_into_replica_two_layer_by_laye
     assert await reader.finished() is None
     assert all(layer_landed(source, target, layer) for layer in range(LAYERS))
     assert all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
-    await settle(consumer)
+    await caught_up(consumer)
     assert (producer.stats().items, producer.stats().buffer_bytes) == (0, 0)
 
 
@@ -176,7 +176,7 @@ async def test_an_aborted_prefill_fails_a_reader_of_the_pools(producer: kvrt.Pro
     await stream.abort("the prefill GPU fell over")
     with pytest.raises(kvrt.StreamAbortedError, match="fell over"):
         await reader.finished()
-    await settle(consumer)
+    await caught_up(consumer)
     assert (producer.stats().items, producer.stats().buffer_bytes) == (0, 0)
 
 

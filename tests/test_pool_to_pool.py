@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from kvrt._errors import InvalidInputError
 from kvrt.kernels.paged_kv import Layout, PoolTable, Tuning
 from kvrt.kernels.pool_to_pool import move_between, move_between_reference
+from tests._checks import same_bits
 from tests.conftest import TRITON_KERNEL_MARKS
-from tests.test_kernels import DEVICE, DTYPES, pool_shape, random_pool, same_bits, same_pools
+from tests.test_kernels import DEVICE, DTYPES, pool_shape, random_pool, same_pools
 
 pytestmark = TRITON_KERNEL_MARKS
 
@@ -83,7 +84,7 @@ def distinct_slots(table: PoolTable, tokens: int) -> torch.Tensor:
 @given(case=pairs())
 def test_a_move_between_pools_equals_its_reference_and_touches_nothing_else(case: dict[str, object]) -> None:
     src, src_replica, src_slots, dst, dst_replica, dst_slots = build(case)
-    _, _, _, expected, _, _ = build(case)  # the same pools again, from the seed
+    _, _, _, expected, _, _ = build(case)  # the same pools again, from the same random seed
     heads = {"src_heads": case["src"]["head_range"], "dst_heads": case["dst"]["head_range"]}  # type: ignore[index]
     move_between(src, src_replica, src_slots, dst, dst_replica, dst_slots, **heads, tuning=case["tuning"])  # type: ignore[arg-type]
     move_between_reference(src, src_replica, src_slots, expected, dst_replica, dst_slots, **heads)  # type: ignore[arg-type]

@@ -6,18 +6,12 @@ import asyncio
 import os
 import signal
 import time
-from typing import Any
 
 import pytest
 import torch
 
 import kvrt
-from tests._processes import child_process, item_tensors, run_producer
-
-
-def producer_process(items: int, heartbeat_s: float = 1.0) -> Any:
-    """A producer in its own process: (endpoint, process, control)."""
-    return child_process(run_producer, (items, heartbeat_s), "producer process", start_s=60, stop_s=10)
+from tests._processes import item_tensors, producer_process
 
 
 async def test_items_from_a_producer_process_arrive_intact_in_this_one() -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kvrt
-from kvrt.kernels.paged_kv import Layout, PoolTable
+from kvrt import Layout, PoolTable
+from tests._checks import same_bits
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32
 
@@ -32,10 +33,6 @@ def row(table: PoolTable, replica: int, copy: int, layer: int, slot: int, kv: in
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(SLOTS, HEADS, DIM)[slot]
     return pool[slot]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
 @pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvrt
+from tests._checks import caught_up
 from tests.conftest import insert_tokens
 
 
@@ -29,11 +30,6 @@ async def consumer(producers: list[kvrt.Producer]) -> AsyncIterator[kvrt.Consume
         yield started
 
 
-async def settle(consumer: kvrt.Consumer) -> None:
-    """A round trip to every producer: each has handled what this consumer sent before."""
-    assert await consumer.drop_select(torch.tensor([-9, -9])) is None
-
-
 async def test_the_longest_match_over_all_producers_wins_and_the_others_keep_theirs(
     producers: list[kvrt.Producer], consumer: kvrt.Consumer
 ) -> None:
@@ -42,7 +38,7 @@ async def test_the_longest_match_over_all_producers_wins_and_the_others_keep_the
     await insert_tokens(producers[2], torch.arange(5), seed=2)
     item = await consumer.drop_select(torch.arange(10))
     assert item is not None and item.matched == 8
-    await settle(consumer)
+    await caught_up(consumer)
     assert [producer.stats().items for producer in producers] == [1, 0, 1]
     assert [producer.stats().in_flight for producer in producers] == [0, 0, 0]
 
@@ -52,7 +48,7 @@ async def test_a_tie_goes_to_the_first_endpoint(producers: list[kvrt.Producer], 
     await insert_tokens(producers[1], torch.arange(4), seed=1)
     item = await consumer.drop_select(torch.arange(4))
     assert item is not None
-    await settle(consumer)
+    await caught_up(consumer)
     assert [producer.stats().items for producer in producers] == [0, 0, 1]
 
 
@@ -60,12 +56,12 @@ async def test_a_waiting_lookup_takes_the_first_match_and_cancels_the_rest(
     producers: list[kvrt.Producer], consumer: kvrt.Consumer
 ) -> None:
     waiting = asyncio.create_task(consumer.drop_select(torch.arange(6), None, timeout=None))
-    await settle(consumer)
+    await caught_up(consumer)
     assert [producer.stats().waiting_requests for producer in producers] == [1, 1, 1]
     await insert_tokens(producers[2], torch.arange(6))
     item = await waiting
     assert item is not None and item.matched == 6
-    await settle(consumer)
+    await caught_up(consumer)
     assert [producer.stats().waiting_requests for producer in producers] == [0, 0, 0]
 
 
@@ -74,7 +70,7 @@ async def test_a_lost_producer_is_skipped_with_a_warning(
 ) -> None:
     await insert_tokens(producers[1], torch.arange(4))
     await producers[0].aclose()
-    await settle(consumer)  # the Bye has been read: the link knows its producer is gone
+    await caught_up(consumer)  # the Bye has been read: the link knows its producer is gone
     with caplog.at_level(logging.WARNING, logger="kvrt"):
         item = await consumer.drop_select(torch.arange(4))
     assert item is not None

@@ -14,6 +14,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
+from tests._checks import caught_up
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
@@ -41,11 +42,6 @@ async def consumer(producer: kvrt.Producer, transport: str) -> AsyncIterator[kvr
         yield started
 
 
-async def settle(consumer: kvrt.Consumer) -> None:
-    """A round trip: the producer has handled everything this consumer sent before."""
-    assert await consumer.drop_select(torch.tensor([-1])) is None
-
-
 async def test_layer_i_arrives_while_layer_i_plus_one_is_not_yet_computed(
     producer: kvrt.Producer, consumer: kvrt.Consumer
 ) -> None:
@@ -57,7 +53,7 @@ async def test_layer_i_arrives_while_layer_i_plus_one_is_not_yet_computed(
     key, value = await reader.layer(0)
     assert torch.equal(key, layer_kv(0)[0]) and torch.equal(value, layer_kv(0)[1])
     second = asyncio.ensure_future(reader.layer(1))
-    await settle(consumer)
+    await caught_up(consumer)
     assert not second.done()  # layer 1 has not been computed yet
     await stream.put_layer(*layer_kv(1))
     key, _ = await second
@@ -69,7 +65,7 @@ async def test_layer_i_arrives_while_layer_i_plus_one_is_not_yet_computed(
     await stream.finish(hidden)
     got = await reader.finished()
     assert got is not None and torch.equal(got, hidden)
-    await settle(consumer)
+    await caught_up(consumer)
     stats = producer.stats()
     assert (stats.items, stats.in_flight, stats.buffer_bytes) == (0, 0, 0)
 
@@ -123,7 +119,7 @@ async def test_an_aborted_prefill_fails_the_reader_and_drops_what_it_received(
         await waiting
     with pytest.raises(kvrt.StreamAbortedError):
         await reader.layer(0)  # what arrived is void
-    await settle(consumer)
+    await caught_up(consumer)
     assert (producer.stats().items, producer.stats().in_flight, producer.stats().buffer_bytes) == (0, 0, 0)
 
 
@@ -178,7 +174,7 @@ async def test_a_waiting_streaming_request_takes_a_stream_opened_later(
 ) -> None:
     tokens = torch.arange(700, 700 + TOKENS)
     opening = asyncio.create_task(consumer.open_stream(tokens, None, timeout=None))
-    await settle(consumer)
+    await caught_up(consumer)
     stream = await producer.open_stream(tokens, layers=1)
     reader = await opening
     assert reader is not None
@@ -312,7 +308,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
     await stream.finish()
     await reader.finished()
-    await settle(consumer)
+    await caught_up(consumer)
     gc.collect()
     assert stacks == [] and own_copy() is None
     assert (producer.stats().items, producer.stats().buffer_bytes) == (0, 0)
@@ -322,7 +318,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as leaving:
         reader = await leaving.open_stream(tokens)
         assert reader is not None
-        monkeypatch.setattr(leaving._links[0], "settle", lambda item_id, *, keep: True)  # type: ignore[attr-defined]
+        monkeypatch.setattr(leaving.link_for_tests(), "settle", lambda item_id, *, keep: True)
         for layer in range(LAYERS):
             await stream.put_layer(*layer_kv(layer))
         hidden = torch.randn(TOKENS, 3)
@@ -359,7 +355,7 @@ async def test_the_link_calls_its_transport_off_whenever_it_fails_its_calls(monk
     monkeypatch.setattr(PairedTransport, "abandon", lambda transport: abandoned.append(transport.name), raising=False)
     async with kvrt.Producer(transport="gloo") as producer:
         consumer = await kvrt.Consumer(connect=producer.endpoint, transport="gloo").start()
-        await settle(consumer)
+        await caught_up(consumer)
         assert abandoned == []
         await consumer.aclose()
     assert abandoned == ["gloo"]

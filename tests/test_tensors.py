@@ -27,6 +27,7 @@ from kvrt._tensors import (
     unpack,
     unpack_tensor,
 )
+from tests._checks import same_bits
 
 CPU = torch.device("cpu")
 
@@ -46,15 +47,6 @@ def through_the_wire(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]
     packed = pack(tensors, CPU)
     frame = bytearray(tensor_bytes(packed.storage))  # what the socket hands the other side: its own copy
     return unpack(packed.metas, memoryview(frame))
-
-
-def same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return (
-        a is not None
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and bytes(tensor_bytes(a)) == bytes(tensor_bytes(b.contiguous()))
-    )
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of kvrt on a host with two GPUs, a short table last. `tests` and `bench` no longer fit one 600 s device call together (nor, maybe, all of `bench`): run `tests`, then the benchmarks by name.
-# Run from the repo root on the GPU host, with the wheels from ../shared/gpu/fetch-wheels in .whl/:
-#   bash tools/gpu_check.sh            (results and logs under $OUT, or /tmp/kvrt-gpu)
-# A before/after comparison in one call (machines of one kind differ by several points, so
-# only runs in the same call compare): make the baseline here first,
-#   mkdir _ab && git archive REV | tar -x -C _ab        (_ab/ is ignored: carry it)
-# then on the GPU host `bash tools/gpu_check.sh ab BENCH [ROUNDS]` runs `kvrt bench BENCH`
-# with the working tree and with _ab in turns, ROUNDS times each (2 by default).
+# Every GPU test and benchmark of kvrt, then a short table (tools/gpu_summary.py). Run from
+# the repository root on a host with two GPUs (one GPU runs `tests` and `kernels`):
+#   bash tools/gpu_check.sh [all|tests|bench|nccl|kernels|pull|stream|ipc]
+#   bash tools/gpu_check.sh ab BENCH [ROUNDS]
+# Results and logs go to $OUT (/tmp/kvrt-gpu by default). `tests` honours PYTEST_K (a -k
+# expression) and PYTEST_ARGS. Wheels found in .whl/ are installed first, into /tmp/site (for
+# a host without a package index); kvrt itself is installed editable from the working tree.
+# `ab` compares the working tree with a baseline in the same call (machines of one kind differ
+# by several points, so only runs of one call compare): make the baseline first with
+#   mkdir _ab && git archive REV | tar -x -C _ab        (_ab/ is ignored by git)
+# then `ab` runs `kvrt bench BENCH` with each side in turns, ROUNDS times (2 by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvrt-gpu}
@@ -67,15 +70,6 @@ if [ "$only" = kernels ]; then
 fi
 if [ "$only" = nccl ]; then
   timeout 240 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tail -12
-  exit 0
-fi
-if [ "$only" = variants ]; then
-  timeout 300 python3 tools/kernel_variants.py "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -150
-  exit 0
-fi
-if [ "$only" = probe ]; then
-  timeout 200 python3 tools/gpu_probe.py "$OUT" 2>&1 | tail -20
-  tail -n 45 "$OUT/consumer-profile.txt" "$OUT/producer-profile.txt"
   exit 0
 fi
 if [ "$only" = all ] || [ "$only" = bench ]; then

@@ -30,6 +30,8 @@ Producer side, all on the producer's event loop:
 
 Consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
+* `payload` (TCP): the link's reader, once per `payload` message: the frames of a delivery
+  whose header came alone, which complete its receive.
 * `receive_many`: as `receive`, once per DeliverMany: the hits' tensors, in order, once
   all have landed.
 * `receive_tensors` (`out_of_band` transports): once per such stream message, in arrival
@@ -61,7 +63,8 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._messages import Deliver, DeliverMany, Hit, TensorMeta
+from kvrt._errors import RemoteProtocolError
+from kvrt._messages import Deliver, DeliverMany, Hit, Payload, TensorMeta
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """input_tokens, roi, key, value, hidden: the order they travel in."""
@@ -176,6 +179,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
+
+    def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
+        """Consumer side: the frames of a delivery whose header came alone (TCP only)."""
+        raise RemoteProtocolError(f"a {self.name} producer sends no payload messages")
 
     def abandon(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Consumer side: the link gave the producer up (silent, or a new session starts):

@@ -6,7 +6,7 @@ sequence number once a range's bytes are written, and the consumer's receive str
 until the word reaches that number before it copies. Unlike a wait on another process's
 CUDA event, this wait can be released by the consumer itself (by writing a number past
 every mark), so a producer that dies mid-write never leaves the consumer's GPU waiting for
-ever (`tools/ipc_death_probe.py`: such a wait passes ~18 us after the word is written)."""
+ever (such a wait passes some 20 us after the word is written)."""
 
 from __future__ import annotations
 

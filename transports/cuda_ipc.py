@@ -2,13 +2,13 @@
 GPU memory over NVLink (or PCIe), no SM is spent on either side, and there is no
 communicator to set up or keep in step.
 
-Who writes what. The issue that asked for this transport sketched the producer writing into
-buffers the consumer shares; kvrt does the mirror image, the consumer reading what the
-producer shares, because the producer already keeps every item until the consumer answers
-`Received` (the transport contract) and the consumer allocates its receive buffer as the
-header arrives: each transfer then costs no round trip, the consumer's memory is only ever
-written by the consumer (so a producer can never write a buffer the consumer gave up), and
-the producer's GPU loses no SM and no copy engine time to the transfer.
+Who writes what. The producer could write into buffers the consumer shares; kvrt does the
+mirror image, the consumer reading what the producer shares, because the producer already
+keeps every item until the consumer answers `Received` (the transport contract) and the
+consumer allocates its receive buffer as the header arrives: each transfer then costs no
+round trip, the consumer's memory is only ever written by the consumer (so a producer can
+never write a buffer the consumer gave up), and the producer's GPU loses no SM and no copy
+engine time to the transfer.
 
 How a transfer goes:
 * producer (`send`, `send_many`, `stream_frames`): a kvrt stream of the pair waits (on the
@@ -32,7 +32,7 @@ for ever if that process dies before recording it, and with it every later call 
 process that waits for the whole device (a module load, a free, a synchronize). The word
 the consumer can write itself: when the link gives the producer up (`abandon`) it writes
 a number past every mark, every wait passes, and the copies read what the dead producer
-left (an open mapping stays readable after its exporter died: `tools/ipc_death_probe.py`)
+left (an open mapping stays readable after its exporter died)
 into buffers whose calls failed already. A pair's word is its own for good (a slot of a
 slab the producer never frees), so that write can never hit memory reused since.
 
@@ -356,8 +356,6 @@ class CudaIpcTransport(Transport):
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         if rendezvous.get("host") != host_identity():
             raise TransportUnavailableError("cuda_ipc: the producer runs on another machine")
-        if "probe" in rendezvous and "marks" not in rendezvous:
-            raise TransportUnavailableError("cuda_ipc: the producer is an older kvrt (it marks ranges with IPC events)")
         try:
             probe = m.decode_share(bytes.fromhex(rendezvous["probe"]))
             marks = m.decode_share(bytes.fromhex(rendezvous["marks"]))
@@ -598,7 +596,7 @@ class CudaIpcTransport(Transport):
         """Release the session's waits (a number past every mark, written from a stream of its
         own, never behind them), then close its mappings on its waiter thread, once the copies
         queued before are done (they all end now: a dead producer's memory stays readable
-        through an open mapping, `tools/ipc_death_probe.py`)."""
+        through an open mapping)."""
         session, self._session = self._session, None
         if session is None:
             return

@@ -365,7 +365,7 @@ class PairedTransport(Transport):
                         landed.append(event)
                 # The waiting thread sleeps (a blocking event) until the last segment but one
                 # has landed, then spins on the last: a sleeper wakes 150-260 us after its
-                # event, a spinner 30-50 us (`tools/completion_latency.py`), and for a chunked
+                # event, a spinner 30-50 us, and for a chunked
                 # item (a pull) that wake-up is what its caller waits for at the end (a pull
                 # returned 0.2 ms sooner, in turns with the sleeping wait in one run). It spins
                 # for one segment at most, and a one-segment item keeps sleeping throughout,

@@ -1,5 +1,7 @@
 """TCP transport: an item's packed tensors ride as one extra ZeroMQ frame of its Deliver
-(a DeliverMany: one frame per hit, in order).
+(a DeliverMany: one frame per hit, in order). A payload of `SPLIT_PAYLOAD_BYTES` or more
+travels in a `payload` message of its own right after the header, so that the consumer has
+its answer before the bytes are all on the wire (the producer's driver sends it so).
 
 The frame is sent zero-copy (pyzmq copies only frames under its 64 KiB threshold) and the
 tensors are rebuilt on the consumer as views over the received buffer, so the bytes are
@@ -11,21 +13,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any, Final
 
 import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import Deliver, DeliverMany, Hit
+from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
 from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
+
+MAX_FOLLOWING: Final = 4096
+"""Most deliveries one link keeps waiting for their `payload` message."""
 
 
 class TcpTransport(Transport):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.name = "tcp"
         self.device = torch.device(device)
+        self._following: dict[int, tuple[Deliver | DeliverMany, asyncio.Future[Any]]] = {}
+        """Consumer: deliveries whose frames follow in a `payload` message, by request id."""
 
     def prepare(self, item: BufferedItem) -> None:
         if item.storage.device.type == "cpu":
@@ -33,6 +41,9 @@ class TcpTransport(Transport):
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         if item.frames is None:  # a GPU item for a consumer without a GPU transport
+            written = item.written  # on the inserting caller's stream, not this thread's
+            if written is not None:
+                torch.cuda.current_stream(item.storage.device).wait_event(written)
             item.frames = [tensor_bytes(item.storage.cpu())]
         return item.frames
 
@@ -40,21 +51,63 @@ class TcpTransport(Transport):
         return [frame for item in items for frame in await self.send(peer, item)]
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
-        if len(frames) != 1:
-            raise RemoteProtocolError(f"deliver needs one payload frame, {len(frames)} followed")
         done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
-        done.set_result(self._unpacked(deliver, frames[0]))
+        if not frames and deliver.payload_bytes >= SPLIT_PAYLOAD_BYTES:
+            self._follows(deliver, done)
+            return Arrival(done)
+        done.set_result(self._item(deliver, frames))
         return Arrival(done)
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
+        done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
+        if not frames and message.payload_bytes >= SPLIT_PAYLOAD_BYTES and any(message.hits):
+            self._follows(message, done)
+            return done
+        done.set_result(self._batch(message, frames))
+        return done
+
+    def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
+        """The frames of a delivery whose header came first: its receive completes (or fails,
+        if they do not fit it). Frames nobody waits for (their session was abandoned) are dropped."""
+        following = self._following.pop(message.request_id, None)
+        if following is None:
+            return
+        delivery, done = following
+        if done.done():
+            return
+        try:
+            if isinstance(delivery, Deliver):
+                done.set_result(self._item(delivery, frames))
+            else:
+                done.set_result(self._batch(delivery, frames))
+        except RemoteProtocolError as exc:
+            done.set_exception(exc)
+
+    def abandon(self) -> None:
+        """The link failed its calls: what was to follow belongs to them."""
+        following, self._following = self._following, {}
+        for _, done in following.values():
+            done.cancel()
+
+    def _follows(self, delivery: Deliver | DeliverMany, done: asyncio.Future[Any]) -> None:
+        if len(self._following) >= MAX_FOLLOWING:
+            raise RemoteProtocolError(f"more than {MAX_FOLLOWING} deliveries wait for their payload")
+        if delivery.request_id in self._following:
+            raise RemoteProtocolError(f"a second delivery for request {delivery.request_id} before its payload")
+        self._following[delivery.request_id] = (delivery, done)
+
+    def _item(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> ItemTensors:
+        if len(frames) != 1:
+            raise RemoteProtocolError(f"deliver needs one payload frame, {len(frames)} followed")
+        return self._unpacked(deliver, frames[0])
+
+    def _batch(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> list[ItemTensors]:
         hits = batch_hits(message)
         if len(frames) != len(hits):
             raise RemoteProtocolError(
                 f"deliver_many with {len(hits)} hits needs as many frames, {len(frames)} followed"
             )
-        done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
-        done.set_result([self._unpacked(hit, frame) for hit, frame in zip(hits, frames, strict=True)])
-        return done
+        return [self._unpacked(hit, frame) for hit, frame in zip(hits, frames, strict=True)]
 
     def _unpacked(self, entry: Deliver | Hit, frame: zmq.Frame) -> ItemTensors:
         buffer = frame.buffer

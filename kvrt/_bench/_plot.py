@@ -8,6 +8,11 @@ from typing import Any
 from kvrt._errors import KVRTError
 
 
+def require_pyplot() -> None:
+    """Refuse `--plot` without matplotlib (a `KVRTError` saying what to install)."""
+    _pyplot()
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib

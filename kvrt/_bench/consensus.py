@@ -4,8 +4,8 @@ Both agree on the same information per lookup (status and matched tokens), measu
 same run on the same ranks:
 
 * reference: `all_gather_object` of (status, matched) per lookup, then MIN on each rank,
-  as the AIBrix code did before its PR (seed 000);
-* bare: one `all_reduce(MIN)` of a 2-int tensor per lookup (the PR's approach, no kvrt):
+  as AIBrix's group-aware cache manager did before it moved to `all_reduce`;
+* bare: one `all_reduce(MIN)` of a 2-int tensor per lookup (AIBrix's approach, no kvrt):
   the floor for one lookup at a time;
 * kvrt: `GroupConsensus.decide`, one lookup at a time, then 16 in flight per rank (lookups
   in flight together share a collective): 16 concurrent callers, each starting its next
@@ -13,7 +13,7 @@ same run on the same ranks:
 * bare rounds: one synchronous `all_reduce(MIN)` of 16 values per 16 lookups, no event loop:
   what a round of the in-flight case costs the group itself, the floor for that row;
 * kvrt bursts: bursts of 16 lookups, a task each, the next burst once the last is decided
-  (up to 16 in flight; the goal's row timed this pattern before commit 7d32c71);
+  (up to 16 in flight);
 * kvrt per call: the same bursts, each burst's 16 lookups in one `decide_many` (what
   `drop_select_many` does in a TP group): no task per lookup.
 

@@ -35,7 +35,7 @@ from kvrt._bench._processes import from_child, join, start_producer
 from kvrt._bench.nccl import _barrier, _raw_group, _warm_p2p
 
 if TYPE_CHECKING:
-    from kvrt.kernels.paged_kv import PoolTable
+    from kvrt import PoolTable
 
 TOKENS: Final = 32768
 LAYERS: Final = 32
@@ -73,7 +73,7 @@ KV_BYTES: Final = TOKENS * LAYERS * 2 * HEADS * DIM * 2
 def request_pools() -> tuple[PoolTable, torch.Tensor, torch.Tensor]:
     """The benchmark's request on the producer's GPU: dp=4 token-major pools of random bf16
     (`PoolTable`), and each token's replica and slot (distinct within a replica)."""
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     generator = torch.Generator(device=PRODUCER_DEVICE).manual_seed(0)
     pools = PoolTable(
@@ -126,9 +126,9 @@ def _producer(store_port: int, control: multiprocessing.connection.Connection) -
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvrt import Layout, PoolTable
     from kvrt import _messages as m
     from kvrt._consumer import Consumer
-    from kvrt.kernels.paged_kv import Layout, PoolTable
 
     if torch.cuda.device_count() < 2:
         print("kvrt bench pull needs two CUDA devices", file=sys.stderr)

@@ -5,7 +5,7 @@ bytes, all in the same run.
 The prefill: 32 layers, each one bf16 matmul of an 8B model's layer at 8k tokens
 ([8192 x 4096] @ [4096 x 53248]: the ~3.6 TFLOP of a Llama-3-8B layer's projections), whose
 output's first columns are the layer's K and V (8192 tokens x 8 heads x 128, 32 MiB a layer).
-The metric, per the issue: from the last layer computed (a timestamp the producer's GPU
+The metric: from the last layer computed (a timestamp the producer's GPU
 writes right after its matmul) to the last layer received (one the consumer's GPU writes on
 the reader's stream once `layer(31)` made it wait for the landing). The two GPUs' clocks
 (`%globaltimer`) are put on one by a ping-pong over NCCL before and after the rounds (its
@@ -16,8 +16,8 @@ V into one [32, 8192, 8, 128] pair, then `insert`, which a waiting `drop_select`
 same prefill writes each layer's K and V into token-major pools (as an engine's attention
 does) and streams it out of them (`put_layer()` gathers it at the request's slots); the
 reader writes each layer into its own pools as it lands (`open_stream(into=...)`), and its
-"received" is stamped once the last layer is written there. The goal
-(DESIGN): streaming within 1.5x one layer's transfer time, that is, raw NCCL send/recv of one
+"received" is stamped once the last layer is written there. The goal:
+streaming within 1.5x one layer's transfer time, that is, raw NCCL send/recv of one
 layer's bytes on the same pair, timed the same way (sender's GPU before the send, receiver's
 GPU after the receive, the receive posted first), median of its repeats.
 """
@@ -94,7 +94,7 @@ def _raw_receives(group: Any) -> list[int]:
 
 
 def _pools(device: str) -> Any:
-    from kvrt.kernels.paged_kv import Layout, PoolTable
+    from kvrt import Layout, PoolTable
 
     shape = (SLOTS, 2 * HEADS, DIM)
     return PoolTable([[[torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]]],

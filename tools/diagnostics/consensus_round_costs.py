@@ -1,17 +1,18 @@
-"""Where a consensus round's time goes, with 16 callers per rank on 4 gloo ranks (a diagnostic,
-not a record): kvrt's `GroupConsensus` beside the least an event loop can do with the same
-rounds.
+"""Where a consensus round's time goes, with 16 callers per rank on gloo ranks: kvrt's
+`GroupConsensus` beside the least an event loop can do with the same rounds. A diagnostic
+for `docs/bench/consensus-cpu.md`, not a record.
 
-    python tools/consensus_round_costs.py [ROUNDS]
+    python tools/diagnostics/consensus_round_costs.py [--rounds 150] [--world 4] [--turns 3]
 
-Three ways of running ROUNDS rounds of 16 values, taking turns (3 times each), on every rank:
+Three ways of running ROUNDS rounds of 16 values, taking turns (TURNS times each), on every rank:
 
 * sync: one synchronous `all_reduce(MIN)` per round, no event loop (the benchmark's floor);
 * minimal loop: 16 tasks per rank await futures that a loop callback resolves when the round's
   collective ends (issued from the loop with `async_op`, its end heard through the work's
   future), the next round issued once the woken tasks have run: no windows, no values, no
   decisions, the least an asyncio consensus can do;
-* kvrt: 16 callers of `GroupConsensus.decide`, as `kvrt bench consensus` times them.
+* kvrt: 16 callers of `GroupConsensus.decide`, as `kvrt bench consensus` times them; the
+  round's issue and end come from kvrt's trace events (`kvrt.tracing`).
 
 Per way: ms a round (mean over the run), and for the loop ways the medians of the round's
 issue to its end heard on the loop (`collective`, the ring and the wake-up) and of that end to
@@ -21,6 +22,7 @@ figures; the others' read alike.
 
 from __future__ import annotations
 
+import argparse
 import array
 import asyncio
 import gc
@@ -35,32 +37,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import kvrt
 from kvrt._bench._processes import free_port, join
 from kvrt._consensus import GroupConsensus, Outcome, Status
 
-WORLD = 4
 CALLERS = 16
-TURNS = 3
-
-
-class StampedConsensus(GroupConsensus):
-    """`GroupConsensus` that notes when each round is issued and when the loop hears its end."""
-
-    def __init__(self, group: Any, stamps: list[list[float]]) -> None:
-        super().__init__(group)
-        self.stamps = stamps
-
-    def _issue(self, values: list[int]) -> None:
-        self.stamps.append([time.perf_counter(), 0.0])
-        super()._issue(values)
-
-    def _end_round(self, work: Any, tensor: torch.Tensor, waited: Any) -> None:
-        self.stamps[-1][1] = time.perf_counter()
-        super()._end_round(work, tensor, waited)
+WARM_ROUNDS = 10
+"""Rounds left out of the medians: the window's first rounds, before it has its steady size."""
 
 
 async def kvrt_rounds(rounds: int, stamps: list[list[float]]) -> None:
-    consensus = StampedConsensus(dist.group.WORLD, stamps)
+    def note(event: kvrt.TraceEvent) -> None:
+        if event.name == "consensus.round_issued":
+            stamps.append([event.at_s, 0.0])
+        elif event.name == "consensus.round_ended":
+            stamps[-1][1] = event.at_s
+
+    consensus = GroupConsensus(dist.group.WORLD)
     consensus.start()
 
     async def caller(index: int) -> None:
@@ -68,7 +61,8 @@ async def kvrt_rounds(rounds: int, stamps: list[list[float]]) -> None:
             await consensus.decide(consensus.register(), Outcome(Status.OK, 100 + (lookup * 31 + index) % 900))
 
     try:
-        await asyncio.gather(*(caller(index) for index in range(CALLERS)))
+        with kvrt.tracing(note):
+            await asyncio.gather(*(caller(index) for index in range(CALLERS)))
     finally:
         await consensus.aclose()
 
@@ -123,20 +117,20 @@ def sync_rounds(rounds: int) -> None:
         tensor.tolist()
 
 
-def run_rank(rank: int, port: int, rounds: int, results: Any) -> None:
+def run_rank(rank: int, world: int, port: int, rounds: int, turns: int, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     loop_ways: dict[str, Callable[[int, list[list[float]]], Coroutine[Any, Any, None]]] = {
         "minimal loop": minimal_rounds,
         "kvrt": kvrt_rounds,
     }
     figures: dict[str, list[tuple[float, ...]]] = {"sync": [], "minimal loop": [], "kvrt": []}
     try:
-        for _ in range(TURNS):
-            # A full collection here, not inside a turn: on its first, one (~80 ms, torch's
-            # 170k objects) landed in the kvrt turn of every rank, each stalling the group.
+        for _ in range(turns):
+            # A full collection here, not inside a turn: one (~80 ms, torch's 170k objects)
+            # landing inside a turn stalls the whole group.
             gc.collect()
             dist.barrier()
             started = time.perf_counter()
@@ -149,29 +143,44 @@ def run_rank(rank: int, port: int, rounds: int, results: Any) -> None:
                 started = time.perf_counter()
                 asyncio.run(way(rounds, stamps))
                 per_round = (time.perf_counter() - started) / rounds * 1e3
-                steady = stamps[10:]  # past the window's first rounds
+                steady = stamps[WARM_ROUNDS:]
+                if len(steady) < 2:
+                    raise RuntimeError(f"{name}: {len(stamps)} rounds noted, too few past the first {WARM_ROUNDS}")
                 collective = statistics.median(end - issued for issued, end in steady) * 1e3
                 between = statistics.median(steady[i + 1][0] - steady[i][1] for i in range(len(steady) - 1)) * 1e3
                 figures[name].append((per_round, collective, between))
         if rank == 0:
             results.put(figures)
+    except BaseException as error:
+        results.put(f"rank {rank}: {error!r}")
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def main() -> int:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=150, help="rounds of 16 callers a way and turn")
+    parser.add_argument("--world", type=int, default=4, help="gloo ranks (processes)")
+    parser.add_argument("--turns", type=int, default=3, help="times each way runs, taking turns")
+    args = parser.parse_args()
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     port = free_port()
-    ranks = [spawn.Process(target=run_rank, args=(rank, port, rounds, results)) for rank in range(WORLD)]
+    ranks = [
+        spawn.Process(target=run_rank, args=(rank, args.world, port, args.rounds, args.turns, results))
+        for rank in range(args.world)
+    ]
     for process in ranks:
         process.start()
     try:
         figures = results.get(timeout=600)
     finally:
         join(*ranks)
-    print(f"{WORLD} gloo ranks, {CALLERS} callers a rank, {rounds} rounds, {TURNS} turns; rank 0, ms")
+    if isinstance(figures, str):
+        print(f"failed: {figures}", file=sys.stderr)
+        return 1
+    print(f"{args.world} gloo ranks, {CALLERS} callers a rank, {args.rounds} rounds, {args.turns} turns; rank 0, ms")
     print(f"{'way':<13} | {'a round (each turn)':<24} | {'collective (median)':<22} | loop (median)")
     for name, turns in figures.items():
         per_round = " ".join(f"{turn[0]:.2f}" for turn in turns)

@@ -1,4 +1,4 @@
-"""Stand-ins for the three vLLM imports of the seed `SimpleBuffer`, and the pipe it runs on.
+"""Stand-ins for the three vLLM imports of vLLM's `SimpleBuffer`, and the pipe it runs on.
 
 `GlooPipe` moves tensors between the two ranks of a gloo process group the way vLLM's
 PyNccl pipe does (metadata first, then the tensor; None as a flag), with a fixed-size
@@ -25,7 +25,7 @@ def init_logger(name: str) -> logging.Logger:
 
 
 class KVLookupBufferBase:
-    """The seed's base class; it adds nothing the benchmark needs."""
+    """`SimpleBuffer`'s base class in vLLM; it adds nothing the benchmark needs."""
 
 
 class KVPipeBase(abc.ABC):

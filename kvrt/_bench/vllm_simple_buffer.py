@@ -3,7 +3,7 @@
 """vLLM's v0 `SimpleBuffer`, the design kvrt replaces, kept verbatim as the reference that
 kvrt's benchmarks and parity tests measure against (vllm/distributed/kv_transfer/
 kv_lookup_buffer/simple_buffer.py; Apache-2.0, the vLLM authors). Only its three vLLM
-imports are replaced by the stand-ins in `seed_pipe`.
+imports are replaced by the stand-ins in `vllm_pipe`.
 
     Implements a distributed key-value (KV) cache transfer mechanism.
 
@@ -22,7 +22,7 @@ from typing import Deque, List, Optional, Union
 
 import torch
 
-from kvrt._bench.seed_pipe import KVLookupBufferBase, KVPipeBase, init_logger
+from kvrt._bench.vllm_pipe import KVLookupBufferBase, KVPipeBase, init_logger
 
 logger = init_logger(__name__)
 

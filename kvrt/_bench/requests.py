@@ -1,0 +1,403 @@
+"""`kvrt bench requests`: what one request costs kvrt beside the raw ZeroMQ paths, in one run.
+
+Two processes on loopback, a producer (or a raw server) and a consumer (or a raw client),
+each with one torch thread, for items of 64 KiB, 562 KiB and 16 MiB, one request at a time
+and 16 in flight:
+
+* kvrt: the producer holds the items; the consumer takes each with `drop_select` by its
+  tokens (its exact prefix), once;
+* raw request/reply: an asyncio DEALER asks a ROUTER for the same bytes and waits for them,
+  what a request/response transfer layer without kvrt's protocol costs;
+* raw PUSH/PULL: zero-copy messages of the same bytes, as fast as one socket moves them (the
+  ceiling for the in-flight rows).
+
+Each side reports the CPU time (every thread of its process, ZeroMQ's I/O threads included)
+it spent during the timed requests, per request. Goals: 64 KiB one at a time, p50 at most 1.5x
+the raw request/reply; 16 in flight, at least 80% of PUSH/PULL's rate for items of 562 KiB
+and more (64 KiB messages PUSH/PULL moves at a rate no request/reply reaches, the raw one
+included: that row shows kvrt beside both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from kvrt._bench._processes import from_child, join
+
+spawn = multiprocessing.get_context("spawn")
+
+IN_FLIGHT: Final = 16
+TOKENS: Final = 64
+"""Tokens an item has (its query names them all)."""
+WARMUP: Final = 20
+"""Requests made before the clock starts, on every path (connections and caches warm)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    item_bytes: int
+    requests: int
+
+
+CASES: Final = (Case("64 KiB", 64 << 10, 3000), Case("562 KiB", 562 << 10, 1500), Case("16 MiB", 16 << 20, 120))
+QUICK_CASES: Final = (Case("64 KiB", 64 << 10, 300), Case("562 KiB", 562 << 10, 150), Case("16 MiB", 16 << 20, 16))
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One path's timed requests: their latencies, the wall time, and each side's CPU time."""
+
+    latencies_s: list[float]
+    wall_s: float
+    consumer_cpu_s: float
+    producer_cpu_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.latencies_s)
+
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies_s) * 1e3
+
+    def p99_ms(self) -> float:
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
+
+    def per_s(self) -> float:
+        return self.count / self.wall_s
+
+    def cpu_us(self, side: str) -> float:
+        return (self.consumer_cpu_s if side == "consumer" else self.producer_cpu_s) / self.count * 1e6
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _item(index: int, item_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens and a key and value of `item_bytes` in all (tokens included), distinct per index."""
+    tokens = torch.arange(TOKENS, dtype=torch.int64) + (index + 1) * 1_000_000
+    elements = max(1, (item_bytes - tokens.nbytes) // 2 // 2 // TOKENS)  # fp16, key and value
+    key = torch.full((1, TOKENS, 1, elements), float(index % 7), dtype=torch.float16)
+    return tokens, key, key
+
+
+def _cpu_s() -> float:
+    """CPU time of every thread of this process so far (ZeroMQ's I/O threads included), to the
+    nanosecond (`os.times` counts in clock ticks of 10 ms)."""
+    return time.process_time()
+
+
+# -- kvrt -------------------------------------------------------------------------------------
+
+
+def _kvrt_producer(case: Case, count: int, control: multiprocessing.connection.Connection) -> None:
+    import kvrt
+
+    _one_thread()
+
+    async def main() -> None:
+        budget = max(1 << 30, 2 * count * case.item_bytes)
+        async with kvrt.Producer(buffer_bytes=budget) as producer:
+            for index in range(count):
+                tokens, key, value = _item(index, case.item_bytes)
+                await producer.insert(tokens, None, key, value)
+            control.send(producer.endpoint)
+            assert await asyncio.to_thread(control.recv) == "mark"
+            started = _cpu_s()
+            assert await asyncio.to_thread(control.recv) == "done"
+            control.send(_cpu_s() - started)
+            await asyncio.to_thread(control.recv)
+
+    asyncio.run(main())
+
+
+def _kvrt_consumer(
+    endpoint: str, case: Case, in_flight: int, control: multiprocessing.connection.Connection
+) -> None:
+    import kvrt
+
+    _one_thread()
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint) as consumer:
+            queries = [_item(index, case.item_bytes)[0] for index in range(WARMUP + case.requests)]
+            for index in range(WARMUP):
+                assert await consumer.drop_select(queries[index]) is not None
+            control.send("ready")
+            assert control.recv() == "go"
+            latencies: list[float] = []
+            pending = iter(range(WARMUP, WARMUP + case.requests))
+
+            async def worker() -> None:
+                for index in pending:
+                    started = time.perf_counter()
+                    item = await consumer.drop_select(queries[index])
+                    latencies.append(time.perf_counter() - started)
+                    assert item is not None
+
+            cpu, wall = _cpu_s(), time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(in_flight)))
+            control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu))
+
+    asyncio.run(main())
+
+
+def run_kvrt(case: Case, in_flight: int) -> Timed:
+    control, child = spawn.Pipe()
+    producer = spawn.Process(target=_kvrt_producer, args=(case, WARMUP + case.requests, child), name="kvrt-producer")
+    producer.start()
+    try:
+        endpoint = from_child(control, 600)
+        timed = _timed_client(_kvrt_consumer, (endpoint, case, in_flight), control)
+    finally:
+        control.send("stop")
+        join(producer)
+    return timed
+
+
+def _timed_client(target: Any, args: tuple[Any, ...], server: multiprocessing.connection.Connection) -> Timed:
+    """Run a client process: warmed up, then the server's CPU clock is marked and the client
+    times its requests; the server reports its CPU time over them."""
+    client_control, client_child = spawn.Pipe()
+    client = spawn.Process(target=target, args=(*args, client_child), name="client")
+    client.start()
+    try:
+        assert from_child(client_control, 600) == "ready"
+        server.send("mark")
+        client_control.send("go")
+        timed: Timed = from_child(client_control, 600)
+        server.send("done")
+        server_cpu: float = from_child(server, 60)
+    finally:
+        join(client)
+    return Timed(timed.latencies_s, timed.wall_s, timed.consumer_cpu_s, server_cpu)
+
+
+# -- raw ZeroMQ request/reply ------------------------------------------------------------------
+
+
+def _raw_server(case: Case, count: int, control: multiprocessing.connection.Connection) -> None:
+    import zmq
+    import zmq.asyncio
+
+    _one_thread()
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        payloads = [memoryview(bytearray(os.urandom(16)) * (case.item_bytes // 16)) for _ in range(8)]
+        control.send(f"tcp://127.0.0.1:{port}")
+
+        async def serve() -> None:
+            served = 0
+            while True:
+                identity, request = await router.recv_multipart(copy=False)
+                served += 1
+                # The request's id frame comes back before the bytes, as a reply's header would.
+                await router.send_multipart([identity, request, payloads[served % len(payloads)]], copy=False)
+
+        serving = asyncio.create_task(serve())
+        assert await asyncio.to_thread(control.recv) == "mark"
+        started = _cpu_s()
+        assert await asyncio.to_thread(control.recv) == "done"
+        control.send(_cpu_s() - started)
+        await asyncio.to_thread(control.recv)
+        serving.cancel()
+        router.close(linger=0)
+        context.term()
+
+    asyncio.run(main())
+
+
+def _raw_client(endpoint: str, case: Case, in_flight: int, control: multiprocessing.connection.Connection) -> None:
+    import zmq
+    import zmq.asyncio
+
+    _one_thread()
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(endpoint)
+        waiting: dict[int, asyncio.Future[Any]] = {}
+
+        async def read() -> None:
+            while True:
+                frames = await dealer.recv_multipart(copy=False)
+                request_id = int.from_bytes(frames[0].bytes, "little")
+                waiting.pop(request_id).set_result(frames[1])
+
+        reader = asyncio.create_task(read())
+        ids = iter(range(1 << 62))
+
+        async def ask() -> None:
+            request_id = next(ids)
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            waiting[request_id] = future
+            await dealer.send_multipart([request_id.to_bytes(8, "little")], copy=False)
+            await future
+
+        for _ in range(WARMUP):
+            await ask()
+        control.send("ready")
+        assert control.recv() == "go"
+        latencies: list[float] = []
+        remaining = iter(range(case.requests))
+
+        async def worker() -> None:
+            for _ in remaining:
+                started = time.perf_counter()
+                await ask()
+                latencies.append(time.perf_counter() - started)
+
+        cpu, wall = _cpu_s(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu))
+        reader.cancel()
+        dealer.close(linger=0)
+        context.term()
+
+    asyncio.run(main())
+
+
+def run_raw_request_reply(case: Case, in_flight: int) -> Timed:
+    control, child = spawn.Pipe()
+    server = spawn.Process(target=_raw_server, args=(case, case.requests, child), name="raw-server")
+    server.start()
+    try:
+        endpoint = from_child(control, 120)
+        timed = _timed_client(_raw_client, (endpoint, case, in_flight), control)
+    finally:
+        control.send("stop")
+        join(server)
+    return timed
+
+
+# -- raw PUSH/PULL ------------------------------------------------------------------------------
+
+
+def _pusher(port: int, messages: int, size: int) -> None:
+    import zmq
+
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    payload = memoryview(bytearray(os.urandom(size)))
+    for _ in range(messages):
+        push.send(payload, copy=False)
+    push.close(linger=-1)
+    context.term()
+
+
+def run_push_pull(case: Case) -> float:
+    """Bytes per second of zero-copy PUSH/PULL between two processes, messages of the item's size."""
+    import zmq
+
+    messages = max(case.requests, 32)
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    pusher = spawn.Process(target=_pusher, args=(port, messages, case.item_bytes), name="zmq-push")
+    pusher.start()
+    try:
+        pull.recv(copy=False)
+        started = time.perf_counter()
+        for _ in range(messages - 1):
+            pull.recv(copy=False)
+        return (messages - 1) * case.item_bytes / (time.perf_counter() - started)
+    finally:
+        join(pusher)
+        pull.close()
+        context.term()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(header), "| " + " | ".join("-" * width for width in widths) + " |", *map(line, rows)])
+
+
+ONE_AT_A_TIME_GOAL: Final = 1.5
+IN_FLIGHT_GOAL: Final = 0.8
+IN_FLIGHT_GOAL_FROM_BYTES: Final = 512 << 10
+
+
+def main(args: argparse.Namespace) -> int:
+    _one_thread()
+    cases = QUICK_CASES if args.quick else CASES
+    rows: list[list[str]] = []
+    record: list[dict[str, Any]] = []
+    goals_met = True
+    for case in cases:
+        ceiling = run_push_pull(case)
+        for in_flight in (1, IN_FLIGHT):
+            _log(f"{case.label}, {in_flight} in flight: raw request/reply, then kvrt")
+            raw = run_raw_request_reply(case, in_flight)
+            ours = run_kvrt(case, in_flight)
+            if in_flight == 1:
+                ratio = ours.p50_ms() / raw.p50_ms()
+                measure = f"p50 {ours.p50_ms():.3f} ms vs {raw.p50_ms():.3f} ms: {ratio:.2f}x"
+                goal = f"<= {ONE_AT_A_TIME_GOAL}x" if case.item_bytes == 64 << 10 else ""
+                met = ratio <= ONE_AT_A_TIME_GOAL if goal else None
+            else:
+                ratio = ours.per_s() * case.item_bytes / ceiling
+                measure = (
+                    f"{ours.per_s() * case.item_bytes / 1e9:.2f} GB/s vs PUSH/PULL {ceiling / 1e9:.2f}: {ratio:.0%}"
+                    f" ({ours.per_s() / raw.per_s():.0%} of request/reply)"
+                )
+                # PUSH/PULL of small messages is beyond any request/reply (the raw one included):
+                # the goal is for items of a layer's size and more.
+                goal = f">= {IN_FLIGHT_GOAL:.0%}" if case.item_bytes >= IN_FLIGHT_GOAL_FROM_BYTES else ""
+                met = ratio >= IN_FLIGHT_GOAL if goal else None
+            if met is False:
+                goals_met = False
+            rows.append([
+                case.label, str(in_flight),
+                f"{raw.p50_ms():.3f} / {raw.p99_ms():.3f} ms, {raw.per_s():,.0f}/s",
+                f"{ours.p50_ms():.3f} / {ours.p99_ms():.3f} ms, {ours.per_s():,.0f}/s",
+                measure, goal, "" if met is None else ("met" if met else "not met"),
+                f"{ours.cpu_us('producer'):.0f} / {raw.cpu_us('producer'):.0f}",
+                f"{ours.cpu_us('consumer'):.0f} / {raw.cpu_us('consumer'):.0f}",
+            ])  # fmt: skip
+            record.append({
+                "case": asdict(case), "in_flight": in_flight, "push_pull_bytes_per_s": ceiling,
+                "raw": {"p50_ms": raw.p50_ms(), "p99_ms": raw.p99_ms(), "per_s": raw.per_s(),
+                        "producer_cpu_us": raw.cpu_us("producer"), "consumer_cpu_us": raw.cpu_us("consumer")},
+                "kvrt": {"p50_ms": ours.p50_ms(), "p99_ms": ours.p99_ms(), "per_s": ours.per_s(),
+                         "producer_cpu_us": ours.cpu_us("producer"), "consumer_cpu_us": ours.cpu_us("consumer")},
+            })  # fmt: skip
+    header = [
+        "item", "in flight", "raw request/reply p50 / p99", "kvrt p50 / p99", "kvrt vs reference", "goal", "met",
+        "producer CPU us/req (kvrt / raw)", "consumer CPU us/req (kvrt / raw)",
+    ]  # fmt: skip
+    print(_table(header, rows))
+    print("CPU: every thread of each side's process (ZeroMQ's I/O threads included), over the timed requests.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0 if goals_met or args.quick else 1

@@ -1,0 +1,195 @@
+"""Paged KV pools as the runtime sees them: their layouts, their geometry, and checks of a
+request's replica and slot indexes (torch and numpy only: no Triton).
+
+Serving engines keep KV in paged pools, one per layer, and with data parallelism one set of
+pools per replica: a request's tokens may sit in any replica, at any slots. A `PoolTable`
+names every pool of a node, `pools[replica][copy][layer]`; `Producer.register_pools` and
+`Consumer.pull(into=...)` take one. Pool layouts, per layer:
+
+    token-major  [slots, 2*H, D]                K heads, then V heads (LightLLM)
+                 [slots, 1, D]                  one latent per token: MLA as LightLLM keeps it
+    block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
+    mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card
+
+Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'
+device or the host.
+
+The kernels that move KV in and out of such pools are in `kvrt.kernels.paged_kv`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+import torch
+
+from kvrt._errors import InvalidInputError
+from kvrt._tensors import host_to_device
+
+WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+"""The word types a kernel may move a pool's bytes as, widest first."""
+
+INDEX_DTYPES: Final = (torch.int32, torch.int64)
+"""What replica and slot indexes may be."""
+
+Part = Literal["key", "value"]
+"""Only the K rows or only the V rows of a request (None: both)."""
+
+
+class Layout(enum.Enum):
+    """How one layer's pool lays out its slots (the shapes in this module's docstring)."""
+
+    TOKEN_MAJOR = "token_major"
+    BLOCK = "block"
+    MLA = "mla"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """Where a slot's K and V rows sit in one layer's pool, in elements of the pool's dtype."""
+
+    layout: Layout
+    slots: int
+    heads: int
+    head_dim: int
+    token_stride: int
+    v_offset: int
+    """From a slot's K row to its V row (0 for a latent, which has no V)."""
+    kv: int = 2
+    """Rows per slot: K and V, or 1 for a latent (MLA)."""
+
+
+def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
+    """The geometry of one layer's pool, checking its shape against `layout`."""
+    if not pool.is_contiguous():
+        raise InvalidInputError("KV pools must be contiguous")
+    if layout is Layout.TOKEN_MAJOR:
+        if pool.dim() == 3 and pool.shape[1] == 1:  # one latent per token (MLA): no V heads
+            slots, _, dim = pool.shape
+            return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
+        if pool.dim() != 3 or pool.shape[1] % 2:
+            raise InvalidInputError(
+                "a token-major pool is [slots, 2*heads, head_dim] (K heads, then V heads) or [slots, 1, latent_dim] "
+                f"(MLA), got {tuple(pool.shape)}"
+            )
+        slots, two_heads, dim = pool.shape
+        return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
+    if layout is Layout.BLOCK:
+        if pool.dim() != 5 or pool.shape[0] != 2:
+            raise InvalidInputError(
+                f"a block pool is [2, blocks, block_size, heads, head_dim], got {tuple(pool.shape)}"
+            )
+        _, blocks, block_size, heads, dim = pool.shape
+        return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+    if pool.dim() == 3 and pool.shape[1] == 1:
+        pool = pool.view(pool.shape[0], pool.shape[2])
+    if pool.dim() != 2:
+        raise InvalidInputError(
+            f"an MLA pool is [slots, latent_dim] or [slots, 1, latent_dim], got {tuple(pool.shape)}"
+        )
+    slots, dim = pool.shape
+    return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
+
+
+class PoolTable:
+    """Every pool of a node: `pools[replica][copy][layer]`, all alike; registered once.
+
+    `copy` is for MLA, where every card of a replica's group holds the same latents (one
+    copy per card); other layouts have one copy per replica.
+    """
+
+    def __init__(self, pools: Sequence[Sequence[Sequence[torch.Tensor]]], layout: Layout) -> None:
+        if not pools or not pools[0] or not pools[0][0]:
+            raise InvalidInputError("pools must name at least one replica, copy and layer")
+        first = pools[0][0][0]
+        self.layout = layout
+        self.geometry = geometry(first, layout)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.replicas = len(pools)
+        self.copies = len(pools[0])
+        self.layers = len(pools[0][0])
+        addresses = []
+        for replica, copies in enumerate(pools):
+            if len(copies) != self.copies or any(len(layers) != self.layers for layers in copies):
+                raise InvalidInputError(f"replica {replica} has a different number of copies or layers")
+            for layers in copies:
+                for pool in layers:
+                    if pool.shape != first.shape or pool.dtype != first.dtype or pool.device != first.device:
+                        raise InvalidInputError(
+                            f"every pool must match the first: {tuple(first.shape)} {first.dtype} on {first.device}"
+                        )
+                    if not pool.is_contiguous():
+                        raise InvalidInputError("KV pools must be contiguous")
+                    addresses.append(pool.data_ptr())
+        self.pools = [[list(layers) for layers in copies] for copies in pools]
+        self.address_alignment = next(w.itemsize for w in WORDS if all(a % w.itemsize == 0 for a in addresses))
+        """The widest word (bytes) every pool's address is a multiple of (found once: a
+        launch must not walk every pool)."""
+        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=self.device).view(
+            self.replicas, self.copies, self.layers
+        )
+
+    def staging_shape(self, tokens: int, heads: tuple[int, int]) -> tuple[int, ...]:
+        return (self.layers, tokens, self.geometry.kv, heads[1] - heads[0], self.geometry.head_dim)
+
+
+def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """int64 [4] where the indexes are: the smallest and largest replica index, then slot
+    (zeros when there are none). On the pools' device it is queued, not read (three small
+    kernels): a caller can read it with other values in one round trip and pass it to
+    `ranges_fit`. Indexes on the host (both of them) are reduced there: no round trip."""
+    on_host = replica.device.type == "cpu" and slots.device.type == "cpu"
+    for name, index in (("replica", replica), ("slot", slots)):
+        if index.dtype not in INDEX_DTYPES or index.dim() != 1 or not (on_host or index.device == table.device):
+            raise InvalidInputError(
+                f"{name} indexes must be a 1-D int32 or int64 tensor on {table.device} or on the host, got "
+                f"{index.dtype} {tuple(index.shape)} on {index.device}"
+            )
+    if replica.shape != slots.shape:
+        raise InvalidInputError(f"{replica.numel()} replica indexes for {slots.numel()} slots")
+    if not slots.numel():
+        return torch.zeros(4, dtype=torch.int64, device=slots.device)
+    if on_host:  # numpy: cheaper than torch's CPU reductions for a request's indexes
+        ranges = [int(reduce(index.numpy())) for index in (replica, slots) for reduce in (np.min, np.max)]
+        return torch.tensor(ranges, dtype=torch.int64)
+    (replica_min, replica_max), (slot_min, slot_max) = torch.aminmax(replica), torch.aminmax(slots)
+    return torch.stack([value.to(torch.int64) for value in (replica_min, replica_max, slot_min, slot_max)])
+
+
+def ranges_fit(table: PoolTable, ranges: Sequence[int]) -> bool:
+    """Whether `index_ranges`, read back, lie inside the pools."""
+    replica_min, replica_max, slot_min, slot_max = (int(value) for value in ranges)
+    return replica_min >= 0 and replica_max < table.replicas and slot_min >= 0 and slot_max < table.geometry.slots
+
+
+def checked_indexes(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`check_indices`, then the indexes on the pools' device, where the kernels read them:
+    indexes on the host are checked there (no device round trip) and copied over on the
+    current stream, without waiting for it."""
+    check_indices(table, replica, slots)
+    if table.device.type == "cuda" and slots.device.type == "cpu":
+        return host_to_device(replica, table.device), host_to_device(slots, table.device)
+    return replica, slots
+
+
+def check_indices(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> None:
+    """Refuse replica or slot indexes outside the pools, before anything is launched (one
+    read back from the device when all are in range)."""
+    if ranges_fit(table, index_ranges(table, replica, slots).tolist()):
+        return
+    for name, index, bound in (("replica", replica, table.replicas), ("slot", slots, table.geometry.slots)):
+        outside = (index < 0) | (index >= bound)
+        if bool(outside.any()):
+            raise InvalidInputError(f"{name} index {index[outside][0].item()} is out of range [0, {bound})")
+
+
+def per_token(replica: torch.Tensor | int, slots: torch.Tensor) -> torch.Tensor:
+    """Per-token replica indexes, from one replica for every token or a tensor of them."""
+    if not isinstance(slots, torch.Tensor):
+        raise InvalidInputError(f"slots must be a 1-D int32 or int64 tensor, got {type(slots).__name__}")
+    return torch.full_like(slots, replica) if isinstance(replica, int) else replica

@@ -1,0 +1,506 @@
+"""kvrt for synchronous engines: `kvrt.blocking.Producer` and `kvrt.blocking.Consumer`.
+
+Serving engines call their KV transfer layer from ordinary threads (a worker's model
+runner, a scheduler), not from an asyncio loop. These two take the same arguments as
+`kvrt.Producer` and `kvrt.Consumer` and offer the same operations as plain methods:
+
+    producer = kvrt.blocking.Producer(bind="tcp://0.0.0.0:5555", device="cuda:0")
+    producer.insert(input_tokens, roi, key, value, hidden)       # returns once buffered
+
+    with kvrt.blocking.Consumer(connect=producer.endpoint, device="cuda:0") as consumer:
+        item = consumer.drop_select(input_tokens, roi, timeout=0.0)
+
+Who runs what: each object owns one thread, named after it ("kvrt-producer",
+"kvrt-consumer"), that runs an asyncio event loop with the async producer or consumer in
+it, reached through anyio's `BlockingPortal`. A method hands its call to that loop and
+blocks the calling thread until the call returns; any number of threads may call at once
+(their calls are in flight together, as `asyncio.gather` would have them). The thread
+starts in the constructor, which returns once the producer is bound (`endpoint` is known)
+or the consumer has its handshake; the constructor raises what `start()` would.
+
+Errors, timeouts and results are those of the async API, raised in the calling thread.
+`close()` (or leaving the `with` block), from any thread, ends every call still waiting
+with `ClosedError`, then stops the thread; it returns within `CLOSE_TIMEOUT_S` whatever
+the peers do, and a second `close()` returns once the first is done. A call made after
+`close()` raises `ClosedError`. An object dropped without `close()` is closed when it is
+garbage-collected, or at interpreter exit. A thread interrupted while it waits (Ctrl-C)
+cancels its own call, as cancelling a task would.
+
+CUDA streams: `stream=` defaults to the current stream of the calling thread (on the
+object's device), captured there before the call crosses to kvrt's thread, whose current
+stream is not the engine's (`kvrt._caller_stream`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Final, Generic, ParamSpec, Self, TypeVar
+
+import anyio
+import torch
+import torch.distributed as dist
+from anyio.from_thread import BlockingPortal
+
+from kvrt import _consumer, _producer
+from kvrt._auth import CurveKeys
+from kvrt._caller_stream import caller_stream
+from kvrt._errors import ClosedError, KVRTError
+from kvrt._item import KVItem
+from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
+from kvrt._streams import ConsumerStream as _AsyncConsumerStream
+from kvrt._streams import ProducerStream as _AsyncProducerStream
+
+if TYPE_CHECKING:
+    from kvrt._consumer import ConsumerCounters
+    from kvrt.kernels.paged_kv import PoolTable
+
+log = logging.getLogger("kvrt.blocking")
+
+CLOSE_TIMEOUT_S: Final = 30.0
+"""The longest `close()` waits for the async side to say its byes before it cancels what is
+left and stops the thread."""
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+_Service = TypeVar("_Service", _producer.Producer, _consumer.Consumer)
+
+
+class _LoopThread:
+    """One thread running an asyncio loop with a `BlockingPortal` in it, until `stop()`."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        self._kind = kind
+        started: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
+        # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread.start()
+        self._portal = started.result()
+        self._stopping = threading.Lock()
+        self._stopped = False
+
+    @staticmethod
+    def _run(started: concurrent.futures.Future[BlockingPortal]) -> None:
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                started.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # handed to the constructor, or logged
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                log.error("kvrt's loop thread ended with an error", exc_info=exc)
+
+    @property
+    def on_this_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def submit(self, function: Callable[[], Awaitable[_T]], what: str) -> concurrent.futures.Future[_T]:
+        """Start `function` on the loop; its future. Raises `ClosedError` once stopped."""
+        if self.on_this_thread:
+            raise KVRTError(f"{what}: kvrt.blocking was called on kvrt's own loop thread; use the async API there")
+        try:
+            return self._portal.start_task_soon(function)
+        except RuntimeError:  # the portal has stopped: `close()` ran
+            raise ClosedError(f"{what}: the {self._kind} is closed") from None
+
+    def call(self, function: Callable[[], Awaitable[_T]], what: str, timeout_s: float | None = None) -> _T:
+        """Run `function` on the loop and wait for its result in this thread."""
+        future = self.submit(function, what)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.CancelledError:
+            raise ClosedError(f"{what}: the {self._kind} was closed while the call waited") from None
+        except BaseException:
+            # The call's own error (its future is done: nothing to cancel), or this thread was
+            # interrupted while it waited (Ctrl-C) or gave up: the call is cancelled on the loop.
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop, end it and join the thread (idempotent)."""
+        with self._stopping:
+            if self._stopped:
+                return
+            self._stopped = True
+            try:
+                self._portal.call(self._portal.stop, True)
+            except RuntimeError:
+                pass  # stopped already
+            self._thread.join(CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("kvrt's loop thread %s did not end within %s s", self._thread.name, CLOSE_TIMEOUT_S)
+
+
+def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer) -> None:
+    """Close `service` on its loop (its byes, every pending call ended), then stop the loop."""
+    try:
+        loop.call(service.aclose, "close", timeout_s=CLOSE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        log.warning("closing did not finish within %s s; what was left is cancelled", CLOSE_TIMEOUT_S)
+    except KVRTError:
+        pass  # closed already
+    finally:
+        loop.stop()
+
+
+def _finalize(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer) -> None:
+    """Close an object that was dropped without `close()`. The garbage collector may run this
+    on kvrt's loop thread itself, which cannot wait for its own loop: a thread does it then."""
+    if loop.on_this_thread:
+        threading.Thread(target=_close, args=(loop, service), name="kvrt-close", daemon=True).start()
+    else:
+        _close(loop, service)
+
+
+class _Blocking(Generic[_Service]):
+    """What both sides share: the loop thread, calls through it, and close."""
+
+    _what: str
+
+    def __init__(self, start: Callable[[], Awaitable[_Service]], thread_name: str) -> None:
+        self._loop = _LoopThread(thread_name, self._what)
+        try:
+            self._service: _Service = self._loop.call(start, f"starting the {self._what}")
+        except BaseException:
+            self._loop.stop()
+            raise
+        self._closing = threading.Lock()
+        self._closed = False
+        self._finalizer: weakref.finalize[..., _Blocking[_Service]] = weakref.finalize(
+            self, _finalize, self._loop, self._service
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self._service.device
+
+    def _call(self, function: Callable[_P, Awaitable[_T]], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`function(*args, **kwargs)` awaited on kvrt's loop; its result in this thread."""
+        what = getattr(function, "__name__", "call")
+        if self._closed:
+            raise ClosedError(f"{what}: the {self._what} is closed")
+        return self._loop.call(functools.partial(function, *args, **kwargs), what)
+
+    def _read(self, function: Callable[[], _T]) -> _T:
+        """`function()` run on kvrt's loop (what it reads is the loop's to change)."""
+
+        async def read() -> _T:
+            return function()
+
+        read.__name__ = getattr(function, "__name__", "read")
+        return self._call(read)
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+        """The calling thread's stream for this object's device (see the module docstring)."""
+        return caller_stream(stream, self.device)
+
+    def close(self) -> None:
+        """End every call still waiting with `ClosedError`, say bye to the peers, stop the
+        thread. From any thread; idempotent; returns within `CLOSE_TIMEOUT_S`."""
+        if self._loop.on_this_thread:
+            raise KVRTError("close: called on kvrt's own loop thread; use the async API there")
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer.detach()
+            _close(self._loop, self._service)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Producer(_Blocking[_producer.Producer]):
+    """`kvrt.Producer` for synchronous callers (see the module docstring): the same
+    arguments, started by the constructor, the same operations as plain methods."""
+
+    _what = "producer"
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        device: torch.device | str = "cpu",
+        buffer_bytes: int = 1 << 30,
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+        transport: str | None = None,
+        item_ttl_s: float | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        async def start() -> _producer.Producer:
+            producer = _producer.Producer(
+                bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
+                item_ttl_s=item_ttl_s, curve=curve,
+            )  # fmt: skip
+            return await producer.start()
+
+        super().__init__(start, "kvrt-producer")
+        self.endpoint: str = self._service.endpoint
+        """The address actually bound (with the real port when `bind` asked for port 0)."""
+        self.buffer_bytes: int = self._service.buffer_bytes
+
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """`kvrt.Producer.insert`: returns once the item is buffered, waiting while the buffer
+        is full (`timeout` bounds that wait)."""
+        self._call(
+            self._service.insert, input_tokens, roi, key, value, hidden, timeout=timeout, stream=self._stream(stream)
+        )
+
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
+        """`kvrt.Producer.register_pools`."""
+        self._read(functools.partial(self._service.register_pools, pools, chunk_bytes=chunk_bytes, taper=taper))
+
+    def publish(
+        self,
+        input_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        roi: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """`kvrt.Producer.publish`: a finished prefill from the registered pools."""
+        self._call(
+            self._service.publish, input_tokens, slots, replica, roi, timeout=timeout, stream=self._stream(stream)
+        )
+
+    def open_stream(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        layers: int | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> ProducerStream:
+        """`kvrt.Producer.open_stream`: a prefill that publishes its KV layer by layer."""
+        opened = self._call(
+            self._service.open_stream, input_tokens, roi, layers=layers, slots=slots, replica=replica,
+            stream=self._stream(stream),
+        )  # fmt: skip
+        return ProducerStream(self, opened)
+
+    def stats(self) -> ProducerStats:
+        """`kvrt.Producer.stats`: a snapshot of what the producer holds and has done."""
+        return self._read(self._service.stats)
+
+    def refusals(self) -> dict[str, int]:
+        """`kvrt.Producer.refusals`: error replies sent so far, by error code."""
+        return self._read(self._service.refusals)
+
+
+class ProducerStream:
+    """`kvrt.ProducerStream` for synchronous callers, made by `Producer.open_stream`."""
+
+    def __init__(self, owner: Producer, stream: _AsyncProducerStream) -> None:
+        self._owner = owner
+        self._stream = stream
+        self.layers = stream.layers
+        self.tokens = stream.tokens
+
+    @property
+    def published(self) -> int:
+        """Layers published so far."""
+        return self._stream.published
+
+    def put_layer(
+        self,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """`kvrt.ProducerStream.put_layer`: publish the next layer."""
+        self._owner._call(self._stream.put_layer, key, value, stream=self._owner._stream(stream))
+
+    def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:
+        """`kvrt.ProducerStream.finish`: end the stream after its last layer."""
+        self._owner._call(self._stream.finish, hidden, stream=self._owner._stream(stream))
+
+    def abort(self, reason: str = "the prefill failed") -> None:
+        """`kvrt.ProducerStream.abort`: fail the stream; its reader gets StreamAbortedError."""
+        self._owner._call(self._stream.abort, reason)
+
+
+class Consumer(_Blocking[_consumer.Consumer]):
+    """`kvrt.Consumer` for synchronous callers (see the module docstring): the same
+    arguments, connected by the constructor, the same operations as plain methods."""
+
+    _what = "consumer"
+
+    def __init__(
+        self,
+        connect: str | Sequence[str],
+        device: torch.device | str = "cpu",
+        *,
+        group: dist.ProcessGroup | None = None,
+        transport: str | None = None,
+        curve: CurveKeys | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        connect_timeout_s: float = _consumer.DEFAULT_CONNECT_TIMEOUT_S,
+        transfer_timeout_s: float | None = _consumer.DEFAULT_TRANSFER_TIMEOUT_S,
+        reply_timeout_s: float = _consumer.DEFAULT_REPLY_TIMEOUT_S,
+        name: str | None = None,
+    ) -> None:
+        async def start() -> _consumer.Consumer:
+            consumer = _consumer.Consumer(
+                connect, device, group=group, transport=transport, curve=curve, heartbeat_s=heartbeat_s,
+                connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
+                reply_timeout_s=reply_timeout_s, name=name,
+            )  # fmt: skip
+            return await consumer.start()
+
+        super().__init__(start, "kvrt-consumer")
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._service.endpoints
+
+    @property
+    def transports(self) -> dict[str, str | None]:
+        """`kvrt.Consumer.transports`: per producer endpoint, the transport its items travel over."""
+        return self._read(lambda: self._service.transports)
+
+    @property
+    def pending_requests(self) -> int:
+        """Calls waiting for an answer."""
+        return self._read(lambda: self._service.pending_requests)
+
+    @property
+    def counters(self) -> ConsumerCounters:
+        """What this consumer received and what failed, since start (a copy)."""
+
+        def snapshot() -> ConsumerCounters:
+            counters = self._service.counters
+            return type(counters)(counters.items, counters.bytes, dict(counters.errors))
+
+        return self._read(snapshot)
+
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> KVItem | None:
+        """`kvrt.Consumer.drop_select`: the best match, or None; `timeout` is how long to wait
+        for one to be inserted (0 answers at once, None waits until one is or either side closes)."""
+        return self._call(self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream))
+
+    def drop_select_many(
+        self,
+        queries: Sequence[torch.Tensor | None],
+        rois: Sequence[torch.Tensor | None] | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> list[KVItem | None]:
+        """`kvrt.Consumer.drop_select_many`: several lookups answered at once."""
+        return self._call(self._service.drop_select_many, queries, rois, stream=self._stream(stream))
+
+    def pull(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        into: PoolTable,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        timeout: float | None = 0.0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> KVItem | None:
+        """`kvrt.Consumer.pull`: take a published prefill and write it into `into` at `slots`."""
+        return self._call(
+            self._service.pull, input_tokens, roi, into=into, slots=slots, replica=replica, timeout=timeout,
+            stream=self._stream(stream),
+        )  # fmt: skip
+
+    def open_stream(
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        into: PoolTable | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> ConsumerStream | None:
+        """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
+        opened = self._call(
+            self._service.open_stream, input_tokens, roi, timeout, into=into, slots=slots, replica=replica,
+            stream=self._stream(stream),
+        )  # fmt: skip
+        return None if opened is None else ConsumerStream(self, opened)
+
+
+class ConsumerStream:
+    """`kvrt.ConsumerStream` for synchronous callers, made by `Consumer.open_stream`."""
+
+    def __init__(self, owner: Consumer, stream: _AsyncConsumerStream) -> None:
+        self._owner = owner
+        self._stream = stream
+        self.input_tokens = stream.input_tokens
+        self.roi = stream.roi
+        self.matched = stream.matched
+        self.layers = stream.layers
+
+    def layer(self, index: int, *, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kvrt.ConsumerStream.layer`: layer `index`'s key and value once it arrived; on a GPU
+        `stream` (None: the calling thread's current stream) waits for its landing."""
+        return self._owner._call(_layer, self._stream, index, self._owner._stream(stream))
+
+    def layer_event(self, index: int) -> torch.cuda.Event | None:
+        """`kvrt.ConsumerStream.layer_event`."""
+        return self._owner._call(self._stream.layer_event, index)
+
+    def finished(self) -> torch.Tensor | None:
+        """Wait for the end of the stream; its hidden states (None if the item has none)."""
+        return self._owner._call(self._stream.finished)
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for index in range(self.layers):
+            key, value = self.layer(index)
+            yield index, key, value
+
+
+async def _layer(
+    stream: _AsyncConsumerStream, index: int, on: torch.cuda.Stream | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer for a caller on another thread: `on` waits for its landing, and for what the
+    loop's thread queued on its own stream for it (a layer that came as frames)."""
+    key, value = await stream.layer(index, stream=on)
+    if on is not None and key.device.type == "cuda":
+        on.wait_stream(torch.cuda.current_stream(key.device))
+    return key, value
+
+
+__all__ = ["CLOSE_TIMEOUT_S", "Consumer", "ConsumerStream", "Producer", "ProducerStream"]
