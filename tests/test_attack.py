@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvrt._attack import P99_RATIO_GOAL, RSS_GROWTH_GOAL_BYTES, SCENARIOS, Tally
+from kvrt._attack import LEGIT_RATE_GOAL, P99_RATIO_GOAL, RSS_GROWTH_GOAL_BYTES, SCENARIOS, Tally
 
 SCENARIO_S = 150
 """A --quick scenario takes 6 to 15 s on a loaded 2-core host; this bounds a hung one."""
@@ -53,15 +53,24 @@ def test_a_quick_attack_loses_nothing_takes_nothing_twice_and_meets_its_goals(na
     result, scenario = _run_suite(name, tmp_path / "report.json")
     assert scenario["inserted"] > 0 and scenario["delivered"] == scenario["inserted"] - scenario["gone_with_producer"]
     assert (scenario["lost"], scenario["duplicated"], scenario["damaged"]) == (0, 0, 0), result.stdout
-    assert scenario["hung"] == [] and scenario["drained"], result.stdout
+    assert scenario["hung"] == [] and scenario["overlong_calls"] == 0 and scenario["drained"], result.stdout
     if scenario["latency_applies"]:
-        assert scenario["p99_ratio"] <= P99_RATIO_GOAL, result.stdout
+        assert scenario["p99_ratio"] <= P99_RATIO_GOAL and scenario["legit_rate"] >= LEGIT_RATE_GOAL, result.stdout
     assert scenario["rss_after"] - scenario["rss_before"] <= RSS_GROWTH_GOAL_BYTES, result.stdout
     assert result.returncode == 0 and "every goal met" in result.stdout, result.stdout
 
 
 def _met() -> Tally:
-    return Tally("x", inserted=10, delivered=10, p99_base_ms=1.0, p99_attack_ms=2.0, rss_before=100, rss_after=100)
+    return Tally(
+        "x",
+        inserted=10,
+        delivered=10,
+        p99_base_ms=1.0,
+        p99_attack_ms=2.0,
+        legit_rate=1.0,
+        rss_before=100,
+        rss_after=100,
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,6 +83,8 @@ def _met() -> Tally:
         ({"drained": False}, "still held"),
         ({"p99_attack_ms": 5.1}, "p99"),
         ({"p99_attack_ms": math.nan}, "p99"),
+        ({"legit_rate": 0.5}, "of its items a second"),
+        ({"overlong_calls": 1}, "outlived their timeout"),
         ({"rss_after": 100 + RSS_GROWTH_GOAL_BYTES + 1}, "RSS"),
     ],
 )
@@ -85,7 +96,7 @@ def test_each_missed_goal_fails_the_scenario(change: dict[str, Any], named: str)
     assert any(named in failure for failure in missed.failures())
 
 
-def test_the_latency_goal_does_not_apply_where_the_producer_itself_is_attacked() -> None:
+def test_the_legitimate_flows_goals_do_not_apply_where_the_producer_itself_is_attacked() -> None:
     stalled = _met()
-    stalled.p99_attack_ms, stalled.latency_applies = 1000.0, False
+    stalled.p99_attack_ms, stalled.legit_rate, stalled.latency_applies = 1000.0, 0.1, False
     assert stalled.failures() == []
