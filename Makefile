@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer gpu
+.PHONY: demo test lint bench-buffer gpu attack attack-quick
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tools/typecheck.py
+
+# The adversarial suite (a few minutes; `make attack-quick` for a smoke run under two).
+attack: $(STAMP)
+	$(PY) -m kvrt attack
+
+attack-quick: $(STAMP)
+	$(PY) -m kvrt attack --quick
 
 bench-buffer: $(STAMP)
 	$(PY) -m kvrt bench buffer

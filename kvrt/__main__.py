@@ -1,7 +1,8 @@
 """The `kvrt` command (also `python -m kvrt`).
 
-Exit codes: 0 success, 1 the operation failed or the endpoint was unreachable, 2 bad usage,
-3 `kvrt probe` found no match. Benchmarks report; they do not fail on a missed goal.
+Exit codes: 0 success, 1 the operation failed or the endpoint was unreachable (`kvrt attack`:
+a goal was missed), 2 bad usage, 3 `kvrt probe` found no match. Benchmarks report; they do
+not fail on a missed goal.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from kvrt._errors import KVRTError
 
 def _demo(args: argparse.Namespace) -> int:
     return run_demo(DemoShape(requests=args.requests, in_flight=args.in_flight))
+
+
+def _attack(args: argparse.Namespace) -> int:
+    from kvrt._attack import main as run_attack
+
+    return run_attack(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -63,6 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GPU transport the consumer forces (nccl, pull, stream; default nccl)",
     )  # fmt: skip
     bench.set_defaults(run=_bench)
+    from kvrt._attack import SCENARIOS
+
+    attack = commands.add_parser(
+        "attack",
+        help="an adversarial suite against a producer on loopback; exit 1 if a goal is missed",
+        description=(
+            "Attack a producer (wire garbage, connection storms, peers that stop reading, parked lookups, "
+            "SIGSTOP and SIGKILL of either side, 50 consumers under backpressure) beside a legitimate consumer; "
+            "print per scenario items inserted, delivered, lost and duplicated, the legitimate consumer's p99 "
+            "with and without the attack, and the producer's RSS."
+        ),
+    )
+    attack.add_argument("--quick", action="store_true", help="every scenario shortened, for a smoke run")
+    attack.add_argument(
+        "--only", nargs="+", choices=[scenario.name for scenario in SCENARIOS], metavar="SCENARIO",
+        help="run only these scenarios (" + ", ".join(scenario.name for scenario in SCENARIOS) + ")",
+    )  # fmt: skip
+    attack.add_argument("--json", metavar="PATH", help="also write each scenario's counts and goals as JSON to PATH")
+    attack.add_argument(
+        "--keep", metavar="DIR",
+        help="leave every process's journal (what it inserted and took) and log in DIR/SCENARIO",
+    )  # fmt: skip
+    attack.set_defaults(run=_attack)
     add_commands(commands)
     return parser
 

@@ -223,7 +223,6 @@ class _Link:
         """(item id, lease) of items handed over, to confirm in the next `Received`."""
         self._leases: dict[int, int] = {}
         """The lease number of each item delivered and not settled yet."""
-        self._flush_scheduled = False
         self._in_order: collections.deque[bytes] = collections.deque()
         """Messages that must reach the producer in this order (receipts, releases, hello, bye)
         and that a full send queue refused: `_in_order_sender` sends them once it has room."""
@@ -326,7 +325,8 @@ class _Link:
             self._writers.pop(request_id, None)
             self._asked_at.pop(request_id, None)
         if confirm:
-            kept = [self.settle(item_id, keep=True) for item_id in _item_ids(reply.message)]
+            kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
+            self._send_receipts()
             if not all(kept):
                 raise self._lease_error()
         return reply
@@ -358,24 +358,23 @@ class _Link:
             "back, not handed over"
         )
 
-    def settle(self, item_id: int, *, keep: bool) -> bool:
+    def settle(self, item_id: int, *, keep: bool, send: bool = True) -> bool:
         """Confirm (keep) or give back an item delivered to a call made with confirm=False.
         Keeping it outside the lease gives it back instead and returns False: the caller must
-        not hand it over (`LeaseExpiredError`)."""
+        not hand it over (`LeaseExpiredError`).
+
+        The receipt leaves at once, before the caller has the item: a caller that holds the
+        loop next (a forward pass, a GC pause) for longer than the lease would otherwise keep
+        it here while the producer gives the item to another consumer. `send` False leaves it
+        to the caller's `_send_receipts` (confirmations of one batch, in one message)."""
         lease = self._leases.pop(item_id, 0)
         if keep and self.lease_holds():
             self._receipts.append((item_id, lease))
-            if not self._flush_scheduled:
-                # Confirmations made in this loop iteration leave together, in one message.
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_receipts)
+            if send:
+                self._send_receipts()
             return True
         self._send_in_order(m.Release(item_id=item_id, lease=lease))
         return not keep
-
-    def _flush_receipts(self) -> None:
-        self._flush_scheduled = False
-        self._send_receipts()
 
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
@@ -1330,8 +1329,12 @@ class Consumer(AsyncService):
                     items.append(None)
             return items
         finally:
-            settled = [link.settle(item_id, keep=keep) for (_, item_id), keep in zip(taken, kept, strict=True)
-                       if item_id is not None]  # fmt: skip
+            settled = [
+                link.settle(item_id, keep=keep, send=False)
+                for (_, item_id), keep in zip(taken, kept, strict=True)
+                if item_id is not None
+            ]
+            link._send_receipts()
             if not all(settled):
                 raise link._lease_error()
 
