@@ -943,6 +943,7 @@ class _Link:
             del self._receipts[: m.MAX_RECEIPTS]
             item_ids = [item_id for item_id, _ in batch]
             self._queue_in_order(m.Received(item_ids=item_ids, leases=[lease for _, lease in batch]))
+            self.core.receipts_sent(batch)
 
     def _send_in_order(self, message: m.Message) -> None:
         """Send `message` after every receipt and in-order message before it (a release, a

@@ -90,6 +90,12 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fiel
 Names = Annotated[list[Name], Meta(max_length=64)]
 
 
+MAX_RECEIPTS: Final = 4096
+
+ItemIds = Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
+Leases = Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)]
+
+
 class Hello(Message, frozen=True, tag="hello"):
     """Consumer → producer, first message on a connection (and again after a reconnect).
     `capabilities` lists the transports the consumer can receive on, preferred first."""
@@ -99,6 +105,11 @@ class Hello(Message, frozen=True, tag="hello"):
     capabilities: Names = []
     host: Name = ""
     """Which machine (its boot id): `cuda_ipc` is chosen only when the producer's is the same."""
+    received: ItemIds = []
+    received_leases: Leases = []
+    """A hello that starts a new session repeats the receipts the consumer sent in the session
+    it ends (the last `MAX_RECEIPTS`), as `received`: one the producer never read (its
+    connection broke, a stall) counts before the old session's items go back."""
 
 
 MAX_RENDEZVOUS_CHARS: Final = 4096
@@ -263,16 +274,13 @@ class Miss(Message, frozen=True, tag="miss"):
     request_id: RequestId
 
 
-MAX_RECEIPTS: Final = 4096
-
-
 class Received(Message, frozen=True, tag="received"):
     """Consumer → producer: these items' tensors arrived and were handed over; the producer may
     free them. `leases`, when given, names each one's delivery (`Deliver.lease`), in order: a
     receipt for a delivery whose lease ended is refused (`not_found`)."""
 
-    item_ids: Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
-    leases: Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)] = []
+    item_ids: ItemIds
+    leases: Leases = []
 
 
 class Release(Message, frozen=True, tag="release"):

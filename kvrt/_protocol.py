@@ -25,6 +25,7 @@ lease drops what it was sent meanwhile instead of sharing it with the next consu
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import heapq
@@ -450,11 +451,12 @@ class ProducerCore:
         than `STALL_GAP_FRACTION` of a heartbeat between two calls means this process was
         stopped or starved (SIGSTOP, a GC pause, a busy host), and what consumers sent meanwhile
         (a receipt for an item handed over inside its lease, say) may still wait unread in
-        ZeroMQ's queues. Leases that ended during the gap end only once a heartbeat more has
-        passed, by which time those messages are read."""
+        ZeroMQ's queues, or come again in a reconnecting consumer's hello. Leases that ended
+        during the gap end only once a whole lease more has passed, by which time those
+        messages are read."""
         out: list[Outgoing] = []
         if self._last_expire is not None and now - self._last_expire > self.heartbeat_s * STALL_GAP_FRACTION:
-            self._hold_leases_until = now + self.heartbeat_s
+            self._hold_leases_until = now + self.lease_s
         self._last_expire = now
         timers = self._timers
         while timers and timers[0][0] <= now:
@@ -509,7 +511,10 @@ class ProducerCore:
             return [self._refuse(peer, None, ErrorCode.INVALID, text)]
         out: list[Outgoing] = []
         if peer in self._peers:
-            # A second hello starts a new session: what the old one held goes back.
+            # A second hello ends the peer's old session: what it confirmed counts (the receipts
+            # its hello repeats, in case one was lost with a broken connection), the rest goes back.
+            if hello.received:
+                self._on_received(peer, hello.received, hello.received_leases, now, quiet=True)
             out += self._forget_peer(peer, now)
         self._peers[peer] = _Peer(identity=peer, name=hello.name, transport=transport, last_seen=now)
         self._add_timer(now + self.peer_timeout_s, _TimerKind.PEER, peer)
@@ -624,7 +629,11 @@ class ProducerCore:
         reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset, segments=segments)
         return [Outgoing(peer, reply, items=tuple(items))]
 
-    def _on_received(self, peer: bytes, item_ids: list[int], leases: list[int], now: float) -> list[Outgoing]:
+    def _on_received(
+        self, peer: bytes, item_ids: list[int], leases: list[int], now: float, *, quiet: bool = False
+    ) -> list[Outgoing]:
+        """Receipts: the items are delivered for good. `quiet`: receipts repeated by a hello,
+        some of them read before: no refusal for those."""
         state = self._peers[peer]
         unknown = []
         for index, item_id in enumerate(item_ids):
@@ -637,7 +646,7 @@ class ProducerCore:
             self.counters.delivered_items += 1
             self.counters.delivered_bytes += item.nbytes
         out = self._resume_if_under(state, now) + self._forget_if_done(peer, now)
-        if unknown:
+        if unknown and not quiet:
             text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
             out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
         return out
@@ -1121,6 +1130,9 @@ class ConsumerCore:
         """Send time of the last message the producer answered: the lease runs from it."""
         self._lost_because = ""
         self._next_ping = 0.0
+        self._sent_receipts: collections.deque[tuple[int, int]] = collections.deque(maxlen=m.MAX_RECEIPTS)
+        """(item id, lease) of the receipts sent in this session (the last `MAX_RECEIPTS`), for
+        the hello of the next one to repeat."""
 
     @property
     def pending_count(self) -> int:
@@ -1147,10 +1159,20 @@ class ConsumerCore:
         self.state = _CONSUMER_TRANSITIONS.get((self.state, event), self.state)
 
     def connect(self, now: float) -> m.Hello:
-        """The hello to send now (at start, and on each retry while the producer is lost)."""
+        """The hello to send now (at start, and on each retry while the producer is lost),
+        repeating the receipts sent in the session it ends (see `Hello.received`): one that
+        travelled on a connection that broke may never have been read."""
         self._hello_sent_at = now
         self._next_ping = now + self.heartbeat_s
-        return m.Hello(version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host)
+        sent = self._sent_receipts
+        return m.Hello(
+            version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host,
+            received=[item_id for item_id, _ in sent], received_leases=[lease for _, lease in sent],
+        )  # fmt: skip
+
+    def receipts_sent(self, receipts: Sequence[tuple[int, int]]) -> None:
+        """(item id, lease) receipts just sent: the next session's hello repeats them."""
+        self._sent_receipts.extend(receipts)
 
     def start_request(self, build: Callable[[int], m.Message], now: float) -> tuple[int, m.Message]:
         """Reserve a request id and build the message carrying it, sent at `now`; fails if not
@@ -1280,6 +1302,7 @@ class ConsumerCore:
         return lost, self.connect(now)
 
     def _accept_welcome(self, welcome: m.Welcome) -> None:
+        self._sent_receipts.clear()  # the hello it answers settled them
         self.producer_id = welcome.producer_id
         self.transport = welcome.transport
         self.heartbeat_s = min(self.heartbeat_s, welcome.heartbeat_s)

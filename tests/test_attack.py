@@ -17,25 +17,32 @@ from kvrt._attack import LEGIT_RATE_GOAL, P99_RATIO_GOAL, RSS_GROWTH_GOAL_BYTES,
 SCENARIO_S = 150
 """A --quick scenario takes 6 to 15 s on a loaded 2-core host; this bounds a hung one."""
 
-KNOWN_MISSES = {
-    "kill-consumer": "now and then an item is taken twice: a consumer killed right after its lookup returned, "
-    "before its receipt left (tests/test_attack_findings.py, ...right_before_its_consumer_dies...)",
-    "stall-producer": "now and then an item is taken twice: a receipt sent while the producer was stopped is "
-    "not read before it forgets the consumer (tests/test_attack_findings.py, ...while_its_producer_is_stopped...)",
-    "connects": "each wave of 1000 new connections delays the legitimate consumer's calls by 20-60 ms on a "
-    "2-core host: its p99 rises 6-9x; the producer's RSS stays 100-200 MiB higher after a storm "
-    "(tests/test_attack_findings.py, ...connection_storm...)",
-    "hoarder": "a live peer that never confirms fills the buffer with what it was sent, and inserts wait: the "
-    "legitimate consumer gets 40% of its items (tests/test_attack_findings.py, ...never_confirms...)",
-    "parked": "a burst of 16 lookups of 8 MiB holds the producer's loop for 40-70 ms: p99 4-8x in a 3 s window",
+KNOWN_MISSES: dict[str, tuple[frozenset[str], str]] = {
+    "kill-consumer": (
+        frozenset({"duplicated"}),
+        "now and then an item is taken twice: a consumer killed (or frozen) in the instant after its lookup "
+        "returned, before libzmq's I/O thread sent the receipt it had queued (tests/test_attack_findings.py, "
+        "...right_before_its_consumer_dies...)",
+    ),
+    "connects": (
+        frozenset({"latency", "rss"}),
+        "each wave of 1000 new connections delays the legitimate consumer's calls by 20-60 ms on a 2-core host "
+        "(its p99 rises 6-9x); the producer's RSS stays 100-200 MiB higher after a storm "
+        "(tests/test_attack_findings.py, ...connection_storm...)",
+    ),
+    "hoarder": (
+        frozenset({"latency"}),
+        "a live peer that never confirms holds at most half the buffer, but the items only it would take fill "
+        "the other half (nobody else asks for them), and inserts wait for room: the legitimate consumer gets "
+        "about 40% of its items (`item_ttl_s` bounds such items)",
+    ),
+    "parked": (
+        frozenset({"latency"}),
+        "a burst of 16 lookups of 8 MiB holds the producer's loop for 40-70 ms: p99 4-8x in a 3 s window",
+    ),
 }
-"""Goals the suite misses today, and why: these scenarios may fail (each miss is a finding)."""
-
-
-def _scenario(name: str) -> Any:
-    if name in KNOWN_MISSES:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=KNOWN_MISSES[name]))
-    return name
+"""Goals the suite misses today in these scenarios (each miss is a finding), and why; every
+other goal of theirs is checked as for the rest."""
 
 
 def _run_suite(name: str, report: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -48,16 +55,21 @@ def _run_suite(name: str, report: Path) -> tuple[subprocess.CompletedProcess[str
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCENARIO_S + 30)
-@pytest.mark.parametrize("name", [_scenario(scenario.name) for scenario in SCENARIOS])
+@pytest.mark.parametrize("name", [scenario.name for scenario in SCENARIOS])
 def test_a_quick_attack_loses_nothing_takes_nothing_twice_and_meets_its_goals(name: str, tmp_path: Path) -> None:
+    missed = KNOWN_MISSES.get(name, (frozenset(), ""))[0]
     result, scenario = _run_suite(name, tmp_path / "report.json")
-    assert scenario["inserted"] > 0 and scenario["delivered"] == scenario["inserted"] - scenario["gone_with_producer"]
-    assert (scenario["lost"], scenario["duplicated"], scenario["damaged"]) == (0, 0, 0), result.stdout
+    assert scenario["inserted"] > 0 and scenario["lost"] == 0 and scenario["damaged"] == 0, result.stdout
+    if "duplicated" not in missed:
+        expected = scenario["inserted"] - scenario["gone_with_producer"]
+        assert scenario["duplicated"] == 0 and scenario["delivered"] == expected, result.stdout
     assert scenario["hung"] == [] and scenario["overlong_calls"] == 0 and scenario["drained"], result.stdout
-    if scenario["latency_applies"]:
+    if scenario["latency_applies"] and "latency" not in missed:
         assert scenario["p99_ratio"] <= P99_RATIO_GOAL and scenario["legit_rate"] >= LEGIT_RATE_GOAL, result.stdout
-    assert scenario["rss_after"] - scenario["rss_before"] <= RSS_GROWTH_GOAL_BYTES, result.stdout
-    assert result.returncode == 0 and "every goal met" in result.stdout, result.stdout
+    if "rss" not in missed:
+        assert scenario["rss_after"] - scenario["rss_before"] <= RSS_GROWTH_GOAL_BYTES, result.stdout
+    if not missed:
+        assert result.returncode == 0 and "every goal met" in result.stdout, result.stdout
 
 
 def _met() -> Tally:

@@ -530,3 +530,24 @@ def test_a_live_peer_that_never_confirms_cannot_hold_more_than_its_share_of_the_
     assert not core._peers[b"hoarder"].suspended
     (again,) = core.insert(make_item(core, [78] * 100), 0.0)  # its parked lookups are served again
     assert again.peer == b"hoarder" and isinstance(again.message, m.Deliver)
+
+
+def test_a_hello_that_starts_a_new_session_repeats_the_receipts_of_the_one_it_ends() -> None:
+    from kvrt._protocol import ConsumerCore
+    from tests.test_protocol import make_item
+
+    core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
+    link = ConsumerCore(endpoint="mem://p", name="c", heartbeat_s=HEARTBEAT_S)
+    for out in core.receive(b"c", m.encode(link.connect(0.0)), 0, 0.0):
+        link.receive(m.encode(out.message), 0.0)
+    item = make_item(core, [1, 2])
+    core.insert(item, 0.0)
+    (sent,) = core.receive(b"c", m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+    assert isinstance(sent.message, m.Deliver)
+    link.receipts_sent([(item.item_id, sent.message.lease)])  # sent, and lost with its connection
+    hello = link.connect(0.2 + 3 * link.lease_s)  # the new session's hello, after a reconnect
+    assert hello.received == [item.item_id] and hello.received_leases == [sent.message.lease]
+    (welcome,) = core.receive(b"c", m.encode(hello), 0, 0.2)
+    assert core.counters.delivered_items == 1 and len(core.buffer) == 0  # confirmed, not given back
+    link.receive(m.encode(welcome.message), 0.3)
+    assert link.connect(0.4).received == []  # the new session settled them: not repeated again
