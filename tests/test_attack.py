@@ -25,8 +25,6 @@ KNOWN_MISSES = {
     "connects": "each wave of 1000 new connections delays the legitimate consumer's calls by 20-60 ms on a "
     "2-core host: its p99 rises 6-9x; the producer's RSS stays 100-200 MiB higher after a storm "
     "(tests/test_attack_findings.py, ...connection_storm...)",
-    "hoarder": "a live peer that never confirms fills the buffer with what it was sent, and inserts wait: the "
-    "legitimate consumer gets 40% of its items (tests/test_attack_findings.py, ...never_confirms...)",
     "parked": "a burst of 16 lookups of 8 MiB holds the producer's loop for 40-70 ms: p99 4-8x in a 3 s window",
 }
 """Goals the suite misses today, and why: these scenarios may fail (each miss is a finding)."""
