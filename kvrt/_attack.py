@@ -933,6 +933,7 @@ HOARD_BUFFER_BYTES: Final = 16 << 20
 async def _hoarder(run: _Run) -> None:
     timing = run.timing
     run.attack_items(50.0, 256 << 10)
+    await run.start_taker("healthy", ATTACKED, in_flight=2)  # wants the same items as the hoarder
     child = await run.spawn("hoarder", hoarder_main, run.endpoint, ATTACKED, timing.heartbeat_s, promised=False)
     await run.wait(timing.attack_s)
     await run.stop(child, answer=None)
@@ -1027,7 +1028,7 @@ SCENARIOS: Final = (
     Scenario("parked", "one live peer parks thousands of lookups and 8 MiB queries", _parked),
     Scenario(
         "hoarder",
-        "one live peer takes every item it can and never confirms one",
+        "one live peer takes every item it can and never confirms one, beside a healthy consumer",
         _hoarder,
         buffer_bytes=HOARD_BUFFER_BYTES,
     ),

@@ -30,12 +30,6 @@ KNOWN_MISSES: dict[str, tuple[frozenset[str], str]] = {
         "(its p99 rises 6-9x); the producer's RSS stays 100-200 MiB higher after a storm "
         "(tests/test_attack_findings.py, ...connection_storm...)",
     ),
-    "hoarder": (
-        frozenset({"latency"}),
-        "a live peer that never confirms holds at most half the buffer, but the items only it would take fill "
-        "the other half (nobody else asks for them), and inserts wait for room: the legitimate consumer gets "
-        "about 40% of its items (`item_ttl_s` bounds such items)",
-    ),
     "parked": (
         frozenset({"latency"}),
         "a burst of 16 lookups of 8 MiB holds the producer's loop for 40-70 ms: p99 4-8x in a 3 s window",
