@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
 import socket
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import msgspec
 import numpy as np
@@ -242,6 +243,22 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     return result
 
 
+PRODUCER_IO_THREADS: Final = 2
+TRIM_AFTER_DEPARTURES: Final = 256
+"""Peers forgotten since the last heap trim that make the next one worth it."""
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 class _RateLimit:
     """At most one log line per `per_s` for a kind of event a peer can cause at will (a flood
     of refused messages must not become a flood of log lines); the others are counted."""
@@ -375,6 +392,9 @@ class Producer(AsyncService):
         )
         self._send_lock = asyncio.Lock()
         self._refusal_log = _RateLimit(per_s=1.0)
+        self._peer_log = _RateLimit(per_s=0.1)
+        """Consumers joining and leaving: a storm of connections must not become one of log lines."""
+        self._departed_since_trim = 0
         self._pools: PoolTable | None = None
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._taper = False
@@ -401,7 +421,9 @@ class Producer(AsyncService):
         """Bind the endpoint and start serving; returns once `endpoint` is known."""
         if self._socket is not None or self._closed:
             raise ClosedError("a producer starts once; create a new one")
-        self._context = zmq.Context()
+        # Two I/O threads: handshakes and ZMTP heartbeats of many connections (a storm of them)
+        # do not queue every consumer's bytes behind one thread.
+        self._context = zmq.Context(io_threads=PRODUCER_IO_THREADS)
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -990,8 +1012,10 @@ class Producer(AsyncService):
             # A second hello ended the peer's old session first: its pair goes now,
             # not after the new one is offered (the peer's identity is the same).
             self._release_departed()
-            log.info("a consumer joined; its items travel over %s", message.transport,
-                     extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
+            if self._peer_log.allows(self._now()):
+                log.info("a consumer joined; its items travel over %s%s", message.transport,
+                         self._peer_log.suppressed_note(),
+                         extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
             rendezvous = self._transports[message.transport].offer(send.peer)
             if rendezvous:
                 message = msgspec.structs.replace(message, rendezvous=rendezvous)
@@ -1070,10 +1094,19 @@ class Producer(AsyncService):
         self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
     def _release_departed(self) -> None:
-        for departure in self._core.take_departed():
-            log.info("consumer left; what it held is back in the buffer", extra={"peer": departure.peer})
+        departed = self._core.take_departed()
+        for departure in departed:
+            if self._peer_log.allows(self._now()):
+                log.info("consumer left; what it held is back in the buffer%s", self._peer_log.suppressed_note(),
+                         extra={"peer": departure.peer})  # fmt: skip
             self._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
             self._peer_left.set()
+        self._departed_since_trim += len(departed)
+        if self._departed_since_trim >= TRIM_AFTER_DEPARTURES and self._core.peer_count < self._departed_since_trim:
+            # After a storm of peers, give the memory their connections and sessions held back
+            # to the system (glibc keeps freed memory in its arenas otherwise).
+            self._departed_since_trim = 0
+            _trim_heap()
 
     def _serve_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -194,11 +194,6 @@ async def _peers_forgotten(endpoint: str) -> None:
 FORGOTTEN_WITHIN_HEARTBEATS = 600
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="waves of 4000 connections that say hello leave the producer's RSS 130-220 MiB higher once every "
-    "one of them is forgotten; malloc_trim(0) in the producer gives it back (freed memory that the allocator keeps)",
-)
 @pytest.mark.timeout(180)
 async def test_a_connection_storm_leaves_the_producers_memory_where_it_was() -> None:
     from kvrt._attack import connects_main
