@@ -215,6 +215,9 @@ class _Link:
         # whose receipts it reads (a new connection would otherwise get a new identity).
         self._socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         zmtp_heartbeats(self._socket, heartbeat_s, self.core.timeout_s)
+        # Replies to its own requests only: never let libzmq stop reading them (an engine whose input
+        # is stopped, when its connection fails, trips libzmq's heartbeat timer into an assertion).
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         if curve is not None:
             secure_client(self._socket, curve)
         self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)

@@ -56,7 +56,7 @@ from kvrt._service import AsyncService
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack, pack_empty, tensor_bytes
 from kvrt._threads import gpu_worker, launch_on
-from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO, zmtp_heartbeats
+from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO
 from kvrt.transports import Transport
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, make_transports, transport_preference
@@ -431,7 +431,11 @@ class Producer(AsyncService):
         # A consumer keeps one identity across reconnects (its receipts must still count): a new
         # connection under a known identity takes over from a stale one.
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        zmtp_heartbeats(socket, self._core.heartbeat_s, self._core.peer_timeout_s)
+        # No ZMTP heartbeats of the producer's own: libzmq answers the consumers' (whose TTL closes
+        # the connection of a consumer that stopped), and its heartbeat timer asserts in an engine
+        # whose input is stopped when its connection fails (libzmq 4.3's `out_event` checks
+        # `!_io_error`): a peer that floods a producer and then drops its connection would
+        # abort the producer's process.
         if self._curve is not None:
             self._authenticator = secure_server(self._context, socket, self._curve)
         try:
