@@ -21,8 +21,8 @@ KNOWN_MISSES: dict[str, tuple[frozenset[str], str]] = {
     "kill-consumer": (
         frozenset({"duplicated"}),
         "now and then an item is taken twice: a consumer killed (or frozen) in the instant after its lookup "
-        "returned, before libzmq's I/O thread sent the receipt it had queued (tests/test_attack_findings.py, "
-        "...right_before_its_consumer_dies...)",
+        "returned, before libzmq's I/O thread sent the receipt it had queued (docs/reliability.md says why "
+        "that instant remains)",
     ),
     "connects": (
         frozenset({"latency"}),
