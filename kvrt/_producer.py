@@ -1107,7 +1107,7 @@ class Producer(AsyncService):
             self._peer_left.set()
         self._departed_since_trim += len(departed)
         if self._departed_since_trim >= TRIM_AFTER_DEPARTURES and self._core.peer_count < self._departed_since_trim:
-            # After a storm of peers, give the memory their connections and sessions held back
+            # After a storm of peers, give the memory their connections and records held back
             # to the system (glibc keeps freed memory in its arenas otherwise).
             self._departed_since_trim = 0
             _trim_heap()

@@ -36,6 +36,7 @@ from typing import Any, Final
 import torch
 
 from kvrt._bench._processes import from_child, join
+from kvrt._bench.buffer import run_zmq_ceiling
 
 spawn = multiprocessing.get_context("spawn")
 
@@ -158,15 +159,21 @@ def _kvrt_consumer(
 
 
 def run_kvrt(case: Case, in_flight: int) -> Timed:
+    return _timed_pair(_kvrt_producer, (case, WARMUP + case.requests), _kvrt_consumer, case, in_flight)
+
+
+def _timed_pair(server: Any, server_args: tuple[Any, ...], client: Any, case: Case, in_flight: int) -> Timed:
+    """A server process (it sends its endpoint first) and a client process timing its requests
+    to it (see `_timed_client`)."""
     control, child = spawn.Pipe()
-    producer = spawn.Process(target=_kvrt_producer, args=(case, WARMUP + case.requests, child), name="kvrt-producer")
-    producer.start()
+    process = spawn.Process(target=server, args=(*server_args, child), name="server")
+    process.start()
     try:
         endpoint = from_child(control, 600)
-        timed = _timed_client(_kvrt_consumer, (endpoint, case, in_flight), control)
+        timed = _timed_client(client, (endpoint, case, in_flight), control)
     finally:
         control.send("stop")
-        join(producer)
+        join(process)
     return timed
 
 
@@ -277,54 +284,15 @@ def _raw_client(endpoint: str, case: Case, in_flight: int, control: multiprocess
 
 
 def run_raw_request_reply(case: Case, in_flight: int) -> Timed:
-    control, child = spawn.Pipe()
-    server = spawn.Process(target=_raw_server, args=(case, case.requests, child), name="raw-server")
-    server.start()
-    try:
-        endpoint = from_child(control, 120)
-        timed = _timed_client(_raw_client, (endpoint, case, in_flight), control)
-    finally:
-        control.send("stop")
-        join(server)
-    return timed
+    return _timed_pair(_raw_server, (case, case.requests), _raw_client, case, in_flight)
 
 
 # -- raw PUSH/PULL ------------------------------------------------------------------------------
 
 
-def _pusher(port: int, messages: int, size: int) -> None:
-    import zmq
-
-    context = zmq.Context()
-    push = context.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    payload = memoryview(bytearray(os.urandom(size)))
-    for _ in range(messages):
-        push.send(payload, copy=False)
-    push.close(linger=-1)
-    context.term()
-
-
 def run_push_pull(case: Case) -> float:
     """Bytes per second of zero-copy PUSH/PULL between two processes, messages of the item's size."""
-    import zmq
-
-    messages = max(case.requests, 32)
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    pusher = spawn.Process(target=_pusher, args=(port, messages, case.item_bytes), name="zmq-push")
-    pusher.start()
-    try:
-        pull.recv(copy=False)
-        started = time.perf_counter()
-        for _ in range(messages - 1):
-            pull.recv(copy=False)
-        return (messages - 1) * case.item_bytes / (time.perf_counter() - started)
-    finally:
-        join(pusher)
-        pull.close()
-        context.term()
+    return run_zmq_ceiling(max(case.requests, 32), case.item_bytes)
 
 
 # -- the run ------------------------------------------------------------------------------------
