@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of kvrt, then a short table (tools/gpu_summary.py). Run from
-# the repository root on a host with two GPUs (one GPU runs `tests` and `kernels`):
+# the repository root on a host with two GPUs; on one GPU, `all` and `bench` run the tests,
+# `kernels` and the one-GPU `ipc` (both processes on cuda:0), the benchmarks that fit it:
 #   bash tools/gpu_check.sh [all|tests|bench|nccl|kernels|pull|stream|ipc]
 #   bash tools/gpu_check.sh ab BENCH [ROUNDS]
 # Results and logs go to $OUT (/tmp/kvrt-gpu by default). `tests` honours PYTEST_K (a -k
@@ -59,6 +60,10 @@ if [ "$only" = stream ]; then
   timeout 200 python3 -m kvrt bench stream --json "$OUT/stream.json" 2>&1 | tail -12
   exit 0
 fi
+if [ "$only" = ipc ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+  timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc-one-gpu.json" 2>&1 | tee "$OUT/bench-ipc.log" | tail -30
+  exit 0
+fi
 if [ "$only" = ipc ]; then
   timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc.json" 2>&1 | tee "$OUT/bench-ipc.log" | tail -30
   timeout 200 python3 -m kvrt bench stream --transport cuda_ipc --json "$OUT/stream-ipc.json" 2>&1 | tee "$OUT/bench-stream-ipc.log" | tail -12
@@ -72,7 +77,11 @@ if [ "$only" = nccl ]; then
   timeout 240 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tail -12
   exit 0
 fi
-if [ "$only" = all ] || [ "$only" = bench ]; then
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if { [ "$only" = all ] || [ "$only" = bench ]; } && [ "$gpus" -lt 2 ]; then
+  timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
+  timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc-one-gpu.json" 2>&1 | tee "$OUT/bench-ipc.log"
+elif [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
   timeout 200 python3 -m kvrt bench pull --json "$OUT/pull.json" 2>&1 | tee "$OUT/bench-pull.log"

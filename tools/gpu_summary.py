@@ -27,6 +27,7 @@ def main(out: Path) -> int:
                     print(f"  FAILED {case.get('name')}: {(problem.get('message') or '')[:160]}")
     items(out / "nccl.json", "nccl", "raw")
     items(out / "ipc-items.json", "cuda_ipc items", "peer copy")
+    one_gpu(out / "ipc-one-gpu.json")
     kernels = out / "kernels.json"
     if kernels.exists():
         rows = json.loads(kernels.read_text())["rows"]
@@ -55,6 +56,19 @@ def items(path: Path, name: str, against: str) -> None:
               f"{batched:12.1f} | {100 * row.get('batched_ratio', 0.0):10.0f}%")  # fmt: skip
     latency = data["latency"]
     print(f"  small items p50 {latency['p50_ms']:.3f} ms, p99 {latency['p99_ms']:.3f} ms")
+
+
+def one_gpu(path: Path) -> None:
+    """`bench ipc` on one GPU: kvrt beside the raw mapped-once and mapped-per-item copies."""
+    if not path.exists():
+        return
+    print("cuda_ipc on one GPU: item | in flight | p50 ms (once / per item / kvrt) | GB/s (same) | kvrt CPU us")
+    for row in json.loads(path.read_text()):
+        once, per_item, ours = row["mapped once"], row["mapped per item"], row["kvrt"]
+        print(f"  {row['case']['label']:>8} | {row['case']['in_flight']:>2} | "
+              f"{once['p50_ms']:.3f} / {per_item['p50_ms']:.3f} / {ours['p50_ms']:.3f} | "
+              f"{once['bytes_per_s'] / 1e9:.1f} / {per_item['bytes_per_s'] / 1e9:.1f} / {ours['bytes_per_s'] / 1e9:.1f}"
+              f" | {ours['producer_cpu_us']:.0f} / {ours['consumer_cpu_us']:.0f}")  # fmt: skip
 
 
 def pulls(path: Path, name: str) -> None:

@@ -7,6 +7,9 @@ peer copy at 1 GiB), and the paged 32k-token, 32-layer, 8-head, head_dim-128 bf1
 from dp=4 pools into one pool (`kvrt bench pull`: goal >= 90% of the peer copy of its bytes).
 A third part times the fused pool-to-pool kernel alone on the same request, in one process
 (`fused`): what the paged path could reach if the pull used it (it does not yet).
+
+On a host with one GPU it runs `kvrt._bench.ipc_one_gpu` instead: both processes on cuda:0,
+beside two raw two-process IPC references (memory mapped once, a fresh mapping per item).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ ROUNDS: Final = 7
 
 
 def main(args: argparse.Namespace) -> int:
+    if torch.cuda.device_count() < 2:
+        from kvrt._bench import ipc_one_gpu
+
+        return ipc_one_gpu.main(args)
     over_ipc = copy.copy(args)
     over_ipc.transport = "cuda_ipc"
     json_path = getattr(args, "json", None)
