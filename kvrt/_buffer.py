@@ -45,7 +45,7 @@ class GathersFailed(Exception):
 
 class ChunkGathers(Protocol):
     """How a published item's gathers are queued, one after the other in send order (a chunk
-    of layers, or its keys then its values), each followed by its event (`kvrt._producer`
+    of layers, or its keys then its values), each followed by its event (`kvrt._producer._gathers`
     makes it)."""
 
     def prepare(self) -> concurrent.futures.Future[None] | None:

@@ -24,7 +24,7 @@ from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import query_bytes
-from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt._service import AsyncService
 from kvrt.transports.tcp import TcpTransport
 

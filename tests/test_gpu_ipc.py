@@ -64,7 +64,7 @@ async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_s
 
 @two_gpus
 async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvrt._consumer.host_identity", lambda: "boot:another-machine")
+    monkeypatch.setattr("kvrt._consumer._session.host_identity", lambda: "boot:another-machine")
     async with (
         gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
