@@ -82,8 +82,6 @@ class BufferedItem:
     hidden: torch.Tensor | None
     inserted_at: float = 0.0
     """Loop time of the insert (for ages in listings and for time-to-live)."""
-    frames: list[memoryview] | None = None
-    """What the TCP transport prepared at insert: the storage's bytes."""
     ready_event: torch.cuda.Event | None = None
     """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
     segments: list[tuple[int, int]] = field(default_factory=list)

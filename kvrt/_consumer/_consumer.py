@@ -17,7 +17,7 @@ from kvrt._errors import (
     ClosedError,
 )
 from kvrt._service import AsyncService
-from kvrt.transports.select import make_transports
+from kvrt.transports.select import make_receivers
 
 
 class Consumer(_OpeningStreams, AsyncService):
@@ -59,7 +59,7 @@ class Consumer(_OpeningStreams, AsyncService):
                     context=self._context,
                     name=self._name,
                     heartbeat_s=self._heartbeat_s,
-                    transports=make_transports(self._transport_names, self.device, store_host=""),
+                    transports=make_receivers(self._transport_names, self.device),
                     connect_timeout_s=self._connect_timeout_s,
                     curve=self._curve,
                     transfer_timeout_s=self._transfer_timeout_s,

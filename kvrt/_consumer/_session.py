@@ -41,7 +41,7 @@ from kvrt._protocol import (
 )
 from kvrt._streams import ConsumerStream, PoolWriter
 from kvrt._zmqio import SocketIO, zmtp_heartbeats
-from kvrt.transports import Transport
+from kvrt.transports import Receiver
 from kvrt.transports._base import Arrival
 from kvrt.transports.cuda_ipc import host_identity
 
@@ -124,7 +124,7 @@ class LinkSession:
         context: zmq.Context[zmq.Socket[bytes]],
         name: str,
         heartbeat_s: float,
-        transports: dict[str, Transport],
+        transports: dict[str, Receiver],
         connect_timeout_s: float,
         curve: CurveKeys | None = None,
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
@@ -142,7 +142,7 @@ class LinkSession:
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
         )
         self._transports = transports
-        self._transport: Transport | None = None
+        self._transport: Receiver | None = None
         self._connect_timeout_s = connect_timeout_s
         self._join_task: asyncio.Task[None] | None = None
         self._rejoin: asyncio.Future[None] | None = None
@@ -377,7 +377,7 @@ class LinkSession:
         if rejoin is not None:  # the join that fell back (and who waits on it) ends with this one
             task.add_done_callback(functools.partial(_pass_outcome, rejoin))
 
-    async def _join(self, transport: Transport, rendezvous: dict[str, str]) -> None:
+    async def _join(self, transport: Receiver, rendezvous: dict[str, str]) -> None:
         """Join `transport`; where it cannot work with this producer (`cuda_ipc` between
         processes that cannot share memory) and another was offered, say so and start a new
         session without it, ending only once that one joined."""

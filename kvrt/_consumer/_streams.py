@@ -24,7 +24,7 @@ from kvrt._errors import (
 from kvrt._streams import ConsumerStream, StreamAbortedError
 from kvrt._tensors import unpack
 from kvrt._threads import outcome_seen
-from kvrt.transports import Transport
+from kvrt.transports import Receiver
 
 
 class LinkStreams(LinkArrivals):
@@ -118,7 +118,7 @@ class LinkStreams(LinkArrivals):
                 self._release([message.item_id])
 
     def _receive_layer(
-        self, stream: ConsumerStream, item_id: int, transport: Transport, layer: int,
+        self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
         key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
     ) -> None:  # fmt: skip
         """Post a streamed layer's receive (out of band). On a GPU the reader gets it at once,
@@ -166,7 +166,7 @@ class LinkStreams(LinkArrivals):
         self._own_arrival(written, delivered)
 
     def _receive_end(
-        self, stream: ConsumerStream, item_id: int, transport: Transport,
+        self, stream: ConsumerStream, item_id: int, transport: Receiver,
         hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame],
     ) -> None:  # fmt: skip
         """A stream's end (out of band): it finishes once everything posted for it landed,
@@ -194,7 +194,7 @@ class LinkStreams(LinkArrivals):
             last.add_done_callback(landed)  # owned already: it is a layer's
 
     def _receive_stray(
-        self, transport: Transport, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
+        self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
     ) -> None:
         """The tensors of a stream this side gave back are on their way all the same (out of
         band): they are received and dropped, or the next receive on the pair would take them."""

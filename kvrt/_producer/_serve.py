@@ -207,13 +207,14 @@ class _Serving(ProducerState):
         message = send.message
         item = send.item
         if (
-            type(message) is m.Deliver and item is not None and item.frames is not None
+            type(message) is m.Deliver and item is not None
             and item.gathers is None and item.fill is None
             and self._core.transport_of(send.peer) == Capability.TCP
+            and (framed := self._transports[Capability.TCP].framed(item)) is not None
         ):  # fmt: skip
             # The common case on a CPU host, without a coroutine in the way: an inserted item's
             # bytes, framed once at insert, go with its header.
-            self._post_delivery(send.peer, message, item.frames, dropped)
+            self._post_delivery(send.peer, message, framed, dropped)
             return
         if isinstance(message, m.ErrorReply) and self._refusal_log.allows(self._now()):
             log.info(

@@ -25,7 +25,7 @@ from kvrt._pools import PoolTable
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
-from kvrt.transports import Transport
+from kvrt.transports import Sender
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, transport_preference
 
@@ -85,7 +85,7 @@ class ProducerState:
         self._curve = curve
         self._authenticator: Any = None
         self._transport_names = transport_preference(transport, self.device)
-        self._transports: dict[str, Transport] = {}
+        self._transports: dict[str, Sender] = {}
         self._core = ProducerCore(
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             heartbeat_s=heartbeat_s,
