@@ -9,11 +9,12 @@ The package, one job a module:
 
 - `_session`: a link's session: calls, leases, handshake, ordered sends
 - `_arrivals`: items arriving on a link
-- `_streams`: a link's streams and `open_stream`
+- `_streams`: a link's streams: their layers arriving
 - `_link`: the link's task: frames in, dispatched to the three above
 - `_state`: the fields every part of a consumer shares
 - `_selection`: `drop_select`, among producers, agreed in a TP group
 - `_pulls`: `pull` into paged pools
+- `_open_stream`: `open_stream`, its layers landed into tensors or pools
 - `_consumer`: `Consumer`, composing them; start, close
 """
 
