@@ -45,7 +45,7 @@ class GathersFailed(Exception):
 
 class ChunkGathers(Protocol):
     """How a published item's gathers are queued, one after the other in send order (a chunk
-    of layers, or its keys then its values), each followed by its event (`kvrt._producer`
+    of layers, or its keys then its values), each followed by its event (`kvrt._producer._gathers`
     makes it)."""
 
     def prepare(self) -> concurrent.futures.Future[None] | None:
@@ -82,8 +82,6 @@ class BufferedItem:
     hidden: torch.Tensor | None
     inserted_at: float = 0.0
     """Loop time of the insert (for ages in listings and for time-to-live)."""
-    frames: list[memoryview] | None = None
-    """What the TCP transport prepared at insert: the storage's bytes."""
     ready_event: torch.cuda.Event | None = None
     """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
     segments: list[tuple[int, int]] = field(default_factory=list)

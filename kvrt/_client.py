@@ -24,9 +24,9 @@ from kvrt._auth import CurveKeys
 from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import query_bytes
-from kvrt._producer import DEFAULT_HEARTBEAT_S
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt._service import AsyncService
-from kvrt.transports.tcp import TcpTransport
+from kvrt.transports.tcp import TcpReceiver
 
 _Reply = TypeVar("_Reply", bound=m.Message)
 
@@ -61,7 +61,7 @@ class Client(AsyncService):
             context=self._context,
             name=self._name,
             heartbeat_s=self._heartbeat_s,
-            transports={"tcp": TcpTransport("cpu")},
+            transports={"tcp": TcpReceiver("cpu")},
             connect_timeout_s=self._connect_timeout_s,
             curve=self._curve,
         )

@@ -29,13 +29,10 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from kvrt._errors import InvalidInputError, KVRTError, KVRTTimeoutError
-
-if TYPE_CHECKING:
-    from kvrt._consumer import Consumer
-    from kvrt._producer import Producer
+from kvrt._protocol import ProducerCore, ProducerCounters
 
 LATENCY_BUCKETS_S: Final = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 WAIT_BUCKETS_S: Final = (*LATENCY_BUCKETS_S, 30.0, 100.0, 300.0)
@@ -104,19 +101,77 @@ class ConsumerMetrics:
         self.transfer_bytes[transport].observe(float(nbytes))
 
 
-_producers: weakref.WeakSet[Producer] = weakref.WeakSet()
-_consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """A snapshot of what the producer holds and has done."""
+
+    endpoint: str
+    items: int
+    buffer_bytes: int
+    in_flight: int
+    waiting_requests: int
+    peers: int
+    totals: ProducerCounters
+    transports: dict[str, int]
+    """Connected consumers by the transport their items travel over ("nccl", "gloo", "tcp")."""
+
+
+@dataclass(slots=True)
+class ConsumerCounters:
+    """What a consumer received and what failed, since start (for stats and metrics)."""
+
+    items: int = 0
+    bytes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class TrackedProducer(Protocol):
+    """What a scrape reads of a producer (`kvrt.Producer`). The drivers import this module, so
+    it names none of them: they register themselves (`track_producer`)."""
+
+    @property
+    def buffer_bytes(self) -> int: ...
+
+    @property
+    def _core(self) -> ProducerCore: ...
+
+    def stats(self) -> ProducerStats: ...
+
+    def refusals(self) -> dict[str, int]: ...
+
+
+class TrackedConsumer(Protocol):
+    """What a scrape reads of a consumer (`kvrt.Consumer`), which registers itself (`track_consumer`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def endpoints(self) -> list[str]: ...
+
+    @property
+    def metrics(self) -> ConsumerMetrics: ...
+
+    @property
+    def counters(self) -> ConsumerCounters: ...
+
+    @property
+    def pending_requests(self) -> int: ...
+
+
+_producers: weakref.WeakSet[TrackedProducer] = weakref.WeakSet()
+_consumers: weakref.WeakSet[TrackedConsumer] = weakref.WeakSet()
 _operations: dict[str, Histogram] = {}
 _registries: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _registering = threading.Lock()
 _server: Any = None
 
 
-def track_producer(producer: Producer) -> None:
+def track_producer(producer: TrackedProducer) -> None:
     _producers.add(producer)
 
 
-def track_consumer(consumer: Consumer) -> None:
+def track_consumer(consumer: TrackedConsumer) -> None:
     _consumers.add(consumer)
 
 

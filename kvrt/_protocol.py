@@ -4,7 +4,7 @@
 `ConsumerCore` is one consumer's side of one producer link: frames in, events out.
 Neither reads a clock, sleeps or touches a socket: the caller passes `now` (seconds on a
 monotonic clock), asks `next_deadline()` when it should call `expire(now)` again, and moves
-the messages. The ZeroMQ drivers (`_producer.py`, `_consumer.py`) do exactly that, and the
+the messages. The ZeroMQ drivers (`_producer/`, `_consumer/`) do exactly that, and the
 tests wire two cores together in memory.
 
 Per peer the producer knows one state; the table `_PRODUCER_ACCEPTS` says which messages a
@@ -38,10 +38,12 @@ import numpy as np
 import torch
 
 from kvrt import _messages as m
+from kvrt._arguments import seconds
 from kvrt._buffer import BufferedItem, LookupBuffer, Match, RadixIndex, _Node
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
+    InvalidInputError,
     KVRTError,
     PeerLostError,
     ProtocolError,
@@ -55,6 +57,25 @@ HEARTBEAT_MISSES: Final = 10
 default heartbeat, as SGLang's disaggregation gives a peer): an engine that holds its loop for
 seconds does not trip it. It is also the lease: how long the producer holds what it delivered
 to a silent consumer before it may give it to another (see `ProducerCore`)."""
+
+DEFAULT_HEARTBEAT_S = 1.0
+"""Consumers ping at least this often; one silent for 4 periods is dropped."""
+
+MAX_HEARTBEAT_S = 3600.0
+"""The longest heartbeat period (libzmq counts its own heartbeats' timeout in ms, up to 6553 s
+for the one it sends its peer)."""
+
+
+def _heartbeat(value: object) -> float:
+    heartbeat_s = seconds(value, "heartbeat_s")
+    assert heartbeat_s is not None
+    if heartbeat_s * HEARTBEAT_MISSES > MAX_HEARTBEAT_S or heartbeat_s < 0.001:
+        raise InvalidInputError(
+            f"heartbeat_s must be between 0.001 and {MAX_HEARTBEAT_S / HEARTBEAT_MISSES:g} s "
+            f"(a peer is lost after {HEARTBEAT_MISSES} of them), got {value!r}"
+        )
+    return heartbeat_s
+
 
 TICK_FRACTION: Final = 0.25
 """With peers connected, `expire` runs at least every this part of a heartbeat."""

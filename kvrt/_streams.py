@@ -32,7 +32,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -43,8 +43,27 @@ from kvrt._pools import PoolTable
 from kvrt._tensors import copy_into
 from kvrt._threads import launch_on
 
-if TYPE_CHECKING:
-    from kvrt._producer import Producer
+
+class StreamingProducer(Protocol):
+    """What a `ProducerStream` asks of the producer that opened it (`kvrt._producer`'s
+    `Producer`): this module names no driver, so that the drivers depend on it, not it on them."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor: ...
+
+    async def _gathered_layer(
+        self, placement: Placement, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]: ...
+
+    async def _stream_layer(
+        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None: ...
+
+    async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None: ...
+
+    async def _abort_stream(self, item: BufferedItem, reason: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +260,12 @@ class ProducerStream:
     """A prefill publishing one request's KV layer by layer. Created by `Producer.open_stream`."""
 
     def __init__(
-        self, producer: Producer, item: BufferedItem, layers: int, tokens: int, placement: Placement | None = None
+        self,
+        producer: StreamingProducer,
+        item: BufferedItem,
+        layers: int,
+        tokens: int,
+        placement: Placement | None = None,
     ) -> None:
         self._producer = producer
         self._item = item

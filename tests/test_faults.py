@@ -102,14 +102,14 @@ def test_a_time_to_live_must_be_positive() -> None:
 async def test_an_unexpected_error_handling_a_reply_fails_its_call_and_a_new_session_loses_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvrt.transports.tcp import TcpTransport
+    from kvrt.transports.tcp import TcpReceiver
 
     def broken(*_: object) -> None:
         raise RuntimeError("a bug in the transport")
 
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         with monkeypatch.context() as patch:
-            patch.setattr(TcpTransport, "receive", broken)
+            patch.setattr(TcpReceiver, "receive", broken)
             waiting = asyncio.create_task(consumer.drop_select(torch.arange(4), None, timeout=None))
             await insert_tokens(producer, torch.arange(4))
             with pytest.raises(kvrt.KVRTError, match="RuntimeError: a bug in the transport"):

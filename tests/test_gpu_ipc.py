@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import kvrt
-from kvrt.transports.cuda_ipc import CudaIpcTransport
+from kvrt.transports.cuda_ipc import CudaIpcReceiver
 from tests._checks import caught_up, same_bits
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_ipc_reader, run_gpu_producer, run_gpu_streamer
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu, two_gpus
@@ -64,7 +64,7 @@ async def test_a_consumer_on_the_producers_host_gets_cuda_ipc_unasked_and_both_s
 
 @two_gpus
 async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvrt._consumer.host_identity", lambda: "boot:another-machine")
+    monkeypatch.setattr("kvrt._consumer._session.host_identity", lambda: "boot:another-machine")
     async with (
         gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
@@ -73,7 +73,7 @@ async def test_a_consumer_on_another_host_gets_nccl(monkeypatch: pytest.MonkeyPa
         await arrives_right(consumer, 0, 300)
 
 
-def cannot_open(self: CudaIpcTransport, *_: Any) -> None:
+def cannot_open(self: CudaIpcReceiver, *_: Any) -> None:
     raise kvrt.TransportUnavailableError("cuda_ipc: the producer's memory cannot be opened here: (simulated)")
 
 
@@ -81,7 +81,7 @@ def cannot_open(self: CudaIpcTransport, *_: Any) -> None:
 async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_back_to_nccl_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
+    monkeypatch.setattr(CudaIpcReceiver, "_check_probe", cannot_open)
     with caplog.at_level(logging.WARNING, logger="kvrt"):
         async with (
             gpu_producer_process([(0, 300, "bfloat16"), (1, 200, "bfloat16")]) as (endpoint, _, _),
@@ -98,7 +98,7 @@ async def test_where_ipc_cannot_open_the_producers_memory_the_consumer_falls_bac
 async def test_a_consumer_that_forces_cuda_ipc_where_it_cannot_work_gets_a_typed_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(CudaIpcTransport, "_check_probe", cannot_open)
+    monkeypatch.setattr(CudaIpcReceiver, "_check_probe", cannot_open)
     async with gpu_producer_process([(0, 300, "bfloat16")]) as (endpoint, _, _):
         with pytest.raises(kvrt.PeerLostError, match="cannot be opened here"):
             async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport="cuda_ipc"):
@@ -230,16 +230,16 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
 
     received: dict[tuple[bytes, int], int] = {}
     released: dict[tuple[bytes, int], int] = {}
-    share_in, check_probe = CudaIpcTransport._share_in, CudaIpcTransport._check_probe
+    share_in, check_probe = CudaIpcReceiver._share_in, CudaIpcReceiver._check_probe
     new_shared, release = cuda_ipc._new_shared, cuda_ipc._release
 
-    def counted_in(self: CudaIpcTransport, frames: Any) -> Any:
+    def counted_in(self: CudaIpcReceiver, frames: Any) -> Any:
         share = share_in(self, frames)
         key = (share.counter, share.counter_offset)
         received[key] = received.get(key, 0) + 1
         return share
 
-    def counted_probe(self: CudaIpcTransport, session: Any, probe: Any, *rest: Any) -> None:
+    def counted_probe(self: CudaIpcReceiver, session: Any, probe: Any, *rest: Any) -> None:
         key = (probe.counter, probe.counter_offset)  # (the mark words' share is kept for good)
         received[key] = received.get(key, 0) + 1
         check_probe(self, session, probe, *rest)
@@ -255,8 +255,8 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
         released[key] = released.get(key, 0) + 1
         release(share)
 
-    monkeypatch.setattr(CudaIpcTransport, "_share_in", counted_in)
-    monkeypatch.setattr(CudaIpcTransport, "_check_probe", counted_probe)
+    monkeypatch.setattr(CudaIpcReceiver, "_share_in", counted_in)
+    monkeypatch.setattr(CudaIpcReceiver, "_check_probe", counted_probe)
     monkeypatch.setattr(cuda_ipc, "_new_shared", counted_open)
     monkeypatch.setattr(cuda_ipc, "_release", counted_release)
     torch.cuda.set_device(CONSUMER_DEVICE)

@@ -234,7 +234,7 @@ def offering(service: Any, names: tuple[str, ...]) -> Any:
 async def test_a_transport_that_cannot_work_between_the_pair_gives_way_to_the_next_offered_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(kvrt.transports.PairedTransport, "join", cannot_join)
+    monkeypatch.setattr(kvrt.transports.PairedReceiver, "join", cannot_join)
     tokens = torch.arange(12)
     key, value, hidden = make_kv(tokens)
     async with offering(kvrt.Producer(), ("gloo", "tcp")) as producer:
@@ -252,7 +252,7 @@ async def test_a_transport_that_cannot_work_between_the_pair_gives_way_to_the_ne
 async def test_a_transport_that_cannot_work_and_has_no_next_fails_the_start_with_its_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kvrt.transports.PairedTransport, "join", cannot_join)
+    monkeypatch.setattr(kvrt.transports.PairedReceiver, "join", cannot_join)
     async with offering(kvrt.Producer(), ("gloo", "tcp")) as producer:
         with pytest.raises(kvrt.PeerLostError, match="simulated"):
             async with offering(kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=5), ("gloo",)):

@@ -222,17 +222,17 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
     import gc
     import weakref
 
-    import kvrt._producer
+    import kvrt._producer._publish
 
     published: list[weakref.ref[torch.Tensor]] = []
-    build = kvrt._producer.item_from_packed
+    build = kvrt._producer._publish.item_from_packed
 
     def noting(*args: object, **kwargs: object) -> object:
         item = build(*args, **kwargs)  # type: ignore[arg-type]
         published.append(weakref.ref(item.storage))
         return item
 
-    monkeypatch.setattr(kvrt._producer, "item_from_packed", noting)
+    monkeypatch.setattr(kvrt._producer._publish, "item_from_packed", noting)
     source, target = random_pools(2, Layout.TOKEN_MAJOR, seed=1), random_pools(1, Layout.TOKEN_MAJOR, seed=2)
     async with (
         kvrt.Producer(transport=transport) as producer,

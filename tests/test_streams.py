@@ -199,16 +199,16 @@ async def test_bad_layers_are_refused_clearly(producer: kvrt.Producer) -> None:
 async def test_over_a_pair_each_layer_and_the_end_travel_out_of_band_in_one_transfer_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvrt.transports.paired import PairedTransport
+    from kvrt.transports.paired import PairedReceiver
 
     received: list[int] = []
-    receive_tensors = PairedTransport.receive_tensors
+    receive_tensors = PairedReceiver.receive_tensors
 
-    def counting(self: PairedTransport, metas: Any, frames: Any) -> Any:
+    def counting(self: PairedReceiver, metas: Any, frames: Any) -> Any:
         received.append(len(frames))
         return receive_tensors(self, metas, frames)
 
-    monkeypatch.setattr(PairedTransport, "receive_tensors", counting)
+    monkeypatch.setattr(PairedReceiver, "receive_tensors", counting)
     async with (
         kvrt.Producer(transport="gloo") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
@@ -349,10 +349,10 @@ async def test_a_stream_whose_layers_are_still_being_written_into_the_pools_ends
 
 async def test_the_link_calls_its_transport_off_whenever_it_fails_its_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     # cuda_ipc's receive streams wait on the GPU for the producer's marks; `abandon` releases them.
-    from kvrt.transports.paired import PairedTransport
+    from kvrt.transports.paired import PairedReceiver
 
     abandoned: list[str] = []
-    monkeypatch.setattr(PairedTransport, "abandon", lambda transport: abandoned.append(transport.name), raising=False)
+    monkeypatch.setattr(PairedReceiver, "abandon", lambda transport: abandoned.append(transport.name), raising=False)
     async with kvrt.Producer(transport="gloo") as producer:
         consumer = await kvrt.Consumer(connect=producer.endpoint, transport="gloo").start()
         await caught_up(consumer)

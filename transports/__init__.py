@@ -1,10 +1,20 @@
-"""Data planes behind one small interface (`Transport`): `tcp` (any host), `cuda_ipc` (GPUs of
-one host, read by the consumer's copy engines), and the paired process-group transports
-`nccl` (GPU) and `gloo` (CPU, the same machinery for CI)."""
+"""Data planes behind one small interface, in two halves (`Sender` on the producer, `Receiver`
+on the consumer): `tcp` (any host), `cuda_ipc` (GPUs of one host, read by the consumer's copy
+engines), and the paired process-group transports `nccl` (GPU) and `gloo` (CPU, the same
+machinery for CI)."""
 
-from kvrt.transports._base import Transport
-from kvrt.transports.cuda_ipc import CudaIpcTransport
-from kvrt.transports.paired import PairedTransport
-from kvrt.transports.tcp import TcpTransport
+from kvrt.transports._base import Receiver, Sender
+from kvrt.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from kvrt.transports.paired import PairedReceiver, PairedSender
+from kvrt.transports.tcp import TcpReceiver, TcpSender
 
-__all__ = ["CudaIpcTransport", "PairedTransport", "TcpTransport", "Transport"]
+__all__ = [
+    "CudaIpcReceiver",
+    "CudaIpcSender",
+    "PairedReceiver",
+    "PairedSender",
+    "Receiver",
+    "Sender",
+    "TcpReceiver",
+    "TcpSender",
+]

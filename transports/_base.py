@@ -1,9 +1,11 @@
 """The transport interface: how one delivered item's tensors get from producer to consumer.
 
 The control plane decides what moves (a `Deliver` message names the item and describes its
-packed tensors); a transport moves the bytes. Who calls what:
+packed tensors); a transport moves the bytes, in two halves: a `Sender` on the producer, a `Receiver` on
+the consumer (each transport module provides one of each, built by `select.make_senders` and
+`select.make_receivers`). Who calls what:
 
-Producer side, all on the producer's event loop:
+`Sender`, the producer side, all on the producer's event loop:
 * `prepare`: `Producer.insert`, once per item, right after the tensors were packed, in the
   inserting task, once the producer recorded a GPU item's `ready_event` (on the caller's
   current CUDA stream: every GPU send waits on it). TCP keeps the frame to send.
@@ -18,6 +20,9 @@ Producer side, all on the producer's event loop:
 * `send_many`: as `send`, once per DeliverMany, for its hits in order: TCP returns one frame
   per hit; an out-of-band transport moves them as one payload (each at its hit's offset),
   in one transfer.
+* `framed`: the producer's send path, once per Deliver to a TCP consumer of an item that
+  nothing gathers or fills: the frames `prepare` made, posted with the header without a
+  coroutine in the way (None: it calls `send`).
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair, and
@@ -28,7 +33,7 @@ Producer side, all on the producer's event loop:
   send waits on the GPU for `ready` (the layer written on the prefill's stream), never the
   host. In-band transports never get it: the producer sends those bytes as frames.
 
-Consumer side, on the consumer's event loop:
+`Receiver`, the consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
 * `payload` (TCP): the link's reader, once per `payload` message: the frames of a delivery
   whose header came alone, which complete its receive.
@@ -37,6 +42,7 @@ Consumer side, on the consumer's event loop:
 * `receive_tensors` (`out_of_band` transports): once per such stream message, in arrival
   order, as `receive`: the tensors at once, an event for their landing (GPU), and a future
   done once they landed.
+* `discard`: once per stream message whose frames the link will not read.
 * `abandon`: whenever the link fails its pending calls (the producer went silent, a new
   session starts, the link closes).
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
@@ -47,7 +53,7 @@ Consumer side, on the consumer's event loop:
   A GPU transport also hands out the tensors at once with an event per payload segment,
   so that a pull can scatter the first layers while the last are still on the wire.
 
-Both: `aclose` when the producer or consumer closes.
+Both halves: `aclose` when the producer or consumer closes.
 """
 
 from __future__ import annotations
@@ -114,7 +120,9 @@ class TensorsArrival:
     """GPU: recorded on the receive stream after the tensors' receive."""
 
 
-class Transport(abc.ABC):
+class Sender(abc.ABC):
+    """The producer's half of a transport: moves the bytes of the items it delivers."""
+
     name: str
     """What the handshake calls it: "tcp", "nccl", "gloo"."""
     out_of_band: bool = False
@@ -145,6 +153,11 @@ class Transport(abc.ABC):
     async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
         """Send a DeliverMany's hits (`items`, in order)."""
 
+    def framed(self, item: BufferedItem) -> list[memoryview] | None:
+        """Producer side: the frames `prepare` made for `item`, to go after its Deliver header
+        without a coroutine in the way (TCP); None by default: the send path calls `send`."""
+        return None
+
     async def send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
         """Out-of-band transports: move a stream message's tensors, as one transfer, once
         `ready` fired (see `kvrt._tensors.back_to_back` for where each lies in it)."""
@@ -157,17 +170,24 @@ class Transport(abc.ABC):
         stream message's tensors (of the stream `item_id`), once `ready` fired."""
         raise NotImplementedError(f"{self.name} moves a stream's tensors as host frames")
 
-    def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
-        """Transports that stream tensors: post the receive of a stream message's tensors now."""
-        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
-
-    def discard(self, frames: Sequence[zmq.Frame]) -> None:  # noqa: B027 (an optional hook, not abstract)
-        """Consumer side: the frames of a stream message this side will not read (nothing by
-        default)."""
-
     def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:  # noqa: B027
         """Producer side: `peer` left without confirming `unconfirmed`; release what its pair
         held (nothing by default)."""
+
+    async def aclose(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Release threads, streams and pairs."""
+
+
+class Receiver(abc.ABC):
+    """The consumer's half of a transport: posts the receives of the items delivered to it."""
+
+    name: str
+    """What the handshake calls it, the same as its producer's `Sender`."""
+    out_of_band: bool = False
+    """As `Sender.out_of_band`: the bytes come apart from the header (posted as it comes), read
+    from memory only a lease that still holds may read."""
+    streams_tensors: bool = False
+    """As `Sender.streams_tensors`: a stream message's tensors are received with `receive_tensors`."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
         """Consumer side: join the producer's rendezvous (nothing by default)."""
@@ -183,6 +203,14 @@ class Transport(abc.ABC):
     def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
         """Consumer side: the frames of a delivery whose header came alone (TCP only)."""
         raise RemoteProtocolError(f"a {self.name} producer sends no payload messages")
+
+    def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
+        """Transports that stream tensors: post the receive of a stream message's tensors now."""
+        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
+
+    def discard(self, frames: Sequence[zmq.Frame]) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Consumer side: the frames of a stream message this side will not read (nothing by
+        default)."""
 
     def abandon(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Consumer side: the link gave the producer up (silent, or a new session starts):

@@ -86,8 +86,9 @@ from kvrt.transports._base import (
     Arrival,
     ItemTensors,
     OnStream,
+    Receiver,
+    Sender,
     TensorsArrival,
-    Transport,
     batch_hits,
     five,
     item_metas,
@@ -182,7 +183,9 @@ class _Copy:
     mark: int
 
 
-class CudaIpcTransport(Transport):
+class _CudaIpc:
+    """What both halves of the CUDA IPC transport hold."""
+
     def __init__(self, device: torch.device) -> None:
         reason = ipc_unavailable(device)
         if reason is not None:
@@ -209,7 +212,9 @@ class CudaIpcTransport(Transport):
         is still that buffer's when `forget` releases it; torch alone would keep the buffer in
         its limbo for good)."""
 
-    # -- producer side --------------------------------------------------------------------
+
+class CudaIpcSender(_CudaIpc, Sender):
+    """The producer's half: shares an item's storage with the consumer's process, and counts its reads."""
 
     def reclaim(self) -> None:
         # Items whose consumer already dropped its mapping, but which torch keeps in its
@@ -351,7 +356,16 @@ class CudaIpcTransport(Transport):
             marks=marks,
         )
 
-    # -- consumer side --------------------------------------------------------------------
+    async def aclose(self) -> None:
+        self._pairs.clear()
+        self._unconfirmed.clear()
+        for layers in self._unconfirmed_layers.values():
+            layers.clear()  # their finalizers keep the dicts: the packed buffers must go now
+        self._unconfirmed_layers.clear()
+
+
+class CudaIpcReceiver(_CudaIpc, Receiver):
+    """The consumer's half: opens the producer's shares and copies out of them on its own streams."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         if rendezvous.get("host") != host_identity():
@@ -617,11 +631,6 @@ class CudaIpcTransport(Transport):
 
     async def aclose(self) -> None:
         self._end_session()
-        self._pairs.clear()
-        self._unconfirmed.clear()
-        for layers in self._unconfirmed_layers.values():
-            layers.clear()  # their finalizers keep the dicts: the packed buffers must go now
-        self._unconfirmed_layers.clear()
 
 
 def _new_shared(device_index: int, share: m.IpcShare, *, counted: bool) -> torch.UntypedStorage:
@@ -658,4 +667,4 @@ def _release(share: m.IpcShare) -> None:
         torch.UntypedStorage._release_ipc_counter_cuda(share.counter, share.counter_offset)
 
 
-__all__ = ["CudaIpcTransport", "host_identity", "ipc_unavailable"]
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "host_identity", "ipc_unavailable"]

@@ -61,8 +61,9 @@ from kvrt.transports._base import (
     Arrival,
     ItemTensors,
     OnStream,
+    Receiver,
+    Sender,
     TensorsArrival,
-    Transport,
     batch_hits,
     five,
     item_metas,
@@ -117,8 +118,9 @@ class _Pair:
     """(work, the thread waiting for it or None, a staging buffer it reads or None)."""
 
 
-class PairedTransport(Transport):
-    """One instance per producer or consumer; `backend` is "nccl" (GPU) or "gloo" (CPU)."""
+class _Paired:
+    """What both halves of a paired transport hold (pairs, set-up threads, streams), and how
+    either closes. One half per producer or consumer; `backend` is "nccl" (GPU) or "gloo" (CPU)."""
 
     def __init__(self, backend: str, device: torch.device, *, store_host: str = "127.0.0.1") -> None:
         if backend not in ("nccl", "gloo"):
@@ -143,7 +145,48 @@ class PairedTransport(Transport):
             with torch.cuda.device(device):
                 self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
 
-    # -- producer side --------------------------------------------------------------------
+    async def aclose(self) -> None:
+        for pair in self._pairs.values():
+            self._release(pair)
+        self._pairs.clear()
+        if self._pair is not None:
+            self._release(self._pair)
+            self._pair = None
+        self._setup.shutdown(wait=False)  # queued aborts still run
+        self._waiter.close()
+
+    def _establish(self, store: Store, pair_id: str, rank: int) -> Any:
+        """In a set-up thread: build the pair's group, and bring its communicator up with one
+        small exchange (NCCL creates it lazily, at the first operation of both ranks)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        group = _process_group(self.backend, PrefixStore(f"kvrt/{pair_id}", store), rank, _STORE_TIMEOUT)
+        probe = torch.ones(1, device=self.device)
+        work = group.send([probe], 1 - rank, _TAG) if rank == _PRODUCER_RANK else group.recv([probe], 1 - rank, _TAG)
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return group
+
+    def _release(self, pair: _Pair) -> None:
+        """Abort the pair's group in a set-up thread (an abort can wait on the dead peer's
+        kernels; the loop must not), as soon as it is established."""
+        pair.established.add_done_callback(self._abort_in_setup_thread)
+
+    def _abort_in_setup_thread(self, established: concurrent.futures.Future[Any]) -> None:
+        try:
+            self._setup.submit(_abort_if_established, established)
+        except RuntimeError:  # closing: the set-up threads are gone, abort here
+            _abort_if_established(established)
+
+
+class PairedSender(_Paired, Sender):
+    """The producer's half: one pair (a two-rank process group) per consumer, sends on it."""
+
+    def _host_store(self) -> TCPStore:
+        if self._store is None:
+            self._store = TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+        return self._store
 
     def reclaim(self) -> None:
         for pair in self._pairs.values():
@@ -263,7 +306,9 @@ class PairedTransport(Transport):
         if pair is not None:
             self._release(pair)
 
-    # -- consumer side --------------------------------------------------------------------
+
+class PairedReceiver(_Paired, Receiver):
+    """The consumer's half: its one pair with the producer, receives on it."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:
@@ -396,47 +441,6 @@ class PairedTransport(Transport):
     @staticmethod
     def _unpacked(metas: Sequence[Any], payload: torch.Tensor) -> ItemTensors:
         return five(unpack_tensor(metas, payload))
-
-    async def aclose(self) -> None:
-        for pair in self._pairs.values():
-            self._release(pair)
-        self._pairs.clear()
-        if self._pair is not None:
-            self._release(self._pair)
-            self._pair = None
-        self._setup.shutdown(wait=False)  # queued aborts still run
-        self._waiter.close()
-
-    # -- helpers --------------------------------------------------------------------------
-
-    def _host_store(self) -> TCPStore:
-        if self._store is None:
-            self._store = TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
-        return self._store
-
-    def _establish(self, store: Store, pair_id: str, rank: int) -> Any:
-        """In a set-up thread: build the pair's group, and bring its communicator up with one
-        small exchange (NCCL creates it lazily, at the first operation of both ranks)."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        group = _process_group(self.backend, PrefixStore(f"kvrt/{pair_id}", store), rank, _STORE_TIMEOUT)
-        probe = torch.ones(1, device=self.device)
-        work = group.send([probe], 1 - rank, _TAG) if rank == _PRODUCER_RANK else group.recv([probe], 1 - rank, _TAG)
-        work.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return group
-
-    def _release(self, pair: _Pair) -> None:
-        """Abort the pair's group in a set-up thread (an abort can wait on the dead peer's
-        kernels; the loop must not), as soon as it is established."""
-        pair.established.add_done_callback(self._abort_in_setup_thread)
-
-    def _abort_in_setup_thread(self, established: concurrent.futures.Future[Any]) -> None:
-        try:
-            self._setup.submit(_abort_if_established, established)
-        except RuntimeError:  # closing: the set-up threads are gone, abort here
-            _abort_if_established(established)
 
 
 def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, BufferedItem]]) -> None:

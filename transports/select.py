@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvrt._errors import InvalidInputError
-from kvrt.transports._base import Transport
-from kvrt.transports.cuda_ipc import CudaIpcTransport, ipc_unavailable
-from kvrt.transports.paired import PairedTransport
-from kvrt.transports.tcp import TcpTransport
+from kvrt.transports._base import Receiver, Sender
+from kvrt.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender, ipc_unavailable
+from kvrt.transports.paired import PairedReceiver, PairedSender
+from kvrt.transports.tcp import TcpReceiver, TcpSender
 
 TRANSPORT_NAMES = ("tcp", "nccl", "gloo", "cuda_ipc")
 SAME_HOST_ONLY = frozenset({"cuda_ipc"})
@@ -38,13 +38,28 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
     return (*preferred, "tcp")
 
 
-def make_transports(names: tuple[str, ...], device: torch.device, *, store_host: str) -> dict[str, Transport]:
-    transports: dict[str, Transport] = {}
+def make_senders(names: tuple[str, ...], device: torch.device, *, store_host: str) -> dict[str, Sender]:
+    """The producer's halves of the transports `names`, by name (`store_host`: where consumers
+    reach the rendezvous of a paired transport)."""
+    senders: dict[str, Sender] = {}
     for name in names:
         if name == "tcp":
-            transports[name] = TcpTransport(device)
+            senders[name] = TcpSender(device)
         elif name == "cuda_ipc":
-            transports[name] = CudaIpcTransport(device)
+            senders[name] = CudaIpcSender(device)
         else:
-            transports[name] = PairedTransport(name, device, store_host=store_host)
-    return transports
+            senders[name] = PairedSender(name, device, store_host=store_host)
+    return senders
+
+
+def make_receivers(names: tuple[str, ...], device: torch.device) -> dict[str, Receiver]:
+    """The consumer's halves of the transports `names`, by name."""
+    receivers: dict[str, Receiver] = {}
+    for name in names:
+        if name == "tcp":
+            receivers[name] = TcpReceiver(device)
+        elif name == "cuda_ipc":
+            receivers[name] = CudaIpcReceiver(device)
+        else:
+            receivers[name] = PairedReceiver(name, device)
+    return receivers

@@ -12,6 +12,7 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -22,33 +23,50 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
-from kvrt.transports._base import Arrival, ItemTensors, Transport, batch_hits, item_metas
+from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, item_metas
 
 MAX_FOLLOWING: Final = 4096
 """Most deliveries one link keeps waiting for their `payload` message."""
 
 
-class TcpTransport(Transport):
+class TcpSender(Sender):
+    """The producer's half: an item's packed bytes, framed once, kept while the item lives."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.name = "tcp"
+        self.device = torch.device(device)
+        self._frames: weakref.WeakKeyDictionary[BufferedItem, list[memoryview]] = weakref.WeakKeyDictionary()
+        """The frames of each item prepared at insert (a CPU item) or first sent (a GPU item's
+        host copy): made once however often the item is delivered, and dropped with the item."""
+
+    def prepare(self, item: BufferedItem) -> None:
+        if item.storage.device.type == "cpu":
+            self._frames[item] = [tensor_bytes(item.storage)]
+
+    def framed(self, item: BufferedItem) -> list[memoryview] | None:
+        return self._frames.get(item)
+
+    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+        frames = self._frames.get(item)
+        if frames is None:  # a GPU item for a consumer without a GPU transport
+            written = item.written  # on the inserting caller's stream, not this thread's
+            if written is not None:
+                torch.cuda.current_stream(item.storage.device).wait_event(written)
+            frames = self._frames[item] = [tensor_bytes(item.storage.cpu())]
+        return frames
+
+    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+        return [frame for item in items for frame in await self.send(peer, item)]
+
+
+class TcpReceiver(Receiver):
+    """The consumer's half: an item's tensors rebuilt as views over the frame that carried them."""
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.name = "tcp"
         self.device = torch.device(device)
         self._following: dict[int, tuple[Deliver | DeliverMany, asyncio.Future[Any]]] = {}
-        """Consumer: deliveries whose frames follow in a `payload` message, by request id."""
-
-    def prepare(self, item: BufferedItem) -> None:
-        if item.storage.device.type == "cpu":
-            item.frames = [tensor_bytes(item.storage)]
-
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        if item.frames is None:  # a GPU item for a consumer without a GPU transport
-            written = item.written  # on the inserting caller's stream, not this thread's
-            if written is not None:
-                torch.cuda.current_stream(item.storage.device).wait_event(written)
-            item.frames = [tensor_bytes(item.storage.cpu())]
-        return item.frames
-
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
-        return [frame for item in items for frame in await self.send(peer, item)]
+        """Deliveries whose frames follow in a `payload` message, by request id."""
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()

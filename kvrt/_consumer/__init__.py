@@ -1,0 +1,38 @@
+"""The consumer (decode side): one link per producer, and `drop_select`.
+
+A `_Link` is a ZeroMQ DEALER around a `ConsumerCore`. One task per link, owned by the
+link, reads frames, feeds the core, resolves the futures of pending calls, pings, and
+sends the receipts that let the producer free delivered items. Many calls may be pending
+on one link at once; replies are matched to them by request id, in any order.
+
+The package, one job a module:
+
+- `_session`: a link's session: calls, leases, handshake, ordered sends
+- `_arrivals`: items arriving on a link
+- `_streams`: a link's streams: their layers arriving
+- `_link`: the link's task: frames in, dispatched to the three above
+- `_state`: the fields every part of a consumer shares
+- `_selection`: `drop_select`, among producers, agreed in a TP group
+- `_pulls`: `pull` into paged pools
+- `_open_stream`: `open_stream`, its layers landed into tensors or pools
+- `_consumer`: `Consumer`, composing them; start, close
+"""
+
+from kvrt._consumer._consumer import Consumer
+from kvrt._consumer._link import _Link as _Link
+from kvrt._consumer._session import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    OnLanding,
+)
+from kvrt._metrics import ConsumerCounters
+
+__all__ = [
+    "Consumer",
+    "ConsumerCounters",
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_REPLY_TIMEOUT_S",
+    "DEFAULT_TRANSFER_TIMEOUT_S",
+    "OnLanding",
+]

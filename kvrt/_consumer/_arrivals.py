@@ -1,0 +1,181 @@
+"""Arrivals on a link: a delivered item's (or a batch's) bytes received over the transport,
+checked against its lease and handed to the call that asked for it. `_Link._handle` calls
+`_on_deliver` and `_on_deliver_many` for each `Deliver` and `DeliverMany`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from kvrt import _messages as m
+from kvrt._consumer._session import LinkSession, _item_ids, _Reply
+from kvrt._errors import (
+    KVRTTimeoutError,
+    ProtocolError,
+    translate_torch_error,
+)
+from kvrt._item import KVItem
+from kvrt._protocol import (
+    LinkState,
+)
+from kvrt.transports._base import ItemTensors
+
+log = logging.getLogger("kvrt.consumer")
+
+
+class LinkArrivals(LinkSession):
+    """Items arriving on a link, each landed for the call that asked for it."""
+
+    def _on_deliver(
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, payload: Sequence[zmq.Frame]
+    ) -> None:
+        """Post the item's receive now (arrival order); complete the call when it lands."""
+        self._leases[deliver.item_id] = deliver.lease
+        if self._transport is None:
+            self._release([deliver.item_id])
+            return
+        if self._transport.out_of_band and not self.lease_holds():
+            # Its bytes may come from memory that is another consumer's by now: not read.
+            self._start_afresh(future, self._lease_error())
+            return
+        try:
+            arrival = self._transport.receive(deliver, payload)
+        except ProtocolError as exc:
+            if self._transport.out_of_band:
+                self._start_afresh(future, exc)
+            else:
+                self._give_back(future, deliver, exc)
+            return
+        on_landing = self._landing.get(deliver.request_id)
+        if on_landing is not None and arrival.early is not None and future is not None and not future.done():
+            on_landing(deliver, arrival)
+        header_at = time.perf_counter()
+        if future is not None:
+            self._answered(deliver.request_id, header_at)
+        arriving = arrival.complete
+        if arriving.done():
+            self._landed(future, deliver, self._sessions_lost, arriving, header_at=header_at)  # TCP: already here
+        else:
+            self._own_arrival(
+                arriving, functools.partial(self._landed, future, deliver, self._sessions_lost, header_at=header_at)
+            )
+
+    def _landed(
+        self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, session: int,
+        arriving: asyncio.Future[ItemTensors], *, header_at: float = 0.0,
+    ) -> None:  # fmt: skip
+        """An item's receive ended: complete the call, or give the item back with the reason."""
+        if arriving.cancelled():
+            return  # the link closed; its calls failed already
+        if session != self._sessions_lost:
+            # The link gave the producer up since (a cuda_ipc copy then lands what a dead
+            # producer left; a pair's receive fails): the call failed then, and the producer
+            # took the item back. What the receive ended with is seen here, and dropped.
+            arriving.exception()
+            return
+        error = arriving.exception()
+        if error is not None:
+            self._give_back(future, deliver, translate_torch_error(error, what=f"receiving item {deliver.item_id}"))
+            return
+        if future is None or future.done():
+            self._release([deliver.item_id])
+            return
+        if not self.lease_holds():
+            self._give_back(future, deliver, self._lease_error())
+            return
+        input_tokens, roi, key, value, hidden = arriving.result()
+        if self._metrics is not None and header_at:
+            transport = self._transport.name if self._transport is not None else "unknown"
+            self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
+        future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
+
+    def _on_deliver_many(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
+    ) -> None:
+        """Post the receive of a batch's hits now; complete the call when all have landed."""
+        for hit in batch.hits:
+            if hit is not None:
+                self._leases[hit.item_id] = hit.lease
+        if self._transport is None:
+            self._release(_item_ids(batch))
+            return
+        if self._transport.out_of_band and not self.lease_holds():
+            self._start_afresh(future, self._lease_error())
+            return
+        try:
+            arriving = self._transport.receive_many(batch, payload)
+        except ProtocolError as exc:
+            if self._transport.out_of_band:
+                self._start_afresh(future, exc)
+            else:
+                self._release(_item_ids(batch))
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+            return
+        if arriving.done():
+            self._batch_landed(future, batch, self._sessions_lost, arriving)  # TCP: already here
+        else:
+            self._own_arrival(arriving, functools.partial(self._batch_landed, future, batch, self._sessions_lost))
+
+    def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
+        """Call `landed` when a posted receive ends, from the future's own callback (no task,
+        no extra hop of the loop); closing the link cancels it. One that has not landed within
+        the transfer timeout gives the producer up (`_transfer_overdue`)."""
+        self._arrivals.add(arriving)
+        arriving.add_done_callback(self._arrivals.discard)
+        arriving.add_done_callback(landed)
+        if self._transfer_timeout_s is not None:
+            overdue = asyncio.get_running_loop().call_later(
+                self._transfer_timeout_s, self._transfer_overdue, arriving, self._sessions_lost
+            )
+            arriving.add_done_callback(lambda _: overdue.cancel())
+
+    def _transfer_overdue(self, arriving: asyncio.Future[Any], session: int) -> None:
+        """A receive has not landed within the transfer timeout: the producer's GPU never wrote
+        the bytes (its loop may still answer heartbeats). The link gives it up as it does a
+        silent one: every call fails (this one with a timeout), the transport stops waiting
+        (cuda_ipc releases its copies' waits, NCCL aborts the pair), and a new session starts,
+        in which the producer takes back what the old one held."""
+        if arriving.done() or session != self._sessions_lost or self.core.state is not LinkState.READY:
+            return
+        error = KVRTTimeoutError(
+            f"the producer at {self.endpoint} did not finish a transfer within {self._transfer_timeout_s} s "
+            "(its GPU may be stuck); the link started a new session",
+            phase="transfer",
+        )
+        log.warning("%s", error, extra={"endpoint": self.endpoint})
+        self._new_session(error)
+
+    def _batch_landed(
+        self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, session: int,
+        arriving: asyncio.Future[list[ItemTensors]],
+    ) -> None:  # fmt: skip
+        if arriving.cancelled():
+            return
+        if session != self._sessions_lost:  # as in `_landed`
+            arriving.exception()
+            return
+        error = arriving.exception()
+        if error is not None:
+            hit_ids = _item_ids(batch)
+            self._release(hit_ids)
+            if future is not None and not future.done():
+                future.set_exception(translate_torch_error(error, what=f"receiving a batch of {len(hit_ids)} items"))
+            return
+        if future is None or future.done():
+            self._release(_item_ids(batch))
+            return
+        if not self.lease_holds():
+            self._release(_item_ids(batch))
+            future.set_exception(self._lease_error())
+            return
+        tensors = iter(arriving.result())
+        items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]
+        future.set_result(_Reply(batch, items=items))

@@ -1,0 +1,182 @@
+"""The link: a ZeroMQ DEALER around a `ConsumerCore`, one per producer. One task per link,
+owned by the link, reads frames, feeds the core, and hands each event to the session
+(`_session`), the arrivals (`_arrivals`) or the streams (`_streams`); it pings and sends
+the receipts that let the producer free delivered items. Many calls may be pending on one
+link at once; replies are matched to them by request id, in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from kvrt import _messages as m
+from kvrt._auth import handshake_failure
+from kvrt._consumer._session import _Reply
+from kvrt._consumer._streams import LinkStreams
+from kvrt._errors import (
+    KVRTError,
+    KVRTTimeoutError,
+    ProtocolError,
+    translate_zmq_error,
+)
+from kvrt._protocol import (
+    ConsumerEvent,
+    Failed,
+    Lost,
+    PayloadCame,
+    Refused,
+    Replied,
+    Stray,
+    Streamed,
+    Welcomed,
+)
+
+log = logging.getLogger("kvrt.consumer")
+
+
+class _Link(LinkStreams):
+    """One consumer's connection to one producer."""
+
+    async def start(self) -> None:
+        connect_timeout_s = self._connect_timeout_s
+        try:
+            self._socket.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            self._io.close()
+            self._socket.close()
+            raise translate_zmq_error(exc, endpoint=self.endpoint) from None
+        self._send_in_order(self.core.connect(self._now()))
+        self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
+        self._task.add_done_callback(self._run_ended)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                await self._welcomed.wait()
+                if self._refused is not None:
+                    raise self._refused
+                await self._joined()
+        except KVRTError:
+            await self.aclose()
+            raise
+        except TimeoutError:
+            await self.aclose()
+            raise KVRTTimeoutError(
+                f"no producer answered at {self.endpoint} within {connect_timeout_s} s: "
+                "is it running, and is the address right?",
+                phase="connect",
+            ) from None
+
+    # -- the link's task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        core = self.core
+        io = self._io
+        while True:
+            first = await io.next(core.next_deadline())
+            now = self._now()
+            if first is not None:
+                for frames in [first, *io.drain()]:
+                    self._frame(frames, now)
+            for event, _ in io.monitor_events():
+                self._connection_event(event, now)
+            due, lost = core.expire(now)
+            if lost is not None:
+                self.connected.clear()
+                log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
+                self._fail_all(lost)
+            for message in due:
+                if isinstance(message, m.Hello):
+                    self._send_in_order(message)
+                else:
+                    self._send_nowait(message)
+            if first is not None and self._io.drained_a_full_batch:
+                await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
+
+    def _frame(self, frames: list[zmq.Frame], now: float) -> None:
+        """One message from the producer. One that does not decode is dropped and counted; one
+        that this side fails on ends the session (see below); the link goes on either way."""
+        try:
+            event = self.core.receive(frames[0].buffer, now)
+            if event is not None:
+                self._handle(event, frames[1:])
+        except ProtocolError as exc:
+            self.rejected_frames += 1
+            log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
+        except Exception as exc:
+            # A bug, or a case nobody foresaw: this session's state cannot be trusted (a call may
+            # wait for a reply that was just lost). Its calls fail now and a new session starts,
+            # in which the producer takes back what it had sent: nothing hangs, nothing is lost.
+            self.rejected_frames += 1
+            log.exception("a message from the producer could not be handled", extra={"endpoint": self.endpoint})
+            self._new_session(
+                KVRTError(
+                    f"a message from the producer at {self.endpoint} could not be handled "
+                    f"({type(exc).__name__}: {exc}); the link started a new session"
+                )
+            )
+
+    def _connection_event(self, event: int, now: float) -> None:
+        """What the socket's monitor saw (see `_LINK_EVENTS`)."""
+        if event == zmq.EVENT_DISCONNECTED:
+            lost = self.core.disconnected("it exited, or stopped answering ZeroMQ heartbeats")
+            if lost is not None:
+                self.connected.clear()
+                log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
+                self._fail_all(lost)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            hello = self.core.reconnected(now)
+            if hello is not None:
+                self._send_in_order(hello)
+        elif not self._welcomed.is_set():  # a handshake refused before any welcome: start() raises it
+            self._refused = handshake_failure(event, self.endpoint)
+            self._welcomed.set()
+
+    def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
+        match event:
+            case Welcomed(welcome=welcome):
+                self._start_join(welcome)
+                self._welcomed.set()
+                self.connected.set()
+            case Replied(request_id=request_id, message=m.Deliver() as deliver):
+                self._on_deliver(self._pending.get(request_id), deliver, payload)
+            case Replied(request_id=request_id, message=m.DeliverMany() as batch):
+                self._on_deliver_many(self._pending.get(request_id), batch, payload)
+            case Replied(request_id=request_id, message=m.StreamStart() as start):
+                self._on_stream_start(self._pending.get(request_id), start, payload)
+            case Streamed(message=message):
+                self._on_streamed(message, payload)
+            case PayloadCame(message=message):
+                if self._transport is not None:
+                    self._transport.payload(message, payload)
+            case Replied(request_id=request_id, message=message):
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    self._answered(request_id, time.perf_counter())
+                    future.set_result(_Reply(message))
+            case Failed(request_id=request_id, error=error):
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+            case Stray(message=stray):
+                # Its bytes are on their way already (an out-of-band transport's send is
+                # posted): they are received all the same, then the items are given back, or
+                # the next receive on the pair would take them for other items'.
+                if isinstance(stray, m.DeliverMany):
+                    self._on_deliver_many(None, stray, payload)
+                elif isinstance(stray, m.StreamStart):
+                    self._on_stream_start(None, stray, payload)  # gives it back
+                else:
+                    self._on_deliver(None, stray, payload)
+            case Lost():
+                self.connected.clear()
+                self._fail_all(event)
+            case Refused(error=error):
+                if self._welcomed.is_set():
+                    log.warning("%s", error)
+                else:  # the hello itself was refused: start() raises it
+                    self._refused = error
+                    self._welcomed.set()

@@ -1,0 +1,72 @@
+"""`Consumer.open_stream`: a stream asked for by its tokens, its layers landed as they come,
+into the caller's tensors or, through a pool writer, into its paged pools. The link's part of
+a stream (its layers arriving) is `_streams`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrt import _messages as m
+from kvrt._caller_stream import on_caller_stream
+from kvrt._consumer._pulls import _Pulling
+from kvrt._errors import (
+    InvalidInputError,
+)
+from kvrt._item import check_timeout, query_bytes
+from kvrt._pools import PoolTable, checked_indexes, per_token
+from kvrt._streams import ConsumerStream, Placement, PoolWriter
+
+
+class _OpeningStreams(_Pulling):
+    """`open_stream`, and the pool writer that lands its layers."""
+
+    @on_caller_stream
+    async def open_stream(
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        into: PoolTable | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> ConsumerStream | None:
+        """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
+        finished item. Matching, `timeout` and the result are as for drop_select; the stream's
+        layers are awaited with `layer(i)` or `async for`. None on a miss.
+
+        With `into` (and `slots`, `replica`, as for `pull`) each layer is written into those
+        pools as it lands, at the slots, for as many tokens as both have; `layer(i)` returns
+        once layer i is written (on a GPU: once the write is queued, with the caller's stream
+        made to wait for it). Slots out of range are refused before anything is taken. The
+        writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
+        when this was called: the work that wrote the slots there."""
+        self._check_open()
+        if len(self._links) != 1 or self._consensus is not None:
+            raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
+        query = query_bytes(input_tokens, roi, what="open_stream")
+        check_timeout(timeout, what="open_stream")
+        writer = None if into is None and slots is None else self._pool_writer(into, slots, replica)
+        reply = await self._links[0].call(
+            lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
+            confirm=False,
+            writer=writer,
+            waits_s=timeout,
+        )
+        return reply.stream
+
+    def _pool_writer(
+        self, into: PoolTable | None, slots: torch.Tensor | None, replica: torch.Tensor | int
+    ) -> PoolWriter:
+        if into is None or slots is None:
+            raise InvalidInputError("a stream into the pools needs both into= and slots=")
+        if into.device != self.device:
+            raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
+        replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
+        indexes_ready = None
+        if self.device.type == "cuda":
+            indexes_ready = torch.cuda.Event()
+            indexes_ready.record(torch.cuda.current_stream(self.device))
+        return PoolWriter(Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready)

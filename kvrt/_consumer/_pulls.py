@@ -1,0 +1,133 @@
+"""`Consumer.pull`: a published request taken by its tokens and scattered into the caller's
+paged pools as its chunks land, off the loop on one scatter thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+
+import torch
+
+from kvrt import _messages as m
+from kvrt._caller_stream import lands_on_caller_stream
+from kvrt._consumer._selection import _Selecting
+from kvrt._errors import (
+    InvalidInputError,
+)
+from kvrt._item import KVItem
+from kvrt._pools import PoolTable, checked_indexes, per_token
+from kvrt._tensors import layer_chunks, transfer_segments
+from kvrt._threads import gpu_worker
+from kvrt.transports._base import Arrival
+
+
+class _Pulling(_Selecting):
+    """Pulls into paged pools."""
+
+    @lands_on_caller_stream
+    async def pull(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        into: PoolTable,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        timeout: float | None = 0.0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> KVItem | None:
+        """Take a published prefill (matched as `drop_select` matches) and write its KV into
+        the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
+        (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
+        and then nothing is written); `timeout` is as in `drop_select`.
+
+        `into` must be on this consumer's device; `slots` and `replica` are 1-D int32 or int64
+        tensors on its device or on the host. Raises `InvalidInputError` for pools on another
+        device or slots and replicas outside them (before any item is taken), and the errors of
+        `drop_select`.
+
+        Memory: the pools are the caller's; kvrt writes only the given slots. On a GPU, with one
+        producer and no group, the scatter is pipelined with the transfer: each chunk of layers
+        is scattered (on a stream of the consumer's own) as soon as it has landed. Work the
+        caller queues on `stream` (None: the calling thread's current stream) after this
+        returns sees the whole request in the pools, also after a pull that failed or was
+        cancelled midway (the slots then hold a partial request, and no defined bytes where a
+        producer died before writing them)."""
+        if into.device != self.device:
+            raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
+        from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
+
+        # Bad slots are refused before any item is taken.
+        replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
+        if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None:
+            item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
+        else:
+            item, scattered = await self._lookup(input_tokens, roi, timeout, what="pull"), False
+        if item is not None and not scattered:
+            count = min(item.key.shape[1], slots.numel())
+            # Straight from the item as it arrived (its K and V are views of the received
+            # payload): no staging copy.
+            scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
+        return item
+
+    async def _pull_pipelined(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
+        slots: torch.Tensor, replicas: torch.Tensor,
+    ) -> tuple[KVItem | None, bool]:  # fmt: skip
+        """`pull` on a GPU: chunks are scattered as they land (see `pull`). Returns the item and
+        whether it was scattered (not when it came without early tensors, as over TCP)."""
+        from kvrt.kernels.paged_kv import scatter_from
+
+        caller = torch.cuda.current_stream(self.device)
+        indexes_ready = torch.cuda.Event()
+        indexes_ready.record(caller)  # the slots may still be being written on the caller's stream
+        queued: list[concurrent.futures.Future[torch.cuda.Event]] = []
+
+        def queue_scatters(
+            deliver: m.Deliver, key: torch.Tensor, value: torch.Tensor, landed: Sequence[torch.cuda.Event]
+        ) -> torch.cuda.Event:
+            """In the scatter thread (Triton may compile on a first launch; the loop must not
+            wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
+            count = min(key.shape[1], slots.numel())
+            segments = transfer_segments(deliver.segments, deliver.payload_bytes)
+            stream = self._scatter_stream()
+            with torch.cuda.stream(stream):
+                stream.wait_event(indexes_ready)
+                for tensor in (key, value, slots, replicas):
+                    tensor.record_stream(stream)
+                # A chunk's keys are scattered as soon as they landed, while its values are
+                # still on the wire: after the last byte only the last values are left to write.
+                for chunk in layer_chunks(deliver.key, deliver.value, segments):
+                    stream.wait_event(landed[chunk.ready])
+                    scatter_from(into, key, value, replicas[:count], slots[:count],
+                                 layers=(chunk.first, chunk.end), part=chunk.part, check=False)  # fmt: skip
+                done = torch.cuda.Event()
+                done.record(stream)
+            return done
+
+        def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
+            assert arrival.early is not None
+            _, _, key, value, _ = arrival.early
+            queued.append(self._scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
+
+        try:
+            item = await self._lookup(input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands)
+        finally:
+            for job in queued:  # the caller's later work on these slots comes after the writes
+                # Queued long before the last byte landed, as a rule: then no wrapping future
+                # and its hops of the loop (three, after the item itself completed).
+                done: torch.cuda.Event = job.result() if job.done() else await asyncio.shield(asyncio.wrap_future(job))
+                caller.wait_event(done)
+        return item, bool(queued)
+
+    def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._scatters is None:
+            self._scatters = gpu_worker(self.device, "kvrt-scatter")
+        return self._scatters
+
+    def _scatter_stream(self) -> torch.cuda.Stream:
+        if self._pull_stream is None:
+            self._pull_stream = torch.cuda.Stream(self.device)
+        return self._pull_stream

@@ -1,0 +1,355 @@
+"""Lookups: `drop_select` and `drop_select_many`, choosing among the producers (each link
+asked in turn, in batches), and, in a TP group, agreeing on one outcome with the other
+ranks (`_consensus`). Runs in the caller's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from kvrt import _messages as m
+from kvrt import _metrics
+from kvrt._caller_stream import lands_on_caller_stream
+from kvrt._consensus import GroupConsensus, Outcome, Status, error_for, status_of
+from kvrt._consumer._link import _Link
+from kvrt._consumer._session import OnLanding, _Reply
+from kvrt._consumer._state import ConsumerState
+from kvrt._errors import (
+    InvalidInputError,
+    KVRTError,
+)
+from kvrt._item import KVItem, check_timeout, query_bytes, truncate
+
+log = logging.getLogger("kvrt.consumer")
+
+
+def _delivered(call: asyncio.Task[_Reply]) -> bool:
+    """A finished call that brought an item."""
+    return not call.cancelled() and call.exception() is None and call.result().item is not None
+
+
+_BATCH_QUERY_BYTES: Final = 32 << 20
+"""Most token bytes one drop_select_many request carries (a producer drops messages over 64 MiB)."""
+
+
+def _batches(queries: list[bytes | None]) -> list[list[bytes | None]]:
+    """Queries cut into requests of at most `MAX_BATCH` queries and `_BATCH_QUERY_BYTES`."""
+    batches: list[list[bytes | None]] = []
+    size = 0
+    for query in queries:
+        length = 0 if query is None else len(query)
+        if not batches or len(batches[-1]) == m.MAX_BATCH or size + length > _BATCH_QUERY_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(query)
+        size += length
+    return batches
+
+
+def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
+    return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """An item delivered by one link and not yet confirmed to its producer."""
+
+    item: KVItem
+    link: _Link
+    item_id: int
+    link_index: int
+
+    def settle(self, *, keep: bool) -> bool:
+        """As `_Link.settle`: False if it was to be kept but the link's lease had ended."""
+        return self.link.settle(self.item_id, keep=keep)
+
+
+class _Selecting(ConsumerState):
+    """Lookups among the producers, agreed in a TP group."""
+
+    @lands_on_caller_stream
+    async def drop_select(
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> KVItem | None:
+        """Take the buffered item that best matches `input_tokens` (masked by `roi`).
+
+        Called by the decode engine once per request, from its event loop; many calls may be
+        in flight at once. The best match is the longest common prefix of the masked
+        sequences, then the oldest item; `input_tokens` None takes the oldest item. `timeout`
+        is how long to wait for a match to be inserted: 0 answers at once, None waits until
+        one is, or until either side closes. Returns None on a miss.
+
+        Raises `InvalidInputError` for tokens or a roi that are not 1-D (integer, bool)
+        tensors of one length, `PeerLostError` when no producer can be reached (or its
+        connection closed), `LeaseExpiredError` for an item that came after the link's lease
+        ended (given back, not handed over), `KVRTTimeoutError` (phase "reply") when no answer
+        came within `timeout + reply_timeout_s`, (phase "transfer") when an item's bytes do not
+        come within `transfer_timeout_s`, `RemoteProtocolError` for an answer that breaks the
+        protocol, `ClosedError` when the consumer closes meanwhile; in a TP group, the group's
+        decision (the same error on every rank). Memory: the item's tensors are the caller's,
+        on this consumer's device; the item has left the producer's buffer (its receipt
+        follows). On a GPU, work queued on `stream` (None: the calling thread's current stream)
+        after this returns reads the item as it landed.
+        """
+        return await self._lookup(input_tokens, roi, timeout, what="drop_select")
+
+    @lands_on_caller_stream
+    async def drop_select_many(
+        self,
+        queries: Sequence[torch.Tensor | None],
+        rois: Sequence[torch.Tensor | None] | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> list[KVItem | None]:
+        """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
+        order; `stream` as for `drop_select`.
+
+        For a serving engine that takes the KV of a whole scheduler step: with one producer
+        and no TP group, up to 256 queries travel in one request and the items found come back
+        in one transfer (one header, and over NCCL one operation and one completion), so the
+        per-request costs are paid once per batch, not once per item. Over a paired
+        transport the items of a batch are views of one received buffer, which lives until
+        the last of them is freed. Items are taken in query order, each at most once. In a TP
+        group (one producer) the batch is taken the same way and its lookups are agreed
+        together: one round once the group's window knows batches of that size (the first
+        batch after single lookups takes two), where one `drop_select` after the other takes a
+        round each. With several producers the queries run as that many `drop_select`s, one
+        after the other.
+        """
+        self._check_open()
+        what = "drop_select_many"
+        if not isinstance(queries, Sequence):
+            raise InvalidInputError(
+                f"{what}: queries must be a sequence of token tensors (or None), got {type(queries)}"
+            )
+        if rois is not None and len(rois) != len(queries):
+            raise InvalidInputError(f"{what}: {len(rois)} rois for {len(queries)} queries")
+        lookups = list(zip(queries, rois or [None] * len(queries), strict=True))
+        wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
+        if len(self._links) != 1:
+            # One after the other: a query sees the items the one before it gave back.
+            return [await self._lookup(tokens, roi, 0.0, what=what) for tokens, roi in lookups]
+        timer = _metrics.Timer(what)
+        try:
+            if self._consensus is not None:
+                items = await self._agreed_drop_select_many(wire, self._consensus)
+            else:
+                calls = [self._links[0].call(_batch_request(batch)) for batch in _batches(wire)]
+                # One request (up to 256 queries) is awaited as it is: a task around it would
+                # cost the loop a task and a hop per batch.
+                answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+                items = [item for answer in answers for item in answer.items or ()]
+        except KVRTError as error:
+            self._count_error(error, lookups=len(wire))
+            raise
+        timer.done()
+        for item in items:
+            self._count(item)
+        return items
+
+    async def _agreed_drop_select_many(
+        self, wire: list[bytes | None], consensus: GroupConsensus
+    ) -> list[KVItem | None]:
+        """drop_select_many for a TP group (one producer): take the batch unconfirmed, agree
+        its lookups together, then keep each item cut to its agreed length, or give it back.
+        A lookup that failed on any rank fails the whole call on every rank, as a failed
+        request fails it outside a group."""
+        link = self._links[0]
+        sequences = [consensus.register() for _ in wire]
+        taken: list[tuple[KVItem | None, int | None]] = []  # (item, its id) per query
+        error: KVRTError | None = None
+        try:
+            for batch in _batches(wire):
+                reply = await link.call(_batch_request(batch), confirm=False)
+                assert isinstance(reply.message, m.DeliverMany) and reply.items is not None
+                hits = reply.message.hits
+                taken += [
+                    (item, None if hit is None else hit.item_id) for item, hit in zip(reply.items, hits, strict=True)
+                ]
+        except asyncio.CancelledError as cancelled:
+            for _, item_id in taken:
+                if item_id is not None:
+                    link.settle(item_id, keep=False)
+            for sequence in sequences:
+                consensus.abandon(sequence, Outcome(status_of(cancelled)))
+            raise
+        except KVRTError as failure:
+            error = failure
+            outcomes = [Outcome(status_of(failure))] * len(wire)
+        else:
+            outcomes = [Outcome(Status.MISS) if item is None else Outcome(Status.OK, item.matched) for item, _ in taken]
+        kept = [False] * len(taken)
+        try:
+            decisions = await consensus.decide_many(sequences, outcomes)
+            for decision, outcome in zip(decisions, outcomes, strict=True):
+                if decision.status not in (Status.OK, Status.MISS):
+                    raise error_for(decision, outcome, error)
+            items: list[KVItem | None] = []
+            for index, ((item, _), decision) in enumerate(zip(taken, decisions, strict=True)):
+                if decision.status is Status.OK:
+                    assert item is not None  # OK on every rank, this one's included
+                    kept[index] = True
+                    items.append(truncate(item, decision.matched_tokens))
+                else:
+                    items.append(None)
+            return items
+        finally:
+            settled = [
+                link.settle(item_id, keep=keep, send=False)
+                for (_, item_id), keep in zip(taken, kept, strict=True)
+                if item_id is not None
+            ]
+            link._send_receipts()
+            if not all(settled):
+                raise link._lease_error()
+
+    async def _lookup(
+        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
+        on_landing: OnLanding | None = None,
+    ) -> KVItem | None:  # fmt: skip
+        """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no group)."""
+        self._check_open()
+        query = query_bytes(input_tokens, roi, what=what)
+        check_timeout(timeout, what=what)
+
+        def build(request_id: int) -> m.Message:
+            return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
+
+        timer = _metrics.Timer("drop_select")
+        try:
+            item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing)
+        except KVRTError as error:
+            self._count_error(error)
+            raise
+        timer.done()
+        self._count(item, waited=timeout != 0)
+        return item
+
+    def _count(self, item: KVItem | None, *, waited: bool = False) -> None:
+        """A lookup answered: its outcome, and an item's counts. `waited`: the call had a
+        timeout (a miss then is a lookup that timed out)."""
+        miss = _metrics.LookupOutcome.TIMEOUT if waited else _metrics.LookupOutcome.MISS
+        self.metrics.looked_up(miss if item is None else _metrics.LookupOutcome.HIT)
+        if item is not None:
+            self.counters.items += 1
+            self.counters.bytes += sum(
+                tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None
+            )
+
+    def _count_error(self, error: KVRTError, lookups: int = 1) -> None:
+        self.metrics.looked_up(_metrics.outcome_of_error(error), lookups)
+        errors = self.counters.errors
+        errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
+
+    async def _drop_select(
+        self, build: Callable[[int], m.Message], *, waits_s: float | None, on_landing: OnLanding | None = None
+    ) -> KVItem | None:
+        """One drop-select whose producer may wait `waits_s` for a match (None: for ever)."""
+        if self._consensus is not None:
+            return await self._agreed_drop_select(build, self._consensus, waits_s=waits_s)
+        if len(self._links) == 1:
+            return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s)).item
+        taken = await self._take(build, waits_s=waits_s)
+        if taken is None:
+            return None
+        if not taken.settle(keep=True):
+            raise taken.link._lease_error()
+        return taken.item
+
+    async def _take(self, build: Callable[[int], m.Message], *, waits_s: float | None) -> _Taken | None:
+        """The best item over every producer, not yet confirmed (the caller settles it).
+
+        Every producer is asked at once. Answering at once (`waits` False): the longest match
+        wins, ties go to the first endpoint, and the other items are given back. Waiting: the
+        first match to arrive wins and the other requests are cancelled. A producer that
+        cannot be reached is skipped with a warning; if none can be, its error is raised.
+        """
+        waits = waits_s != 0
+        calls = {
+            asyncio.create_task(link.call(build, confirm=False, waits_s=waits_s)): index
+            for index, link in enumerate(self._links)
+        }
+        try:
+            pending = set(calls)
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if waits and any(_delivered(call) for call in calls if call.done()):
+                    break
+        finally:
+            for call in calls:
+                call.cancel()  # a call cancelled after its item arrived gives that item back itself
+            await asyncio.gather(*calls, return_exceptions=True)
+        taken: list[_Taken] = []
+        errors: list[KVRTError] = []
+        for call, index in calls.items():
+            link = self._links[index]
+            if call.cancelled():
+                continue
+            failure = call.exception()
+            if isinstance(failure, KVRTError):
+                log.warning(
+                    "producer at %s skipped for this lookup: %s",
+                    link.endpoint,
+                    failure,
+                    extra={"endpoint": link.endpoint},
+                )
+                errors.append(failure)
+            elif failure is not None:
+                raise failure
+            elif _delivered(call):
+                reply = call.result()
+                assert reply.item is not None and isinstance(reply.message, m.Deliver)
+                taken.append(_Taken(reply.item, link, reply.message.item_id, index))
+        if not taken:
+            if len(errors) == len(self._links):
+                raise errors[0]
+            return None
+        best = max(taken, key=lambda candidate: (candidate.item.matched, -candidate.link_index))
+        for candidate in taken:
+            if candidate is not best:
+                candidate.settle(keep=False)
+        return best
+
+    async def _agreed_drop_select(
+        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits_s: float | None
+    ) -> KVItem | None:
+        """drop_select for a TP group: look up locally, agree with the group, then keep the
+        item cut to the agreed length, or give it back to its producer."""
+        sequence = consensus.register()
+        taken: _Taken | None = None
+        error: BaseException | None = None
+        try:
+            taken = await self._take(build, waits_s=waits_s)
+        except asyncio.CancelledError as cancelled:
+            consensus.abandon(sequence, Outcome(status_of(cancelled)))
+            raise
+        except KVRTError as failure:
+            error = failure
+            outcome = Outcome(status_of(failure))
+        else:
+            outcome = Outcome(Status.MISS) if taken is None else Outcome(Status.OK, taken.item.matched)
+        item = None if taken is None else taken.item
+        keep = False
+        try:
+            decision = await consensus.decide(sequence, outcome)
+            if decision.status is Status.OK:
+                assert item is not None
+                keep = True
+                return truncate(item, decision.matched_tokens)
+            if decision.status is Status.MISS:
+                return None
+            raise error_for(decision, outcome, error)
+        finally:
+            if taken is not None and not taken.settle(keep=keep):
+                raise taken.link._lease_error()

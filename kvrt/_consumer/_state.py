@@ -1,0 +1,93 @@
+"""What every part of a consumer shares: the fields set up from the constructor's arguments,
+their checks, its counters, and `_check_open`. `Consumer` and its parts derive from
+`ConsumerState`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import uuid
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvrt import _metrics
+from kvrt._arguments import endpoint, seconds, usable_device
+from kvrt._auth import CurveKeys
+from kvrt._consensus import GroupConsensus
+from kvrt._consumer._link import _Link
+from kvrt._consumer._session import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, DEFAULT_TRANSFER_TIMEOUT_S
+from kvrt._errors import (
+    ClosedError,
+    InvalidInputError,
+)
+from kvrt._metrics import ConsumerCounters
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
+from kvrt.transports.select import transport_preference
+
+
+def _seconds(value: object, name: str) -> float:
+    checked = seconds(value, name)
+    assert checked is not None
+    return checked
+
+
+class ConsumerState:
+    """The fields of a consumer and the helpers every part of it calls."""
+
+    def __init__(
+        self,
+        connect: str | Sequence[str],
+        device: torch.device | str = "cpu",
+        *,
+        group: dist.ProcessGroup | None = None,
+        transport: str | None = None,
+        curve: CurveKeys | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
+        name: str | None = None,
+    ) -> None:
+        endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
+        if not endpoints:
+            raise InvalidInputError(
+                f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
+            )
+        endpoints = [endpoint(address, "connect", binding=False) for address in endpoints]
+        heartbeat_s = _heartbeat(heartbeat_s)
+        connect_timeout_s = _seconds(connect_timeout_s, "connect_timeout_s")
+        reply_timeout_s = _seconds(reply_timeout_s, "reply_timeout_s")
+        transfer_timeout_s = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
+        self._reply_timeout_s = reply_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self.device = usable_device(device)
+        self._endpoints = endpoints
+        self._transport_names = transport_preference(transport, self.device)
+        self._curve = curve
+        self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._heartbeat_s = heartbeat_s
+        self._connect_timeout_s = connect_timeout_s
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._links: list[_Link] = []
+        self._group = group
+        self._consensus: GroupConsensus | None = None
+        self._pull_stream: torch.cuda.Stream | None = None
+        """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
+        self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
+        """Queues a pull's scatters, in order, off the loop (see `pull`)."""
+        self.counters = ConsumerCounters()
+        self.metrics = _metrics.ConsumerMetrics()
+        """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the consumer is closed")
+        if self._context is None:
+            raise ClosedError("the consumer is not started: use `async with` or `await start()`")

@@ -1,0 +1,220 @@
+"""A stream's layers arriving on a link: `LinkStreams`, called by `_Link._handle` for each
+stream message, lands each layer for the `ConsumerStream` that `Consumer.open_stream`
+(`_open_stream`) opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+import zmq
+
+from kvrt import _messages as m
+from kvrt._consumer._arrivals import LinkArrivals
+from kvrt._consumer._session import _Reply
+from kvrt._errors import (
+    InvalidInputError,
+    KVRTError,
+    ProtocolError,
+    RemoteProtocolError,
+    translate_torch_error,
+)
+from kvrt._streams import ConsumerStream, StreamAbortedError
+from kvrt._tensors import unpack
+from kvrt._threads import outcome_seen
+from kvrt.transports import Receiver
+
+
+class LinkStreams(LinkArrivals):
+    """A link's streams: layers received as the producer sends them."""
+
+    def _on_stream_start(
+        self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
+    ) -> None:
+        self._leases[start.item_id] = start.lease
+        try:
+            if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:
+                raise RemoteProtocolError("stream_start needs one payload frame of payload_bytes")
+            input_tokens, roi = unpack((start.input_tokens, start.roi), payload[0].buffer)
+            assert input_tokens is not None
+        except ProtocolError as exc:
+            self._release([start.item_id])
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        if future is None or future.done():
+            self._release([start.item_id])
+            return
+        if not self.lease_holds():
+            self._release([start.item_id])
+            future.set_exception(self._lease_error())
+            return
+        writer = self._writers.get(start.request_id)
+        if writer is not None and start.layers != writer.placement.pools.layers:
+            self._release([start.item_id])
+            future.set_exception(
+                InvalidInputError(f"the stream has {start.layers} layers, the pools {writer.placement.pools.layers}")
+            )
+            return
+
+        def confirm() -> KVRTError | None:
+            self._streams.pop(start.item_id, None)
+            return None if self.settle(start.item_id, keep=True) else self._lease_error()
+
+        stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm, writer)
+        self._streams[start.item_id] = stream
+        future.set_result(_Reply(start, stream=stream))
+
+    def _on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
+        stream = self._streams.get(message.item_id)
+        transport = self._transport
+        out_of_band = transport is not None and transport.out_of_band
+        by_transport = transport is not None and transport.streams_tensors
+        if stream is not None and not self.lease_holds():  # the stream may be another reader's by now
+            self._stream_lost(message.item_id, self._lease_error())
+            stream = None
+        if stream is None:  # a stream this side gave back
+            if out_of_band and transport is not None:
+                self._receive_stray(transport, message, payload)
+            elif transport is not None:
+                transport.discard(payload)
+            return
+        try:
+            match message:
+                case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
+                    if by_transport:
+                        assert transport is not None
+                        self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
+                        return
+                    if len(payload) != 2:
+                        raise RemoteProtocolError(f"stream_layer needs 2 frames, {len(payload)} came")
+                    (key,) = unpack([key_meta], payload[0].buffer)
+                    (value,) = unpack([value_meta], payload[1].buffer)
+                    assert key is not None and value is not None
+                    self._deliver_layer(stream, message.item_id, layer, key.to(self._device), value.to(self._device))
+                case m.StreamEnd(hidden=hidden_meta):
+                    if by_transport:
+                        assert transport is not None
+                        self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
+                        return
+                    hidden = None
+                    if hidden_meta is not None:
+                        (hidden,) = unpack([hidden_meta], payload[0].buffer)
+                        hidden = None if hidden is None else hidden.to(self._device)
+                    stream.finish(hidden)
+                case m.StreamAbort(reason=reason):
+                    self._streams.pop(message.item_id, None)
+                    self._leases.pop(message.item_id, None)
+                    stream.fail(StreamAbortedError(f"producer at {self.endpoint} aborted the stream: {reason}"))
+        except (ProtocolError, IndexError) as exc:
+            self._streams.pop(message.item_id, None)
+            error = exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc))
+            stream.fail(error)
+            if out_of_band:  # its bytes are on the way: the pair is out of step
+                self._start_afresh(None, error)
+            else:
+                self._release([message.item_id])
+
+    def _receive_layer(
+        self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
+        key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        """Post a streamed layer's receive (out of band). On a GPU the reader gets it at once,
+        with the event of its landing; on CPU (gloo) once it landed."""
+        if not 0 <= layer < stream.layers:
+            raise RemoteProtocolError(f"stream_layer {layer} of a stream of {stream.layers}")
+        arrival = transport.receive_tensors((key_meta, value_meta), payload)
+        stream.arriving = arrival.complete
+        if arrival.landed is not None:
+            key, value = arrival.tensors
+            self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
+
+        def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
+            error = None if arriving.cancelled() else arriving.exception()
+            if error is not None:
+                self._stream_lost(item_id, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
+            elif not arriving.cancelled() and arrival.landed is None:
+                key, value = arriving.result()
+                self._deliver_layer(stream, item_id, layer, key, value)
+
+        self._own_arrival(arrival.complete, landed)
+
+    def _deliver_layer(
+        self, stream: ConsumerStream, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
+        landed: torch.cuda.Event | None = None,
+    ) -> None:  # fmt: skip
+        """Hand a layer to its reader (GPU: with the event of its landing); a reader of the pools
+        gets it once its write there is queued, with the event after the write."""
+        writer = stream.writer
+        if writer is None:
+            stream.deliver_layer(layer, key, value, landed)
+            return
+        stream.writing(layer)
+        written = writer.write(layer, key, value, landed)
+
+        def delivered(written: asyncio.Future[torch.cuda.Event | None]) -> None:
+            if written.cancelled():
+                return  # the link closed; its streams failed already
+            error = written.exception()
+            if error is not None:
+                self._stream_lost(item_id, translate_torch_error(error, what=f"writing layer {layer} into the pools"))
+            else:
+                stream.deliver_layer(layer, key, value, written.result())
+
+        self._own_arrival(written, delivered)
+
+    def _receive_end(
+        self, stream: ConsumerStream, item_id: int, transport: Receiver,
+        hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        """A stream's end (out of band): it finishes once everything posted for it landed,
+        the hidden states last."""
+        if hidden_meta is not None:
+            stream.arriving = transport.receive_tensors((hidden_meta,), payload).complete
+        elif payload:
+            raise RemoteProtocolError(f"a {transport.name} stream_end carries no frames, {len(payload)} came")
+        last = stream.arriving
+
+        def landed(arriving: asyncio.Future[list[torch.Tensor]] | None) -> None:
+            if arriving is not None and arriving.cancelled():
+                return
+            error = None if arriving is None else arriving.exception()
+            if error is not None:
+                self._stream_lost(item_id, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
+                return
+            stream.finish(None if hidden_meta is None or arriving is None else arriving.result()[0])
+
+        if last is None or last.done():
+            landed(last)
+        elif hidden_meta is not None:
+            self._own_arrival(last, landed)
+        else:
+            last.add_done_callback(landed)  # owned already: it is a layer's
+
+    def _receive_stray(
+        self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
+    ) -> None:
+        """The tensors of a stream this side gave back are on their way all the same (out of
+        band): they are received and dropped, or the next receive on the pair would take them."""
+        metas: tuple[m.TensorMeta, ...]
+        match message:
+            case m.StreamLayer(key=key_meta, value=value_meta):
+                metas = (key_meta, value_meta)
+            case m.StreamEnd(hidden=hidden_meta) if hidden_meta is not None:
+                metas = (hidden_meta,)
+            case _:
+                return
+        try:
+            self._own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
+        except ProtocolError as exc:
+            self._start_afresh(None, exc)
+
+    def _stream_lost(self, item_id: int, error: KVRTError) -> None:
+        """A stream's receive failed: it fails, and its item goes back to the producer."""
+        stream = self._streams.pop(item_id, None)
+        if stream is not None:
+            self._release([item_id])
+            stream.fail(error)
+

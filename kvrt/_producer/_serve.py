@@ -1,0 +1,336 @@
+"""The producer's serve loop: control frames from consumers in, the core's actions out
+(replies, deliveries over the transport, peers joining and leaving). One task, started by
+`Producer.start`, owned by the producer; it wakes for a frame or for the core's next deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+import torch
+import zmq
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem, GathersFailed
+from kvrt._errors import (
+    ErrorCode,
+    PeerLostError,
+    translate_zmq_error,
+)
+from kvrt._messages import Capability
+from kvrt._producer._gathers import _all_gathers_queued, _gathers_prepared
+from kvrt._producer._state import ProducerState
+from kvrt._protocol import Outgoing
+from kvrt._tensors import tensor_bytes
+from kvrt._zmqio import MAX_BATCH, Dropped
+
+TRIM_AFTER_DEPARTURES: Final = 256
+"""Peers forgotten since the last heap trim that make the next one worth it."""
+
+log = logging.getLogger("kvrt.producer")
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+class _Unencodable(Exception):
+    """A message the core built that the wire cannot carry (a bug: every value is checked first)."""
+
+
+def _encoded(message: m.Message) -> bytes:
+    try:
+        return m.encode(message)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise _Unencodable(f"{type(message).__name__}: {exc}") from exc
+
+
+def _frame_bytes(frame: bytes | memoryview) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    return min((deadline for deadline in deadlines if deadline is not None), default=None)
+
+
+def _fill(item: BufferedItem) -> None:
+    """Write a finished stream's storage before it is read whole (see `BufferedItem.fill`)."""
+    fill, item.fill = item.fill, None
+    if fill is not None:
+        fill(item)
+
+
+def _host_of(endpoint: str) -> str:
+    """The host part of a bound tcp:// endpoint, as peers can reach it."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+class _Serving(ProducerState):
+    """The serve loop and what it performs: replies, deliveries, peers leaving."""
+
+    def _reclaim(self) -> None:
+        """Before allocating an item: memory that finished transfers still reference is freed
+        (else a GPU item allocates anew, a device allocation on the loop)."""
+        for transport in self._transports.values():
+            transport.reclaim()
+
+    async def _host_frames(self, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> list[memoryview]:
+        """A stream message's tensors as frames for an in-band transport. GPU tensors are
+        copied to the host in a kvrt thread once the prefill wrote them: the loop never waits
+        for the device."""
+        if all(tensor.device.type == "cpu" for tensor in tensors):
+            return [tensor_bytes(tensor) for tensor in tensors]
+        if ready is None:  # written on this thread's current stream, which the copy must follow
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensors[0].device))
+
+        if self._to_host is None:
+            self._to_host = torch.cuda.Stream(tensors[0].device)
+        to_host_stream = self._to_host
+
+        def to_host() -> list[memoryview]:
+            ready.synchronize()
+            # On a stream of kvrt's own: a copy on the thread's default stream would also wait
+            # for everything queued on the legacy default stream, a whole prefill if it runs there.
+            with torch.cuda.stream(to_host_stream):
+                return [tensor_bytes(tensor.cpu()) for tensor in tensors]
+
+        return await asyncio.wrap_future(self._gather_thread().submit(to_host))
+
+    async def _serve(self) -> None:
+        io, outboxes = self._io, self._outboxes
+        assert io is not None and outboxes is not None
+        core = self._core
+        while True:
+            first = await io.next(_earliest(core.next_deadline(), outboxes.next_retry()))
+            now = self._now()
+            batch = [] if first is None else [first, *io.drain()]
+            for frames in batch:
+                if len(frames) >= 2:
+                    # Answered one by one: a burst's first item goes out (and its transfer
+                    # starts) before the rest of the burst is looked up.
+                    out = self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
+                    if out:
+                        await self._perform(out)
+                    if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
+                        await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
+            if outboxes.next_retry() is not None:
+                await self._perform(self._dropped(outboxes.flush(now), now))
+            expired = core.expire(now)
+            if expired:
+                await self._perform(expired)
+            self._release_departed()
+            self._update_room()  # receipts in the batch may have made room
+            if len(batch) > MAX_BATCH:
+                # A flood never suspends `io.next`: yield once a full batch, so that inserts
+                # and the engine's other tasks on this loop still run while one peer floods.
+                await asyncio.sleep(0)
+
+    def _answer(self, peer: bytes, frame: memoryview, extra_frames: int, now: float) -> list[Outgoing]:
+        """The core's answer to one frame. A frame the core fails on (a bug, or a peer's input
+        nobody foresaw) fails alone: its peer gets an internal error, everyone else is served."""
+        try:
+            return self._core.receive(peer, frame, extra_frames, now)
+        except Exception as exc:
+            log.exception("a frame could not be handled", extra={"peer": peer})
+            return [self._core.refusal(peer, m.peek_request_id(frame), ErrorCode.INTERNAL, f"{type(exc).__name__}")]
+
+    def _dropped(self, dropped: list[Dropped], now: float) -> list[Outgoing]:
+        """Forget the peers the outboxes gave up on (their items go back once their lease ends)."""
+        out: list[Outgoing] = []
+        for gone in dropped:
+            log.warning("dropped a consumer: %s", gone.reason, extra={"peer": gone.peer})
+            out += self._core.peer_unreachable(gone.peer, now, gone.reason)
+        return out
+
+    def _post(self, peer: bytes, frames: list[bytes | memoryview], dropped: list[Dropped]) -> None:
+        """Send to one peer without waiting on it (see `RouterOutboxes`)."""
+        assert self._outboxes is not None
+        gone = self._outboxes.post(peer, frames, self._now())
+        if gone is not None:
+            dropped.append(gone)
+
+    async def _perform(self, out: list[Outgoing]) -> None:
+        """Send what the core answered; a peer found unreachable, or not reading, is forgotten.
+
+        No send waits for a peer: each peer's messages wait in its own outbox when its queue is
+        full. Under one lock all the same: an out-of-band transport's sends must be issued in
+        the order their Deliver headers are posted, and `insert` and the serve loop both come
+        here. A message that cannot be built fails its own request only.
+        """
+        dropped: list[Dropped] = []
+        async with self._send_lock:
+            while out:
+                send = out.pop(0)
+                try:
+                    await self._send_one(send, dropped)
+                except (zmq.ZMQError, PeerLostError) as exc:
+                    if isinstance(exc, zmq.ZMQError):
+                        error = translate_zmq_error(exc, endpoint=self.endpoint)
+                        if not isinstance(error, PeerLostError):
+                            raise error from exc
+                    out += self._core.peer_unreachable(send.peer, self._now(), "it is no longer connected")
+                except GathersFailed:
+                    # The consumer may hold a header whose bytes will never come: its pair
+                    # cannot be trusted any more. The item is gone (`publish` raises).
+                    for item in (send.item,) if send.item is not None else send.items:
+                        if item.gathers is not None and item.gathers.failed:
+                            self._core.discard(item)
+                    out += self._core.peer_unreachable(send.peer, self._now(), "an item's gathers failed")
+                except _Unencodable as exc:
+                    log.error("could not build a reply: %s", exc, extra={"peer": send.peer})
+                    out += self._core.unsendable(send, str(exc), self._now())
+                if dropped:
+                    out += self._dropped(dropped, self._now())
+                    dropped = []
+            self._release_departed()
+        self._update_room()
+
+    async def _send_one(self, send: Outgoing, dropped: list[Dropped]) -> None:
+        """Build and post one message the core answered, with its payload."""
+        message = send.message
+        item = send.item
+        if (
+            type(message) is m.Deliver and item is not None
+            and item.gathers is None and item.fill is None
+            and self._core.transport_of(send.peer) == Capability.TCP
+            and (framed := self._transports[Capability.TCP].framed(item)) is not None
+        ):  # fmt: skip
+            # The common case on a CPU host, without a coroutine in the way: an inserted item's
+            # bytes, framed once at insert, go with its header.
+            self._post_delivery(send.peer, message, framed, dropped)
+            return
+        if isinstance(message, m.ErrorReply) and self._refusal_log.allows(self._now()):
+            log.info(
+                "refused a message: %s%s", message.message, self._refusal_log.suppressed_note(),
+                extra={"peer": send.peer, "request_id": message.request_id, "code": message.code.value},
+            )  # fmt: skip
+        frames: Sequence[bytes | memoryview] = ()
+        if isinstance(message, m.Welcome):
+            assert self._outboxes is not None
+            self._outboxes.unmute(send.peer)
+            # A second hello ended the peer's old session first: its pair goes now,
+            # not after the new one is offered (the peer's identity is the same).
+            self._release_departed()
+            if self._peer_log.allows(self._now()):
+                log.info("a consumer joined; its items travel over %s%s", message.transport,
+                         self._peer_log.suppressed_note(),
+                         extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
+            rendezvous = self._transports[message.transport].offer(send.peer)
+            if rendezvous:
+                message = msgspec.structs.replace(message, rendezvous=rendezvous)
+        for item in (send.item, *send.items):
+            if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
+                _fill(item)  # a finished stream read whole after all
+        if isinstance(message, m.StreamStart):
+            assert send.item is not None
+            await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first
+            # The frame: the tokens (and roi) at the head of the item's buffer, read
+            # back in a kvrt thread for a GPU item (written before its ready event).
+            head = send.item.storage[: message.payload_bytes]
+            frames = await self._host_frames([head], send.item.ready_event)
+        elif isinstance(message, m.StreamLayer | m.StreamEnd):
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the stream back
+            transport = self._transports[transport_name]
+            ready = send.ready if send.item is None else send.item.written
+            if transport.out_of_band and send.tensors:
+                # The header first, as for a Deliver: the consumer posts the receive
+                # while the send waits (on the GPU) for the prefill to write the layer.
+                self._post(send.peer, [_encoded(message)], dropped)
+                await transport.send_tensors(send.peer, send.tensors, ready)
+                return
+            if transport.streams_tensors and not transport.out_of_band:
+                frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
+            else:
+                frames = await self._host_frames(send.tensors, ready)
+        elif isinstance(message, m.DeliverMany):
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the items back
+            transport = self._transports[transport_name]
+            for item in send.items:  # a published item is read whole: every gather queued
+                await _all_gathers_queued(item)
+            if transport.out_of_band:
+                self._post(send.peer, [_encoded(message)], dropped)
+                await transport.send_many(send.peer, message, send.items)
+                return
+            frames = await transport.send_many(send.peer, message, send.items)
+            self._post_delivery(send.peer, message, frames, dropped)
+            return
+        elif send.item is not None:
+            transport_name = self._core.transport_of(send.peer)
+            if transport_name is None:
+                return  # the peer left meanwhile; the core took the item back
+            transport = self._transports[transport_name]
+            if transport.out_of_band:
+                # The header first: the consumer posts its receives while the sends
+                # are queued here (one per chunk of a publish, each chunk's gather
+                # queued right before). Under the send lock an item's header and sends
+                # still go before the next item's.
+                self._post(send.peer, [_encoded(message)], dropped)
+                await _gathers_prepared(send.item)
+                await transport.send(send.peer, send.item)
+                return
+            await _all_gathers_queued(send.item)
+            frames = await transport.send(send.peer, send.item)
+            if isinstance(message, m.Deliver):
+                self._post_delivery(send.peer, message, frames, dropped)
+                return
+        self._post(send.peer, [_encoded(message), *frames], dropped)
+
+    def _post_delivery(
+        self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
+        dropped: list[Dropped],
+    ) -> None:  # fmt: skip
+        """An in-band delivery: with its frames, or, when they are large (the bytes themselves,
+        over TCP; not a cuda_ipc share that names them), its header first and the frames in a
+        `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        if not frames or sum(_frame_bytes(frame) for frame in frames) < m.SPLIT_PAYLOAD_BYTES:
+            self._post(peer, [_encoded(message), *frames], dropped)
+            return
+        self._post(peer, [_encoded(message)], dropped)
+        self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
+
+    def _release_departed(self) -> None:
+        departed = self._core.take_departed()
+        for departure in departed:
+            if self._peer_log.allows(self._now()):
+                log.info("consumer left; what it held is back in the buffer%s", self._peer_log.suppressed_note(),
+                         extra={"peer": departure.peer})  # fmt: skip
+            self._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
+            self._peer_left.set()
+        self._departed_since_trim += len(departed)
+        if self._departed_since_trim >= TRIM_AFTER_DEPARTURES and self._core.peer_count < self._departed_since_trim:
+            # After a storm of peers, give the memory their connections and records held back
+            # to the system (glibc keeps freed memory in its arenas otherwise).
+            self._departed_since_trim = 0
+            _trim_heap()
+
+    def _serve_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            # The serve loop owns the protocol; without it nothing can be served. Close,
+            # so that every later call says so instead of waiting for ever.
+            self._failure = failure
+            self._closed = True
+            self._room.set()

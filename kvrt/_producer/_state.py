@@ -1,0 +1,164 @@
+"""What every part of a producer shares: the fields set up from the constructor's
+arguments, their defaults and checks, and the few helpers each part calls (`_now`,
+`_check_open`, waiting for room). `Producer` and its parts derive from `ProducerState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import uuid
+from typing import Any, Final
+
+import torch
+import zmq
+
+from kvrt._arguments import byte_count, endpoint, seconds, usable_device
+from kvrt._auth import CurveKeys
+from kvrt._errors import (
+    ClosedError,
+    InvalidInputError,
+    KVRTTimeoutError,
+)
+from kvrt._pools import PoolTable
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
+from kvrt._threads import gpu_worker
+from kvrt._zmqio import RouterOutboxes, SocketIO
+from kvrt.transports import Sender
+from kvrt.transports.cuda_ipc import host_identity
+from kvrt.transports.select import SAME_HOST_ONLY, transport_preference
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""K and V bytes per chunk of a published request (see `register_pools`)."""
+
+
+PRODUCER_IO_THREADS: Final = 2
+
+
+class _RateLimit:
+    """At most one log line per `per_s` for a kind of event a peer can cause at will (a flood
+    of refused messages must not become a flood of log lines); the others are counted."""
+
+    def __init__(self, per_s: float) -> None:
+        self._per_s = per_s
+        self._next = 0.0
+        self._suppressed = 0
+
+    def allows(self, now: float) -> bool:
+        if now >= self._next:
+            self._next = now + self._per_s
+            return True
+        self._suppressed += 1
+        return False
+
+    def suppressed_note(self) -> str:
+        note = f" ({self._suppressed} more not logged)" if self._suppressed else ""
+        self._suppressed = 0
+        return note
+
+
+class ProducerState:
+    """The fields of a producer and the helpers every part of it calls."""
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        device: torch.device | str = "cpu",
+        buffer_bytes: int = 1 << 30,
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+        transport: str | None = None,
+        item_ttl_s: float | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
+        heartbeat_s = _heartbeat(heartbeat_s)
+        item_ttl_s = seconds(item_ttl_s, "item_ttl_s", none=True)
+        bind = endpoint(bind, "bind", binding=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
+        self.device = usable_device(device)
+        self.buffer_bytes = buffer_bytes
+        self._bind = bind
+        self._curve = curve
+        self._authenticator: Any = None
+        self._transport_names = transport_preference(transport, self.device)
+        self._transports: dict[str, Sender] = {}
+        self._core = ProducerCore(
+            producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            heartbeat_s=heartbeat_s,
+            transports=self._transport_names,
+            buffer_limit_bytes=buffer_bytes,
+            item_ttl_s=item_ttl_s,
+            host=host_identity(),
+            same_host_only=SAME_HOST_ONLY,
+        )
+        self._send_lock = asyncio.Lock()
+        self._refusal_log = _RateLimit(per_s=1.0)
+        self._peer_log = _RateLimit(per_s=0.1)
+        """Consumers joining and leaving: a storm of connections must not become one of log lines."""
+        self._departed_since_trim = 0
+        self._pools: PoolTable | None = None
+        self._chunk_bytes = DEFAULT_CHUNK_BYTES
+        self._taper = False
+        """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
+        self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
+        """Queues a publish's gathers off the loop (see `publish`)."""
+        self._to_host: torch.cuda.Stream | None = None
+        """Where the gather thread copies stream messages' tensors to the host (see `_host_frames`)."""
+        self._peer_left = asyncio.Event()
+        """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._io: SocketIO | None = None
+        self._outboxes: RouterOutboxes | None = None
+        self._endpoint: str | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    # -- API ------------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The address actually bound (with the real port when `bind` asked for port 0)."""
+        if self._endpoint is None:
+            raise ClosedError("the producer is not started: use `async with` or `await start()`")
+        return self._endpoint
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _check_open(self) -> None:
+        if self._closed or self._socket is None:
+            reason = "closed" if self._closed else "not started: use `async with` or `await start()`"
+            raise ClosedError(f"the producer is {reason}") from self._failure
+
+    def _update_room(self) -> None:
+        if self._core.buffer.nbytes <= self.buffer_bytes:
+            self._room.set()
+        else:
+            self._room.clear()
+
+    async def _wait_for_room(self, timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                while self._core.buffer.nbytes > self.buffer_bytes and not self._closed:
+                    await self._room.wait()
+        except TimeoutError:
+            raise KVRTTimeoutError(
+                f"the buffer stayed over {self.buffer_bytes} bytes for {timeout} s: "
+                "no consumer is taking items; check that decode instances are connected",
+                phase="insert",
+            ) from None
+        self._check_open()
+
+    def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._gathers is None:
+            self._gathers = gpu_worker(self.device, "kvrt-gather")
+        return self._gathers

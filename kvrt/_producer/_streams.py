@@ -1,0 +1,167 @@
+"""`open_stream` on the producer: a request's KV sent a layer at a time while prefill runs,
+each layer gathered off the loop and offered to the consumer that holds the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrt._buffer import BufferedItem, StreamState
+from kvrt._caller_stream import on_caller_stream
+from kvrt._errors import (
+    InvalidInputError,
+)
+from kvrt._item import (
+    check_tokens,
+    item_from_packed,
+    item_from_tokens,
+)
+from kvrt._pools import checked_indexes, per_token
+from kvrt._producer._insert import _Inserting
+from kvrt._streams import Placement, ProducerStream
+from kvrt._tensors import copy_into, pack, pack_empty
+from kvrt._threads import launch_on
+
+
+def _release_layers(stream: StreamState) -> None:
+    """Free an ended stream's own copies of its layers, though the caller may keep its handle
+    (a transfer still reading one holds it until it ran)."""
+    stream.keys.clear()
+    stream.values.clear()
+    stream.ready.clear()
+
+
+class _Streaming(_Inserting):
+    """Streams of layers, opened by the prefill engine."""
+
+    @on_caller_stream
+    async def open_stream(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        layers: int | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> ProducerStream:
+        """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
+        layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
+        A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
+        wrote it (see `kvrt._streams`); others get it as frames, over TCP.
+
+        With `slots` (and `replica`, as for `publish`) the layers are read from the registered
+        pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
+        (`layers` may be left out). Indexes on the host are checked there; on the GPU the
+        check reads a flag back, which waits for `stream` (None: the caller's current stream)
+        once."""
+        self._check_open()
+        check_tokens(input_tokens, roi, what="open_stream")
+        placement = None
+        if slots is not None:
+            placement = self._placement(input_tokens, slots, replica)
+            if layers is not None and layers != placement.pools.layers:
+                raise InvalidInputError(f"a stream of the pools has its {placement.pools.layers} layers, not {layers}")
+            layers = placement.pools.layers
+        if not isinstance(layers, int) or layers <= 0:
+            raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
+        packed = pack((input_tokens, roi), torch.device("cpu"))
+        item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
+        item.stream = StreamState(layers)
+        await self._perform(self._core.open_stream(item, self._now()))
+        return ProducerStream(self, item, layers, int(input_tokens.numel()), placement)
+
+    def _placement(self, input_tokens: torch.Tensor, slots: torch.Tensor, replica: torch.Tensor | int) -> Placement:
+        pools = self._pools
+        if pools is None:
+            raise InvalidInputError("a stream of the pools needs them: call register_pools first")
+        replicas = per_token(replica, slots)
+        if slots.numel() != input_tokens.numel():
+            raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")
+        return Placement(pools, *checked_indexes(pools, replicas, slots))
+
+    async def _gathered_layer(
+        self, placement: Placement, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Layer `layer` of a stream of the pools, gathered into a block of its own (key and
+        value back to back: one transfer), and on a GPU the event after the gather, queued on
+        the current stream. A first launch compiles, for about a second, in the gather thread
+        (the loop must not wait for that), queued on the same stream all the same."""
+        from kvrt.kernels.paged_kv import gather_layer_into_any, prepare_gather_layer
+
+        pools = placement.pools
+        g, tokens = pools.geometry, placement.slots.numel()
+        shape = (tokens, g.heads, g.head_dim)
+        block = torch.empty((g.kv, *shape), dtype=pools.dtype, device=pools.device)
+        key = block[0]
+        value = block[1] if g.kv == 2 else torch.empty((tokens, 1, 0), dtype=pools.dtype, device=pools.device)
+        if pools.device.type != "cuda":
+            gather_layer_into_any(pools, placement.replicas, placement.slots, layer, key, value)
+            return key, value, None
+        prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
+        caller = torch.cuda.current_stream(pools.device)
+        await launch_on(prepared, caller, self._gather_thread)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        return key, value, ready
+
+    async def _stream_layer(
+        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
+        await self._perform(self._core.stream_layer(item, key, value, ready))
+
+    async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
+        """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
+        nobody read it): its layers stacked straight into the item's buffer, one copy."""
+        stream = item.stream
+        assert stream is not None
+        first_key, first_value = stream.keys[0], stream.values[0]
+        packed = pack_empty(
+            [(item.input_tokens.shape, item.input_tokens.dtype),
+             None if item.roi is None else (item.roi.shape, item.roi.dtype),
+             ((stream.layers, *first_key.shape), first_key.dtype),
+             ((stream.layers, *first_value.shape), first_value.dtype),
+             None if hidden is None else (hidden.shape, hidden.dtype)],
+            self.device,
+        )  # fmt: skip
+        tokens, roi, key, value, whole_hidden = packed.tensors
+        assert tokens is not None and key is not None and value is not None
+        for into, source in ((tokens, item.input_tokens), (roi, item.roi), (whole_hidden, hidden)):
+            if into is not None and source is not None:
+                copy_into(into, source)
+        whole = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
+        keys, values, written = list(stream.keys), list(stream.values), list(stream.ready)
+
+        def fill(whole: BufferedItem) -> None:
+            """The layers stacked straight into the item's buffer (one copy), on the current
+            stream, after the streams that wrote them; the transports then prepare it."""
+            if self.device.type == "cuda":
+                current = torch.cuda.current_stream(self.device)
+                for event in written:
+                    if event is not None:
+                        current.wait_event(event)
+                for tensor in (*keys, *values):
+                    tensor.record_stream(current)  # freed with this closure, maybe before the stack ran
+            torch.stack(keys, out=key)
+            torch.stack(values, out=value)
+            self._prepare(whole)
+
+        if stream.reader is None:
+            fill(whole)
+        else:
+            # The reader has every layer on its way: the whole item is written only if it must
+            # travel whole after all (its reader leaves before confirming it). Stacking every
+            # layer now would share the producer's GPU with the last layers' sends (a 1 GiB
+            # stack slowed the last send of `kvrt bench stream` from ~0.11 to ~0.26 ms).
+            whole.fill = fill
+            if self.device.type == "cuda":  # the end's hidden states are written on this stream
+                whole.ready_event = torch.cuda.Event()
+                whole.ready_event.record(torch.cuda.current_stream(self.device))
+        await self._perform(self._core.finish_stream(item, whole, self._now()))
+        _release_layers(stream)
+
+    async def _abort_stream(self, item: BufferedItem, reason: str) -> None:
+        stream = item.stream
+        await self._perform(self._core.abort_stream(item, reason))
+        if stream is not None:
+            _release_layers(stream)
