@@ -30,7 +30,7 @@ from kvrt._errors import (
     TransportUnavailableError,
     VersionMismatchError,
 )
-from kvrt._item import KVItem
+from kvrt._item import KVBuffers, KVItem
 from kvrt._logs import JsonFormatter, log_json
 from kvrt._messages import PROTOCOL_VERSION
 from kvrt._metrics import register_metrics, serve_metrics
@@ -54,6 +54,7 @@ __all__ = [
     "ErrorCode",
     "InvalidInputError",
     "JsonFormatter",
+    "KVBuffers",
     "KVItem",
     "KVRTError",
     "KVRTTimeoutError",

@@ -10,6 +10,7 @@ Shapes (token axis in capitals):
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -44,6 +45,101 @@ class KVItem:
     value: torch.Tensor
     hidden: torch.Tensor | None
     matched: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVBuffers:
+    """Memory of the caller's own that `drop_select(..., into=)` lands an item in.
+
+    Each tensor is contiguous, on the consumer's device, and takes the item's tensor of the
+    same name in its leading elements, viewed in the item's shape: of the item's dtype, with
+    at least as many elements (a flat staging buffer sized for the longest prompt serves
+    every item). The returned `KVItem`'s `key`, `value` (and `hidden`, where given) are those
+    views. `hidden` None: an item's hidden states, if it has any, land in memory kvrt
+    allocates, as without `into`.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+def check_buffers(into: object, device: torch.device, *, what: str) -> KVBuffers | None:
+    """`into` as a call takes it: None, or `KVBuffers` kvrt can write on `device`."""
+    if into is None:
+        return None
+    if not isinstance(into, KVBuffers):
+        raise InvalidInputError(f"{what}: into must be None or kvrt.KVBuffers(key=, value=, hidden=), got {type(into)}")
+    for name in ("key", "value", "hidden"):
+        tensor = getattr(into, name)
+        if tensor is None and name == "hidden":
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInputError(f"{what}: into.{name} must be a tensor, got {type(tensor).__name__}")
+        if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
+            raise InvalidInputError(f"{what}: into.{name} is on {tensor.device}; items land on device {device}")
+        _check_data(tensor, f"into.{name}", what)
+        if not tensor.is_contiguous():
+            raise InvalidInputError(f"{what}: into.{name} must be contiguous (an item lands in its leading elements)")
+    return into
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """Where a call's items land: one `KVBuffers` (a drop_select) or one per query (None: kvrt's
+    own memory), and whether the link copies them there as they land (`copy`), or checks only
+    that they fit and leaves the copy to the caller, once it chose among several links or its
+    TP group agreed (so that an item given back never overwrote the buffers)."""
+
+    buffers: KVBuffers | Sequence[KVBuffers | None]
+    copy: bool = True
+
+    def at(self, index: int) -> KVBuffers | None:
+        """The buffers of query `index` (of a drop_select_many's request)."""
+        if isinstance(self.buffers, KVBuffers):
+            return self.buffers
+        return self.buffers[index]
+
+
+def _pairs(item: KVItem, into: KVBuffers) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    pairs = [("key", item.key, into.key), ("value", item.value, into.value)]
+    if item.hidden is not None and into.hidden is not None:
+        pairs.append(("hidden", item.hidden, into.hidden))
+    return pairs
+
+
+def check_fit(item: KVItem, into: KVBuffers, *, what: str) -> None:
+    """Raise `InvalidInputError` when one of `item`'s tensors does not fit its buffer."""
+    for name, tensor, buffer in _pairs(item, into):
+        if buffer.dtype != tensor.dtype:
+            raise InvalidInputError(
+                f"{what}: into.{name} is {buffer.dtype}; the item's {name} is {tensor.dtype}, so it went back"
+            )
+        if buffer.numel() < tensor.numel():
+            raise InvalidInputError(
+                f"{what}: into.{name} holds {buffer.numel()} elements; the item's {name} needs {tensor.numel()} "
+                f"(shape {tuple(tensor.shape)}), so it went back"
+            )
+
+
+def land_in(item: KVItem, into: KVBuffers) -> KVItem:
+    """`item` copied into `into` (which it fits: `check_fit`), queued on the current stream on a
+    GPU; the returned item's tensors are views of those buffers."""
+    landed = {}
+    for name, tensor, buffer in _pairs(item, into):
+        view = buffer.view(-1)[: tensor.numel()].view(tensor.shape)
+        view.copy_(tensor, non_blocking=True)
+        if tensor.is_cuda:  # freed once this returns: not reused before the copy read it
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        landed[name] = view
+    return KVItem(
+        input_tokens=item.input_tokens,
+        roi=item.roi,
+        key=landed["key"],
+        value=landed["value"],
+        hidden=landed.get("hidden", item.hidden),
+        matched=item.matched,
+    )
 
 
 def _describe(tensor: object) -> str:

@@ -52,7 +52,7 @@ from kvrt import _consumer, _producer
 from kvrt._auth import CurveKeys
 from kvrt._caller_stream import caller_stream
 from kvrt._errors import ClosedError, KVRTError
-from kvrt._item import KVItem
+from kvrt._item import KVBuffers, KVItem
 from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
 from kvrt._streams import ConsumerStream as _AsyncConsumerStream
 from kvrt._streams import ProducerStream as _AsyncProducerStream
@@ -443,10 +443,14 @@ class Consumer(_Blocking[_consumer.Consumer]):
         timeout: float | None = 0.0,
         *,
         stream: torch.cuda.Stream | None = None,
+        into: KVBuffers | None = None,
     ) -> KVItem | None:
         """`kvrt.Consumer.drop_select`: the best match, or None; `timeout` is how long to wait
-        for one to be inserted (0 answers at once, None waits until one is or either side closes)."""
-        return self._call(self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream))
+        for one to be inserted (0 answers at once, None waits until one is or either side closes);
+        `into`, the caller's buffers to land it in."""
+        return self._call(
+            self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream), into=into
+        )
 
     def drop_select_many(
         self,
@@ -454,9 +458,10 @@ class Consumer(_Blocking[_consumer.Consumer]):
         rois: Sequence[torch.Tensor | None] | None = None,
         *,
         stream: torch.cuda.Stream | None = None,
+        into: Sequence[KVBuffers | None] | None = None,
     ) -> list[KVItem | None]:
-        """`kvrt.Consumer.drop_select_many`: several lookups answered at once."""
-        return self._call(self._service.drop_select_many, queries, rois, stream=self._stream(stream))
+        """`kvrt.Consumer.drop_select_many`: several lookups answered at once (`into`: buffers per query)."""
+        return self._call(self._service.drop_select_many, queries, rois, stream=self._stream(stream), into=into)
 
     def pull(
         self,

@@ -97,6 +97,31 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             outcomes = [summary(item) for item in [*items, *misses]]
             results.put((rank, "batch", (outcomes, producer.stats().items, rounds)))
 
+            # into=: the agreed (cut) item lands in the rank's own buffers; a miss of the group
+            # leaves them untouched, though this rank's own item had come (it went back).
+            def staging() -> kvrt.KVBuffers:
+                empty = torch.full((1024,), -1.0, dtype=torch.float16)  # the largest item as it comes, uncut
+                return kvrt.KVBuffers(key=empty, value=empty.clone())
+
+            await insert(producer, tokens(8000, 8 + 8 * rank), rank)
+            landing = staging()
+            item = await consumer.drop_select(tokens(8000, 32), into=landing)
+            landed = item is not None and item.key.data_ptr() == landing.key.data_ptr()
+            values = sorted({float(value) for value in landing.key.unique()})
+            if rank != missing_rank(world):
+                await insert(producer, tokens(8100, 8), rank)
+            untouched = staging()
+            missed = await consumer.drop_select(tokens(8100, 8), into=untouched)
+            await insert(producer, tokens(8200, 6), rank)
+            per_query = [staging()]
+            (batched,) = await consumer.drop_select_many([tokens(8200, 6)], into=per_query)
+            batch_landed = batched is not None and batched.key.data_ptr() == per_query[0].key.data_ptr()
+            await caught_up(consumer)
+            results.put((rank, "into", (
+                summary(item), landed, values, missed is None, bool((untouched.key == -1).all()),
+                summary(batched), batch_landed, producer.stats().items,
+            )))  # fmt: skip
+
             # Random rounds, several lookups in flight on every rank.
             rng = random.Random(99)
             expected: list[int] = []

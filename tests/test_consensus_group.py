@@ -16,7 +16,7 @@ import pytest
 from tests._consensus_ranks import RANDOM_ROUNDS, failing_rank, missing_rank, run_rank
 
 WORLD = 4
-SCENARIOS = ("different_prefix", "pull", "one_missing", "batch", "random_rounds", "producer_failing")
+SCENARIOS = ("different_prefix", "pull", "one_missing", "batch", "into", "random_rounds", "producer_failing")
 """What every rank of `tests._consensus_ranks.scenarios` reports, in order."""
 
 
@@ -89,6 +89,16 @@ def check_batch(seen: dict[str, dict[int, Any]], world: int) -> None:
         assert rounds == [2, 1]
 
 
+def check_into(seen: dict[str, dict[int, Any]], world: int) -> None:
+    for rank, (item, landed, values, missed, untouched, batched, batch_landed, items_left) in seen["into"].items():
+        assert item == ("item", 8, 8, 8, 8) and landed  # the agreed 8 tokens, in the rank's buffers
+        assert values == sorted({-1.0, float(rank)})  # its own item's rows, the rest untouched
+        assert missed and untouched  # the group missed: nothing written, though this rank had an item
+        assert batched == ("item", 6, 6, 6, 6) and batch_landed
+        before = seen["batch"][rank][1]
+        assert items_left == before + (0 if rank == missing_rank(world) else 1)  # the missed items went back
+
+
 def check_random_rounds(seen: dict[str, dict[int, Any]]) -> None:
     for matched, expected in seen["random_rounds"].values():
         assert len(matched) == RANDOM_ROUNDS
@@ -111,6 +121,7 @@ def check_every_scenario(seen: dict[str, dict[int, Any]], world: int) -> None:
     check_pull(seen)
     check_one_missing(seen, world)
     check_batch(seen, world)
+    check_into(seen, world)
     check_random_rounds(seen)
     check_producer_failing(seen, world)
 
@@ -136,6 +147,13 @@ def test_a_rank_missing_the_item_makes_it_a_miss_everywhere_and_nothing_is_lost(
 @pytest.mark.timeout(240)
 def test_a_batch_of_lookups_is_agreed_together_in_one_round_on_every_rank(seen: dict[str, dict[int, Any]]) -> None:
     check_batch(seen, WORLD)
+
+
+@pytest.mark.timeout(240)
+def test_in_a_group_the_agreed_item_lands_in_each_ranks_buffers_and_a_group_miss_writes_none(
+    seen: dict[str, dict[int, Any]],
+) -> None:
+    check_into(seen, WORLD)
 
 
 @pytest.mark.timeout(240)

@@ -174,6 +174,39 @@ def test_a_receipt_after_the_lease_ended_is_refused_and_the_item_stays_with_its_
     assert core.counters.delivered_items == 1
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["drop_select", "drop_select_many"])
+async def test_a_delivery_read_after_the_lease_ended_is_given_back_without_reading_its_bytes(
+    monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    # A consumer that wakes from a stall reads the deliveries queued meanwhile: by then the
+    # producer may have given those items to others and reused their memory, which a GPU
+    # transport would read from. So nothing is received for a delivery outside the lease.
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        await producer.insert(torch.arange(8), None, torch.ones(1, 8, 1, 4), torch.ones(1, 8, 1, 4))
+        link = consumer.link_for_tests()
+        transport = link._transport
+        core_receive = link.core.receive
+        received: list[object] = []
+
+        def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
+            event = core_receive(frame, now)
+            if isinstance(m.decode(frame), m.Deliver | m.DeliverMany):
+                monkeypatch.setattr(link, "lease_holds", lambda: False)
+            return event
+
+        monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
+        for name in ("receive", "receive_many"):
+            original = getattr(transport, name)
+            monkeypatch.setattr(transport, name, lambda *args, _was=original: received.append(args) or _was(*args))
+        lookup = consumer.drop_select_many([torch.arange(8)]) if batched else consumer.drop_select(torch.arange(8))
+        with pytest.raises(kvrt.LeaseExpiredError):
+            await lookup
+        assert received == []
+        monkeypatch.undo()
+        item = await consumer.drop_select(torch.arange(8))
+        assert item is not None and torch.equal(item.key, torch.ones(1, 8, 1, 4))
+
+
 # -- 3. a peer that stops reading --------------------------------------------------------------
 
 

@@ -12,16 +12,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import zmq
 
 from kvrt import _messages as m
 from kvrt._consumer._session import LinkSession, _item_ids, _Reply
 from kvrt._errors import (
+    InvalidInputError,
     KVRTTimeoutError,
     ProtocolError,
     translate_torch_error,
 )
-from kvrt._item import KVItem
+from kvrt._item import KVBuffers, KVItem, check_fit, land_in
 from kvrt._protocol import (
     LinkState,
 )
@@ -41,9 +43,11 @@ class LinkArrivals(LinkSession):
         if self._transport is None:
             self._release([deliver.item_id])
             return
-        if self._transport.out_of_band and not self.lease_holds():
-            # Its bytes may come from memory that is another consumer's by now: not read.
-            self._start_afresh(future, self._lease_error())
+        if not self.lease_holds():
+            # Read after the lease ended (this process stalled): its bytes may come from
+            # memory that is another consumer's by now, or reused (a GPU transport reads the
+            # producer's), so nothing is read.
+            self._refuse_unread(future, [deliver.item_id], payload)
             return
         try:
             arrival = self._transport.receive(deliver, payload)
@@ -90,11 +94,22 @@ class LinkArrivals(LinkSession):
         if not self.lease_holds():
             self._give_back(future, deliver, self._lease_error())
             return
-        input_tokens, roi, key, value, hidden = arriving.result()
+        item = KVItem(*arriving.result(), deliver.matched)
+        landing = self._into.get(deliver.request_id)
+        buffers = None if landing is None else landing.at(0)
+        if buffers is not None:
+            assert landing is not None
+            try:
+                check_fit(item, buffers, what="drop_select")
+            except InvalidInputError as misfit:
+                self._give_back(future, deliver, misfit)
+                return
+            if landing.copy:
+                item = land_in(item, buffers)
         if self._metrics is not None and header_at:
             transport = self._transport.name if self._transport is not None else "unknown"
             self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
-        future.set_result(_Reply(deliver, KVItem(input_tokens, roi, key, value, hidden, deliver.matched)))
+        future.set_result(_Reply(deliver, item, landed_on=self._landing_stream()))
 
     def _on_deliver_many(
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
@@ -106,8 +121,8 @@ class LinkArrivals(LinkSession):
         if self._transport is None:
             self._release(_item_ids(batch))
             return
-        if self._transport.out_of_band and not self.lease_holds():
-            self._start_afresh(future, self._lease_error())
+        if not self.lease_holds():
+            self._refuse_unread(future, _item_ids(batch), payload)
             return
         try:
             arriving = self._transport.receive_many(batch, payload)
@@ -123,6 +138,25 @@ class LinkArrivals(LinkSession):
             self._batch_landed(future, batch, self._sessions_lost, arriving)  # TCP: already here
         else:
             self._own_arrival(arriving, functools.partial(self._batch_landed, future, batch, self._sessions_lost))
+
+    def _refuse_unread(
+        self, future: asyncio.Future[_Reply] | None, item_ids: list[int], payload: Sequence[zmq.Frame]
+    ) -> None:
+        """A delivery outside the lease, its bytes not read: the items go back and the call
+        fails with `LeaseExpiredError`. Over an out-of-band transport the pair is then out of
+        step (its bytes were sent): a new session starts instead."""
+        assert self._transport is not None
+        if self._transport.out_of_band:
+            self._start_afresh(future, self._lease_error())
+            return
+        self._transport.discard(payload)
+        self._release(item_ids)
+        if future is not None and not future.done():
+            future.set_exception(self._lease_error())
+
+    def _landing_stream(self) -> torch.cuda.Stream | None:
+        """The stream an item's landing is ordered on here (see `_Reply.landed_on`)."""
+        return torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
 
     def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
         """Call `landed` when a posted receive ends, from the future's own callback (no task,
@@ -178,4 +212,21 @@ class LinkArrivals(LinkSession):
             return
         tensors = iter(arriving.result())
         items = [None if hit is None else KVItem(*next(tensors), hit.matched) for hit in batch.hits]
-        future.set_result(_Reply(batch, items=items))
+        landing = self._into.get(batch.request_id)
+        if landing is not None:
+            try:
+                for index, item in enumerate(items):
+                    buffers = landing.at(index)
+                    if item is not None and buffers is not None:
+                        check_fit(item, buffers, what=f"drop_select_many (query {index} of the request)")
+            except InvalidInputError as misfit:
+                self._release(_item_ids(batch))
+                future.set_exception(misfit)
+                return
+            if landing.copy:
+                items = [_landed_in(item, landing.at(index)) for index, item in enumerate(items)]
+        future.set_result(_Reply(batch, items=items, landed_on=self._landing_stream()))
+
+
+def _landed_in(item: KVItem | None, buffers: KVBuffers | None) -> KVItem | None:
+    return item if item is None or buffers is None else land_in(item, buffers)

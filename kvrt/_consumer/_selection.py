@@ -24,7 +24,7 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTError,
 )
-from kvrt._item import KVItem, check_timeout, query_bytes, truncate
+from kvrt._item import KVBuffers, KVItem, Landing, check_buffers, check_timeout, land_in, query_bytes, truncate
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -56,6 +56,22 @@ def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
     return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
 
 
+def _chunks(buffers: list[KVBuffers | None], batches: list[list[bytes | None]]) -> list[list[KVBuffers | None]]:
+    """`buffers` (one per query) cut as the queries are into `batches`."""
+    chunks, start = [], 0
+    for batch in batches:
+        chunks.append(buffers[start : start + len(batch)])
+        start += len(batch)
+    return chunks
+
+
+def _landing(buffers: KVBuffers | Sequence[KVBuffers | None] | None, *, copy: bool = True) -> Landing | None:
+    """A call's `Landing`, or None where no query has buffers."""
+    if buffers is None or (not isinstance(buffers, KVBuffers) and all(entry is None for entry in buffers)):
+        return None
+    return Landing(buffers, copy=copy)
+
+
 @dataclass(frozen=True, slots=True)
 class _Taken:
     """An item delivered by one link and not yet confirmed to its producer."""
@@ -64,6 +80,7 @@ class _Taken:
     link: _Link
     item_id: int
     link_index: int
+    landed_on: torch.cuda.Stream | None = None
 
     def settle(self, *, keep: bool) -> bool:
         """As `_Link.settle`: False if it was to be kept but the link's lease had ended."""
@@ -81,6 +98,7 @@ class _Selecting(ConsumerState):
         timeout: float | None = 0.0,
         *,
         stream: torch.cuda.Stream | None = None,
+        into: KVBuffers | None = None,
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
@@ -100,9 +118,12 @@ class _Selecting(ConsumerState):
         decision (the same error on every rank). Memory: the item's tensors are the caller's,
         on this consumer's device; the item has left the producer's buffer (its receipt
         follows). On a GPU, work queued on `stream` (None: the calling thread's current stream)
-        after this returns reads the item as it landed.
+        after this returns reads the item as it landed. `into`: buffers of the caller's that
+        the item lands in (`kvrt.KVBuffers`); an item that does not fit them goes back to the
+        producer and the call raises `InvalidInputError`.
         """
-        return await self._lookup(input_tokens, roi, timeout, what="drop_select")
+        buffers = check_buffers(into, self.device, what="drop_select")
+        return await self._lookup(input_tokens, roi, timeout, what="drop_select", into=buffers)
 
     @lands_on_caller_stream
     async def drop_select_many(
@@ -111,6 +132,7 @@ class _Selecting(ConsumerState):
         rois: Sequence[torch.Tensor | None] | None = None,
         *,
         stream: torch.cuda.Stream | None = None,
+        into: Sequence[KVBuffers | None] | None = None,
     ) -> list[KVItem | None]:
         """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
         order; `stream` as for `drop_select`.
@@ -125,7 +147,8 @@ class _Selecting(ConsumerState):
         together: one round once the group's window knows batches of that size (the first
         batch after single lookups takes two), where one `drop_select` after the other takes a
         round each. With several producers the queries run as that many `drop_select`s, one
-        after the other.
+        after the other. `into`: one `kvrt.KVBuffers` (or None) per query, as for
+        `drop_select`; one item that does not fit sends every item of the call back.
         """
         self._check_open()
         what = "drop_select_many"
@@ -137,15 +160,22 @@ class _Selecting(ConsumerState):
             raise InvalidInputError(f"{what}: {len(rois)} rois for {len(queries)} queries")
         lookups = list(zip(queries, rois or [None] * len(queries), strict=True))
         wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
+        buffers = self._buffers_per_query(into, len(queries), what=what)
         if len(self._links) != 1:
             # One after the other: a query sees the items the one before it gave back.
-            return [await self._lookup(tokens, roi, 0.0, what=what) for tokens, roi in lookups]
+            return [
+                await self._lookup(tokens, roi, 0.0, what=what, into=query_buffers)
+                for (tokens, roi), query_buffers in zip(lookups, buffers, strict=True)
+            ]
         timer = _metrics.Timer(what)
         try:
             if self._consensus is not None:
-                items = await self._agreed_drop_select_many(wire, self._consensus)
+                items = await self._agreed_drop_select_many(wire, self._consensus, buffers)
             else:
-                calls = [self._links[0].call(_batch_request(batch)) for batch in _batches(wire)]
+                calls = [
+                    self._links[0].call(_batch_request(batch), into=_landing(chunk))
+                    for batch, chunk in zip(_batches(wire), _chunks(buffers, _batches(wire)), strict=True)
+                ]
                 # One request (up to 256 queries) is awaited as it is: a task around it would
                 # cost the loop a task and a hop per batch.
                 answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
@@ -158,8 +188,31 @@ class _Selecting(ConsumerState):
             self._count(item)
         return items
 
+    def _buffers_per_query(
+        self, into: Sequence[KVBuffers | None] | None, queries: int, *, what: str
+    ) -> list[KVBuffers | None]:
+        """`into` of a drop_select_many, checked: one entry (None or buffers) per query."""
+        if into is None:
+            return [None] * queries
+        if not isinstance(into, Sequence) or len(into) != queries:
+            raise InvalidInputError(
+                f"{what}: into must name one kvrt.KVBuffers (or None) for each of the {queries} queries"
+            )
+        return [
+            check_buffers(buffers, self.device, what=f"{what} (query {index})") for index, buffers in enumerate(into)
+        ]
+
+    def _land_now(self, item: KVItem, buffers: KVBuffers | None, landed_on: torch.cuda.Stream | None) -> KVItem:
+        """`item`, which its link checked fits `buffers`, copied there now (the link's choice
+        or the group's decision made), on the current stream once its landing's is done."""
+        if buffers is None:
+            return item
+        if landed_on is not None:
+            torch.cuda.current_stream(self.device).wait_stream(landed_on)
+        return land_in(item, buffers)
+
     async def _agreed_drop_select_many(
-        self, wire: list[bytes | None], consensus: GroupConsensus
+        self, wire: list[bytes | None], consensus: GroupConsensus, buffers: list[KVBuffers | None]
     ) -> list[KVItem | None]:
         """drop_select_many for a TP group (one producer): take the batch unconfirmed, agree
         its lookups together, then keep each item cut to its agreed length, or give it back.
@@ -168,15 +221,17 @@ class _Selecting(ConsumerState):
         link = self._links[0]
         sequences = [consensus.register() for _ in wire]
         taken: list[tuple[KVItem | None, int | None]] = []  # (item, its id) per query
+        landed_on: list[torch.cuda.Stream | None] = []
         error: KVRTError | None = None
         try:
-            for batch in _batches(wire):
-                reply = await link.call(_batch_request(batch), confirm=False)
+            for batch, chunk in zip(_batches(wire), _chunks(buffers, _batches(wire)), strict=True):
+                reply = await link.call(_batch_request(batch), confirm=False, into=_landing(chunk, copy=False))
                 assert isinstance(reply.message, m.DeliverMany) and reply.items is not None
                 hits = reply.message.hits
                 taken += [
                     (item, None if hit is None else hit.item_id) for item, hit in zip(reply.items, hits, strict=True)
                 ]
+                landed_on += [reply.landed_on] * len(hits)
         except asyncio.CancelledError as cancelled:
             for _, item_id in taken:
                 if item_id is not None:
@@ -200,7 +255,9 @@ class _Selecting(ConsumerState):
                 if decision.status is Status.OK:
                     assert item is not None  # OK on every rank, this one's included
                     kept[index] = True
-                    items.append(truncate(item, decision.matched_tokens))
+                    items.append(
+                        self._land_now(truncate(item, decision.matched_tokens), buffers[index], landed_on[index])
+                    )
                 else:
                     items.append(None)
             return items
@@ -216,9 +273,10 @@ class _Selecting(ConsumerState):
 
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
-        on_landing: OnLanding | None = None,
+        on_landing: OnLanding | None = None, into: KVBuffers | None = None,
     ) -> KVItem | None:  # fmt: skip
-        """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no group)."""
+        """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no
+        group); `into` checked already."""
         self._check_open()
         query = query_bytes(input_tokens, roi, what=what)
         check_timeout(timeout, what=what)
@@ -228,7 +286,7 @@ class _Selecting(ConsumerState):
 
         timer = _metrics.Timer("drop_select")
         try:
-            item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing)
+            item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing, into=into)
         except KVRTError as error:
             self._count_error(error)
             raise
@@ -253,31 +311,36 @@ class _Selecting(ConsumerState):
         errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
 
     async def _drop_select(
-        self, build: Callable[[int], m.Message], *, waits_s: float | None, on_landing: OnLanding | None = None
-    ) -> KVItem | None:
+        self, build: Callable[[int], m.Message], *, waits_s: float | None, on_landing: OnLanding | None = None,
+        into: KVBuffers | None = None,
+    ) -> KVItem | None:  # fmt: skip
         """One drop-select whose producer may wait `waits_s` for a match (None: for ever)."""
         if self._consensus is not None:
-            return await self._agreed_drop_select(build, self._consensus, waits_s=waits_s)
+            return await self._agreed_drop_select(build, self._consensus, waits_s=waits_s, into=into)
         if len(self._links) == 1:
-            return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s)).item
-        taken = await self._take(build, waits_s=waits_s)
+            return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s, into=_landing(into))).item
+        taken = await self._take(build, waits_s=waits_s, into=into)
         if taken is None:
             return None
         if not taken.settle(keep=True):
             raise taken.link._lease_error()
-        return taken.item
+        return self._land_now(taken.item, into, taken.landed_on)
 
-    async def _take(self, build: Callable[[int], m.Message], *, waits_s: float | None) -> _Taken | None:
+    async def _take(
+        self, build: Callable[[int], m.Message], *, waits_s: float | None, into: KVBuffers | None = None
+    ) -> _Taken | None:
         """The best item over every producer, not yet confirmed (the caller settles it).
 
         Every producer is asked at once. Answering at once (`waits` False): the longest match
         wins, ties go to the first endpoint, and the other items are given back. Waiting: the
         first match to arrive wins and the other requests are cancelled. A producer that
         cannot be reached is skipped with a warning; if none can be, its error is raised.
+        Each link checks that its item fits `into`; the winner is copied there by the caller.
         """
         waits = waits_s != 0
+        landing = _landing(into, copy=False)
         calls = {
-            asyncio.create_task(link.call(build, confirm=False, waits_s=waits_s)): index
+            asyncio.create_task(link.call(build, confirm=False, waits_s=waits_s, into=landing)): index
             for index, link in enumerate(self._links)
         }
         try:
@@ -310,7 +373,7 @@ class _Selecting(ConsumerState):
             elif _delivered(call):
                 reply = call.result()
                 assert reply.item is not None and isinstance(reply.message, m.Deliver)
-                taken.append(_Taken(reply.item, link, reply.message.item_id, index))
+                taken.append(_Taken(reply.item, link, reply.message.item_id, index, reply.landed_on))
         if not taken:
             if len(errors) == len(self._links):
                 raise errors[0]
@@ -322,15 +385,16 @@ class _Selecting(ConsumerState):
         return best
 
     async def _agreed_drop_select(
-        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits_s: float | None
-    ) -> KVItem | None:
+        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits_s: float | None,
+        into: KVBuffers | None = None,
+    ) -> KVItem | None:  # fmt: skip
         """drop_select for a TP group: look up locally, agree with the group, then keep the
         item cut to the agreed length, or give it back to its producer."""
         sequence = consensus.register()
         taken: _Taken | None = None
         error: BaseException | None = None
         try:
-            taken = await self._take(build, waits_s=waits_s)
+            taken = await self._take(build, waits_s=waits_s, into=into)
         except asyncio.CancelledError as cancelled:
             consensus.abandon(sequence, Outcome(status_of(cancelled)))
             raise
@@ -344,9 +408,9 @@ class _Selecting(ConsumerState):
         try:
             decision = await consensus.decide(sequence, outcome)
             if decision.status is Status.OK:
-                assert item is not None
+                assert item is not None and taken is not None
                 keep = True
-                return truncate(item, decision.matched_tokens)
+                return self._land_now(truncate(item, decision.matched_tokens), into, taken.landed_on)
             if decision.status is Status.MISS:
                 return None
             raise error_for(decision, outcome, error)

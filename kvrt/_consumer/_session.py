@@ -33,7 +33,7 @@ from kvrt._errors import (
     TransportUnavailableError,
     fresh_copy,
 )
-from kvrt._item import KVItem
+from kvrt._item import KVItem, Landing
 from kvrt._protocol import (
     ConsumerCore,
     LinkState,
@@ -68,6 +68,9 @@ class _Reply:
     stream: ConsumerStream | None = None
     items: list[KVItem | None] | None = None
     """A DeliverMany's: one per query, None for a miss."""
+    landed_on: torch.cuda.Stream | None = None
+    """On a GPU, the stream the item's landing was ordered on (this loop thread's current one):
+    a copy of it made elsewhere waits for that stream first."""
 
 
 _CPU = torch.device("cpu")
@@ -175,6 +178,8 @@ class LinkSession:
         self._streams: dict[int, ConsumerStream] = {}
         self._pending: dict[int, asyncio.Future[_Reply]] = {}
         self._landing: dict[int, OnLanding] = {}
+        self._into: dict[int, Landing] = {}
+        """Where each pending request's items land (`into=`), checked as they arrive."""
         self._writers: dict[int, PoolWriter] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
@@ -192,6 +197,7 @@ class LinkSession:
         on_landing: OnLanding | None = None,
         writer: PoolWriter | None = None,
         waits_s: float | None = 0.0,
+        into: Landing | None = None,
     ) -> _Reply:
         """Send a request and wait for its answer (or for the link to fail).
 
@@ -204,6 +210,8 @@ class LinkSession:
         scatters there. A stream's layers are written by `writer` into the pools, if given.
         `waits_s` is how long the producer may wait before it answers (None: for ever): with
         no answer `reply_timeout_s` after that, the call fails with `KVRTTimeoutError`.
+        `into`: the caller's buffers; an item that does not fit them is given back and the
+        call raises `InvalidInputError`.
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
@@ -216,6 +224,8 @@ class LinkSession:
             self._landing[request_id] = on_landing
         if writer is not None:
             self._writers[request_id] = writer
+        if into is not None:
+            self._into[request_id] = into
         if self._metrics is not None:
             self._asked_at[request_id] = time.perf_counter()
         overdue = None
@@ -240,6 +250,7 @@ class LinkSession:
             self._pending.pop(request_id, None)
             self._landing.pop(request_id, None)
             self._writers.pop(request_id, None)
+            self._into.pop(request_id, None)
             self._asked_at.pop(request_id, None)
         if confirm:
             kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
