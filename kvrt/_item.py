@@ -81,6 +81,14 @@ def check_buffers(into: object, device: torch.device, *, what: str) -> KVBuffers
         _check_data(tensor, f"into.{name}", what)
         if not tensor.is_contiguous():
             raise InvalidInputError(f"{what}: into.{name} must be contiguous (an item lands in its leading elements)")
+        if tensor.requires_grad:
+            raise InvalidInputError(f"{what}: into.{name} requires grad; pass a tensor kvrt may write (.detach())")
+    named = (("key", into.key), ("value", into.value), ("hidden", into.hidden))
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in named if t is not None]
+    for index, (name, start, end) in enumerate(spans):
+        for other, other_start, other_end in spans[index + 1 :]:
+            if start < other_end and other_start < end:
+                raise InvalidInputError(f"{what}: into.{name} and into.{other} share memory; give each its own")
     return into
 
 

@@ -10,6 +10,8 @@ import kvrt
 from tests._checks import caught_up
 from tests.conftest import make_kv
 
+_SHARED = torch.zeros(16)
+
 
 def _buffers(elements: int, dtype: torch.dtype = torch.float16, *, hidden: int | None = None) -> kvrt.KVBuffers:
     return kvrt.KVBuffers(
@@ -83,6 +85,9 @@ async def test_a_miss_leaves_the_buffers_untouched(consumer: kvrt.Consumer) -> N
         ("not buffers", "KVBuffers"),
         (kvrt.KVBuffers(key=torch.zeros(8), value=torch.zeros(8)[::2]), "contiguous"),
         (kvrt.KVBuffers(key=torch.zeros(8), value=torch.zeros(8, device="meta")), "device"),
+        (kvrt.KVBuffers(key=torch.zeros(8, requires_grad=True), value=torch.zeros(8)), "grad"),
+        (kvrt.KVBuffers(key=_SHARED[:8], value=_SHARED[4:]), "share memory"),
+        (kvrt.KVBuffers(key=_SHARED, value=torch.zeros(8), hidden=_SHARED[8:]), "key and into.hidden share memory"),
     ],
 )
 async def test_unusable_buffers_are_refused_before_any_request(
@@ -161,3 +166,28 @@ async def test_with_several_producers_only_the_chosen_item_lands_in_the_buffers(
             assert torch.equal(into.key[longer.numel() :], torch.full((16,), -1.0, dtype=torch.float16))
             await caught_up(consumer)
         assert (first.stats().items, second.stats().items) == (1, 0)  # the other one went back
+
+
+async def test_buffers_torch_refuses_to_write_fail_the_call_and_the_item_stays_buffered(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever torch refuses past the checks made up front (here: a copy that raises) is a
+    # typed error of that call; the item goes back, the link goes on.
+    import kvrt._item
+
+    tokens = torch.arange(8)
+    key, value, _ = make_kv(tokens, hidden_size=None)
+    await producer.insert(tokens, None, key, value)
+
+    def refused(item: object, into: object) -> object:
+        raise RuntimeError("unsupported operation: some elements of the input tensor and the written-to tensor")
+
+    monkeypatch.setattr("kvrt._consumer._arrivals.land_in", refused)
+    with pytest.raises(kvrt.InvalidInputError, match="could not be written"):
+        await consumer.drop_select(tokens, into=_buffers(key.numel()))
+    with pytest.raises(kvrt.InvalidInputError, match="could not be written"):
+        await consumer.drop_select_many([tokens], into=[_buffers(key.numel())])
+    monkeypatch.undo()
+    assert kvrt._item.land_in is not refused
+    item = await consumer.drop_select(tokens, into=_buffers(key.numel()))
+    assert item is not None and torch.equal(item.key, key)

@@ -105,7 +105,11 @@ class LinkArrivals(LinkSession):
                 self._give_back(future, deliver, misfit)
                 return
             if landing.copy:
-                item = land_in(item, buffers)
+                try:
+                    item = land_in(item, buffers)
+                except RuntimeError as failure:  # what torch refuses to write, past the checks made up front
+                    self._give_back(future, deliver, unwritable(failure))
+                    return
         if self._metrics is not None and header_at:
             transport = self._transport.name if self._transport is not None else "unknown"
             self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
@@ -224,8 +228,17 @@ class LinkArrivals(LinkSession):
                 future.set_exception(misfit)
                 return
             if landing.copy:
-                items = [_landed_in(item, landing.at(index)) for index, item in enumerate(items)]
+                try:
+                    items = [_landed_in(item, landing.at(index)) for index, item in enumerate(items)]
+                except RuntimeError as failure:
+                    self._release(_item_ids(batch))
+                    future.set_exception(unwritable(failure))
+                    return
         future.set_result(_Reply(batch, items=items, landed_on=self._landing_stream()))
+
+
+def unwritable(failure: RuntimeError) -> InvalidInputError:
+    return InvalidInputError(f"the item could not be written into the buffers of into=, so it went back: {failure}")
 
 
 def _landed_in(item: KVItem | None, buffers: KVBuffers | None) -> KVItem | None:
