@@ -59,7 +59,7 @@ seconds does not trip it. It is also the lease: how long the producer holds what
 to a silent consumer before it may give it to another (see `ProducerCore`)."""
 
 DEFAULT_HEARTBEAT_S = 1.0
-"""Consumers ping at least this often; one silent for 4 periods is dropped."""
+"""Consumers ping at least this often; one silent for `HEARTBEAT_MISSES` periods is dropped."""
 
 MAX_HEARTBEAT_S = 3600.0
 """The longest heartbeat period (libzmq counts its own heartbeats' timeout in ms, up to 6553 s
