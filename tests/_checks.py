@@ -1,6 +1,10 @@
-"""Checks the tests share: tensors equal bit for bit, and a consumer's producers caught up."""
+"""Checks the tests share: tensors equal bit for bit, a consumer's producers caught up, and a
+full garbage collection that does not count as the event loop blocked."""
 
 from __future__ import annotations
+
+import asyncio
+import gc
 
 import torch
 
@@ -34,3 +38,10 @@ async def caught_up(consumer: kvrt.Consumer) -> None:
     handled: receipts, releases and requests alike. In a TP group every rank must call it at
     the same point, as any lookup (it takes part in the group's agreement)."""
     assert await consumer.drop_select(MISS, None, timeout=0.0) is None
+
+
+async def collected() -> None:
+    """A full garbage collection, from an async test: run in a thread, so that collecting the
+    heap of a whole test run (it takes longer than a loop step may) is not the test's own
+    loop step that the loop guard reports as blocked."""
+    await asyncio.to_thread(gc.collect)

@@ -7,7 +7,7 @@ import torch
 
 import kvrt
 from kvrt import Layout, PoolTable
-from tests._checks import same_bits
+from tests._checks import collected, same_bits
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32
 
@@ -219,7 +219,6 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import asyncio
-    import gc
     import weakref
 
     import kvrt._producer._publish
@@ -247,7 +246,7 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
         assert await consumer.drop_select(torch.tensor([-1]), timeout=0) is None  # and has arrived
         for _ in range(100):  # a finished send is let go of when the next item is made, or at once
             producer._reclaim()
-            gc.collect()
+            await collected()
             if sum(ref() is not None for ref in published) == 0:
                 break
             await asyncio.sleep(0.01)

@@ -14,7 +14,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
-from tests._checks import caught_up
+from tests._checks import caught_up, collected
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
@@ -267,7 +267,6 @@ async def test_a_stream_that_ends_without_a_layer_fails_that_layer_instead_of_ha
 async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_handle(
     producer: kvrt.Producer, consumer: kvrt.Consumer
 ) -> None:
-    import gc
     import weakref
 
     for ending in ("finish", "abort"):
@@ -277,7 +276,7 @@ async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_han
             await stream.put_layer(*layer_kv(layer))
         own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
         await (stream.finish() if ending == "finish" else stream.abort())
-        gc.collect()
+        await collected()
         assert own_copy() is None, ending  # `stream` is still referenced here
     item = await consumer.drop_select(torch.arange(1000, 1000 + TOKENS))  # the finished one, whole
     assert item is not None and all(torch.equal(item.key[layer], layer_kv(layer)[0]) for layer in range(LAYERS))
@@ -286,7 +285,6 @@ async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_han
 async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leaves_unconfirmed(
     producer: kvrt.Producer, consumer: kvrt.Consumer, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gc
     import weakref
 
     stacks: list[int] = []
@@ -309,7 +307,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     await stream.finish()
     await reader.finished()
     await caught_up(consumer)
-    gc.collect()
+    await collected()
     assert stacks == [] and own_copy() is None
     assert (producer.stats().items, producer.stats().buffer_bytes) == (0, 0)
     # Read to the end by a reader that leaves before confirming: written whole then, for the next.
