@@ -9,6 +9,7 @@ Shapes (token axis in capitals):
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,13 +84,40 @@ def check_buffers(into: object, device: torch.device, *, what: str) -> KVBuffers
             raise InvalidInputError(f"{what}: into.{name} must be contiguous (an item lands in its leading elements)")
         if tensor.requires_grad:
             raise InvalidInputError(f"{what}: into.{name} requires grad; pass a tensor kvrt may write (.detach())")
-    named = (("key", into.key), ("value", into.value), ("hidden", into.hidden))
-    spans = [(name, t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in named if t is not None]
-    for index, (name, start, end) in enumerate(spans):
-        for other, other_start, other_end in spans[index + 1 :]:
-            if start < other_end and other_start < end:
-                raise InvalidInputError(f"{what}: into.{name} and into.{other} share memory; give each its own")
+        if tensor.is_neg() or tensor.is_conj():
+            # Written through the lazy bit, the memory would hold the item's values negated
+            # (or conjugated) for whatever reads it directly.
+            raise InvalidInputError(f"{what}: into.{name} is a lazily negated or conjugated view; pass its base")
+    check_apart([(f"into.{name}", tensor) for name, tensor in _named(into)], what=what)
     return into
+
+
+def _named(into: KVBuffers) -> list[tuple[str, torch.Tensor]]:
+    named = (("key", into.key), ("value", into.value), ("hidden", into.hidden))
+    return [(name, tensor) for name, tensor in named if tensor is not None]
+
+
+def check_apart(buffers: Sequence[tuple[str, torch.Tensor]], *, what: str) -> None:
+    """Refuse buffers of one call that share memory: one item would overwrite another's bytes
+    (or its own key its value)."""
+    spans = sorted(
+        (str(tensor.device), tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, name)
+        for name, tensor in buffers
+        if tensor.nbytes
+    )
+    # Sorted by start, memory is shared somewhere only if it is by two neighbours.
+    for (device, _, end, name), (other_device, other_start, _, other) in itertools.pairwise(spans):
+        if device == other_device and other_start < end:
+            raise InvalidInputError(f"{what}: {name} and {other} share memory; give each its own")
+
+
+def check_buffers_apart(into: Sequence[KVBuffers | None], *, what: str) -> None:
+    """The buffers of a drop_select_many's queries, each its own memory."""
+    check_apart(
+        [(f"into[{index}].{name}", tensor) for index, buffers in enumerate(into) if buffers is not None
+         for name, tensor in _named(buffers)],
+        what=what,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +149,13 @@ def check_fit(item: KVItem, into: KVBuffers, *, what: str) -> None:
     for name, tensor, buffer in _pairs(item, into):
         if buffer.dtype != tensor.dtype:
             raise InvalidInputError(
-                f"{what}: into.{name} is {buffer.dtype}; the item's {name} is {tensor.dtype}, so it went back"
+                f"{what}: into.{name} is {buffer.dtype}; the item's {name} is {tensor.dtype}, so it goes back to "
+                "the producer"
             )
         if buffer.numel() < tensor.numel():
             raise InvalidInputError(
                 f"{what}: into.{name} holds {buffer.numel()} elements; the item's {name} needs {tensor.numel()} "
-                f"(shape {tuple(tensor.shape)}), so it went back"
+                f"(shape {tuple(tensor.shape)}), so it goes back to the producer"
             )
 
 

@@ -3,6 +3,9 @@ lands in memory the caller gave, and a destination it does not fit loses nothing
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import torch
 
@@ -191,3 +194,60 @@ async def test_buffers_torch_refuses_to_write_fail_the_call_and_the_item_stays_b
     assert kvrt._item.land_in is not refused
     item = await consumer.drop_select(tokens, into=_buffers(key.numel()))
     assert item is not None and torch.equal(item.key, key)
+
+
+async def test_drop_select_many_refuses_buffers_that_two_queries_share_before_any_request(
+    producer: kvrt.Producer, consumer: kvrt.Consumer
+) -> None:
+    queries = [torch.arange(4), torch.arange(4) + 100]
+    for index, tokens in enumerate(queries):
+        key, value, _ = make_kv(tokens, seed=index, hidden_size=None)
+        await producer.insert(tokens, None, key, value)
+    shared = _buffers(64)
+    with pytest.raises(kvrt.InvalidInputError, match="share memory"):
+        await consumer.drop_select_many(queries, into=[shared, shared])
+    halves = torch.zeros(96, dtype=torch.float16)
+    overlapping = [kvrt.KVBuffers(key=halves[:48], value=torch.zeros(48)), _buffers(48)]
+    overlapping[1] = kvrt.KVBuffers(key=halves[40:], value=torch.zeros(56, dtype=torch.float16))
+    with pytest.raises(kvrt.InvalidInputError, match="share memory"):
+        await consumer.drop_select_many(queries, into=overlapping)
+    assert producer.stats().items == 2
+
+
+@pytest.mark.parametrize("lazy", ["negated", "conjugated"])
+async def test_a_lazily_negated_or_conjugated_view_is_refused(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, lazy: str
+) -> None:
+    base = torch.zeros(64, dtype=torch.complex64 if lazy == "conjugated" else torch.float16)
+    view = base.conj() if lazy == "conjugated" else base._neg_view()
+    with pytest.raises(kvrt.InvalidInputError, match="negated or conjugated"):
+        await consumer.drop_select(torch.arange(4), into=kvrt.KVBuffers(key=view, value=base.clone()))
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["at-once", "waiting"])
+async def test_with_several_producers_a_match_that_does_not_fit_fails_the_call_and_every_item_stays(
+    waits: bool,
+) -> None:
+    tokens = torch.arange(8)
+    fits = torch.ones(1, 5, 1, 4, dtype=torch.float16)
+    does_not = torch.ones(1, 8, 1, 4, dtype=torch.float32)  # the longer match, another dtype
+    async with kvrt.Producer() as first, kvrt.Producer() as second:
+        await second.insert(tokens[:5], None, fits, fits)
+        async with kvrt.Consumer(connect=[first.endpoint, second.endpoint]) as consumer:
+            into = _buffers(64)
+            if waits:  # the second producer has no match for these: the call waits for one
+                lookup = asyncio.create_task(consumer.drop_select(tokens + 1000, timeout=30.0, into=into))
+                await caught_up(consumer)
+                assert first.stats().waiting_requests == 1
+                await first.insert(tokens + 1000, None, does_not, does_not)
+                started = time.monotonic()
+                with pytest.raises(kvrt.InvalidInputError, match="float32"):
+                    await lookup
+                assert time.monotonic() - started < 5.0  # at once, not at the timeout
+            else:
+                await first.insert(tokens, None, does_not, does_not)
+                with pytest.raises(kvrt.InvalidInputError, match="float32"):
+                    await consumer.drop_select(tokens, into=into)
+            assert torch.equal(into.key, torch.full((64,), -1.0, dtype=torch.float16))
+            await caught_up(consumer)
+        assert (first.stats().items, second.stats().items) == (1, 1)

@@ -238,7 +238,7 @@ class LinkArrivals(LinkSession):
 
 
 def unwritable(failure: RuntimeError) -> InvalidInputError:
-    return InvalidInputError(f"the item could not be written into the buffers of into=, so it went back: {failure}")
+    return InvalidInputError(f"the item could not be written into the buffers of into=, so it goes back: {failure}")
 
 
 def _landed_in(item: KVItem | None, buffers: KVBuffers | None) -> KVItem | None:

@@ -24,7 +24,17 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTError,
 )
-from kvrt._item import KVBuffers, KVItem, Landing, check_buffers, check_timeout, land_in, query_bytes, truncate
+from kvrt._item import (
+    KVBuffers,
+    KVItem,
+    Landing,
+    check_buffers,
+    check_buffers_apart,
+    check_timeout,
+    land_in,
+    query_bytes,
+    truncate,
+)
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -32,6 +42,11 @@ log = logging.getLogger("kvrt.consumer")
 def _delivered(call: asyncio.Task[_Reply]) -> bool:
     """A finished call that brought an item."""
     return not call.cancelled() and call.exception() is None and call.result().item is not None
+
+
+def _misfit(call: asyncio.Task[_Reply]) -> bool:
+    """A finished call whose item did not fit the caller's buffers (it went back)."""
+    return not call.cancelled() and isinstance(call.exception(), InvalidInputError)
 
 
 _BATCH_QUERY_BYTES: Final = 32 << 20
@@ -198,9 +213,9 @@ class _Selecting(ConsumerState):
             raise InvalidInputError(
                 f"{what}: into must name one kvrt.KVBuffers (or None) for each of the {queries} queries"
             )
-        return [
-            check_buffers(buffers, self.device, what=f"{what} (query {index})") for index, buffers in enumerate(into)
-        ]
+        checked = [check_buffers(entry, self.device, what=f"{what} (query {i})") for i, entry in enumerate(into)]
+        check_buffers_apart(checked, what=what)
+        return checked
 
     def _land_now(self, item: KVItem, buffers: KVBuffers | None, landed_on: torch.cuda.Stream | None) -> KVItem:
         """`item`, which its link checked fits `buffers`, copied there now (the link's choice
@@ -336,6 +351,8 @@ class _Selecting(ConsumerState):
         first match to arrive wins and the other requests are cancelled. A producer that
         cannot be reached is skipped with a warning; if none can be, its error is raised.
         Each link checks that its item fits `into`; the winner is copied there by the caller.
+        An item that does not fit fails the lookup (`InvalidInputError`), at once, and the
+        others go back too: the caller learns that its buffers are wrong, not a shorter match.
         """
         waits = waits_s != 0
         landing = _landing(into, copy=False)
@@ -347,7 +364,7 @@ class _Selecting(ConsumerState):
             pending = set(calls)
             while pending:
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if waits and any(_delivered(call) for call in calls if call.done()):
+                if waits and any(_delivered(call) or _misfit(call) for call in calls if call.done()):
                     break
         finally:
             for call in calls:
@@ -355,12 +372,15 @@ class _Selecting(ConsumerState):
             await asyncio.gather(*calls, return_exceptions=True)
         taken: list[_Taken] = []
         errors: list[KVRTError] = []
+        misfits: list[InvalidInputError] = []
         for call, index in calls.items():
             link = self._links[index]
             if call.cancelled():
                 continue
             failure = call.exception()
-            if isinstance(failure, KVRTError):
+            if isinstance(failure, InvalidInputError):
+                misfits.append(failure)  # a match that does not fit `into`: the caller's to know
+            elif isinstance(failure, KVRTError):
                 log.warning(
                     "producer at %s skipped for this lookup: %s",
                     link.endpoint,
@@ -374,6 +394,10 @@ class _Selecting(ConsumerState):
                 reply = call.result()
                 assert reply.item is not None and isinstance(reply.message, m.Deliver)
                 taken.append(_Taken(reply.item, link, reply.message.item_id, index, reply.landed_on))
+        if misfits:
+            for candidate in taken:
+                candidate.settle(keep=False)
+            raise misfits[0]
         if not taken:
             if len(errors) == len(self._links):
                 raise errors[0]
