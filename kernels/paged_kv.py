@@ -545,12 +545,14 @@ def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
     return pool.view(g.slots, 1, g.head_dim)
 
 
-def _at(table: PoolTable, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The index of `slots` into `_rows`: the slots, or (block, offset) for a head-major pool."""
+def _at(table: PoolTable, slots: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor | slice, ...]:
+    """The index of `slots` (and `heads`) into `_rows`: the slots, or (block, offset) for a
+    head-major pool."""
     block_size = table.geometry.block_size
-    if table.layout is Layout.BLOCK_HEAD_MAJOR:
-        return slots // block_size, slots % block_size
-    return (slots,)
+    at: tuple[torch.Tensor | slice, ...] = (
+        (slots // block_size, slots % block_size) if table.layout is Layout.BLOCK_HEAD_MAJOR else (slots,)
+    )
+    return at if heads is None else (*at, heads)
 
 
 def gather_reference(
@@ -563,7 +565,7 @@ def gather_reference(
             for r in range(table.replicas):
                 chosen = (replica == r).nonzero().flatten()
                 rows = _rows(table, table.pools[r][0][layer], kv)
-                out[layer, chosen, kv] = rows[(*_at(table, slots[chosen]), slice(first, end))]
+                out[layer, chosen, kv] = rows[_at(table, slots[chosen], slice(first, end))]
     return out
 
 
@@ -578,7 +580,7 @@ def scatter_reference(
                 chosen = (replica == r).nonzero().flatten()
                 for copy in range(table.copies):
                     rows = _rows(table, table.pools[r][copy][layer], kv)
-                    rows[(*_at(table, slots[chosen]), slice(first, end))] = staging[layer, chosen, kv]
+                    rows[_at(table, slots[chosen], slice(first, end))] = staging[layer, chosen, kv]
 
 
 def gather_layer_reference(
