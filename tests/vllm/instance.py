@@ -2,7 +2,8 @@
 `make demo-vllm`: greedy decoding of the prompts in a JSON file, the outputs to another.
 
     python -m tests.vllm.instance make-model DIR
-    python -m tests.vllm.instance run --model DIR --role single|producer|consumer --prompts IN --out OUT [--bind|--connect EP]
+    python -m tests.vllm.instance run --model DIR --role single|producer|consumer --prompts IN --out OUT
+        [--bind EP | --connect EP]
 
 A producer prints "ready" once its outputs are written, then serves its KV until its standard
 input closes. Each output: the prompt, its tokens, the request's kv_transfer_params and vLLM's
