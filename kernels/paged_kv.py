@@ -541,7 +541,10 @@ def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(g.slots, g.heads, g.head_dim)
     if table.layout is Layout.BLOCK_HEAD_MAJOR:
-        return pool[:, :, kv].permute(0, 2, 1, 3)
+        blocks, heads, _, block_size, dim = pool.shape
+        if kv == 0:  # a block's keys of one head are [head_dim, block_size]: a slot is a column
+            return pool[:, :, 0].view(blocks, heads, dim, block_size).permute(0, 3, 1, 2)
+        return pool[:, :, 1].permute(0, 2, 1, 3)
     return pool.view(g.slots, 1, g.head_dim)
 
 

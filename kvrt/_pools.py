@@ -10,8 +10,11 @@ names every pool of a node, `pools[replica][copy][layer]`; `Producer.register_po
                  [slots, 1, D]                  one latent per token: MLA as LightLLM keeps it
     block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
     block, head-major
-                 [blocks, H, 2, block_size, D]  a block's K rows of each head, then its V rows:
-                                                vLLM's CPU backend (CPU pools only)
+                 [blocks, H, 2, block_size, D]  per block and head, its keys transposed (D
+                                                rows of block_size: a slot is a column), then
+                                                its values (block_size rows of D): vLLM's CPU
+                                                backend with its vec and vec16 kernels (CPU
+                                                pools only)
     mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card
 
 Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'

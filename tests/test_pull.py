@@ -37,7 +37,8 @@ def row(table: PoolTable, replica: int, copy: int, layer: int, slot: int, kv: in
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(SLOTS, HEADS, DIM)[slot]
     if table.layout is Layout.BLOCK_HEAD_MAJOR:
-        return pool[slot // 4, :, kv, slot % 4]
+        block = pool[slot // 4, :, kv]
+        return block.reshape(HEADS, DIM, 4)[:, :, slot % 4] if kv == 0 else block[:, slot % 4]
     return pool[slot]
 
 
@@ -260,13 +261,16 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
     assert [ref() is None for ref in published] == [True] * 4
 
 
-def test_a_head_major_block_pool_reads_each_heads_block_of_keys_then_its_block_of_values() -> None:
+def test_a_head_major_block_pool_reads_a_slots_key_as_a_column_of_its_block_and_its_value_as_a_row() -> None:
+    # vLLM's CPU backend (vec and vec16 kernels): per block and head, keys as [head_dim, block_size],
+    # then values as [block_size, head_dim].
     pool = torch.zeros((SLOTS // 4, HEADS, 2, 4, DIM))
-    pool[2, 1, 0, 3] = 1.0  # block 2, head 1, key row of offset 3: slot 11
-    pool[2, 1, 1, 3] = 2.0  # its value row
+    keys = pool[2, 1, 0].view(DIM, 4)
+    keys[:, 3] = torch.arange(DIM, dtype=pool.dtype)  # block 2, head 1, offset 3: slot 11
+    pool[2, 1, 1, 3] = -torch.arange(DIM, dtype=pool.dtype)  # its value row
     table = PoolTable([[[pool]]], Layout.BLOCK_HEAD_MAJOR)
     key, value = gather_layer_reference(table, torch.zeros(1, dtype=torch.int64), torch.tensor([11]), 0)
-    assert key[0, 1].eq(1.0).all() and value[0, 1].eq(2.0).all()
+    assert key[0, 1].tolist() == list(range(DIM)) and value[0, 1].tolist() == [-d for d in range(DIM)]
     assert key[0, 0].eq(0.0).all() and value[0, 0].eq(0.0).all()
 
 

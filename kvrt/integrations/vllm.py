@@ -60,7 +60,8 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 # vLLM's connector interface (KVConnectorBase_V1 and its role and metadata types) is its public
-# surface for third-party KV transfer; nothing else of vLLM is imported at run time.
+# surface for third-party KV transfer; the only other name of vLLM used at run time is its CPU
+# backend's choice of attention kernel, which decides how the pages are laid out (`_as_pool`).
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -483,19 +484,37 @@ class _WorkerSide:
             self._producer = None
 
 
+READABLE_CPU_KERNELS: Final = ("vec", "vec16")
+"""vLLM's CPU attention kernels whose pages kvrt reads and writes (`Layout.BLOCK_HEAD_MAJOR`);
+its AMX kernel (bfloat16 on an AMX host) packs keys otherwise."""
+
+
 def _as_pool(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     """One layer of vLLM's CPU KV cache as kvrt's head-major block pool. vLLM's CPU backend
     (`vllm/v1/attention/backends/cpu_attn.py`) allocates [blocks, heads, block_size,
-    2 * head_dim] and reads it as [blocks, heads, 2 * block_size, head_dim] cut in two along
-    the rows: per block and head, block_size key rows, then block_size value rows. That is
-    [blocks, heads, 2, block_size, head_dim], the same memory."""
+    2 * head_dim] and cuts each block and head in two halves: the keys, which its vec and
+    vec16 kernels keep transposed ([head_dim, block_size]), then the values ([block_size,
+    head_dim]). kvrt's view is [blocks, heads, 2, block_size, head_dim], the same memory."""
     if cache.device.type != "cpu" or cache.dim() != 4 or cache.shape[2] != block_size or cache.shape[3] % 2:
         raise ConnectorConfigError(
             f"KvrtConnector reads vLLM's CPU KV cache [blocks, heads, block_size, 2*head_dim]; got "
             f"{tuple(cache.shape)} on {cache.device}"
         )
     blocks, heads, _, two_dims = cache.shape
+    kernel = _cpu_kernel(cache.dtype, block_size, two_dims // 2)
+    if kernel not in READABLE_CPU_KERNELS:
+        raise ConnectorConfigError(
+            f"vLLM's {kernel!r} CPU attention kernel lays out {cache.dtype} pages in a way kvrt does not read: "
+            f"KvrtConnector reads those of its {' and '.join(READABLE_CPU_KERNELS)} kernels (dtype float32 or float16)"
+        )
     return cache.view(blocks, heads, 2, block_size, two_dims // 2)
+
+
+def _cpu_kernel(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The attention kernel vLLM's CPU backend picks for these pages (its own choice, asked of it)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
 __all__ = ["ENDPOINT_PARAM", "ConnectorConfigError", "KvrtConnector", "KvrtConnectorMetadata"]
