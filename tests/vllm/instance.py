@@ -43,16 +43,19 @@ def run(args: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
 
     transfer = None
+    connector = {"kv_connector": "KvrtConnector", "kv_connector_module_path": "kvrt.integrations.vllm"}
+    extra: dict[str, Any] = {}
+    if args.record or args.kill_before_load:
+        connector = {"kv_connector": "RecordingKvrtConnector", "kv_connector_module_path": "tests.vllm.recording"}
+        extra = {"record": args.record, "kill_before_load": args.kill_before_load}
     if args.role == "producer":
         transfer = KVTransferConfig(
-            kv_connector="KvrtConnector", kv_connector_module_path="kvrt.integrations.vllm", kv_role="kv_producer",
-            kv_connector_extra_config={"bind": args.bind},
-        )  # fmt: skip
+            **connector, kv_role="kv_producer", kv_connector_extra_config={"bind": args.bind, **extra}
+        )
     elif args.role == "consumer":
         transfer = KVTransferConfig(
-            kv_connector="KvrtConnector", kv_connector_module_path="kvrt.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"connect": args.connect} if args.connect else {},
-            kv_load_failure_policy="recompute",
+            **connector, kv_role="kv_consumer", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={**({"connect": args.connect} if args.connect else {}), **extra},
         )  # fmt: skip
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
@@ -95,6 +98,8 @@ def main() -> None:
     run_parser.add_argument("--bind")
     run_parser.add_argument("--connect")
     run_parser.add_argument("--max-tokens", type=int, default=8)
+    run_parser.add_argument("--record", help="write the pages the connector moved into this folder")
+    run_parser.add_argument("--kill-before-load", help="a file with the producer's process id: kill it before loading")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.folder)
