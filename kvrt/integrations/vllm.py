@@ -39,8 +39,8 @@ Consumer (the decode instance, `kv_consumer` or `kv_both`):
     lookup (the producer gone, the item taken by another consumer, an aborted stream) reports
     the request's blocks as failed (`get_block_ids_with_load_errors`), and vLLM recomputes
     them (`kv_load_failure_policy="recompute"`): no page that kvrt did not write is read as
-    loaded. A request that finished on the decode instance without loading (aborted while it
-    waited) has its KV evicted from the producer.
+    loaded. A request that finishes on the decode instance without having loaded its KV (aborted
+    before its lookup, or after a lookup found it) has its KV evicted from the producer.
 
 Settings (`kv_connector_extra_config`): `bind` (producer; the address its worker binds, with
 a fixed port: the scheduler advertises it), `endpoint` (producer; the address advertised, if
@@ -325,8 +325,8 @@ class _SchedulerSide:
         self._published.discard(request_id)
         # By name: vLLM's RequestStatus is not part of the connector interface.
         aborted = request.status.name == "FINISHED_ABORTED"
-        if found and not loaded:
-            # Its KV was found and never taken (the request was aborted while it waited):
+        if self._c._consumes and not loaded and (found or aborted):
+            # Its KV was found and never taken, or the request was aborted before its lookup:
             # release it on the producer.
             self._evict(self._endpoint_of(request), request)
         if not self._c._produces or not published:
