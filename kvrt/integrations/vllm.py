@@ -512,8 +512,12 @@ def _as_pool(cache: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def _cpu_kernel(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     """The attention kernel vLLM's CPU backend picks for these pages (its own choice, asked of it)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:
+        raise ConnectorConfigError(
+            f"this vLLM does not say which CPU attention kernel it uses ({exc}): KvrtConnector is tested with vLLM 0.32"
+        ) from exc
     return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
