@@ -9,6 +9,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvrt import Layout, PoolTable
+from kvrt.integrations.vllm import ConnectorConfigError, _as_pool
 from kvrt.kernels.paged_kv import gather_layer_reference, scatter_layer_reference
 from tests._checks import same_bits
 
@@ -52,3 +53,17 @@ def test_pages_kvrt_writes_are_the_pages_vllms_kernel_writes(dtype: torch.dtype,
     table = PoolTable([[[written.view(BLOCKS, HEADS, 2, BLOCK_SIZE, head_dim)]]], Layout.BLOCK_HEAD_MAJOR)
     scatter_layer_reference(table, key, value, torch.zeros_like(slots), slots, 0)
     assert same_bits(written, cache)
+
+
+def test_the_connector_refuses_pages_that_vllms_amx_kernel_lays_out() -> None:
+    if _get_attn_isa(torch.bfloat16, BLOCK_SIZE, 64) != "amx":
+        pytest.skip("this host has no AMX: vLLM lays bfloat16 pages out as float32's")
+    with pytest.raises(ConnectorConfigError, match=r"'amx'.*float32 or float16"):
+        _as_pool(torch.zeros((BLOCKS, HEADS, BLOCK_SIZE, 2 * 64), dtype=torch.bfloat16), BLOCK_SIZE)
+
+
+def test_the_connector_takes_the_pages_of_vllms_vec_kernel_as_kvrts_head_major_blocks() -> None:
+    cache, key, value, slots, _ = vllm_cache(torch.float32, 64)
+    table = PoolTable([[[_as_pool(cache, BLOCK_SIZE)]]], Layout.BLOCK_HEAD_MAJOR)
+    read_key, read_value = gather_layer_reference(table, torch.zeros_like(slots), slots, 0)
+    assert same_bits(read_key, key) and same_bits(read_value, value)
