@@ -26,9 +26,9 @@ LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 64
 """The tiny model of `tests.vllm.instance.make_model`."""
 
 
-def make_scheduler(model: Path, role: str, **extra: Any) -> Scheduler:
-    """A scheduler of `model` whose connector is `KvrtConnector` in `role` ("kv_producer" or
-    "kv_consumer") with `extra` as its `kv_connector_extra_config`."""
+def make_scheduler(model: Path, role: str, *, num_blocks: int = NUM_BLOCKS, **extra: Any) -> Scheduler:
+    """A scheduler of `model` with `num_blocks` blocks whose connector is `KvrtConnector` in `role`
+    ("kv_producer" or "kv_consumer") with `extra` as its `kv_connector_extra_config`."""
     transfer = KVTransferConfig(
         kv_connector="KvrtConnector", kv_connector_module_path="kvrt.integrations.vllm", kv_role=role,
         kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
@@ -43,10 +43,10 @@ def make_scheduler(model: Path, role: str, **extra: Any) -> Scheduler:
         ),
         kv_transfer_config=transfer,
     )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets once it sized the cache
+    config.cache_config.num_gpu_blocks = num_blocks  # what the engine sets once it sized the cache
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
     layers = [f"model.decoder.layers.{layer}.self_attn.attn" for layer in range(LAYERS)]
-    cache = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     return Scheduler(config, cache, StructuredOutputManager(config), block_size=BLOCK_SIZE, include_finished_set=True)
 
 

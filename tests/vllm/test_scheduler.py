@@ -36,8 +36,8 @@ def schedulers(model: Path) -> Iterator[Callable[..., Scheduler]]:
     """`make_scheduler` of the tiny model; each one shut down after the test (its connector's sockets)."""
     made: list[Scheduler] = []
 
-    def make(role: str, **extra: Any) -> Scheduler:
-        made.append(make_scheduler(model, role, **extra))
+    def make(role: str, *, num_blocks: int = NUM_BLOCKS, **extra: Any) -> Scheduler:
+        made.append(make_scheduler(model, role, num_blocks=num_blocks, **extra))
         return made[-1]
 
     yield make
@@ -69,7 +69,8 @@ def loads(output: object) -> list[tuple[str, int]]:
 
 def assert_empty(scheduler: Scheduler) -> None:
     assert not scheduler.has_unfinished_requests() and not scheduler.requests
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1  # all but the null block
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
 
 
 def finish(scheduler: Scheduler, output: object) -> list[object]:
@@ -137,6 +138,23 @@ def test_a_request_aborted_on_the_decode_before_it_loaded_releases_its_kv_on_the
     scheduler.add_request(make_request("aborted", PROMPT, producer.endpoint))
     scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
     assert holds(producer) == 0
+    assert_empty(scheduler)
+
+
+def test_a_request_aborted_on_the_decode_while_it_waits_for_blocks_releases_its_kv_on_the_producer(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    other = [token + 100 for token in PROMPT]
+    hold(producer, PROMPT)
+    hold(producer, other)
+    scheduler = schedulers("kv_consumer", num_blocks=4)  # 3 blocks of 32 tokens: one prompt at a time
+    scheduler.add_request(make_request("first", other, producer.endpoint))
+    scheduler.add_request(make_request("waiting", PROMPT, producer.endpoint))
+    output = scheduler.schedule()
+    assert loads(output) == [("first", len(PROMPT) - 1)] and holds(producer) == 2  # "waiting" found its KV
+    scheduler.finish_requests("waiting", RequestStatus.FINISHED_ABORTED)
+    assert holds(producer) == 1
+    finish(scheduler, output)
     assert_empty(scheduler)
 
 
