@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvrt.blocking
 from tests._checks import same_bits
 from tests.vllm.recording import WORKER_PID, record_name
 
@@ -146,6 +147,14 @@ def test_the_pages_the_decode_instance_loaded_are_the_prefill_instances_bit_for_
         computed = pages(folder / "producer-pages", prompt)
         loaded = pages(folder / "consumer-pages", prompt[:-1])
         assert same_bits(loaded, computed[:, : len(prompt) - 1]), f"the pages of the {len(prompt)}-token prompt differ"
+
+
+def test_the_prefill_instance_holds_no_prompt_once_the_decode_instance_took_them(
+    decoded: list[Any], producer: tuple[list[Any], subprocess.Popen[str]]
+) -> None:
+    prefilled, _ = producer
+    with kvrt.blocking.Client(prefilled[0]["kv_transfer_params"]["kvrt_endpoint"]) as client:
+        assert client.stats().items == 0
 
 
 def test_the_decode_instance_decodes_every_prompt_as_a_single_instance(decoded: list[Any], single: list[Any]) -> None:
