@@ -226,6 +226,11 @@ def _plan(
     None when there is nothing to move. `part` moves only the K rows or only the V rows:
     either is a one-row launch (KV = 1) whose rows start at K's or V's offset, so a receiver
     can scatter a chunk's keys while its values are still on the wire."""
+    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+        raise InvalidInputError(
+            "head-major block pools (vLLM's CPU layout) have no token stride: the torch references move them "
+            "(the `*_any` functions), not the Triton kernels"
+        )
     tokens = slots.numel()
     first_layer, end_layer = (0, table.layers) if layers is None else layers
     if tokens == 0 or end_layer == first_layer:
