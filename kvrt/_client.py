@@ -51,6 +51,8 @@ class Client(AsyncService):
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._link: _Link | None = None
         self._closed = False
+        self.device = torch.device("cpu")
+        """Where the replies' tensors would live: a client takes none, and speaks over TCP."""
 
     async def start(self) -> Self:
         if self._context is not None or self._closed:

@@ -9,6 +9,12 @@ names every pool of a node, `pools[replica][copy][layer]`; `Producer.register_po
     token-major  [slots, 2*H, D]                K heads, then V heads (LightLLM)
                  [slots, 1, D]                  one latent per token: MLA as LightLLM keeps it
     block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
+    block, head-major
+                 [blocks, H, 2, block_size, D]  per block and head, its keys transposed (D
+                                                rows of block_size: a slot is a column), then
+                                                its values (block_size rows of D): vLLM's CPU
+                                                backend with its vec and vec16 kernels (CPU
+                                                pools only)
     mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card
 
 Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'
@@ -45,6 +51,7 @@ class Layout(enum.Enum):
 
     TOKEN_MAJOR = "token_major"
     BLOCK = "block"
+    BLOCK_HEAD_MAJOR = "block_head_major"
     MLA = "mla"
 
 
@@ -61,6 +68,9 @@ class PoolGeometry:
     """From a slot's K row to its V row (0 for a latent, which has no V)."""
     kv: int = 2
     """Rows per slot: K and V, or 1 for a latent (MLA)."""
+    block_size: int = 1
+    """Slots per block where a slot's heads are not next to each other (`BLOCK_HEAD_MAJOR`);
+    1 elsewhere. Such pools have no token stride: the Triton kernels refuse them."""
 
 
 def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
@@ -85,6 +95,15 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
             )
         _, blocks, block_size, heads, dim = pool.shape
         return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+    if layout is Layout.BLOCK_HEAD_MAJOR:
+        if pool.dim() != 5 or pool.shape[2] != 2:
+            raise InvalidInputError(
+                f"a head-major block pool is [blocks, heads, 2, block_size, head_dim], got {tuple(pool.shape)}"
+            )
+        if pool.device.type != "cpu":
+            raise InvalidInputError("head-major block pools (vLLM's CPU backend) are supported on CPU pools only")
+        blocks, heads, _, block_size, dim = pool.shape
+        return PoolGeometry(layout, blocks * block_size, heads, dim, 0, block_size * dim, block_size=block_size)
     if pool.dim() == 3 and pool.shape[1] == 1:
         pool = pool.view(pool.shape[0], pool.shape[2])
     if pool.dim() != 2:

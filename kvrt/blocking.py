@@ -48,11 +48,12 @@ import torch
 import torch.distributed as dist
 from anyio.from_thread import BlockingPortal
 
-from kvrt import _consumer, _producer
+from kvrt import _client, _consumer, _producer
 from kvrt._auth import CurveKeys
 from kvrt._caller_stream import caller_stream
 from kvrt._errors import ClosedError, KVRTError
 from kvrt._item import KVBuffers, KVItem
+from kvrt._messages import Evicted, ItemList, ProbeReply, StatsReply
 from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
 from kvrt._streams import ConsumerStream as _AsyncConsumerStream
 from kvrt._streams import ProducerStream as _AsyncProducerStream
@@ -69,7 +70,7 @@ left and stops the thread."""
 
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
-_Service = TypeVar("_Service", _producer.Producer, _consumer.Consumer)
+_Service = TypeVar("_Service", _producer.Producer, _consumer.Consumer, _client.Client)
 
 
 class _LoopThread:
@@ -173,7 +174,7 @@ class _CancellableCall(Generic[_T]):
             self._scope.cancel()
 
 
-def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer) -> None:
+def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
     """Close `service` on its loop (its byes, every pending call ended), then stop the loop."""
     try:
         loop.call(service.aclose, "close", timeout_s=CLOSE_TIMEOUT_S)
@@ -185,7 +186,7 @@ def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer) 
         loop.stop()
 
 
-def _finalize(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer) -> None:
+def _finalize(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
     """Close an object that was dropped without `close()`. The garbage collector may run this
     on kvrt's loop thread itself, which cannot wait for its own loop: a thread does it then."""
     if loop.on_this_thread:
@@ -529,6 +530,47 @@ class ConsumerStream:
             yield index, key, value
 
 
+class Client(_Blocking[_client.Client]):
+    """`kvrt.Client` for synchronous callers (a scheduler, a router): the same arguments,
+    connected by the constructor, the same questions as plain methods. It never takes an item."""
+
+    _what = "client"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        connect_timeout_s: float = _consumer.DEFAULT_CONNECT_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        async def start() -> _client.Client:
+            client = _client.Client(
+                endpoint, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, name=name, curve=curve
+            )
+            return await client.start()
+
+        super().__init__(start, "kvrt-client")
+        self.endpoint: str = self._service.endpoint
+
+    def probe(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None) -> ProbeReply:
+        """`kvrt.Client.probe`: what a drop_select with these tokens would take, without taking it."""
+        return self._call(self._service.probe, input_tokens, roi)
+
+    def stats(self) -> StatsReply:
+        """`kvrt.Client.stats`."""
+        return self._call(self._service.stats)
+
+    def list_items(self, limit: int = 100) -> ItemList:
+        """`kvrt.Client.list_items`."""
+        return self._call(self._service.list_items, limit)
+
+    def evict(self, item_id: int) -> Evicted:
+        """`kvrt.Client.evict`: drop a buffered item; `NotFoundError` if it is not buffered."""
+        return self._call(self._service.evict, item_id)
+
+
 async def _layer(
     stream: _AsyncConsumerStream, index: int, on: torch.cuda.Stream | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -540,4 +582,4 @@ async def _layer(
     return key, value
 
 
-__all__ = ["CLOSE_TIMEOUT_S", "Consumer", "ConsumerStream", "Producer", "ProducerStream"]
+__all__ = ["CLOSE_TIMEOUT_S", "Client", "Consumer", "ConsumerStream", "Producer", "ProducerStream"]

@@ -28,7 +28,9 @@ JOIN_S = 30.0
 
 
 def kvrt_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name in ("kvrt-producer", "kvrt-consumer")]
+    return [
+        thread for thread in threading.enumerate() if thread.name in ("kvrt-producer", "kvrt-consumer", "kvrt-client")
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +103,7 @@ def same_parameters(sync: Callable[..., Any], asynchronous: Callable[..., Any]) 
 def test_the_blocking_sides_take_the_async_sides_constructor_arguments() -> None:
     assert same_parameters(kvrt.blocking.Producer, kvrt.Producer)
     assert same_parameters(kvrt.blocking.Consumer, kvrt.Consumer)
+    assert same_parameters(kvrt.blocking.Client, kvrt.Client)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +121,10 @@ def test_the_blocking_sides_take_the_async_sides_constructor_arguments() -> None
         (kvrt.blocking.Consumer.pull, kvrt.Consumer.pull),
         (kvrt.blocking.Consumer.open_stream, kvrt.Consumer.open_stream),
         (kvrt.blocking.ConsumerStream.layer, kvrt.ConsumerStream.layer),
+        (kvrt.blocking.Client.probe, kvrt.Client.probe),
+        (kvrt.blocking.Client.stats, kvrt.Client.stats),
+        (kvrt.blocking.Client.list_items, kvrt.Client.list_items),
+        (kvrt.blocking.Client.evict, kvrt.Client.evict),
     ],
     ids=lambda call: call.__qualname__,
 )
@@ -332,3 +339,19 @@ def test_an_insert_from_an_engine_thread_reads_what_a_long_kernel_on_its_side_st
             producer.insert(tokens, None, key, key, None)  # stream= defaults to `side`, captured here
         item = consumer.drop_select(tokens)
         assert item is not None and bool((item.key == 7.0).all())
+
+
+def test_a_blocking_client_probes_and_evicts_what_a_plain_thread_inserted(producer: kvrt.blocking.Producer) -> None:
+    tokens = torch.arange(16)
+    key, value, hidden = make_kv(tokens)
+    producer.insert(tokens, None, key, value, hidden)
+    with kvrt.blocking.Client(producer.endpoint) as client:
+        found = client.probe(tokens[:10])
+        assert found.matched == 10 and found.item_id is not None
+        assert client.stats().items == 1
+        client.evict(found.item_id)
+        assert client.probe(tokens).matched == 0
+        with pytest.raises(kvrt.NotFoundError):
+            client.evict(found.item_id)
+    with pytest.raises(kvrt.ClosedError):
+        client.probe(tokens)

@@ -36,6 +36,9 @@ pytestmark = TRITON_KERNEL_MARKS
 DEVICE = KERNEL_DEVICE
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]  # uint8: fp8 stored as bytes
 POISON = 0xA5
+TRITON_LAYOUTS = [layout for layout in Layout if layout is not Layout.BLOCK_HEAD_MAJOR]
+"""The layouts the Triton kernels move (head-major blocks, vLLM's CPU layout, have no token
+stride: the torch references move them, tests/test_pull.py)."""
 
 
 def random_pool(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -53,7 +56,7 @@ def pool_shape(layout: Layout, slots: int, heads: int, head_dim: int, block_size
 
 @st.composite
 def cases(draw: st.DrawFn) -> dict[str, object]:
-    layout = draw(st.sampled_from(list(Layout)))
+    layout = draw(st.sampled_from(TRITON_LAYOUTS))
     heads = 1 if layout is Layout.MLA else draw(st.integers(1, 4))
     head_dim = draw(st.sampled_from([2, 4, 8, 12]))
     block_size = draw(st.sampled_from([2, 4]))
@@ -210,6 +213,13 @@ def test_a_kernel_refuses_indexes_left_on_the_host(small_table: PoolTable) -> No
     check_indices(small_table, index, index)  # in range: checked on the host
     with pytest.raises(InvalidInputError, match="reads its replica and slot indexes on cuda"):
         gather(small_table, index, index)
+
+
+def test_a_kernel_refuses_head_major_block_pools_which_the_torch_references_move() -> None:
+    table = PoolTable([[[torch.zeros((4, 2, 2, 4, 8))]]], Layout.BLOCK_HEAD_MAJOR)  # CPU pools only
+    index = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(InvalidInputError, match="head-major block pools"):
+        gather(table, index, index)
 
 
 def test_a_head_range_outside_the_pools_is_refused(small_table: PoolTable) -> None:

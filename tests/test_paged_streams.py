@@ -12,7 +12,7 @@ import torch
 import kvrt
 from kvrt import Layout, PoolTable
 from tests._checks import caught_up, same_bits
-from tests.test_pull import HEADS, LAYERS, SLOTS, random_pools, row
+from tests.test_pull import CPU_LAYOUTS, HEADS, LAYERS, SLOTS, random_pools, row
 
 TOKENS = 12
 FROM_REPLICA = torch.arange(TOKENS) % 4
@@ -61,7 +61,7 @@ def layer_landed(source: PoolTable, target: PoolTable, layer: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
 async def test_a_prefill_in_four_replicas_streams_into_replica_two_layer_by_layer_bit_for_bit(
     producer: kvrt.Producer, consumer: kvrt.Consumer, layout: Layout
 ) -> None:

@@ -7,9 +7,12 @@ import torch
 
 import kvrt
 from kvrt import Layout, PoolTable
+from kvrt.kernels.paged_kv import gather_layer_reference
 from tests._checks import collected, same_bits
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 32
+CPU_LAYOUTS = [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.BLOCK_HEAD_MAJOR, Layout.MLA]
+"""Every layout a CPU host's pools may have (head-major blocks are CPU-only: vLLM's CPU backend)."""
 
 
 def random_pools(replicas: int, layout: Layout, *, copies: int = 1, seed: int = 0) -> PoolTable:
@@ -17,6 +20,7 @@ def random_pools(replicas: int, layout: Layout, *, copies: int = 1, seed: int = 
     shape = {
         Layout.TOKEN_MAJOR: (SLOTS, 2 * HEADS, DIM),
         Layout.BLOCK: (2, SLOTS // 4, 4, HEADS, DIM),
+        Layout.BLOCK_HEAD_MAJOR: (SLOTS // 4, HEADS, 2, 4, DIM),
         Layout.MLA: (SLOTS, DIM),
     }[layout]
     return PoolTable(
@@ -32,10 +36,13 @@ def row(table: PoolTable, replica: int, copy: int, layer: int, slot: int, kv: in
         return pool[slot, kv * HEADS : (kv + 1) * HEADS]
     if table.layout is Layout.BLOCK:
         return pool[kv].reshape(SLOTS, HEADS, DIM)[slot]
+    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+        block = pool[slot // 4, :, kv]
+        return block.reshape(HEADS, DIM, 4)[:, :, slot % 4] if kv == 0 else block[:, slot % 4]
     return pool[slot]
 
 
-@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
 @pytest.mark.parametrize(
     ("transport", "chunk_bytes"),
     [("tcp", 1 << 30), ("gloo", 1 << 30), ("gloo", 1)],
@@ -251,3 +258,21 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
                 break
             await asyncio.sleep(0.01)
     assert [ref() is None for ref in published] == [True] * 4
+
+
+def test_a_head_major_block_pool_reads_a_slots_key_as_a_column_of_its_block_and_its_value_as_a_row() -> None:
+    # vLLM's CPU backend (vec and vec16 kernels): per block and head, keys as [head_dim, block_size],
+    # then values as [block_size, head_dim].
+    pool = torch.zeros((SLOTS // 4, HEADS, 2, 4, DIM))
+    keys = pool[2, 1, 0].view(DIM, 4)
+    keys[:, 3] = torch.arange(DIM, dtype=pool.dtype)  # block 2, head 1, offset 3: slot 11
+    pool[2, 1, 1, 3] = -torch.arange(DIM, dtype=pool.dtype)  # its value row
+    table = PoolTable([[[pool]]], Layout.BLOCK_HEAD_MAJOR)
+    key, value = gather_layer_reference(table, torch.zeros(1, dtype=torch.int64), torch.tensor([11]), 0)
+    assert key[0, 1].tolist() == list(range(DIM)) and value[0, 1].tolist() == [-d for d in range(DIM)]
+    assert key[0, 0].eq(0.0).all() and value[0, 0].eq(0.0).all()
+
+
+def test_a_head_major_block_pool_of_another_shape_is_refused() -> None:
+    with pytest.raises(kvrt.InvalidInputError, match=r"\[blocks, heads, 2, block_size, head_dim\]"):
+        PoolTable([[[torch.zeros((SLOTS // 4, HEADS, 4, 2 * DIM))]]], Layout.BLOCK_HEAD_MAJOR)

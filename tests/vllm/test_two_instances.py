@@ -1,0 +1,190 @@
+"""A prefill and a decode vLLM instance in processes of their own, KV through kvrt: the decode
+instance takes every prompt's KV but the last token's, and decodes as one instance alone does."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvrt.blocking
+from tests._checks import same_bits
+from tests.vllm.recording import WORKER_PID, record_name
+
+INSTANCE_S = 240
+"""Bound on one instance's run (about 30 s on a 2-core host)."""
+
+PROMPT_LENGTHS = (40, 70, 33, 100)
+
+
+def wait_ready(process: subprocess.Popen[str]) -> bool:
+    """Whether the instance said "ready" (vLLM writes its own lines to standard output too)."""
+    assert process.stdout is not None
+    return any(line.strip() == "ready" for line in process.stdout)
+
+
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def run_instance(model: Path, role: str, requests: list[dict[str, Any]], folder: Path, *extra: str) -> list[Any]:
+    prompts, out = folder / f"{role}-in.json", folder / f"{role}-out.json"
+    prompts.write_text(json.dumps(requests))
+    subprocess.run(
+        [sys.executable, "-m", "tests.vllm.instance", "run", "--model", str(model), "--role", role,
+         "--prompts", str(prompts), "--out", str(out), *extra],
+        check=True, timeout=INSTANCE_S, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    return list(json.loads(out.read_text()))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(folder: Path) -> Path:
+    path = folder / "model"
+    subprocess.run([sys.executable, "-m", "tests.vllm.instance", "make-model", str(path)], check=True, timeout=120)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = random.Random(1)
+    return [[generator.randrange(3, 500) for _ in range(length)] for length in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def single(model: Path, prompts: list[list[int]], folder: Path) -> list[Any]:
+    return run_instance(model, "single", [{"prompt": prompt} for prompt in prompts], folder)
+
+
+def start_producer(
+    model: Path, prompts: list[list[int]], folder: Path, name: str
+) -> tuple[list[Any], subprocess.Popen[str]]:
+    """A prefill instance that ran `prompts` (one output token each) and serves their KV until
+    its standard input closes; its pages recorded under `folder / name`."""
+    requests, out, pages = folder / f"{name}-in.json", folder / f"{name}-out.json", folder / name
+    requests.write_text(json.dumps([{"prompt": prompt} for prompt in prompts]))
+    pages.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm.instance", "run", "--model", str(model), "--role", "producer",
+         "--bind", free_endpoint(), "--max-tokens", "1", "--prompts", str(requests), "--out", str(out),
+         "--record", str(pages)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    if not wait_ready(process):
+        stop(process)
+        raise AssertionError("the prefill instance did not finish its prompts")
+    return json.loads(out.read_text()), process
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.stdin is not None:
+        process.stdin.close()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def pages(folder: Path, tokens: list[int]) -> torch.Tensor:
+    """The pages [layers, tokens, K|V, heads, head_dim] an instance recorded for `tokens`."""
+    record = torch.load(folder / record_name(tokens))
+    assert record["tokens"] == tokens
+    return record["pages"]
+
+
+@pytest.fixture(scope="module")
+def producer(model: Path, prompts: list[list[int]], folder: Path) -> Iterator[tuple[list[Any], subprocess.Popen[str]]]:
+    prefilled, process = start_producer(model, prompts, folder, "producer-pages")
+    try:
+        yield prefilled, process
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def decoded(producer: tuple[list[Any], subprocess.Popen[str]], model: Path, folder: Path) -> list[Any]:
+    prefilled, _ = producer
+    requests = [{"prompt": done["prompt"], "kv_transfer_params": done["kv_transfer_params"]} for done in prefilled]
+    (folder / "consumer-pages").mkdir()
+    return run_instance(model, "consumer", requests, folder, "--record", str(folder / "consumer-pages"))
+
+
+def test_the_prefill_instance_names_its_kvrt_endpoint_in_each_requests_transfer_params(
+    producer: tuple[list[Any], subprocess.Popen[str]],
+) -> None:
+    prefilled, _ = producer
+    assert all(done["kv_transfer_params"]["kvrt_endpoint"].startswith("tcp://127.0.0.1:") for done in prefilled)
+
+
+def test_the_decode_instance_computes_only_the_last_prompt_token_of_each_prompt(decoded: list[Any]) -> None:
+    # vLLM's own per-request counter: prompt tokens it did not compute. It always computes the
+    # last one (its logits give the first output token), as after a hit in its own prefix cache.
+    assert [done["num_cached_tokens"] for done in decoded] == [len(done["prompt"]) - 1 for done in decoded]
+
+
+def test_the_pages_the_decode_instance_loaded_are_the_prefill_instances_bit_for_bit(
+    decoded: list[Any], prompts: list[list[int]], folder: Path
+) -> None:
+    # Every layer, every block: the full ones, the last one partly filled, and the token just
+    # before the one the decode instance computes.
+    for prompt in prompts:
+        computed = pages(folder / "producer-pages", prompt)
+        loaded = pages(folder / "consumer-pages", prompt[:-1])
+        assert same_bits(loaded, computed[:, : len(prompt) - 1]), f"the pages of the {len(prompt)}-token prompt differ"
+
+
+def test_the_prefill_instance_holds_no_prompt_once_the_decode_instance_took_them(
+    decoded: list[Any], producer: tuple[list[Any], subprocess.Popen[str]]
+) -> None:
+    prefilled, _ = producer
+    with kvrt.blocking.Client(prefilled[0]["kv_transfer_params"]["kvrt_endpoint"]) as client:
+        assert client.stats().items == 0
+
+
+def test_the_decode_instance_decodes_every_prompt_as_a_single_instance(decoded: list[Any], single: list[Any]) -> None:
+    assert [done["tokens"] for done in decoded] == [done["tokens"] for done in single]
+
+
+def test_a_decode_instance_whose_producer_is_gone_computes_every_prompt_and_decodes_the_same(
+    model: Path, prompts: list[list[int]], single: list[Any], folder: Path
+) -> None:
+    gone = {"kvrt_endpoint": free_endpoint()}
+    decoded = run_instance(model, "consumer", [{"prompt": p, "kv_transfer_params": gone} for p in prompts], folder)
+    assert [done["num_cached_tokens"] for done in decoded] == [0] * len(prompts)
+    assert [done["tokens"] for done in decoded] == [done["tokens"] for done in single]
+
+
+def test_a_decode_instance_whose_producer_is_killed_after_the_lookup_recomputes_and_decodes_the_same(
+    model: Path, prompts: list[list[int]], single: list[Any], folder: Path
+) -> None:
+    prefilled, process = start_producer(model, prompts, folder, "killed-pages")
+    try:
+        victim = folder / "victim.pid"
+        victim.write_text((folder / "killed-pages" / WORKER_PID).read_text())
+        requests = [{"prompt": done["prompt"], "kv_transfer_params": done["kv_transfer_params"]} for done in prefilled]
+        loaded = folder / "killed-loaded"
+        loaded.mkdir()
+        decoded = run_instance(
+            model, "consumer", requests, folder, "--kill-before-load", str(victim), "--record", str(loaded)
+        )
+        assert not victim.exists(), "the decode instance did not start a load, so it did not kill the producer"
+    finally:
+        stop(process)
+    assert sorted(path.name for path in loaded.iterdir()) == [WORKER_PID]  # no load succeeded: no page recorded
+    assert [done["tokens"] for done in decoded] == [done["tokens"] for done in single]
