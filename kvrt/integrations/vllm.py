@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -86,6 +87,14 @@ ENDPOINT_PARAM: Final = "kvrt_endpoint"
 
 DEFAULT_LOOKUP_TIMEOUT_S: Final = 2.0
 """How long a consumer's scheduler waits for a producer to connect or answer a lookup."""
+
+SILENT_PRODUCER_BACKOFF_S: Final = (1.0, 30.0)
+"""A producer that did not answer is not asked again (its requests are computed here at once)
+for the first figure, doubled at each failure up to the second: every lookup holds vLLM's
+scheduler, and with it every request of the instance, for up to `lookup_timeout_s`."""
+
+MAX_SILENT_PRODUCERS: Final = 1024
+"""Silent producers remembered at most (endpoints come with the requests)."""
 
 
 class ConnectorConfigError(kvrt.InvalidInputError):
@@ -224,6 +233,9 @@ class _SchedulerSide:
         self._blocks: dict[str, list[int]] = {}
         """Per request in flight on a producer: its prompt and its blocks, for the step that
         computes its last prompt token (vLLM sends both only when the request is new)."""
+        self._silent: dict[str, tuple[float, float]] = {}
+        """Per producer that did not answer: when it is asked again (monotonic), and the backoff
+        that led there (`SILENT_PRODUCER_BACKOFF_S`); oldest first."""
 
     def _endpoint_of(self, request: Request) -> str | None:
         params = request.kv_transfer_params or {}
@@ -242,6 +254,21 @@ class _SchedulerSide:
         if client is not None:
             client.close()
 
+    def _asks(self, endpoint: str) -> bool:
+        """Whether `endpoint` may be asked now: not while it is in its backoff after failing."""
+        silent = self._silent.get(endpoint)
+        return silent is None or time.monotonic() >= silent[0]
+
+    def _failed(self, endpoint: str) -> None:
+        """`endpoint` did not answer: its client goes, and it is not asked for a while."""
+        self._drop_client(endpoint)
+        first, longest = SILENT_PRODUCER_BACKOFF_S
+        _, backoff = self._silent.pop(endpoint, (0.0, first / 2))
+        backoff = min(2 * backoff, longest)
+        self._silent[endpoint] = (time.monotonic() + backoff, backoff)
+        while len(self._silent) > MAX_SILENT_PRODUCERS:
+            del self._silent[next(iter(self._silent))]
+
     def matched(self, request: Request, num_computed_tokens: int) -> int:
         if not self._c._consumes:
             return 0
@@ -252,14 +279,15 @@ class _SchedulerSide:
     def _lookup(self, request: Request) -> int:
         endpoint = self._endpoint_of(request)
         prompt = list(request.prompt_token_ids or [])
-        if endpoint is None or len(prompt) < 2:
+        if endpoint is None or len(prompt) < 2 or not self._asks(endpoint):
             return 0
         try:
             found = self._client(endpoint).probe(torch.tensor(prompt, dtype=torch.int64))
         except kvrt.KVRTError as exc:
             log.warning("lookup of %s at %s failed (%s): it is computed here", request.request_id, endpoint, exc)
-            self._drop_client(endpoint)
+            self._failed(endpoint)
             return 0
+        self._silent.pop(endpoint, None)
         # The last prompt token is always computed here: its logits give the first output token.
         return min(found.matched, len(prompt) - 1)
 
@@ -338,8 +366,8 @@ class _SchedulerSide:
 
     def _evict(self, endpoint: str | None, request: Request) -> None:
         prompt = list(request.prompt_token_ids or [])
-        if endpoint is None or not prompt:
-            return
+        if endpoint is None or not prompt or not self._asks(endpoint):
+            return  # a silent producer cannot be told: its item stays there until taken or evicted
         try:
             client = self._client(endpoint)
             found = client.probe(torch.tensor(prompt, dtype=torch.int64))
@@ -349,7 +377,7 @@ class _SchedulerSide:
             pass  # taken or evicted meanwhile
         except kvrt.KVRTError as exc:
             log.warning("could not release the KV of request %s at %s: %s", request.request_id, endpoint, exc)
-            self._drop_client(endpoint)
+            self._failed(endpoint)
 
     def close(self) -> None:
         for endpoint in list(self._clients):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,28 @@ def test_a_prompt_whose_producer_does_not_answer_is_computed(schedulers: Callabl
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"gone": len(PROMPT)} and loads(output) == []
     finish(scheduler, output)
+    assert_empty(scheduler)
+
+
+def test_a_producer_that_does_not_answer_holds_the_scheduler_once_not_for_every_request(
+    schedulers: Callable[..., Scheduler],
+) -> None:
+    # Each lookup holds vLLM's scheduler (every request of the instance) for up to the lookup
+    # timeout: the next requests naming a silent producer are computed at once for a while.
+    timeout_s = 0.5
+    scheduler = schedulers("kv_consumer", lookup_timeout_s=timeout_s)
+    endpoint = free_endpoint()
+    took = []
+    for index in range(3):
+        prompt = [token + 1000 * index for token in PROMPT]
+        scheduler.add_request(make_request(f"r{index}", prompt, endpoint))
+        started = time.monotonic()
+        output = scheduler.schedule()
+        took.append(time.monotonic() - started)
+        assert output.num_scheduled_tokens == {f"r{index}": len(PROMPT)} and loads(output) == []
+        finish(scheduler, output)
+    assert took[0] >= timeout_s * 0.9  # asked, and waited for its answer
+    assert max(took[1:]) < timeout_s / 2, took  # not asked again within its backoff
     assert_empty(scheduler)
 
 
