@@ -229,11 +229,15 @@ async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it
             async with kvrt.Client(producer.endpoint) as newcomer:  # new peers still get in
                 assert (await newcomer.health()).producer_id
             if requests < 100_000:  # its replies wait in its outbox: the producer waits for room idly
+                # (unless its lease, 1 s after its last message, ended already on a slow host:
+                # then it is gone, and with it its outbox)
+                present = producer.stats().peers > 1
                 stuck = producer._outboxes.next_retry() is not None
                 cpu_before, wall_before = time.process_time(), time.monotonic()
                 await asyncio.sleep(0.5)
                 cpu_share = (time.process_time() - cpu_before) / (time.monotonic() - wall_before)
-                assert stuck and cpu_share < 0.2, f"the producer spun on a full queue ({cpu_share:.0%} CPU)"
+                assert cpu_share < 0.2, f"the producer spun on a full queue ({cpu_share:.0%} CPU)"
+                assert stuck or not present, "the replies it never read left its outbox while it stayed"
             async with asyncio.timeout(LEASE_S + 30):
                 while producer.stats().peers > 1:  # the non-reader is dropped: stalled for its lease, or overflowing
                     producer._peer_left.clear()
