@@ -23,7 +23,7 @@ from kvrt._errors import (
     ProtocolError,
     translate_torch_error,
 )
-from kvrt._item import KVBuffers, KVItem, check_fit, land_in
+from kvrt._item import KVBuffers, KVItem, Landing, check_fit, land_in
 from kvrt._protocol import (
     LinkState,
 )
@@ -113,7 +113,7 @@ class LinkArrivals(LinkSession):
         if self._metrics is not None and header_at:
             transport = self._transport.name if self._transport is not None else "unknown"
             self._metrics.transferred(transport, time.perf_counter() - header_at, deliver.payload_bytes)
-        future.set_result(_Reply(deliver, item, landed_on=self._landing_stream()))
+        future.set_result(_Reply(deliver, item, landed_on=self._landing_stream(landing)))
 
     def _on_deliver_many(
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
@@ -158,9 +158,13 @@ class LinkArrivals(LinkSession):
         if future is not None and not future.done():
             future.set_exception(self._lease_error())
 
-    def _landing_stream(self) -> torch.cuda.Stream | None:
-        """The stream an item's landing is ordered on here (see `_Reply.landed_on`)."""
-        return torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+    def _landing_stream(self, landing: Landing | None) -> torch.cuda.Stream | None:
+        """The stream an item's landing is ordered on here (see `_Reply.landed_on`), where the
+        caller copies it into its buffers later (`landing.copy` False); else None, with no
+        query of torch's current stream on every reply."""
+        if landing is None or landing.copy or self._device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(self._device)
 
     def _own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
         """Call `landed` when a posted receive ends, from the future's own callback (no task,
@@ -234,7 +238,7 @@ class LinkArrivals(LinkSession):
                     self._release(_item_ids(batch))
                     future.set_exception(unwritable(failure))
                     return
-        future.set_result(_Reply(batch, items=items, landed_on=self._landing_stream()))
+        future.set_result(_Reply(batch, items=items, landed_on=self._landing_stream(landing)))
 
 
 def unwritable(failure: RuntimeError) -> InvalidInputError:
