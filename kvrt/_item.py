@@ -22,7 +22,7 @@ from kvrt._arguments import seconds
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
-from kvrt._tensors import Packed, pack
+from kvrt._tensors import Allocate, Packed, pack
 
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 """The wire's int64 tokens are little-endian: a native int64 tensor's bytes are them as they are."""
@@ -290,7 +290,7 @@ def truncate(item: KVItem, matched_tokens: int) -> KVItem:
 
 def buffered_item(
     tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    device: torch.device, *, item_id: int, seq: int,
+    device: torch.device, *, item_id: int, seq: int, allocate: Allocate | None = None,
 ) -> BufferedItem:  # fmt: skip
     """An item for the buffer: the five tensors (already checked) packed into one new buffer
     on `device` (the one copy insert makes), with its lookup key: read from the caller's
@@ -299,7 +299,7 @@ def buffered_item(
     input_tokens, roi = tensors[0], tensors[1]
     on_host = input_tokens.device.type == "cpu" and (roi is None or roi.device.type == "cpu")
     masked = masked_tokens(input_tokens, roi).copy() if on_host else None  # the caller may change its tokens
-    return item_from_packed(pack(tensors, device), item_id=item_id, seq=seq, masked=masked)
+    return item_from_packed(pack(tensors, device, allocate), item_id=item_id, seq=seq, masked=masked)
 
 
 def item_from_packed(packed: Packed, *, item_id: int, seq: int, masked: np.ndarray | None = None) -> BufferedItem:

@@ -445,8 +445,10 @@ class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
     `handle` .. `counter_offset` are torch's share of the storage (`_share_cuda_`): the
     allocation's IPC handle, the storage's place and size in it, and the reference counter
     (a shared-memory file and slot) the consumer decrements once it is done reading, which is
-    what lets the producer's allocator reuse the memory. `start` is where the payload begins
-    in the storage."""
+    what lets the producer's allocator reuse the memory; no counter (empty): the storage is a
+    slab of the producer's registered memory, which the consumer opens once and keeps open
+    (the protocol, not a counter, says how long each item in it stays). `start` is where the
+    payload begins in the storage. A mark of 0: the range was written before it was sent."""
 
     handle: Annotated[bytes, Meta(max_length=MAX_IPC_HANDLE_BYTES)]
     storage_offset: Annotated[int, Meta(ge=0, le=2**62)]
@@ -454,7 +456,7 @@ class IpcShare(msgspec.Struct, frozen=True, array_like=True, gc=False):
     counter: Annotated[bytes, Meta(max_length=MAX_NAME_CHARS)]
     counter_offset: Annotated[int, Meta(ge=0, le=2**32)]
     start: Annotated[int, Meta(ge=0, le=2**62)]
-    marks: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_IPC_MARK)]], Meta(max_length=MAX_SEGMENTS)]
+    marks: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_IPC_MARK)]], Meta(max_length=MAX_SEGMENTS)]
 
 
 _UNREADABLE: Final = (msgspec.DecodeError, RecursionError, ValueError, OverflowError, MemoryError)

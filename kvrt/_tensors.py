@@ -14,7 +14,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -49,6 +49,9 @@ _WIRE_DTYPE_NAMES: Final = (
     "float4_e2m1fn_x2",
 )
 """Every plain dtype (quantized ones have no byte view); those this torch lacks are skipped."""
+
+Allocate = Callable[[int], torch.Tensor | None]
+"""Gives an item's packed buffer: a 1-D uint8 tensor of that many bytes, or None (see `pack_empty`)."""
 
 
 def _wire_dtypes() -> dict[str, torch.dtype]:
@@ -167,9 +170,12 @@ def _pageable(host: torch.Tensor) -> torch.Tensor:
     return host.clone() if host.is_pinned() else host
 
 
-def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device: torch.device) -> Packed:
+def pack_empty(
+    specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device: torch.device, allocate: Allocate | None = None
+) -> Packed:
     """One new buffer on `device` laid out for tensors of these shapes and dtypes (None stays
-    None), and views of them: for a caller that fills them in place."""
+    None), and views of them: for a caller that fills them in place. `allocate` may give the
+    buffer (a 1-D uint8 tensor of the size asked for, on `device`; None from it: a new one)."""
     metas: list[TensorMeta | None] = []
     end = 0
     for spec in specs:
@@ -180,7 +186,9 @@ def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device
         offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
         metas.append(TensorMeta(dtype=dtype_name(dtype), shape=list(shape), offset=offset))
         end = offset + _nbytes(shape, dtype)
-    storage = torch.empty(end, dtype=torch.uint8, device=device)
+    storage = None if allocate is None else allocate(end)
+    if storage is None:
+        storage = torch.empty(end, dtype=torch.uint8, device=device)
     views = tuple(
         None if spec is None or meta is None else _view(storage, meta, spec[1])
         for spec, meta in zip(specs, metas, strict=True)
@@ -188,10 +196,11 @@ def pack_empty(specs: Sequence[tuple[Sequence[int], torch.dtype] | None], device
     return Packed(storage, views, tuple(metas))
 
 
-def pack(tensors: Sequence[torch.Tensor | None], device: torch.device) -> Packed:
+def pack(tensors: Sequence[torch.Tensor | None], device: torch.device, allocate: Allocate | None = None) -> Packed:
     """Copy `tensors` (None stays None) into one new buffer on `device`: one copy each, none
-    waited for (`copy_into`)."""
-    packed = pack_empty([None if tensor is None else (tensor.shape, tensor.dtype) for tensor in tensors], device)
+    waited for (`copy_into`). `allocate`: as for `pack_empty`."""
+    specs = [None if tensor is None else (tensor.shape, tensor.dtype) for tensor in tensors]
+    packed = pack_empty(specs, device, allocate)
     for tensor, view in zip(tensors, packed.tensors, strict=True):
         if tensor is not None and view is not None:
             copy_into(view, tensor)

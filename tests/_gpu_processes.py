@@ -58,6 +58,26 @@ def run_gpu_producer(
     asyncio.run(main())
 
 
+def run_gpu_producer_registering(
+    device: str, registered_bytes: int | None, items: list[tuple[int, int, str]],
+    control: multiprocessing.connection.Connection,
+) -> None:  # fmt: skip
+    """As `run_gpu_producer`, its cuda_ipc registered memory capped at `registered_bytes`
+    (None: the default; 0: every item is allocated and shared by torch)."""
+
+    async def main() -> None:
+        async with kvrt.Producer(device=device, buffer_bytes=1 << 40) as producer:
+            if registered_bytes is not None:
+                producer._transports["cuda_ipc"]._arena.limit_bytes = registered_bytes  # type: ignore[attr-defined]
+            for index, tokens, dtype_name in items:
+                input_tokens, key, value, hidden = kv_item(index, tokens, getattr(torch, dtype_name), device)
+                await producer.insert(input_tokens, None, key, value, hidden)
+            control.send(producer.endpoint)
+            await asyncio.to_thread(_receive, control)
+
+    asyncio.run(main())
+
+
 def _receive(control: multiprocessing.connection.Connection) -> Any:
     with contextlib.suppress(EOFError):
         return control.recv()

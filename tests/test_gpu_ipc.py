@@ -187,13 +187,19 @@ async def ipc_consumer_of(
             yield consumer, producer, control
 
 
-def producer_memory() -> int:
-    """The producer GPU's allocated bytes, once what nothing holds any more was collected
-    (torch's IPC limbo included) and its queued work done."""
+def producer_memory(producer: kvrt.Producer | None = None) -> int:
+    """The producer GPU's bytes that hold something, once what nothing holds any more was
+    collected (torch's IPC limbo included) and its queued work done: allocated bytes, less
+    those of `producer`'s registered memory free for new items."""
     gc.collect()
     torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize(PRODUCER_DEVICE)
-    return torch.cuda.memory_allocated(PRODUCER_DEVICE)
+    held = torch.cuda.memory_allocated(PRODUCER_DEVICE)
+    if producer is not None and "cuda_ipc" in producer._transports:
+        arena = producer._transports["cuda_ipc"]._arena  # type: ignore[attr-defined]
+        arena.collect()
+        held -= arena.reserved_bytes - arena.used_bytes
+    return held
 
 
 async def stream_reader_that_dies(
@@ -224,6 +230,7 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
     # decrement per share it receives (by dropping a counted opening, or releasing it unread).
     # More and the producer frees memory another reader may still use; fewer and it is pinned.
     # A chunked pull reads many ranges of one share: it opened one counted storage each.
+    # Shares of registered memory are not counted (the slab is opened once and kept).
     from kvrt import Layout, PoolTable
     from kvrt.transports import cuda_ipc
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
@@ -233,8 +240,13 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
     share_in, check_probe = CudaIpcReceiver._share_in, CudaIpcReceiver._check_probe
     new_shared, release = cuda_ipc._new_shared, cuda_ipc._release
 
+    registered: list[Any] = []
+
     def counted_in(self: CudaIpcReceiver, frames: Any) -> Any:
         share = share_in(self, frames)
+        if not share.counter:
+            registered.append(share)
+            return share
         key = (share.counter, share.counter_offset)
         received[key] = received.get(key, 0) + 1
         return share
@@ -251,6 +263,8 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
         return new_shared(device_index, share, counted=counted)
 
     def counted_release(share: Any) -> None:
+        if not share.counter:
+            return
         key = (share.counter, share.counter_offset)
         released[key] = released.get(key, 0) + 1
         release(share)
@@ -282,14 +296,17 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
             item = await consumer.pull(tokens, into=target, slots=into_slots, replica=0, timeout=30)
             assert item is not None and item.matched == tokens.numel()
     assert received and released == received
+    assert registered  # the published item's chunks: ranges of a registered slab
 
 
-async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_pinned() -> None:
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "torch-shared"])
+async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_pinned(registered: bool) -> None:
     # Torch counts a reference per share, and the consumer gives it back by dropping what it
     # opened. This one read the item and is killed still holding it: its count would stay up,
     # and once a second consumer has taken and confirmed the item, the producer's torch would
     # keep the item's memory in its limbo for good. The producer releases the counts of what
-    # a departed consumer never confirmed, so the memory comes back.
+    # a departed consumer never confirmed, so the memory comes back. In registered memory
+    # nothing is counted: the item's region comes back once the item is confirmed.
     from tests._gpu_processes import run_gpu_consumer, run_gpu_consumer_that_dies
 
     heartbeat_s = 0.25
@@ -297,10 +314,11 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
     item_bytes = key.nbytes + value.nbytes
     torch.cuda.set_device(PRODUCER_DEVICE)
     async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+        if not registered:
+            producer._transports["cuda_ipc"]._arena.limit_bytes = 0  # type: ignore[attr-defined]
         await producer.insert(tokens, None, key, value, hidden)
         del key, value, hidden  # the producer holds its own copy
-        torch.cuda.synchronize(PRODUCER_DEVICE)
-        with_item = torch.cuda.memory_allocated(PRODUCER_DEVICE)
+        with_item = producer_memory(producer)
         query = tokens.tolist()
         control, child = spawn.Pipe()
         reader = spawn.Process(
@@ -325,7 +343,7 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         await asyncio.wait_for(producer._peer_left.wait(), 10.0)  # its bye, after its receipt
         stats = producer.stats()
         assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
-        freed = with_item - producer_memory()
+        freed = with_item - producer_memory(producer)
         assert freed >= item_bytes, f"{freed} bytes freed of the item's {item_bytes}"
 
 
@@ -372,13 +390,13 @@ async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves
             layer_bytes = 2 * key.nbytes
             del key
         await stream.finish()
-        before = producer_memory()  # the finished item, in the buffer
+        before = producer_memory(producer)  # the finished item, in the buffer
         reader, control = await stream_reader_that_dies(producer, tokens, read, heartbeat_s, sees_the_end=False)
         assert await heard(control) == "read"
         await killed_and_forgotten(reader, producer, heartbeat_s)
         stats = producer.stats()
         assert (stats.items, stats.in_flight) == (1, 0)  # the item is back, whole
-        held = producer_memory() - before
+        held = producer_memory(producer) - before
         assert held < layer_bytes, f"{held} bytes still held; a packed layer takes {layer_bytes}"
 
 

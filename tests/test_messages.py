@@ -220,6 +220,11 @@ def test_a_cuda_ipc_share_survives_encode_then_decode() -> None:
     assert m.decode_share(m.encode_share(share)) == share
 
 
+def test_a_share_of_registered_memory_has_no_counter_and_may_need_no_wait() -> None:
+    share = _share(counter=b"", counter_offset=0, marks=[0, 3])  # 0: written before it was sent
+    assert m.decode_share(m.encode_share(share)) == share
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -227,10 +232,13 @@ def test_a_cuda_ipc_share_survives_encode_then_decode() -> None:
         {"start": -1},
         {"counter_offset": 2**33},
         {"marks": [1] * (m.MAX_SEGMENTS + 1)},
-        {"marks": [0]},
+        {"marks": [-1]},
         {"marks": [m.MAX_IPC_MARK + 1]},
     ],
-    ids=["handle-too-long", "negative-start", "counter-offset-too-large", "too-many-marks", "mark-0", "mark-too-large"],
+    ids=[
+        "handle-too-long", "negative-start", "counter-offset-too-large", "too-many-marks", "negative-mark",
+        "mark-too-large",
+    ],  # fmt: skip
 )
 def test_a_cuda_ipc_share_out_of_bounds_is_a_remote_protocol_error(bad: dict[str, object]) -> None:
     frame = msgspec.msgpack.encode(_share(**bad))

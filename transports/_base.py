@@ -25,6 +25,9 @@ the consumer (each transport module provides one of each, built by `select.make_
   coroutine in the way (None: it calls `send`).
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
+* `allocate`: the producer's item allocations (insert, publish), asked of each transport in
+  turn: memory the transport registered, that its sends move without a new share (cuda_ipc's
+  slabs); None: the producer allocates the item itself.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair, and
   whatever it held on the consumer's behalf for the items it never confirmed (those items
   are back in the buffer, their storage alive).
@@ -140,6 +143,11 @@ class Sender(abc.ABC):
     def reclaim(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side, before an item is allocated: drop what finished transfers still
         hold, so that their memory can serve the new item (nothing by default)."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor | None:
+        """Producer side: a 1-D uint8 tensor of `nbytes` on the producer's device in memory this
+        transport registered (None by default: the producer allocates it)."""
+        return None
 
     def offer(self, peer: bytes) -> dict[str, str]:
         """Producer side: the rendezvous a consumer needs to join (none by default)."""

@@ -82,6 +82,7 @@ from kvrt._tensors import (
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
+from kvrt.transports._arena import RegisteredArena
 from kvrt.transports._base import (
     Arrival,
     ItemTensors,
@@ -168,7 +169,11 @@ class _Session:
     marks_address: int = 0
     allocations: collections.OrderedDict[bytes, torch.UntypedStorage] = field(default_factory=collections.OrderedDict)
     """Per allocation handle, an uncounted storage that keeps its mapping open."""
-    evicted: list[torch.UntypedStorage] = field(default_factory=list)
+    slabs: collections.OrderedDict[tuple[bytes, int, int], torch.Tensor] = field(
+        default_factory=collections.OrderedDict
+    )
+    """The producer's registered slabs opened (LRU), as byte tensors: items are ranges of them."""
+    evicted: list[torch.UntypedStorage | torch.Tensor] = field(default_factory=list)
     """Mappings to close, on the waiter thread (closing synchronizes the current stream)."""
 
 
@@ -214,7 +219,20 @@ class _CudaIpc:
 
 
 class CudaIpcSender(_CudaIpc, Sender):
-    """The producer's half: shares an item's storage with the consumer's process, and counts its reads."""
+    """The producer's half: shares an item's storage with the consumer's process. Items in
+    registered memory (`allocate`) are offsets of slabs each consumer maps once; any other
+    storage is shared by torch, which counts its reads."""
+
+    def __init__(self, device: torch.device, registered_bytes: int = 0) -> None:
+        super().__init__(device)
+        self._arena = RegisteredArena(self.device, registered_bytes)
+
+    def allocate(self, nbytes: int) -> torch.Tensor | None:
+        return self._arena.allocate(nbytes)
+
+    def prepare(self, item: BufferedItem) -> None:
+        if item.storage.device.type == "cuda":
+            self._arena.written(item.storage, item.written)
 
     def reclaim(self) -> None:
         # Items whose consumer already dropped its mapping, but which torch keeps in its
@@ -319,6 +337,8 @@ class CudaIpcSender(_CudaIpc, Sender):
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
+        if not share.counter:
+            return  # registered memory: nothing counted to release
         self._unconfirmed.setdefault(peer, weakref.WeakKeyDictionary()).setdefault(item, []).append(share)
 
     def _pair(self, peer: bytes) -> _Pair:
@@ -335,17 +355,32 @@ class CudaIpcSender(_CudaIpc, Sender):
         marks = []
         with on_device(self.device):  # the driver's stream operations take the current context
             for event in ready:
+                if event is not None and event.query():
+                    # Written already (an insert's copy is long done by the time it is asked
+                    # for): the consumer need not wait on anything of this process's GPU.
+                    marks.append(0)
+                    continue
                 if event is not None:
                     pair.stream.wait_event(event)  # the GPU waits; the loop does not
                 marks.append(pair.mark(self._words))
-        if self._share_stream is None:
-            self._share_stream = torch.cuda.Stream(self.device)
-        # torch records an event of its own on the current stream when it shares (and, past a
-        # thousand shared storages alive, synchronizes that stream instead): one nothing runs on.
-        with on_device(self.device), OnStream(self._share_stream):
-            storage = tensor.untyped_storage()
-            shared = storage._share_cuda_()  # type: ignore[no-untyped-call]
-        _, handle, storage_bytes, storage_offset, counter, counter_offset, _, _ = shared
+        placed = self._arena.place(tensor)
+        if placed is not None:
+            slab, start = placed
+            if slab.share is None:
+                slab.share = self._torch_share(slab.tensor)
+            _, handle, storage_bytes, storage_offset, _, _, _, _ = slab.share
+            # Uncounted: the slab outlives every delivery, and the region outlives every read
+            # of it (see `kvrt.transports._arena`).
+            return m.IpcShare(
+                handle=handle,
+                storage_offset=storage_offset,
+                storage_bytes=storage_bytes,
+                counter=b"",
+                counter_offset=0,
+                start=start,
+                marks=marks,
+            )
+        _, handle, storage_bytes, storage_offset, counter, counter_offset, _, _ = self._torch_share(tensor)
         return m.IpcShare(
             handle=handle,
             storage_offset=storage_offset,
@@ -356,9 +391,27 @@ class CudaIpcSender(_CudaIpc, Sender):
             marks=marks,
         )
 
+    def _torch_share(self, tensor: torch.Tensor) -> tuple[Any, ...]:
+        """torch's share of `tensor`'s storage: its allocation's handle, place, and a counter."""
+        if self._share_stream is None:
+            self._share_stream = torch.cuda.Stream(self.device)
+        # torch records an event of its own on the current stream when it shares (and, past a
+        # thousand shared storages alive, synchronizes that stream instead): one nothing runs on.
+        with on_device(self.device), OnStream(self._share_stream):
+            storage = tensor.untyped_storage()
+            return tuple(storage._share_cuda_())  # type: ignore[no-untyped-call]
+
     async def aclose(self) -> None:
         self._pairs.clear()
         self._unconfirmed.clear()
+        for slab in self._arena.slabs:
+            if slab.share is not None:
+                # torch's count of the slab's one share: the slab goes back to the allocator
+                # once the last item in it does.
+                _, _, _, _, counter, counter_offset, _, _ = slab.share
+                with contextlib.suppress(RuntimeError):
+                    torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
+                slab.share = None
         for layers in self._unconfirmed_layers.values():
             layers.clear()  # their finalizers keep the dicts: the packed buffers must go now
         self._unconfirmed_layers.clear()
@@ -549,8 +602,11 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             with on_device(self.device), OnStream(stream):
                 payload.record_stream(stream)
                 for index, part in enumerate(parts):
-                    # Marks are written in order on one stream: the part's last is enough.
-                    self._words.wait_at_least(stream, session.marks_address, max(copy.mark for copy in part))
+                    # Marks are written in order on one stream: the part's last is enough (0:
+                    # the producer's bytes were written before it sent them).
+                    mark = max(copy.mark for copy in part)
+                    if mark:
+                        self._words.wait_at_least(stream, session.marks_address, mark)
                     for copy in part:
                         source = opened.get(id(copy.share))
                         if source is None:
@@ -587,7 +643,20 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
         return session.waiter.wait(wait, result), landed
 
     def _opened(self, session: _Session, share: m.IpcShare) -> torch.Tensor:
-        """`share`'s storage as a byte tensor on this device, its allocation's mapping cached."""
+        """`share`'s storage as a byte tensor on this device, its allocation's mapping cached.
+        A share without a counter is a slab of the producer's registered memory: opened once,
+        and kept open, for every item in it."""
+        if not share.counter:
+            key = (share.handle, share.storage_offset, share.storage_bytes)
+            slab = session.slabs.get(key)
+            if slab is None:
+                storage = _new_shared(session.device_index, share, counted=False)
+                slab = session.slabs[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                if len(session.slabs) > _OPEN_ALLOCATIONS:
+                    session.evicted.append(session.slabs.popitem(last=False)[1])
+            else:
+                session.slabs.move_to_end(key)
+            return slab
         allocations = session.allocations
         if share.handle in allocations:
             allocations.move_to_end(share.handle)
@@ -617,8 +686,9 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
         if session.marks is not None:
             with on_device(self.device):
                 self._words.write(session.release, session.marks_address, _ABANDONED)
-        held = [*session.allocations.values(), *session.evicted, session.marks]
+        held = [*session.allocations.values(), *session.slabs.values(), *session.evicted, session.marks]
         session.allocations.clear()
+        session.slabs.clear()
         session.evicted.clear()
         idle, release, device = session.idle, session.release, self.device
 
@@ -662,7 +732,10 @@ def _drop(device: torch.device, idle: torch.cuda.Stream, *held: list[Any]) -> No
 
 
 def _release(share: m.IpcShare) -> None:
-    """Decrement a share's counter without opening it (the consumer will not read it)."""
+    """Decrement a share's counter without opening it (the consumer will not read it); a
+    share of registered memory has none."""
+    if not share.counter:
+        return
     with contextlib.suppress(RuntimeError):
         torch.UntypedStorage._release_ipc_counter_cuda(share.counter, share.counter_offset)
 

@@ -38,15 +38,18 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
     return (*preferred, "tcp")
 
 
-def make_senders(names: tuple[str, ...], device: torch.device, *, store_host: str) -> dict[str, Sender]:
+def make_senders(
+    names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0
+) -> dict[str, Sender]:
     """The producer's halves of the transports `names`, by name (`store_host`: where consumers
-    reach the rendezvous of a paired transport)."""
+    reach the rendezvous of a paired transport; `registered_bytes`: the most GPU memory
+    cuda_ipc keeps registered for items)."""
     senders: dict[str, Sender] = {}
     for name in names:
         if name == "tcp":
             senders[name] = TcpSender(device)
         elif name == "cuda_ipc":
-            senders[name] = CudaIpcSender(device)
+            senders[name] = CudaIpcSender(device, registered_bytes)
         else:
             senders[name] = PairedSender(name, device, store_host=store_host)
     return senders

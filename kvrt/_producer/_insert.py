@@ -51,6 +51,7 @@ class _Inserting(_Serving):
             self.device,
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
+            allocate=self._allocate,
         )
         await self._buffer(item)
         timer.done()

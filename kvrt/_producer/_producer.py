@@ -25,6 +25,7 @@ from kvrt._producer._state import PRODUCER_IO_THREADS
 from kvrt._producer._streams import _Streaming
 from kvrt._service import AsyncService
 from kvrt._zmqio import RouterOutboxes, SocketIO
+from kvrt.transports._arena import SLAB_BYTES
 from kvrt.transports.select import make_senders
 
 log = logging.getLogger("kvrt.producer")
@@ -86,7 +87,13 @@ class Producer(_Publishing, _Streaming, AsyncService):
         self._io = SocketIO(socket)
         self._outboxes = RouterOutboxes(self._io, stall_s=self._core.peer_timeout_s)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._transports = make_senders(self._transport_names, self.device, store_host=_host_of(self._endpoint))
+        self._transports = make_senders(
+            self._transport_names,
+            self.device,
+            store_host=_host_of(self._endpoint),
+            # Room for a full buffer and the one insert that may pass it, and a slab to spare.
+            registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
+        )
         self._update_room()
         _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")

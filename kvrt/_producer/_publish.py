@@ -169,6 +169,7 @@ class _Publishing(_Inserting):
             [(input_tokens.shape, input_tokens.dtype), None if roi is None else (roi.shape, roi.dtype),
              (kv_shape, pools.dtype), (value_shape, pools.dtype), None],
             self.device,
+            self._allocate,
         )  # fmt: skip
         item_tokens, item_roi, key, value, _ = packed.tensors
         _, _, key_meta, value_meta, _ = packed.metas

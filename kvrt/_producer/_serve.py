@@ -84,6 +84,14 @@ def _host_of(endpoint: str) -> str:
 class _Serving(ProducerState):
     """The serve loop and what it performs: replies, deliveries, peers leaving."""
 
+    def _allocate(self, nbytes: int) -> torch.Tensor | None:
+        """An item's packed buffer in memory a transport registered (None: none does)."""
+        for transport in self._transports.values():
+            storage = transport.allocate(nbytes)
+            if storage is not None:
+                return storage
+        return None
+
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
         (else a GPU item allocates anew, a device allocation on the loop)."""
