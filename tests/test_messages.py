@@ -238,7 +238,7 @@ def test_a_share_of_registered_memory_has_no_counter_and_may_need_no_wait() -> N
     ids=[
         "handle-too-long", "negative-start", "counter-offset-too-large", "too-many-marks", "negative-mark",
         "mark-too-large",
-    ],  # fmt: skip
+    ],
 )
 def test_a_cuda_ipc_share_out_of_bounds_is_a_remote_protocol_error(bad: dict[str, object]) -> None:
     frame = msgspec.msgpack.encode(_share(**bad))
