@@ -24,7 +24,7 @@ from msgspec import Meta
 
 from kvrt._errors import ErrorCode, RemoteProtocolError, VersionMismatchError
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 MAX_TOKENS: Final = 1 << 20
 """Most tokens a request may name (1M): bounds decode memory for a query."""
