@@ -59,7 +59,7 @@ import zmq
 
 import kvrt
 from kvrt._consumer import DEFAULT_REPLY_TIMEOUT_S
-from kvrt._messages import MAX_TOKENS
+from kvrt._messages import MAX_TOKENS, PROTOCOL_VERSION
 from kvrt._protocol import HEARTBEAT_MISSES
 
 # -- goals -------------------------------------------------------------------------------
@@ -402,7 +402,8 @@ def _stop_when_told(control: multiprocessing.connection.Connection) -> threading
 # -- raw peers (ZeroMQ and msgpack by hand, as docs/protocol.md describes them) -----------
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
-_VERSION: Final = 1
+_VERSION: Final = PROTOCOL_VERSION
+"""Frames here are built by hand, as an outside client would, in the version kvrt speaks."""
 
 
 def _frame(message: dict[str, Any]) -> bytes:
@@ -465,7 +466,7 @@ def _hostile_messages(rng: random.Random) -> Iterator[bytes]:
     yield _frame({"type": "received", "item_ids": [rng.randrange(1 << 40) for _ in range(64)]})
     yield _frame({"type": "release", "item_id": rng.randrange(1 << 40)})
     yield _frame({"type": "deliver", "request_id": 1, "item_id": 1})
-    yield _frame({"type": "welcome", "version": 1, "producer_id": "me", "heartbeat_s": 1.0})
+    yield _frame({"type": "welcome", "version": _VERSION, "producer_id": "me", "heartbeat_s": 1.0})
     yield _frame({"type": "no_such_message"})
     yield _frame({"type": "hello", "version": 99})
     yield _frame({"type": "list_items", "request_id": 6, "limit": big})
