@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
@@ -134,7 +135,8 @@ def run_waiting_consumer(
 
 
 def run_non_reader(endpoint: str, requests: int, control: multiprocessing.connection.Connection) -> None:
-    """A peer that says hello, sends `requests` stats requests and never reads a reply."""
+    """A peer that says hello, sends `requests` stats requests and never reads a reply; told
+    ("more", n), it sends n more. It says how many it sent each time."""
     from kvrt import _messages as m
 
     context = zmq.Context()
@@ -144,15 +146,21 @@ def run_non_reader(endpoint: str, requests: int, control: multiprocessing.connec
     socket.setsockopt(zmq.SNDTIMEO, 5000)
     socket.connect(endpoint)
     socket.send(m.encode(m.Hello(version=m.PROTOCOL_VERSION, name="non-reader")))
-    sent = 0
-    for request_id in range(1, requests + 1):
+    request_ids = itertools.count(1)
+    more: object = ("more", requests)
+    while isinstance(more, tuple) and more[0] == "more":
+        sent = 0
+        for _ in range(more[1]):
+            try:
+                socket.send(m.encode(m.Stats(request_id=next(request_ids))))
+                sent += 1
+            except zmq.Again:
+                break
+        control.send(sent)
         try:
-            socket.send(m.encode(m.Stats(request_id=request_id)))
-            sent += 1
-        except zmq.Again:
+            more = control.recv()
+        except EOFError:
             break
-    control.send(sent)
-    _wait_for_stop(control)
     socket.close()
     context.term()
 
