@@ -628,8 +628,13 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
                 if key not in opened:
                     _release(share)
             raise RemoteProtocolError(f"could not open the producer's cuda_ipc share: {exc}") from None
-        # Dropped after these copies, on the waiter's thread, with the mappings evicted since.
-        sources: list[torch.Tensor | torch.UntypedStorage] = [*opened.values(), *session.evicted]
+        # Dropped after these copies, on the waiter's thread, with the mappings evicted since
+        # (a registered slab stays open: the thread has nothing to drop for it).
+        counted = {id(copy.share) for part in parts for copy in part if copy.share.counter}
+        sources: list[torch.Tensor | torch.UntypedStorage] = [
+            *(source for key, source in opened.items() if key in counted),
+            *session.evicted,
+        ]
         session.evicted.clear()
         idle = session.idle
         device = self.device
@@ -638,7 +643,8 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             if len(landed) > 1:
                 landed[-2].synchronize()
             landed[-1].synchronize()
-            _drop(device, idle, sources)
+            if sources:
+                _drop(device, idle, sources)
 
         return session.waiter.wait(wait, result), landed
 
