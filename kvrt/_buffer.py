@@ -105,6 +105,15 @@ class BufferedItem:
     """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
     charged: int = 0
     """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
+    pieces: Pieces | None = None
+    """Set while consumers take it in pieces (head ranges, `DropSelect.heads`): it then waits
+    in the buffer's piece index, for pieces only, until each reader has one."""
+    parent: BufferedItem | None = None
+    """Set for a piece: the item it was cut from (its other heads stay there)."""
+    taker: bytes = b""
+    """A piece's consumer."""
+    first_head: int = 0
+    """A piece's first head, in its item's numbering."""
     generation: int = 0
     buffered: bool = False
     node: _Node | None = None
@@ -123,6 +132,20 @@ class BufferedItem:
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""
         return (self.input_tokens, self.roi, self.key, self.value, self.hidden)
+
+
+@dataclass(eq=False, slots=True)
+class Pieces:
+    """An item that several consumers take a piece of each (decode ranks of another TP size).
+    It is delivered for good once `readers` pieces were confirmed; a piece given back (or whose
+    consumer left) frees its reader's place again."""
+
+    readers: int
+    takers: set[bytes] = field(default_factory=set)
+    """The consumers that hold a piece of it, or confirmed one: each takes at most one."""
+    confirmed: int = 0
+    dropped: bool = False
+    """Evicted or expired with pieces still out: those no longer count against it."""
 
 
 @dataclass(eq=False, slots=True)
@@ -387,17 +410,22 @@ class LookupBuffer:
 
     def __init__(self) -> None:
         self._index: RadixIndex[BufferedItem] = RadixIndex()
+        self._split: RadixIndex[BufferedItem] = RadixIndex()
+        """Items some consumers took a piece of (`BufferedItem.pieces`), until every reader has
+        one: only requests for pieces see them."""
+        self._split_by_id: dict[int, BufferedItem] = {}
+        """The split items (the index keeps weak references only)."""
         self._seq = itertools.count()
         self._by_id: dict[int, BufferedItem] = {}
         self.nbytes = 0
         self.held = 0
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index) + len(self._split)
 
     @property
     def buffered(self) -> int:
-        return len(self._index)
+        return len(self)
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -435,8 +463,47 @@ class LookupBuffer:
 
     def drop(self, item: BufferedItem) -> None:
         """Remove a buffered item for good (evicted or expired)."""
-        self._remove(item)
+        if item.pieces is not None:
+            self._split.remove(item)
+            del self._split_by_id[item.item_id]
+            item.pieces.dropped = True
+        else:
+            self._remove(item)
         self.nbytes -= item.nbytes
+
+    # -- items taken in pieces ----------------------------------------------------------
+
+    def split(self, item: BufferedItem) -> None:
+        """A buffered item's first piece is taken: from now on only pieces are taken of it."""
+        self._remove(item)
+        self._split.add(item)
+        self._split_by_id[item.item_id] = item
+
+    def unsplit(self, item: BufferedItem) -> None:
+        """Every piece of a split item came back, none confirmed: it is whole again."""
+        self._split.remove(item)
+        del self._split_by_id[item.item_id]
+        self._add(item)
+
+    def pieces_out(self, item: BufferedItem) -> None:
+        """Every reader of a split item holds a piece: it waits, held, for their receipts."""
+        self._split.remove(item)
+        del self._split_by_id[item.item_id]
+        self.held += 1
+
+    def reopen(self, item: BufferedItem) -> None:
+        """A piece of an item whose readers all held one came back: its reader may take anew."""
+        self.held -= 1
+        self._split.add(item)
+        self._split_by_id[item.item_id] = item
+
+    def best_piece(self, query: np.ndarray | None, taker: bytes) -> Match | None:
+        """The split item a request for a piece takes from first (so one request's pieces
+        come from one item), unless `taker` has a piece of it already."""
+        found = self._split.best_match(query)
+        if found is None or found[0].pieces is None or taker in found[0].pieces.takers:
+            return None
+        return Match(*found)
 
     def get(self, item_id: int) -> BufferedItem | None:
         """The buffered item with this id (None if taken, dropped, or never inserted)."""

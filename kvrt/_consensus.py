@@ -44,7 +44,9 @@ import array
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -416,3 +418,42 @@ class GroupConsensus:
             if not future.done():
                 future.set_exception(fresh_copy(error))
         self._waiting.clear()
+
+
+MAX_SHARED_KEYS: Final = 64
+"""Most keys one rank counts with `count_sharing` (a consumer's producers)."""
+
+
+def _key_of(name: str) -> int:
+    """A name as a nonzero int64 (0 pads the gathered rows)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little") | 1
+
+
+async def count_sharing(group: dist.ProcessGroup | None, names: Sequence[str], timeout_s: float) -> list[int]:
+    """For each of `names` (this rank's), how many ranks of `group`, this one included, hold
+    it too: one all_gather, made by every rank at the same point (a consumer's start). Raises
+    `PeerLostError` when the group does not complete it within `timeout_s`."""
+    if len(names) > MAX_SHARED_KEYS:
+        raise KVRTError(f"a rank of a TP group counts at most {MAX_SHARED_KEYS} producers, got {len(names)}")
+    device = group_device(group)
+    keys = [_key_of(name) for name in names]
+
+    def gather() -> list[list[int]]:
+        row = torch.zeros(MAX_SHARED_KEYS, dtype=torch.int64)
+        row[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            mine = row.to(device)
+            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(rows, mine, group=group)
+            return [gathered.tolist() for gathered in rows]
+
+    try:
+        rows = await asyncio.wait_for(asyncio.to_thread(gather), timeout_s)
+    except TimeoutError:
+        raise PeerLostError(
+            f"the TP group did not tell within {timeout_s:g} s which producers its ranks read "
+            "(every rank's consumer starts at the same point of its program)"
+        ) from None
+    except RuntimeError as error:
+        raise PeerLostError(f"the TP group's collective failed: {error}") from error
+    return [sum(key in row for row in rows) for key in keys]

@@ -96,6 +96,23 @@ ItemIds = Annotated[list[ItemId], Meta(max_length=MAX_RECEIPTS)]
 Leases = Annotated[list[Lease], Meta(max_length=MAX_RECEIPTS)]
 
 
+MAX_HEADS: Final = 1 << 16
+"""The most KV heads an item may have, as far as a head range can name them."""
+MAX_READERS: Final = 4096
+"""The most decode ranks that may take pieces of one item."""
+
+
+class HeadRange(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """KV heads [first, end) of an item (a piece of it): what one decode rank of another TP
+    size holds."""
+
+    first: Annotated[int, Meta(ge=0, le=MAX_HEADS)]
+    end: Annotated[int, Meta(ge=1, le=MAX_HEADS)]
+
+
+Readers = Annotated[int, Meta(ge=1, le=MAX_READERS)]
+
+
 class Hello(Message, frozen=True, tag="hello"):
     """Consumer → producer, first message on a connection (and again after a reconnect).
     `capabilities` lists the transports the consumer can receive on, preferred first."""
@@ -130,6 +147,9 @@ class Welcome(Message, frozen=True, tag="welcome"):
     """How long the producer holds what it delivered to this consumer after the last message
     it had from it. The consumer hands a delivered item to its caller only while less than
     this has passed since it sent its last request that the producer answered."""
+    heads: HeadRange | None = None
+    """Which KV heads of the model this producer's items hold (a prefill TP rank's share), if
+    it was told: a consumer of several producers asks each for its part of a head range."""
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -163,6 +183,17 @@ class DropSelect(Message, frozen=True, tag="drop_select"):
     stream: bool = False
     """True: the consumer takes the item layer by layer (`stream_start`, `stream_layer`...,
     `stream_end`), and may take a request whose prefill is still running."""
+    heads: HeadRange | None = None
+    """A piece of the item: only these of its KV heads (in the producer's numbering, from 0)
+    travel. The item stays for the other pieces until `readers` pieces were confirmed; one
+    consumer takes at most one piece of an item. An item whose value is empty (MLA: one
+    latent per token, the same on every rank) travels whole as every piece."""
+    readers: Readers = 1
+    """With `heads`: how many consumers take a piece of the item (the decode ranks that read
+    this producer). Every request for pieces of one item names the same number."""
+    hidden: bool = True
+    """With `heads`: whether the piece carries the item's hidden states (one rank of several
+    needs them)."""
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
@@ -218,6 +249,10 @@ class DropSelectMany(Message, frozen=True, tag="drop_select_many"):
 
     request_id: RequestId
     queries: Annotated[list[TokenBytes | None], Meta(min_length=1, max_length=MAX_BATCH)]
+    heads: HeadRange | None = None
+    """As `DropSelect.heads`, for every query."""
+    readers: Readers = 1
+    hidden: bool = True
 
 
 class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -39,7 +39,7 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._arguments import seconds
-from kvrt._buffer import BufferedItem, LookupBuffer, Match, RadixIndex, _Node
+from kvrt._buffer import BufferedItem, LookupBuffer, Match, Pieces, RadixIndex, _Node
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -161,6 +161,31 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
 _NO_TOKENS: Final = np.empty(0, dtype=np.int64)
 
 
+@dataclass(frozen=True, slots=True)
+class PieceAsked:
+    """What a request for a piece of an item names (`DropSelect.heads`, `readers`, `hidden`)."""
+
+    heads: m.HeadRange
+    readers: int
+    hidden: bool
+
+    @staticmethod
+    def of(request: m.DropSelect | m.DropSelectMany) -> PieceAsked | None:
+        if request.heads is None:
+            return None
+        return PieceAsked(request.heads, request.readers, request.hidden)
+
+
+Cut = Callable[[BufferedItem, PieceAsked, int], BufferedItem]
+"""The driver's: a piece of an item (its heads `heads`, with or without its hidden states) as
+a new item with this id, its storage allocated; `BufferedItem.fill` writes its bytes before it
+is sent. Raises `InvalidInputError` for heads the item does not have."""
+
+
+def _no_cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
+    raise InvalidInputError("this producer does not cut items into pieces")
+
+
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class _Waiter:
     """A drop-select waiting for an insert; indexed by its query (see `_Waiters`)."""
@@ -171,6 +196,7 @@ class _Waiter:
     deadline: float | None
     stream: bool
     seq: int
+    piece: PieceAsked | None = None
     masked_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
     generation: int = 0
     buffered: bool = False
@@ -267,8 +293,13 @@ class ProducerCore:
         item_ttl_s: float | None = None,
         host: str = "",
         same_host_only: frozenset[str] = frozenset(),
+        cut: Cut = _no_cut,
+        heads: m.HeadRange | None = None,
     ) -> None:
         self.producer_id = producer_id
+        self._cut = cut
+        self.heads = heads
+        """The model's KV heads this producer's items hold, told to consumers in the welcome."""
         self.host = host
         """This producer's machine (see `Hello.host`)."""
         self.same_host_only = same_host_only
@@ -291,6 +322,8 @@ class ProducerCore:
         self._waiters: dict[tuple[bytes, int], _Waiter] = {}
         self._plain_waiters = _Waiters()
         self._stream_waiters = _Waiters()
+        self._piece_waiters = _Waiters()
+        """Requests for a piece of an item (plain or streamed) waiting for an insert."""
         self._waiter_seq = itertools.count()
         self._waiting_bytes = 0
         self._lease_numbers = itertools.count(1)
@@ -384,7 +417,7 @@ class ProducerCore:
             case m.DropSelect():
                 return self._on_drop_select(peer, message, now)
             case m.DropSelectMany():
-                return self._on_drop_select_many(peer, message)
+                return self._on_drop_select_many(peer, message, now)
             case m.Cancel(request_id=request_id):
                 self._drop_waiter(peer, request_id)
                 return []
@@ -429,7 +462,10 @@ class ProducerCore:
         for state in self._peers.values():
             if state.in_flight.get(item.item_id) is item:
                 self._take_back(state, item.item_id)
-                self.buffer.forget(item)
+                if item.parent is not None:
+                    self._piece_back(item, self._last_expire or 0.0)
+                else:
+                    self.buffer.forget(item)
                 return
 
     def peer_unreachable(self, peer: bytes, now: float, reason: str = "unreachable") -> list[Outgoing]:
@@ -494,7 +530,7 @@ class ProducerCore:
                     self._add_timer(expires, _TimerKind.PEER, key)
             elif kind is _TimerKind.ITEM:
                 assert isinstance(key, BufferedItem)
-                if key.buffered:  # still unclaimed (one in flight or returned is not expired)
+                if key.buffered and key.pieces is None:  # unclaimed (not in flight, returned, or in pieces)
                     self.buffer.drop(key)
                     self.counters.expired_items += 1
             else:
@@ -546,6 +582,7 @@ class ProducerCore:
             transport=transport,
             capabilities=list(self.transports),
             lease_s=self.lease_s,
+            heads=self.heads,
         )
         out.append(Outgoing(peer, welcome))
         return out
@@ -558,6 +595,15 @@ class ProducerCore:
         state = self._peers[peer]
         if state.suspended:
             return self._while_suspended(peer, request, query, now)
+        asked = PieceAsked.of(request)
+        if asked is not None:
+            found = self._piece_match(peer, query)
+            if found is not None:
+                return self._piece_out(peer, request.request_id, found, asked, stream=request.stream)
+            if request.timeout_s == 0.0:
+                self.counters.misses += 1
+                return [Outgoing(peer, m.Miss(request_id=request.request_id))]
+            return self._park(peer, request, query, now)
         found = self.buffer.best_match(query)
         if request.stream:
             opened = self.streams.best_match(query)
@@ -590,9 +636,11 @@ class ProducerCore:
         if full is not None:
             return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, f"{full}; retry with timeout=0")]
         deadline = None if request.timeout_s is None else now + request.timeout_s
-        waiter = _Waiter(peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq))
+        waiter = _Waiter(
+            peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq), PieceAsked.of(request)
+        )
         self._waiters[key] = waiter
-        (self._stream_waiters if request.stream else self._plain_waiters).add(waiter)
+        self._waiters_of(waiter).add(waiter)
         state.waiting.add(request.request_id)
         state.waiting_bytes += query_bytes
         self._waiting_bytes += query_bytes
@@ -615,10 +663,10 @@ class ProducerCore:
         out = self._park(peer, request, query, now)
         waiter = self._waiters.get((peer, request.request_id))
         if waiter is not None:  # parked: out of the indexes while the peer is suspended
-            (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+            self._waiters_of(waiter).remove(waiter)
         return out
 
-    def _on_drop_select_many(self, peer: bytes, request: m.DropSelectMany) -> list[Outgoing]:
+    def _on_drop_select_many(self, peer: bytes, request: m.DropSelectMany, now: float) -> list[Outgoing]:
         state = self._peers[peer]
         if state.suspended:
             text = (
@@ -633,15 +681,26 @@ class ProducerCore:
         hits: list[m.Hit | None] = []
         items: list[BufferedItem] = []
         offset = 0
+        asked = PieceAsked.of(request)
         for query in queries:
-            found = self.buffer.best_match(query)
+            found = self.buffer.best_match(query) if asked is None else self._piece_match(peer, query)
             if found is None:
                 self.counters.misses += 1
                 hits.append(None)
                 continue
-            item = found.item
-            self.buffer.take(item)
-            self._hand_out(peer, item)
+            if asked is None:
+                item = found.item
+                self.buffer.take(item)
+                self._hand_out(peer, item)
+            else:
+                piece = self._cut_piece(peer, found.item, asked)
+                if isinstance(piece, str):
+                    out: list[Outgoing] = []
+                    for taken in items:  # the batch fails whole: its pieces go back
+                        self._take_back(state, taken.item_id)
+                        out += self._piece_back(taken, now)
+                    return [self._refuse(peer, request.request_id, ErrorCode.INVALID, piece), *out]
+                item = piece
             offset = -(-offset // m.BATCH_ALIGNMENT) * m.BATCH_ALIGNMENT
             hits.append(_hit(item, found.matched, offset))
             items.append(item)
@@ -664,6 +723,8 @@ class ProducerCore:
                 continue
             self._take_back(state, item_id)
             (self.streams if item.stream is not None else self.buffer).forget(item)
+            if item.parent is not None:
+                self._piece_confirmed(item.parent)
             self.counters.delivered_items += 1
             self.counters.delivered_bytes += item.nbytes
         out = self._resume_if_under(state, now) + self._forget_if_done(peer, now)
@@ -760,7 +821,12 @@ class ProducerCore:
         state.suspended = True
         for request_id in state.waiting:
             waiter = self._waiters[(state.identity, request_id)]
-            (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+            self._waiters_of(waiter).remove(waiter)
+
+    def _waiters_of(self, waiter: _Waiter) -> _Waiters:
+        if waiter.piece is not None:
+            return self._piece_waiters
+        return self._stream_waiters if waiter.stream else self._plain_waiters
 
     def _resume_if_under(self, state: _Peer, now: float) -> list[Outgoing]:
         """A suspended peer back under its share: its waiting requests are served again (those
@@ -773,12 +839,17 @@ class ProducerCore:
             waiter = self._waiters[(state.identity, request_id)]
             if state.suspended:  # over its share again (`_hand_out`): the rest were taken out anew
                 break
-            found = self.buffer.best_match(waiter.query)
+            if waiter.piece is not None:
+                found = self._piece_match(state.identity, waiter.query)
+            else:
+                found = self.buffer.best_match(waiter.query)
             if found is None:
-                (self._stream_waiters if waiter.stream else self._plain_waiters).add(waiter)
+                self._waiters_of(waiter).add(waiter)
                 continue
             self._drop_waiter(state.identity, request_id)
-            if waiter.stream:
+            if waiter.piece is not None:
+                out += self._piece_out(state.identity, request_id, found, waiter.piece, stream=waiter.stream)
+            elif waiter.stream:
                 out += self._stream_whole(state.identity, request_id, found.item, found.matched)
             else:
                 out.append(self._deliver(state.identity, request_id, found.item, found.matched))
@@ -791,6 +862,8 @@ class ProducerCore:
 
     def _restore(self, item: BufferedItem, now: float) -> list[Outgoing]:
         self.counters.returned_items += 1
+        if item.parent is not None:
+            return self._piece_back(item, now)
         if item.stream is not None:  # its reader left mid-stream: it keeps its layers, waits for another
             item.stream.reader = None
             self.streams.restore(item)
@@ -805,7 +878,13 @@ class ProducerCore:
         streaming request)."""
         if self._closed:
             return []
+        if item.pieces is not None:
+            return self._serve_piece_waiters(item)
         found = self._stream_waiters.oldest_match(item.masked_tokens)
+        if item.stream is None:  # pieces are cut from inserted items only
+            piece = self._piece_waiters.oldest_match(item.masked_tokens)
+            if piece is not None and (found is None or piece[0].seq < found[0].seq):
+                found = piece
         if item.stream is None:  # an open stream goes to a streaming request only
             plain = self._plain_waiters.oldest_match(item.masked_tokens)
             if plain is not None and (found is None or plain[0].seq < found[0].seq):
@@ -814,11 +893,98 @@ class ProducerCore:
             return []
         waiter, matched = found
         self._drop_waiter(waiter.peer, waiter.request_id)
+        if waiter.piece is not None:
+            asked, stream = waiter.piece, waiter.stream
+            out = self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
+            return out + (self._serve_piece_waiters(item) if item.pieces is not None else [])
         if item.stream is not None:
             return self._attach(waiter.peer, waiter.request_id, item, matched)
         if waiter.stream:
             return self._stream_whole(waiter.peer, waiter.request_id, item, matched)
         return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
+
+    # -- pieces (head ranges) -----------------------------------------------------------
+
+    def _piece_match(self, peer: bytes, query: np.ndarray | None) -> Match | None:
+        """The item a request for a piece takes from: one that other consumers took pieces of
+        already, so that the pieces of one request come from one item; else a whole one."""
+        return self.buffer.best_piece(query, peer) or self.buffer.best_match(query)
+
+    def _cut_piece(self, peer: bytes, item: BufferedItem, asked: PieceAsked) -> BufferedItem | str:
+        """A piece of `item` in flight to `peer`, or why it cannot be cut."""
+        pieces = item.pieces
+        if pieces is not None and pieces.readers != asked.readers:
+            return f"item {item.item_id} is taken by {pieces.readers} readers, this request says {asked.readers}"
+        try:
+            piece = self._cut(item, asked, self.new_item_id())
+        except InvalidInputError as exc:
+            return str(exc)
+        if pieces is None:
+            pieces = item.pieces = Pieces(asked.readers)
+            self.buffer.split(item)
+        piece.parent = item
+        piece.taker = peer
+        piece.seq = item.seq
+        piece.inserted_at = item.inserted_at
+        pieces.takers.add(peer)
+        if len(pieces.takers) == pieces.readers:
+            self.buffer.pieces_out(item)
+        self.buffer.add_taken(piece)
+        self._hand_out(peer, piece)
+        return piece
+
+    def _piece_out(
+        self, peer: bytes, request_id: int, found: Match, asked: PieceAsked, *, stream: bool
+    ) -> list[Outgoing]:
+        """Deliver a piece of `found.item` to `peer` (layer by layer for a stream)."""
+        piece = self._cut_piece(peer, found.item, asked)
+        if isinstance(piece, str):
+            return [self._refuse(peer, request_id, ErrorCode.INVALID, piece)]
+        if stream:
+            return _whole_as_stream(peer, request_id, piece, found.matched)
+        return [Outgoing(peer, _deliver_message(request_id, piece, found.matched), piece)]
+
+    def _piece_confirmed(self, item: BufferedItem) -> None:
+        """A piece of `item` was received for good: the last one frees the item."""
+        pieces = item.pieces
+        assert pieces is not None
+        pieces.confirmed += 1
+        if pieces.confirmed == pieces.readers and not pieces.dropped:
+            self.buffer.forget(item)
+
+    def _piece_back(self, piece: BufferedItem, now: float) -> list[Outgoing]:
+        """A piece was given back, or its consumer left: its bytes go, and its place among the
+        item's readers is free again (an item none of whose pieces is out is whole again)."""
+        item = piece.parent
+        assert item is not None and item.pieces is not None
+        pieces = item.pieces
+        self.buffer.forget(piece)
+        pieces.takers.discard(piece.taker)
+        if pieces.dropped or self._closed:
+            return []
+        if not item.buffered:
+            self.buffer.reopen(item)
+        if not pieces.takers:
+            item.pieces = None
+            self.buffer.unsplit(item)
+            if self.item_ttl_s is not None:
+                self._add_timer(max(now, item.inserted_at + self.item_ttl_s), _TimerKind.ITEM, item)
+        return self._serve_waiters(item, now)
+
+    def _serve_piece_waiters(self, item: BufferedItem) -> list[Outgoing]:
+        """Give pieces of a split item to the oldest waiting requests for pieces that it
+        matches, while it has readers' places free."""
+        out: list[Outgoing] = []
+        while item.pieces is not None and item.buffered:
+            found = self._piece_waiters.oldest_match(item.masked_tokens)
+            if found is None or found[0].peer in item.pieces.takers:
+                break
+            waiter, matched = found
+            assert waiter.piece is not None
+            self._drop_waiter(waiter.peer, waiter.request_id)
+            asked, stream = waiter.piece, waiter.stream
+            out += self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
+        return out
 
     # -- streams ------------------------------------------------------------------------
 
@@ -890,18 +1056,13 @@ class ProducerCore:
         """A streaming request takes a complete item: start, every layer, end, at once."""
         self.buffer.take(item)
         self._hand_out(peer, item)
-        layers = item.key.shape[0]
-        out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
-        for layer in range(layers):
-            out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], whole=item))
-        out.append(_end_outgoing(peer, item))
-        return out
+        return _whole_as_stream(peer, request_id, item, matched)
 
     def _drop_waiter(self, peer: bytes, request_id: int) -> None:
         waiter = self._waiters.pop((peer, request_id), None)
         if waiter is None:
             return
-        (self._stream_waiters if waiter.stream else self._plain_waiters).remove(waiter)
+        self._waiters_of(waiter).remove(waiter)
         self._waiting_bytes -= waiter.nbytes
         state = self._peers[peer]
         state.waiting.discard(request_id)
@@ -922,6 +1083,16 @@ class ProducerCore:
 
     def _add_timer(self, when: float, kind: _TimerKind, key: object) -> None:
         heapq.heappush(self._timers, (when, kind, next(self._timer_order), key))
+
+
+def _whole_as_stream(peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
+    """A complete item in flight to `peer` as a stream: start, every layer, end."""
+    layers = item.key.shape[0]
+    out = [Outgoing(peer, _start_message(request_id, item, matched, layers), item)]
+    for layer in range(layers):
+        out.append(_layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], whole=item))
+    out.append(_end_outgoing(peer, item))
+    return out
 
 
 def _better(first: Match, second: Match) -> bool:
@@ -1138,6 +1309,8 @@ class ConsumerCore:
         self.state = LinkState.CONNECTING
         self.producer_id: str | None = None
         self.transport: str | None = None
+        self.heads: m.HeadRange | None = None
+        """The model's KV heads the producer's items hold, if it was told (from its welcome)."""
         self.lease_s = heartbeat_s * HEARTBEAT_MISSES
         """The producer's lease (from its welcome; this side's default until then)."""
         self._request_ids = itertools.count(1)
@@ -1326,6 +1499,7 @@ class ConsumerCore:
         self._sent_receipts.clear()  # the hello it answers settled them
         self.producer_id = welcome.producer_id
         self.transport = welcome.transport
+        self.heads = welcome.heads
         self.heartbeat_s = min(self.heartbeat_s, welcome.heartbeat_s)
         if welcome.lease_s > 0:
             self.lease_s = welcome.lease_s

@@ -10,7 +10,7 @@ from typing import Self
 import zmq
 
 from kvrt import _metrics
-from kvrt._consensus import GroupConsensus
+from kvrt._consensus import GroupConsensus, count_sharing
 from kvrt._consumer._link import _Link
 from kvrt._consumer._open_stream import _OpeningStreams
 from kvrt._errors import (
@@ -39,7 +39,10 @@ class Consumer(_OpeningStreams, AsyncService):
     `group`: the torch.distributed process group of a decode TP group, one consumer per
     rank. Every rank then returns the same outcome for each lookup (the shortest match,
     the worst status), agreed by one all_reduce; lookups must be made in the same order on
-    every rank. An item that the group does not take goes back to its producer.
+    every rank. An item that the group does not take goes back to its producer. With
+    `heads=` (a decode TP that shards KV heads unlike prefill, see `drop_select`), the ranks
+    that connect to a producer are the readers of each of its items: connect each rank to the
+    producers that hold its heads, and only to those.
     """
 
     async def start(self) -> Self:
@@ -68,6 +71,11 @@ class Consumer(_OpeningStreams, AsyncService):
                 )
                 self._links.append(link)
                 await link.start()
+            if self._group is not None:
+                # Each producer learns from every piece request how many ranks take pieces of its
+                # items: the ranks of the group that connect to it.
+                names = [link.core.producer_id or link.endpoint for link in self._links]
+                self._readers = await count_sharing(self._group, names, self._connect_timeout_s)
         except BaseException:
             await self.aclose()
             raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -24,6 +24,7 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTError,
 )
+from kvrt._heads import PiecePlan, head_range, join_pieces, plan_pieces
 from kvrt._item import (
     KVBuffers,
     KVItem,
@@ -35,6 +36,7 @@ from kvrt._item import (
     query_bytes,
     truncate,
 )
+from kvrt._messages import HeadRange
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -67,8 +69,12 @@ def _batches(queries: list[bytes | None]) -> list[list[bytes | None]]:
     return batches
 
 
-def _batch_request(queries: list[bytes | None]) -> Callable[[int], m.Message]:
-    return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
+def _batch_request(queries: list[bytes | None], plan: PiecePlan | None = None) -> Callable[[int], m.Message]:
+    if plan is None:
+        return lambda request_id: m.DropSelectMany(request_id=request_id, queries=queries)
+    return lambda request_id: m.DropSelectMany(
+        request_id=request_id, queries=queries, heads=plan.heads, readers=plan.readers, hidden=plan.hidden
+    )
 
 
 def _chunks(buffers: list[KVBuffers | None], batches: list[list[bytes | None]]) -> list[list[KVBuffers | None]]:
@@ -96,10 +102,20 @@ class _Taken:
     item_id: int
     link_index: int
     landed_on: torch.cuda.Stream | None = None
+    pieces: tuple[tuple[_Link, int], ...] = ()
+    """An item joined from pieces of several producers: the other pieces' links and item ids."""
 
     def settle(self, *, keep: bool) -> bool:
-        """As `_Link.settle`: False if it was to be kept but the link's lease had ended."""
-        return self.link.settle(self.item_id, keep=keep)
+        """As `_Link.settle`: False if it was to be kept but a link's lease had ended (then
+        every piece goes back)."""
+        if keep and not all(link.lease_holds() for link, _ in ((self.link, self.item_id), *self.pieces)):
+            keep = False
+            kept = False
+        else:
+            kept = True
+        for link, item_id in ((self.link, self.item_id), *self.pieces):
+            kept = link.settle(item_id, keep=keep) and kept
+        return kept
 
 
 class _Selecting(ConsumerState):
@@ -114,6 +130,7 @@ class _Selecting(ConsumerState):
         *,
         stream: torch.cuda.Stream | None = None,
         into: KVBuffers | None = None,
+        heads: slice | None = None,
     ) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
@@ -136,9 +153,20 @@ class _Selecting(ConsumerState):
         after this returns reads the item as it landed. `into`: buffers of the caller's that
         the item lands in (`kvrt.KVBuffers`); an item that does not fit them goes back to the
         producer and the call raises `InvalidInputError`.
+
+        `heads=slice(h0, h1)`: only the item's KV heads [h0, h1) (prefill TP unlike decode TP):
+        the producer moves only their bytes, and the item waits there for the pieces the other
+        readers take (each consumer takes one piece of an item; in a group the readers of a
+        producer are the ranks connected to it, else one). Heads are numbered as the producers
+        were told (`kvrt.Producer(heads=...)`), else from 0 in the one producer's items; a range
+        that lies with several producers is asked of each, and the call returns the joined item
+        only when every piece came (a miss or a failure of one gives the others back). An item
+        of latents (MLA, an empty value) comes whole for any range. `hidden` comes with the
+        piece of the first producer.
         """
         buffers = check_buffers(into, self.device, what="drop_select")
-        return await self._lookup(input_tokens, roi, timeout, what="drop_select", into=buffers)
+        wanted = head_range(heads, "drop_select: heads")
+        return await self._lookup(input_tokens, roi, timeout, what="drop_select", into=buffers, heads=wanted)
 
     @lands_on_caller_stream
     async def drop_select_many(
@@ -148,6 +176,7 @@ class _Selecting(ConsumerState):
         *,
         stream: torch.cuda.Stream | None = None,
         into: Sequence[KVBuffers | None] | None = None,
+        heads: slice | None = None,
     ) -> list[KVItem | None]:
         """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
         order; `stream` as for `drop_select`.
@@ -163,10 +192,12 @@ class _Selecting(ConsumerState):
         batch after single lookups takes two), where one `drop_select` after the other takes a
         round each. With several producers the queries run as that many `drop_select`s, one
         after the other. `into`: one `kvrt.KVBuffers` (or None) per query, as for
-        `drop_select`; one item that does not fit sends every item of the call back.
+        `drop_select`; one item that does not fit sends every item of the call back. `heads`:
+        as for `drop_select`, for every query.
         """
         self._check_open()
         what = "drop_select_many"
+        wanted = head_range(heads, f"{what}: heads")
         if not isinstance(queries, Sequence):
             raise InvalidInputError(
                 f"{what}: queries must be a sequence of token tensors (or None), got {type(queries)}"
@@ -176,19 +207,21 @@ class _Selecting(ConsumerState):
         lookups = list(zip(queries, rois or [None] * len(queries), strict=True))
         wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
         buffers = self._buffers_per_query(into, len(queries), what=what)
+        plans = None if wanted is None else self._piece_plans(wanted)
         if len(self._links) != 1:
             # One after the other: a query sees the items the one before it gave back.
             return [
-                await self._lookup(tokens, roi, 0.0, what=what, into=query_buffers)
+                await self._lookup(tokens, roi, 0.0, what=what, into=query_buffers, heads=wanted)
                 for (tokens, roi), query_buffers in zip(lookups, buffers, strict=True)
             ]
+        plan = None if plans is None else plans[0]
         timer = _metrics.Timer(what)
         try:
             if self._consensus is not None:
-                items = await self._agreed_drop_select_many(wire, self._consensus, buffers)
+                items = await self._agreed_drop_select_many(wire, self._consensus, buffers, plan)
             else:
                 calls = [
-                    self._links[0].call(_batch_request(batch), into=_landing(chunk))
+                    self._links[0].call(_batch_request(batch, plan), into=_landing(chunk))
                     for batch, chunk in zip(_batches(wire), _chunks(buffers, _batches(wire)), strict=True)
                 ]
                 # One request (up to 256 queries) is awaited as it is: a task around it would
@@ -227,8 +260,9 @@ class _Selecting(ConsumerState):
         return land_in(item, buffers)
 
     async def _agreed_drop_select_many(
-        self, wire: list[bytes | None], consensus: GroupConsensus, buffers: list[KVBuffers | None]
-    ) -> list[KVItem | None]:
+        self, wire: list[bytes | None], consensus: GroupConsensus, buffers: list[KVBuffers | None],
+        plan: PiecePlan | None = None,
+    ) -> list[KVItem | None]:  # fmt: skip
         """drop_select_many for a TP group (one producer): take the batch unconfirmed, agree
         its lookups together, then keep each item cut to its agreed length, or give it back.
         A lookup that failed on any rank fails the whole call on every rank, as a failed
@@ -240,7 +274,7 @@ class _Selecting(ConsumerState):
         error: KVRTError | None = None
         try:
             for batch, chunk in zip(_batches(wire), _chunks(buffers, _batches(wire)), strict=True):
-                reply = await link.call(_batch_request(batch), confirm=False, into=_landing(chunk, copy=False))
+                reply = await link.call(_batch_request(batch, plan), confirm=False, into=_landing(chunk, copy=False))
                 assert isinstance(reply.message, m.DeliverMany) and reply.items is not None
                 hits = reply.message.hits
                 taken += [
@@ -288,26 +322,109 @@ class _Selecting(ConsumerState):
 
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
-        on_landing: OnLanding | None = None, into: KVBuffers | None = None,
+        on_landing: OnLanding | None = None, into: KVBuffers | None = None, heads: HeadRange | None = None,
     ) -> KVItem | None:  # fmt: skip
         """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no
-        group); `into` checked already."""
+        group); `into` checked already; `heads` a checked range (pieces, see `drop_select`)."""
         self._check_open()
         query = query_bytes(input_tokens, roi, what=what)
         check_timeout(timeout, what=what)
+        plans = None if heads is None else self._piece_plans(heads)
 
         def build(request_id: int) -> m.Message:
             return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout)
 
         timer = _metrics.Timer("drop_select")
         try:
-            item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing, into=into)
+            if plans is not None:
+                item = await self._drop_select_pieces(query, timeout, plans, into=into)
+            else:
+                item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing, into=into)
         except KVRTError as error:
             self._count_error(error)
             raise
         timer.done()
         self._count(item, waited=timeout != 0)
         return item
+
+    def _piece_plans(self, heads: HeadRange) -> list[PiecePlan]:
+        """Which producers hold `heads`, and which of their heads (see `drop_select`)."""
+        plans = plan_pieces(heads, [link.core.heads for link in self._links], self._readers)
+        if self._consensus is not None and len(plans) != len(self._links):
+            asked = {plan.link for plan in plans}
+            idle = [link.endpoint for index, link in enumerate(self._links) if index not in asked]
+            raise InvalidInputError(
+                f"heads [{heads.first}, {heads.end}) lie with none of the producers at {idle}: in a TP group each rank "
+                "connects only to the producers that hold its heads (their items count it as a reader)"
+            )
+        return plans
+
+    async def _drop_select_pieces(
+        self, query: bytes | None, timeout: float | None, plans: list[PiecePlan], *, into: KVBuffers | None
+    ) -> KVItem | None:
+        """drop_select of a head range: a piece from each producer in `plans`, joined."""
+        if self._consensus is not None:
+            return await self._agreed_drop_select(
+                lambda: self._take_pieces(query, timeout, plans, into=into), self._consensus, into=into
+            )
+        taken = await self._take_pieces(query, timeout, plans, into=into)
+        if taken is None:
+            return None
+        if not taken.settle(keep=True):
+            raise taken.link._lease_error()
+        return self._land_now(taken.item, into, taken.landed_on)
+
+    async def _take_pieces(
+        self, query: bytes | None, timeout: float | None, plans: list[PiecePlan], *, into: KVBuffers | None
+    ) -> _Taken | None:
+        """The pieces of one item from the producers in `plans`, not yet confirmed (the caller
+        settles them). All are asked at once; a miss or a failure of one gives the others back
+        (the error is raised, a miss is None)."""
+
+        def build_for(plan: PiecePlan) -> Callable[[int], m.Message]:
+            return lambda request_id: m.DropSelect(
+                request_id=request_id, tokens=query, timeout_s=timeout,
+                heads=plan.heads, readers=plan.readers, hidden=plan.hidden,
+            )  # fmt: skip
+
+        # One piece lands in `into` as it comes (its link checks it fits); several are joined first.
+        landing = _landing(into, copy=False) if len(plans) == 1 else None
+        calls = [
+            asyncio.create_task(
+                self._links[plan.link].call(build_for(plan), confirm=False, waits_s=timeout, into=landing)
+            )
+            for plan in plans
+        ]
+        try:
+            pending = set(calls)
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(call.done() and not _delivered(call) for call in calls):
+                    break  # a miss or a failure: the others are not needed
+        finally:
+            for call in calls:
+                call.cancel()  # a call cancelled after its item arrived gives that item back itself
+            await asyncio.gather(*calls, return_exceptions=True)
+        delivered = [(plan, call.result()) for plan, call in zip(plans, calls, strict=True) if _delivered(call)]
+        failure = next(
+            (call.exception() for call in calls if not call.cancelled() and call.exception() is not None), None
+        )
+        if failure is not None or len(delivered) != len(plans):
+            for plan, reply in delivered:
+                assert isinstance(reply.message, m.Deliver)
+                self._links[plan.link].settle(reply.message.item_id, keep=False)
+            if failure is not None:
+                raise failure
+            return None
+        items = [reply.item for _, reply in delivered]
+        assert all(item is not None for item in items)
+        ids = [reply.message.item_id for _, reply in delivered if isinstance(reply.message, m.Deliver)]
+        first = plans[0].link
+        return _Taken(
+            join_pieces([item for item in items if item is not None]), self._links[first], ids[0], first,
+            delivered[0][1].landed_on,
+            tuple((self._links[plan.link], item_id) for plan, item_id in zip(plans[1:], ids[1:], strict=True)),
+        )  # fmt: skip
 
     def _count(self, item: KVItem | None, *, waited: bool = False) -> None:
         """A lookup answered: its outcome, and an item's counts. `waited`: the call had a
@@ -331,7 +448,9 @@ class _Selecting(ConsumerState):
     ) -> KVItem | None:  # fmt: skip
         """One drop-select whose producer may wait `waits_s` for a match (None: for ever)."""
         if self._consensus is not None:
-            return await self._agreed_drop_select(build, self._consensus, waits_s=waits_s, into=into)
+            return await self._agreed_drop_select(
+                lambda: self._take(build, waits_s=waits_s, into=into), self._consensus, into=into
+            )
         if len(self._links) == 1:
             return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s, into=_landing(into))).item
         taken = await self._take(build, waits_s=waits_s, into=into)
@@ -409,16 +528,15 @@ class _Selecting(ConsumerState):
         return best
 
     async def _agreed_drop_select(
-        self, build: Callable[[int], m.Message], consensus: GroupConsensus, *, waits_s: float | None,
-        into: KVBuffers | None = None,
-    ) -> KVItem | None:  # fmt: skip
-        """drop_select for a TP group: look up locally, agree with the group, then keep the
-        item cut to the agreed length, or give it back to its producer."""
+        self, take: Callable[[], Awaitable[_Taken | None]], consensus: GroupConsensus, *, into: KVBuffers | None = None
+    ) -> KVItem | None:
+        """drop_select for a TP group: look up locally (`take`), agree with the group, then keep
+        the item cut to the agreed length, or give it back to its producer(s)."""
         sequence = consensus.register()
         taken: _Taken | None = None
         error: BaseException | None = None
         try:
-            taken = await self._take(build, waits_s=waits_s, into=into)
+            taken = await take()
         except asyncio.CancelledError as cancelled:
             consensus.abandon(sequence, Outcome(status_of(cancelled)))
             raise

@@ -77,6 +77,9 @@ class ConsumerState:
         self._links: list[_Link] = []
         self._group = group
         self._consensus: GroupConsensus | None = None
+        self._readers: list[int] = [1] * len(endpoints)
+        """Per producer, how many consumers take pieces of its items (`heads=`): the ranks of
+        the group that connect to it, counted at start; 1 without a group."""
         self._pull_stream: torch.cuda.Stream | None = None
         """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self._scatters: concurrent.futures.ThreadPoolExecutor | None = None

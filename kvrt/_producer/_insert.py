@@ -9,6 +9,7 @@ import torch
 from kvrt import _metrics
 from kvrt._buffer import BufferedItem
 from kvrt._caller_stream import on_caller_stream
+from kvrt._heads import check_heads
 from kvrt._item import (
     buffered_item,
     check_item,
@@ -43,6 +44,7 @@ class _Inserting(_Serving):
         self._check_open()
         timer = _metrics.Timer("insert")
         check_item(input_tokens, roi, key, value, hidden)
+        check_heads(self.heads, key, value, what="insert")
         check_timeout(timeout, what="insert")
         await self._wait_for_room(timeout)
         self._reclaim()
@@ -60,12 +62,3 @@ class _Inserting(_Serving):
         """Hand a built item to the transports and the core (room was waited for already)."""
         self._prepare(item)
         await self._perform(self._core.insert(item, self._now()))
-
-    def _prepare(self, item: BufferedItem) -> None:
-        """A GPU item's bytes were written on the current stream: the event every GPU send of it
-        waits on (recorded once, for all transports); then each transport gets ready to send it."""
-        if item.storage.device.type == "cuda":
-            item.ready_event = torch.cuda.Event()
-            item.ready_event.record(torch.cuda.current_stream(item.storage.device))
-        for transport in self._transports.values():
-            transport.prepare(item)

@@ -84,14 +84,6 @@ def _host_of(endpoint: str) -> str:
 class _Serving(ProducerState):
     """The serve loop and what it performs: replies, deliveries, peers leaving."""
 
-    def _allocate(self, nbytes: int) -> torch.Tensor | None:
-        """An item's packed buffer in memory a transport registered (None: none does)."""
-        for transport in self._transports.values():
-            storage = transport.allocate(nbytes)
-            if storage is not None:
-                return storage
-        return None
-
     def _reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
         (else a GPU item allocates anew, a device allocation on the loop)."""
@@ -198,8 +190,9 @@ class _Serving(ProducerState):
                     # The consumer may hold a header whose bytes will never come: its pair
                     # cannot be trusted any more. The item is gone (`publish` raises).
                     for item in (send.item,) if send.item is not None else send.items:
-                        if item.gathers is not None and item.gathers.failed:
-                            self._core.discard(item)
+                        source = item if item.parent is None else item.parent
+                        if source.gathers is not None and source.gathers.failed:
+                            self._core.discard(source)
                     out += self._core.peer_unreachable(send.peer, self._now(), "an item's gathers failed")
                 except _Unencodable as exc:
                     log.error("could not build a reply: %s", exc, extra={"peer": send.peer})
@@ -245,7 +238,10 @@ class _Serving(ProducerState):
                 message = msgspec.structs.replace(message, rendezvous=rendezvous)
         for item in (send.item, *send.items):
             if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
-                _fill(item)  # a finished stream read whole after all
+                if item.parent is not None:  # a piece: cut from its item's bytes once they are written
+                    _fill(item.parent)
+                    await _all_gathers_queued(item.parent)
+                _fill(item)  # a finished stream read whole after all, or a piece
         if isinstance(message, m.StreamStart):
             assert send.item is not None
             await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first

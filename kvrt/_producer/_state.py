@@ -16,13 +16,15 @@ import zmq
 
 from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys
+from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
     KVRTTimeoutError,
 )
+from kvrt._heads import fill_piece, head_range, piece_of
 from kvrt._pools import PoolTable
-from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, PieceAsked, ProducerCore, _heartbeat
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import Sender
@@ -72,6 +74,7 @@ class ProducerState:
         transport: str | None = None,
         item_ttl_s: float | None = None,
         curve: CurveKeys | None = None,
+        heads: slice | None = None,
     ) -> None:
         buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
         heartbeat_s = _heartbeat(heartbeat_s)
@@ -86,6 +89,8 @@ class ProducerState:
         self._authenticator: Any = None
         self._transport_names = transport_preference(transport, self.device)
         self._transports: dict[str, Sender] = {}
+        self.heads = head_range(heads, "heads")
+        """The model's KV heads this producer's items hold (a prefill TP rank's share), if told."""
         self._core = ProducerCore(
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             heartbeat_s=heartbeat_s,
@@ -94,6 +99,8 @@ class ProducerState:
             item_ttl_s=item_ttl_s,
             host=host_identity(),
             same_host_only=SAME_HOST_ONLY,
+            cut=self._cut_piece,
+            heads=self.heads,
         )
         self._send_lock = asyncio.Lock()
         self._refusal_log = _RateLimit(per_s=1.0)
@@ -157,6 +164,40 @@ class ProducerState:
                 phase="insert",
             ) from None
         self._check_open()
+
+    def _cut_piece(self, item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
+        """A piece of `item` for the core (see `kvrt._protocol.Cut`): its memory now, its bytes
+        copied by its `fill`, on the send path, once the item's own bytes are written."""
+        piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=self._allocate)
+        piece.fill = self._fill_piece
+        return piece
+
+    def _fill_piece(self, piece: BufferedItem) -> None:
+        """Copy a piece's bytes out of its item (on a GPU, on the current stream, after the
+        item's writes), then get the transports ready to send it, as an insert does."""
+        item = piece.parent
+        assert item is not None
+        if item.written is not None:
+            torch.cuda.current_stream(item.storage.device).wait_event(item.written)
+        fill_piece(piece, item)
+        self._prepare(piece)
+
+    def _prepare(self, item: BufferedItem) -> None:
+        """A GPU item's bytes were written on the current stream: the event every GPU send of it
+        waits on (recorded once, for all transports); then each transport gets ready to send it."""
+        if item.storage.device.type == "cuda":
+            item.ready_event = torch.cuda.Event()
+            item.ready_event.record(torch.cuda.current_stream(item.storage.device))
+        for transport in self._transports.values():
+            transport.prepare(item)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor | None:
+        """An item's packed buffer in memory a transport registered (None: none does)."""
+        for transport in self._transports.values():
+            storage = transport.allocate(nbytes)
+            if storage is not None:
+                return storage
+        return None
 
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._gathers is None:
