@@ -275,11 +275,12 @@ class Producer(_Blocking[_producer.Producer]):
         transport: str | None = None,
         item_ttl_s: float | None = None,
         curve: CurveKeys | None = None,
+        heads: slice | None = None,
     ) -> None:
         async def start() -> _producer.Producer:
             producer = _producer.Producer(
                 bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
-                item_ttl_s=item_ttl_s, curve=curve,
+                item_ttl_s=item_ttl_s, curve=curve, heads=heads,
             )  # fmt: skip
             return await producer.start()
 
@@ -445,12 +446,13 @@ class Consumer(_Blocking[_consumer.Consumer]):
         *,
         stream: torch.cuda.Stream | None = None,
         into: KVBuffers | None = None,
+        heads: slice | None = None,
     ) -> KVItem | None:
         """`kvrt.Consumer.drop_select`: the best match, or None; `timeout` is how long to wait
         for one to be inserted (0 answers at once, None waits until one is or either side closes);
-        `into`, the caller's buffers to land it in."""
+        `into`, the caller's buffers to land it in; `heads`, only that range of its KV heads."""
         return self._call(
-            self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream), into=into
+            self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream), into=into, heads=heads
         )
 
     def drop_select_many(
@@ -460,9 +462,12 @@ class Consumer(_Blocking[_consumer.Consumer]):
         *,
         stream: torch.cuda.Stream | None = None,
         into: Sequence[KVBuffers | None] | None = None,
+        heads: slice | None = None,
     ) -> list[KVItem | None]:
         """`kvrt.Consumer.drop_select_many`: several lookups answered at once (`into`: buffers per query)."""
-        return self._call(self._service.drop_select_many, queries, rois, stream=self._stream(stream), into=into)
+        return self._call(
+            self._service.drop_select_many, queries, rois, stream=self._stream(stream), into=into, heads=heads
+        )
 
     def pull(
         self,
@@ -474,11 +479,12 @@ class Consumer(_Blocking[_consumer.Consumer]):
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
         stream: torch.cuda.Stream | None = None,
+        heads: slice | None = None,
     ) -> KVItem | None:
         """`kvrt.Consumer.pull`: take a published prefill and write it into `into` at `slots`."""
         return self._call(
             self._service.pull, input_tokens, roi, into=into, slots=slots, replica=replica, timeout=timeout,
-            stream=self._stream(stream),
+            stream=self._stream(stream), heads=heads,
         )  # fmt: skip
 
     def open_stream(
@@ -491,11 +497,12 @@ class Consumer(_Blocking[_consumer.Consumer]):
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
         stream: torch.cuda.Stream | None = None,
+        heads: slice | None = None,
     ) -> ConsumerStream | None:
         """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
         opened = self._call(
             self._service.open_stream, input_tokens, roi, timeout, into=into, slots=slots, replica=replica,
-            stream=self._stream(stream),
+            stream=self._stream(stream), heads=heads,
         )  # fmt: skip
         return None if opened is None else ConsumerStream(self, opened)
 

@@ -15,6 +15,7 @@ from kvrt._consumer._link import _Link
 from kvrt._consumer._open_stream import _OpeningStreams
 from kvrt._errors import (
     ClosedError,
+    PeerLostError,
 )
 from kvrt._service import AsyncService
 from kvrt.transports.select import make_receivers
@@ -73,9 +74,13 @@ class Consumer(_OpeningStreams, AsyncService):
                 await link.start()
             if self._group is not None:
                 # Each producer learns from every piece request how many ranks take pieces of its
-                # items: the ranks of the group that connect to it.
+                # items: the ranks of the group that connect to it. A group that cannot tell
+                # (a rank died) fails the lookups that need it, and the group's agreement the rest.
                 names = [link.core.producer_id or link.endpoint for link in self._links]
-                self._readers = await count_sharing(self._group, names, self._connect_timeout_s)
+                try:
+                    self._readers = await count_sharing(self._group, names, self._connect_timeout_s)
+                except PeerLostError as error:
+                    self._readers_unknown = error
         except BaseException:
             await self.aclose()
             raise

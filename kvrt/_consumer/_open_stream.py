@@ -13,6 +13,7 @@ from kvrt._consumer._pulls import _Pulling
 from kvrt._errors import (
     InvalidInputError,
 )
+from kvrt._heads import head_range
 from kvrt._item import check_timeout, query_bytes
 from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._streams import ConsumerStream, Placement, PoolWriter
@@ -32,6 +33,7 @@ class _OpeningStreams(_Pulling):
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
         stream: torch.cuda.Stream | None = None,
+        heads: slice | None = None,
     ) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
@@ -42,15 +44,29 @@ class _OpeningStreams(_Pulling):
         once layer i is written (on a GPU: once the write is queued, with the caller's stream
         made to wait for it). Slots out of range are refused before anything is taken. The
         writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
-        when this was called: the work that wrote the slots there."""
+        when this was called: the work that wrote the slots there.
+
+        `heads`: only those KV heads of each layer, as for `drop_select`. A piece is cut from a
+        finished item: a request for one takes a prefill that is still running once it ended."""
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
         query = query_bytes(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
+        wanted = head_range(heads, "open_stream: heads")
+        plan = None if wanted is None else self._piece_plans(wanted)[0]
         writer = None if into is None and slots is None else self._pool_writer(into, slots, replica)
+
+        def build(request_id: int) -> m.DropSelect:
+            if plan is None:
+                return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True)
+            return m.DropSelect(
+                request_id=request_id, tokens=query, timeout_s=timeout, stream=True,
+                heads=plan.heads, readers=plan.readers, hidden=plan.hidden,
+            )  # fmt: skip
+
         reply = await self._links[0].call(
-            lambda request_id: m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True),
+            build,
             confirm=False,
             writer=writer,
             waits_s=timeout,

@@ -16,6 +16,7 @@ from kvrt._consumer._selection import _Selecting
 from kvrt._errors import (
     InvalidInputError,
 )
+from kvrt._heads import head_range
 from kvrt._item import KVItem
 from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._tensors import layer_chunks, transfer_segments
@@ -37,6 +38,7 @@ class _Pulling(_Selecting):
         replica: torch.Tensor | int = 0,
         timeout: float | None = 0.0,
         stream: torch.cuda.Stream | None = None,
+        heads: slice | None = None,
     ) -> KVItem | None:
         """Take a published prefill (matched as `drop_select` matches) and write its KV into
         the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
@@ -54,17 +56,19 @@ class _Pulling(_Selecting):
         caller queues on `stream` (None: the calling thread's current stream) after this
         returns sees the whole request in the pools, also after a pull that failed or was
         cancelled midway (the slots then hold a partial request, and no defined bytes where a
-        producer died before writing them)."""
+        producer died before writing them). `heads`: only those KV heads of the request, as for
+        `drop_select` (the pools hold this rank's heads)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
         from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
 
         # Bad slots are refused before any item is taken.
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
-        if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None:
+        wanted = head_range(heads, "pull: heads")
+        if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None and wanted is None:
             item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
         else:
-            item, scattered = await self._lookup(input_tokens, roi, timeout, what="pull"), False
+            item, scattered = await self._lookup(input_tokens, roi, timeout, what="pull", heads=wanted), False
         if item is not None and not scattered:
             count = min(item.key.shape[1], slots.numel())
             # Straight from the item as it arrived (its K and V are views of the received

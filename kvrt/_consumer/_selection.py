@@ -23,6 +23,7 @@ from kvrt._consumer._state import ConsumerState
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
+    fresh_copy,
 )
 from kvrt._heads import PiecePlan, head_range, join_pieces, plan_pieces
 from kvrt._item import (
@@ -349,6 +350,8 @@ class _Selecting(ConsumerState):
 
     def _piece_plans(self, heads: HeadRange) -> list[PiecePlan]:
         """Which producers hold `heads`, and which of their heads (see `drop_select`)."""
+        if self._readers_unknown is not None:
+            raise fresh_copy(self._readers_unknown)
         plans = plan_pieces(heads, [link.core.heads for link in self._links], self._readers)
         if self._consensus is not None and len(plans) != len(self._links):
             asked = {plan.link for plan in plans}

@@ -23,6 +23,7 @@ from kvrt._consumer._session import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIM
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
+    PeerLostError,
 )
 from kvrt._metrics import ConsumerCounters
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
@@ -80,6 +81,8 @@ class ConsumerState:
         self._readers: list[int] = [1] * len(endpoints)
         """Per producer, how many consumers take pieces of its items (`heads=`): the ranks of
         the group that connect to it, counted at start; 1 without a group."""
+        self._readers_unknown: PeerLostError | None = None
+        """Why the group could not count them at start (a head range then cannot be asked)."""
         self._pull_stream: torch.cuda.Stream | None = None
         """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
         self._scatters: concurrent.futures.ThreadPoolExecutor | None = None

@@ -49,6 +49,10 @@ class Producer(_Publishing, _Streaming, AsyncService):
     only known consumers; None (the default) is for loopback and trusted networks.
     `item_ttl_s`: an item nobody took within this many seconds is dropped (counted as
     expired in stats and metrics); None keeps items until taken or evicted.
+    `heads`: which of the model's KV heads this producer's items hold, `slice(h0, h1)` (a
+    prefill TP rank's share; inserts check it). Consumers then ask for heads in the model's
+    numbering, and one whose heads lie with several producers asks each for its part (see
+    `Consumer.drop_select`); None: consumers number this producer's heads from 0.
     """
 
     # -- lifecycle ------------------------------------------------------------------------
