@@ -1,0 +1,216 @@
+"""Pieces of items (head ranges), in the producer's protocol core: several consumers each take
+one piece of an item, exactly once, and the item stays until every reader confirmed its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem
+from kvrt._errors import ErrorCode
+from kvrt._heads import fill_piece, piece_of
+from kvrt._item import buffered_item
+from kvrt._protocol import Outgoing, PieceAsked, ProducerCore
+
+HEADS = 8
+READERS = [b"rank-0", b"rank-1", b"rank-2", b"rank-3"]
+
+
+def cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
+    piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=None)
+    fill_piece(piece, item)
+    return piece
+
+
+class Producer:
+    """A producer core with four consumers connected, and a clock we move."""
+
+    def __init__(self, item_ttl_s: float | None = None) -> None:
+        self.now = 0.0
+        self.core = ProducerCore(producer_id="prefill-0", heartbeat_s=1.0, cut=cut, item_ttl_s=item_ttl_s)
+        self.request_ids = iter(range(1, 1 << 20))
+        for peer in READERS:
+            (welcome,) = self.send(peer, m.Hello(version=m.PROTOCOL_VERSION, name=peer.decode()))
+            assert isinstance(welcome.message, m.Welcome)
+
+    def send(self, peer: bytes, message: m.Message) -> list[Outgoing]:
+        return self.core.receive(peer, m.encode(message), 0, self.now)
+
+    def insert(self, tokens: list[int], seed: int = 0) -> BufferedItem:
+        generator = torch.Generator().manual_seed(seed)
+        key = torch.randn((2, len(tokens), HEADS, 4), generator=generator)
+        value = torch.randn((2, len(tokens), HEADS, 4), generator=generator)
+        item = buffered_item(
+            (torch.tensor(tokens), None, key, value, torch.ones(len(tokens), 3)), torch.device("cpu"),
+            item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
+        )  # fmt: skip
+        assert self.core.insert(item, self.now) == []
+        return item
+
+    def ask(
+        self, peer: bytes, tokens: list[int] | None, first: int, end: int, *, readers: int = 2,
+        timeout_s: float | None = 0.0,
+    ) -> list[Outgoing]:  # fmt: skip
+        query = None if tokens is None else m.tokens_to_bytes(np.array(tokens))
+        request = m.DropSelect(
+            request_id=next(self.request_ids), tokens=query, timeout_s=timeout_s,
+            heads=m.HeadRange(first, end), readers=readers,
+        )  # fmt: skip
+        return self.send(peer, request)
+
+    def confirm(self, peer: bytes, deliver: m.Deliver) -> list[Outgoing]:
+        return self.send(peer, m.Received(item_ids=[deliver.item_id], leases=[deliver.lease]))
+
+
+def piece(out: list[Outgoing]) -> tuple[m.Deliver, BufferedItem]:
+    (sent,) = out
+    assert isinstance(sent.message, m.Deliver) and sent.item is not None
+    return sent.message, sent.item
+
+
+def test_each_reader_gets_its_heads_and_the_item_leaves_once_every_piece_is_confirmed() -> None:
+    producer = Producer()
+    item = producer.insert([1, 2, 3])
+    first, first_piece = piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    second, second_piece = piece(producer.ask(READERS[1], [1, 2, 3], 4, 8))
+    assert torch.equal(first_piece.key, item.key[:, :, 0:4]) and torch.equal(second_piece.value, item.value[:, :, 4:8])
+    assert first.payload_bytes < item.nbytes  # only those heads travel
+    producer.confirm(READERS[0], first)
+    assert producer.core.buffer.nbytes == item.nbytes + second_piece.nbytes  # the item waits for its second reader
+    producer.confirm(READERS[1], second)
+    assert producer.core.buffer.nbytes == 0 and producer.core.buffer.held == 0 and len(producer.core.buffer) == 0
+
+
+def test_a_reader_takes_one_piece_of_an_item_and_a_third_reader_finds_none() -> None:
+    producer = Producer()
+    producer.insert([1, 2, 3])
+    piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    (again,) = producer.ask(READERS[0], [1, 2, 3], 4, 8)
+    assert isinstance(again.message, m.Miss)  # its piece is out already
+    piece(producer.ask(READERS[1], [1, 2, 3], 4, 8))
+    (third,) = producer.ask(READERS[2], [1, 2, 3], 0, 4)
+    assert isinstance(third.message, m.Miss)  # both readers have theirs
+
+
+def test_a_whole_take_never_sees_an_item_whose_pieces_are_out() -> None:
+    producer = Producer()
+    producer.insert([1, 2, 3])
+    piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    (whole,) = producer.send(READERS[2], m.DropSelect(request_id=99, tokens=None))
+    assert isinstance(whole.message, m.Miss)
+
+
+def test_pieces_given_back_make_the_item_whole_again() -> None:
+    producer = Producer()
+    item = producer.insert([1, 2, 3])
+    deliver, _ = piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    producer.send(READERS[0], m.Release(item_id=deliver.item_id, lease=deliver.lease))
+    assert producer.core.buffer.nbytes == item.nbytes and producer.core.buffer.held == 0
+    (whole,) = producer.send(READERS[2], m.DropSelect(request_id=99, tokens=None))
+    assert isinstance(whole.message, m.Deliver) and whole.message.item_id == item.item_id
+
+
+def test_a_reader_that_leaves_frees_its_place_for_a_new_one_and_nothing_is_lost() -> None:
+    producer = Producer()
+    item = producer.insert([1, 2, 3])
+    piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    second, _ = piece(producer.ask(READERS[1], [1, 2, 3], 4, 8))
+    producer.confirm(READERS[1], second)
+    producer.send(READERS[0], m.Bye())  # rank 0 died before it confirmed
+    again, again_piece = piece(producer.ask(READERS[2], [1, 2, 3], 0, 4))  # its replacement takes heads 0-4
+    assert torch.equal(again_piece.key, item.key[:, :, 0:4])
+    producer.confirm(READERS[2], again)
+    assert producer.core.buffer.nbytes == 0 and len(producer.core.buffer) == 0
+
+
+def test_replicated_heads_go_to_every_reader_that_names_them() -> None:
+    producer = Producer()
+    item = producer.insert([5, 6])
+    delivered = [piece(producer.ask(peer, [5, 6], 3, 4, readers=4)) for peer in READERS]  # decode TP > KV heads
+    assert all(torch.equal(piece_item.key, item.key[:, :, 3:4]) for _, piece_item in delivered)
+    for peer, (deliver, _) in zip(READERS, delivered, strict=True):
+        producer.confirm(peer, deliver)
+    assert producer.core.buffer.nbytes == 0
+
+
+def test_waiting_readers_are_each_served_a_piece_by_one_insert() -> None:
+    producer = Producer()
+    assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []
+    assert producer.ask(READERS[1], [7, 8], 4, 8, timeout_s=None) == []
+    item = buffered_item(
+        (torch.tensor([7, 8]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
+        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
+    )  # fmt: skip
+    out = producer.core.insert(item, producer.now)
+    assert sorted(sent.peer for sent in out) == READERS[:2]
+    assert all(isinstance(sent.message, m.Deliver) for sent in out)
+
+
+def test_heads_the_item_lacks_are_refused_and_the_item_stays_whole() -> None:
+    producer = Producer()
+    item = producer.insert([1, 2])
+    (refused,) = producer.ask(READERS[0], [1, 2], 6, 10)
+    assert isinstance(refused.message, m.ErrorReply) and refused.message.code is ErrorCode.INVALID
+    assert "8 KV heads" in refused.message.message
+    (whole,) = producer.send(READERS[1], m.DropSelect(request_id=99, tokens=None))
+    assert isinstance(whole.message, m.Deliver) and whole.message.item_id == item.item_id
+
+
+def test_readers_who_disagree_on_their_number_are_refused() -> None:
+    producer = Producer()
+    producer.insert([1, 2])
+    piece(producer.ask(READERS[0], [1, 2], 0, 4, readers=2))
+    (refused,) = producer.ask(READERS[1], [1, 2], 4, 8, readers=3)
+    assert isinstance(refused.message, m.ErrorReply) and "2 readers" in refused.message.message
+
+
+def test_a_batch_takes_a_piece_of_each_item_and_one_bad_range_sends_every_piece_back() -> None:
+    producer = Producer()
+    items = [producer.insert([index, 1], seed=index) for index in range(3)]
+    queries = [m.tokens_to_bytes(np.array([index, 1])) for index in range(3)]
+    (batch,) = producer.send(
+        READERS[0], m.DropSelectMany(request_id=5, queries=queries, heads=m.HeadRange(2, 4), readers=2)
+    )
+    assert isinstance(batch.message, m.DeliverMany) and len(batch.items) == 3
+    for item, sent in zip(items, batch.items, strict=True):
+        assert torch.equal(sent.key, item.key[:, :, 2:4])
+    held = producer.core.buffer.nbytes
+    out = producer.send(READERS[1], m.DropSelectMany(request_id=6, queries=queries, heads=m.HeadRange(6, 9), readers=2))
+    assert isinstance(out[0].message, m.ErrorReply)
+    assert producer.core.buffer.nbytes == held  # nothing of the refused batch stays out
+
+
+def test_an_item_whose_pieces_are_out_does_not_expire_and_one_given_back_whole_does() -> None:
+    producer = Producer(item_ttl_s=5.0)
+    producer.insert([1, 2])
+    deliver, _ = piece(producer.ask(READERS[0], [1, 2], 0, 4))
+    producer.now = 6.0
+    producer.core.expire(producer.now)
+    assert len(producer.core.buffer) == 1  # claimed by a reader: not expired
+    producer.send(READERS[0], m.Release(item_id=deliver.item_id, lease=deliver.lease))
+    producer.now = 12.0
+    producer.core.expire(producer.now)
+    assert len(producer.core.buffer) == 0 and producer.core.counters.expired_items == 1
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_a_piece_carries_the_hidden_states_only_when_asked(hidden: bool) -> None:
+    producer = Producer()
+    producer.insert([1, 2])
+    request = m.DropSelect(request_id=1, tokens=None, heads=m.HeadRange(0, 1), readers=1, hidden=hidden)
+    deliver, _ = piece(producer.send(READERS[0], request))
+    assert (deliver.hidden is not None) is hidden
+
+
+def test_a_latent_item_travels_whole_as_every_piece() -> None:
+    producer = Producer()
+    latent = torch.randn(2, 3, 1, 16)
+    item = buffered_item(
+        (torch.tensor([4, 5, 6]), None, latent, torch.empty(2, 3, 0, 16), None), torch.device("cpu"),
+        item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
+    )  # fmt: skip
+    producer.core.insert(item, producer.now)
+    pieces = [piece(producer.ask(peer, [4, 5, 6], rank, rank + 1, readers=4)) for rank, peer in enumerate(READERS)]
+    assert all(torch.equal(piece_item.key, latent) for _, piece_item in pieces)
