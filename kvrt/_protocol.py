@@ -530,7 +530,7 @@ class ProducerCore:
                     self._add_timer(expires, _TimerKind.PEER, key)
             elif kind is _TimerKind.ITEM:
                 assert isinstance(key, BufferedItem)
-                if key.buffered and key.pieces is None:  # unclaimed (not in flight, returned, or in pieces)
+                if key.buffered:  # unclaimed, or some readers' pieces never asked for (those out stay valid)
                     self.buffer.drop(key)
                     self.counters.expired_items += 1
             else:
@@ -915,6 +915,9 @@ class ProducerCore:
         pieces = item.pieces
         if pieces is not None and pieces.readers != asked.readers:
             return f"item {item.item_id} is taken by {pieces.readers} readers, this request says {asked.readers}"
+        if asked.readers > len(self._peers):
+            # They could never all take theirs: the item would wait for ever for the missing ones.
+            return f"{asked.readers} readers asked for, {len(self._peers)} consumers are connected"
         try:
             piece = self._cut(item, asked, self.new_item_id())
         except InvalidInputError as exc:

@@ -182,17 +182,27 @@ def test_a_batch_takes_a_piece_of_each_item_and_one_bad_range_sends_every_piece_
     assert producer.core.buffer.nbytes == held  # nothing of the refused batch stays out
 
 
-def test_an_item_whose_pieces_are_out_does_not_expire_and_one_given_back_whole_does() -> None:
+def test_an_item_whose_readers_do_not_all_come_expires_and_the_pieces_out_stay_valid() -> None:
     producer = Producer(item_ttl_s=5.0)
-    producer.insert([1, 2])
-    deliver, _ = piece(producer.ask(READERS[0], [1, 2], 0, 4))
+    item = producer.insert([1, 2])
+    deliver, sent = piece(producer.ask(READERS[0], [1, 2], 0, 4))
     producer.now = 6.0
     producer.core.expire(producer.now)
-    assert len(producer.core.buffer) == 1  # claimed by a reader: not expired
-    producer.send(READERS[0], m.Release(item_id=deliver.item_id, lease=deliver.lease))
-    producer.now = 12.0
-    producer.core.expire(producer.now)
     assert len(producer.core.buffer) == 0 and producer.core.counters.expired_items == 1
+    assert producer.core.buffer.nbytes == sent.nbytes  # only the piece still out
+    (late,) = producer.ask(READERS[1], [1, 2], 4, 8)
+    assert isinstance(late.message, m.Miss)
+    producer.confirm(READERS[0], deliver)
+    assert producer.core.buffer.nbytes == 0 and producer.core.buffer.held == 0
+    assert item.pieces is not None and item.pieces.dropped
+
+
+def test_more_readers_than_connected_consumers_are_refused() -> None:
+    producer = Producer()
+    producer.insert([1, 2])
+    (refused,) = producer.ask(READERS[0], [1, 2], 0, 1, readers=m.MAX_READERS)
+    assert isinstance(refused.message, m.ErrorReply) and "4 consumers are connected" in refused.message.message
+    assert piece(producer.ask(READERS[0], [1, 2], 0, 1, readers=4))  # the item was left whole
 
 
 @pytest.mark.parametrize("hidden", [True, False])

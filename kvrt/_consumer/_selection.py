@@ -47,6 +47,12 @@ def _delivered(call: asyncio.Task[_Reply]) -> bool:
     return not call.cancelled() and call.exception() is None and call.result().item is not None
 
 
+def _retrieved(call: asyncio.Task[_Reply]) -> None:
+    """A call nobody awaits any more: its outcome is read, so that asyncio does not report it."""
+    if not call.cancelled():
+        call.exception()
+
+
 def _misfit(call: asyncio.Task[_Reply]) -> bool:
     """A finished call whose item did not fit the caller's buffers (it went back)."""
     return not call.cancelled() and isinstance(call.exception(), InvalidInputError)
@@ -398,27 +404,39 @@ class _Selecting(ConsumerState):
             )
             for plan in plans
         ]
+        def give_back_delivered() -> None:
+            for plan, call in zip(plans, calls, strict=True):
+                if call.done() and _delivered(call):
+                    reply = call.result()
+                    assert isinstance(reply.message, m.Deliver)
+                    self._links[plan.link].settle(reply.message.item_id, keep=False)
+
+        settled = False
         try:
             pending = set(calls)
             while pending:
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if any(call.done() and not _delivered(call) for call in calls):
                     break  # a miss or a failure: the others are not needed
-        finally:
             for call in calls:
                 call.cancel()  # a call cancelled after its item arrived gives that item back itself
             await asyncio.gather(*calls, return_exceptions=True)
-        delivered = [(plan, call.result()) for plan, call in zip(plans, calls, strict=True) if _delivered(call)]
+            settled = True
+        finally:
+            if not settled:  # cancelled: the pieces that came go back, the others give theirs back
+                for call in calls:
+                    call.cancel()
+                    call.add_done_callback(_retrieved)
+                give_back_delivered()
         failure = next(
             (call.exception() for call in calls if not call.cancelled() and call.exception() is not None), None
         )
-        if failure is not None or len(delivered) != len(plans):
-            for plan, reply in delivered:
-                assert isinstance(reply.message, m.Deliver)
-                self._links[plan.link].settle(reply.message.item_id, keep=False)
+        if failure is not None or not all(_delivered(call) for call in calls):
+            give_back_delivered()
             if failure is not None:
                 raise failure
             return None
+        delivered = [(plan, call.result()) for plan, call in zip(plans, calls, strict=True)]
         items = [reply.item for _, reply in delivered]
         assert all(item is not None for item in items)
         ids = [reply.message.item_id for _, reply in delivered if isinstance(reply.message, m.Deliver)]
