@@ -10,8 +10,13 @@ from the scenario's seed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
+import multiprocessing
 import os
+import queue
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import kvrt
+import kvrt.blocking
 
 LAYERS = 2
 TOKENS = 16
@@ -37,6 +43,8 @@ class Scenario:
     endpoints: tuple[str, ...] = ()
     """One per prefill rank, filled in by the parent once its producers are up."""
     transport: str = "tcp"
+    device: str = "cpu"
+    """Where producers and consumers keep the KV (cuda:0 for every process on one GPU)."""
     late_rank: int | None = None
     """A prefill rank that inserts the request only after the decode ranks missed it once."""
 
@@ -99,6 +107,10 @@ def checked(scenario: Scenario, rank: int, item: kvrt.KVItem | None) -> tuple[An
     first, end = scenario.heads_of(rank)
     if scenario.kv_heads:
         key, value = key[:, :, first:end], value[:, :, first:end]
+    item = kvrt.KVItem(
+        item.input_tokens.cpu(), None, item.key.cpu(), item.value.cpu(),
+        None if item.hidden is None else item.hidden.cpu(), item.matched,
+    )  # fmt: skip
     equal = (
         torch.equal(item.key, key) and torch.equal(item.value, value) and torch.equal(item.input_tokens, tokens())
         and item.hidden is not None and torch.equal(item.hidden, hidden)
@@ -109,13 +121,89 @@ def checked(scenario: Scenario, rank: int, item: kvrt.KVItem | None) -> tuple[An
 async def take(scenario: Scenario, rank: int, group: Any, results: Any, inserted: Any) -> None:
     endpoints = [scenario.endpoints[p] for p in scenario.producers_of(rank)]
     first, end = scenario.heads_of(rank)
-    async with kvrt.Consumer(connect=endpoints, group=group, transport=scenario.transport) as consumer:
+    consumer = kvrt.Consumer(endpoints, scenario.device, group=group, transport=scenario.transport)
+    async with consumer:
         item = await consumer.drop_select(tokens(), heads=slice(first, end))
         results.put((scenario.name, rank, "first", checked(scenario, rank, item)))
         if scenario.late_rank is not None:
             await asyncio.to_thread(inserted.wait, 60)
             item = await consumer.drop_select(tokens(), heads=slice(first, end), timeout=30)
             results.put((scenario.name, rank, "after", checked(scenario, rank, item)))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclasses.dataclass
+class Run:
+    producers: dict[str, list[kvrt.blocking.Producer]]
+    reports: dict[tuple[str, int, str], tuple[Any, ...]]
+    before_late_insert: list[int]
+    """The late scenario's producers' stats once every rank had missed."""
+
+
+def run_world(scenarios_asked: list[Scenario], world: int) -> Iterator[Run]:
+    """Producers for every scenario (here, one per prefill rank, in this process), `world`
+    decode ranks spawned, every report collected; yields the run, closes everything after."""
+    producers: dict[str, list[kvrt.blocking.Producer]] = {}
+    scenarios = []
+    for scenario in scenarios_asked:
+        ranks = []
+        for prefill_rank in range(scenario.prefill):
+            held = scenario.prefill_heads(prefill_rank)
+            producer = kvrt.blocking.Producer(
+                device=scenario.device,
+                transport=None if scenario.transport == "tcp" else scenario.transport,
+                heads=None if held is None else slice(*held),
+            )
+            if prefill_rank != scenario.late_rank:
+                producer.insert(tokens(), None, *shard(scenario, prefill_rank))
+            ranks.append(producer)
+        producers[scenario.name] = ranks
+        scenarios.append(dataclasses.replace(scenario, endpoints=tuple(p.endpoint for p in ranks)))
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    inserted = spawn.Event()
+    port = free_port()
+    processes = [
+        spawn.Process(target=run_rank, args=(rank, world, port, scenarios, results, inserted)) for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    reports: dict[tuple[str, int, str], tuple[Any, ...]] = {}
+    before: list[int] = []
+    expected = sum(s.decode * (1 if s.late_rank is None else 2) for s in scenarios_asked)
+    late = next((s for s in scenarios_asked if s.late_rank is not None), None)
+    try:
+        while len(reports) < expected:
+            try:
+                report = results.get(timeout=120)
+            except queue.Empty:
+                text = f"the decode ranks reported {len(reports)} of {expected} results in time"
+                raise AssertionError(text) from None
+            if report[0] == "failed":
+                raise AssertionError(f"decode rank {report[1]} failed: {report[2]}: {report[3]}")
+            name, rank, phase, outcome = report
+            reports[(name, rank, phase)] = outcome
+            if late is not None and name == late.name and sum(1 for key in reports if key[0] == name) == late.decode:
+                # Every rank missed: what the others hold is still there, whole.
+                assert late.late_rank is not None
+                before = [p.stats().items for p in producers[name]]
+                producers[name][late.late_rank].insert(tokens(), None, *shard(late, late.late_rank))
+                inserted.set()
+        for process in processes:
+            process.join(60)
+        yield Run(producers, reports, before)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for ranks in producers.values():
+            for producer in ranks:
+                producer.close()
 
 
 def run_rank(rank: int, world: int, port: int, scenarios: list[Scenario], results: Any, inserted: Any) -> None:

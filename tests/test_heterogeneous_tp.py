@@ -8,18 +8,11 @@ the processes start once.
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing
-import queue
-import socket
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-import kvrt
-import kvrt.blocking
-from tests._tp_ranks import Scenario, shard, tokens
+from tests._tp_ranks import Run, Scenario, run_world, shard, tokens
 
 WORLD = 8
 
@@ -33,77 +26,9 @@ SCENARIOS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclasses.dataclass
-class Run:
-    producers: dict[str, list[kvrt.blocking.Producer]]
-    reports: dict[tuple[str, int, str], tuple[Any, ...]]
-    before_late_insert: list[int]
-    """The late scenario's producers' stats once every rank had missed."""
-
-
 @pytest.fixture(scope="module")
 def run() -> Iterator[Run]:
-    producers: dict[str, list[kvrt.blocking.Producer]] = {}
-    scenarios = []
-    for scenario in SCENARIOS:
-        ranks = []
-        for prefill_rank in range(scenario.prefill):
-            held = scenario.prefill_heads(prefill_rank)
-            producer = kvrt.blocking.Producer(
-                transport=None if scenario.transport == "tcp" else scenario.transport,
-                heads=None if held is None else slice(*held),
-            )
-            if prefill_rank != scenario.late_rank:
-                producer.insert(tokens(), None, *shard(scenario, prefill_rank))
-            ranks.append(producer)
-        producers[scenario.name] = ranks
-        scenarios.append(dataclasses.replace(scenario, endpoints=tuple(p.endpoint for p in ranks)))
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
-    inserted = spawn.Event()
-    port = free_port()
-    from tests._tp_ranks import run_rank
-
-    processes = [
-        spawn.Process(target=run_rank, args=(rank, WORLD, port, scenarios, results, inserted)) for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    reports: dict[tuple[str, int, str], tuple[Any, ...]] = {}
-    before: list[int] = []
-    expected = sum(s.decode * (1 if s.late_rank is None else 2) for s in SCENARIOS)
-    late = next(s for s in SCENARIOS if s.late_rank is not None)
-    try:
-        while len(reports) < expected:
-            try:
-                report = results.get(timeout=120)
-            except queue.Empty:
-                pytest.fail(f"the decode ranks reported {len(reports)} of {expected} results in time")
-            if report[0] == "failed":
-                pytest.fail(f"decode rank {report[1]} failed: {report[2]}: {report[3]}")
-            name, rank, phase, outcome = report
-            reports[(name, rank, phase)] = outcome
-            if name == late.name and sum(1 for key in reports if key[0] == name) == late.decode:
-                # Every rank missed: what the others hold is still there, whole.
-                before = [p.stats().items for p in producers[name]]
-                producers[name][late.late_rank].insert(tokens(), None, *shard(late, late.late_rank))  # type: ignore[index]
-                inserted.set()
-        for process in processes:
-            process.join(60)
-        yield Run(producers, reports, before)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-        for ranks in producers.values():
-            for producer in ranks:
-                producer.close()
+    yield from run_world(SCENARIOS, WORLD)
 
 
 @pytest.mark.timeout(300)
