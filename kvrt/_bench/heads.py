@@ -135,8 +135,9 @@ def main(args: argparse.Namespace) -> int:
         ("four whole-item transfers (reference)", whole_s, whole_bytes, ""),
         (f"heads= pull, {KV_HEADS // WORLD} of {KV_HEADS} heads a rank", heads_s, heads_bytes, "≈ 1/4 of the item"),
     ]
-    for name, seconds, sent, goal in rows:
-        print(f"{name:<44} | {seconds * 1e3:>8.2f} ms | {sent / 2**20:>9.2f} MiB | {sent / item_kv:>10.1%} | {goal}")
+    for name, seconds, sent_each, goal in rows:
+        share = sent_each / item_kv
+        print(f"{name:<44} | {seconds * 1e3:>8.2f} ms | {sent_each / 2**20:>9.2f} MiB | {share:>10.1%} | {goal}")
     print(f"heads= per request: {whole_s / heads_s:.2f}x faster than the reference; bytes per rank "
           f"{heads_bytes / whole_bytes:.1%} of it")  # fmt: skip
     if args.json:
