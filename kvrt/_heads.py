@@ -67,6 +67,8 @@ def piece_of(
     a latent), and its hidden states if `hidden`; its memory allocated, its bytes not written
     (`fill_piece`). Raises `InvalidInputError` for heads the item does not have."""
     key, value = item.key, item.value
+    if heads.first >= heads.end:
+        raise InvalidInputError(f"heads [{heads.first}, {heads.end}) is empty: a range of heads has first < end")
     if is_latent(value):
         first, end = 0, key.shape[2]
     else:

@@ -3,6 +3,7 @@ one piece of an item, exactly once, and the item stays until every reader confir
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -224,3 +225,17 @@ def test_a_latent_item_travels_whole_as_every_piece() -> None:
     producer.core.insert(item, producer.now)
     pieces = [piece(producer.ask(peer, [4, 5, 6], rank, rank + 1, readers=4)) for rank, peer in enumerate(READERS)]
     assert all(torch.equal(piece_item.key, latent) for _, piece_item in pieces)
+
+
+@pytest.mark.parametrize("heads", [[5, 3], [4, 4], [0, 1 << 40], [-1, 2], "x"])
+def test_a_hand_built_range_that_is_no_range_of_heads_fails_that_request_alone(heads: object) -> None:
+    producer = Producer()
+    item = producer.insert([1, 2])
+    frame = msgspec.msgpack.encode(
+        [m.PROTOCOL_VERSION, {"type": "drop_select", "request_id": 7, "tokens": None, "heads": heads}]
+    )
+    (refused,) = producer.core.receive(READERS[0], frame, 0, producer.now)
+    assert isinstance(refused.message, m.ErrorReply) and refused.message.request_id == 7
+    assert refused.message.code in (ErrorCode.INVALID, ErrorCode.PROTOCOL)
+    (whole,) = producer.send(READERS[1], m.DropSelect(request_id=8, tokens=None))
+    assert isinstance(whole.message, m.Deliver) and whole.message.item_id == item.item_id
