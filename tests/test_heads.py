@@ -132,6 +132,22 @@ async def test_a_cancelled_range_gives_every_piece_it_took_back() -> None:
         assert other is not None and torch.equal(other.key, key[:, :, :4])
 
 
+async def test_a_joined_range_that_does_not_fit_the_callers_buffers_goes_back_whole() -> None:
+    key, value, hidden = full_kv(seed=12)
+    async with (
+        kvrt.Producer(heads=slice(0, 4)) as first,
+        kvrt.Producer(heads=slice(4, 8)) as second,
+        kvrt.Consumer(connect=[first.endpoint, second.endpoint]) as consumer,
+    ):
+        await first.insert(TOKEN_IDS, None, key[:, :, :4].clone(), value[:, :, :4].clone(), hidden)
+        await second.insert(TOKEN_IDS, None, key[:, :, 4:].clone(), value[:, :, 4:].clone(), hidden)
+        small = kvrt.KVBuffers(key=torch.empty(10), value=torch.empty(10))
+        with pytest.raises(kvrt.InvalidInputError):
+            await consumer.drop_select(TOKEN_IDS, heads=slice(0, 8), into=small)
+        item = await consumer.drop_select(TOKEN_IDS, heads=slice(0, 8))
+        assert item is not None and torch.equal(item.key, key)
+
+
 async def test_several_producers_that_were_not_told_their_heads_cannot_split_a_range() -> None:
     async with (
         kvrt.Producer() as first,

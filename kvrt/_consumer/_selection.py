@@ -32,6 +32,7 @@ from kvrt._item import (
     Landing,
     check_buffers,
     check_buffers_apart,
+    check_fit,
     check_timeout,
     land_in,
     query_bytes,
@@ -437,12 +438,17 @@ class _Selecting(ConsumerState):
                 raise failure
             return None
         delivered = [(plan, call.result()) for plan, call in zip(plans, calls, strict=True)]
-        items = [reply.item for _, reply in delivered]
-        assert all(item is not None for item in items)
+        joined = join_pieces([reply.item for _, reply in delivered if reply.item is not None])
+        if into is not None and len(plans) > 1:
+            try:
+                check_fit(joined, into, what="drop_select")
+            except InvalidInputError:
+                give_back_delivered()  # the caller learns that its buffers are wrong; nothing is lost
+                raise
         ids = [reply.message.item_id for _, reply in delivered if isinstance(reply.message, m.Deliver)]
         first = plans[0].link
         return _Taken(
-            join_pieces([item for item in items if item is not None]), self._links[first], ids[0], first,
+            joined, self._links[first], ids[0], first,
             delivered[0][1].landed_on,
             tuple((self._links[plan.link], item_id) for plan, item_id in zip(plans[1:], ids[1:], strict=True)),
         )  # fmt: skip
