@@ -412,9 +412,8 @@ class LookupBuffer:
         self._index: RadixIndex[BufferedItem] = RadixIndex()
         self._split: RadixIndex[BufferedItem] = RadixIndex()
         """Items some consumers took a piece of (`BufferedItem.pieces`), until every reader has
-        one: only requests for pieces see them."""
-        self._split_by_id: dict[int, BufferedItem] = {}
-        """The split items (the index keeps weak references only)."""
+        one: only requests for pieces see them (kept by id in `_by_id` meanwhile, so that an
+        operator can list and evict them)."""
         self._seq = itertools.count()
         self._by_id: dict[int, BufferedItem] = {}
         self.nbytes = 0
@@ -465,7 +464,7 @@ class LookupBuffer:
         """Remove a buffered item for good (evicted or expired)."""
         if item.pieces is not None:
             self._split.remove(item)
-            del self._split_by_id[item.item_id]
+            del self._by_id[item.item_id]
             item.pieces.dropped = True
         else:
             self._remove(item)
@@ -475,33 +474,32 @@ class LookupBuffer:
 
     def split(self, item: BufferedItem) -> None:
         """A buffered item's first piece is taken: from now on only pieces are taken of it."""
-        self._remove(item)
+        self._index.remove(item)
         self._split.add(item)
-        self._split_by_id[item.item_id] = item
 
     def unsplit(self, item: BufferedItem) -> None:
         """Every piece of a split item came back, none confirmed: it is whole again."""
         self._split.remove(item)
-        del self._split_by_id[item.item_id]
-        self._add(item)
+        self._index.add(item)
 
     def pieces_out(self, item: BufferedItem) -> None:
         """Every reader of a split item holds a piece: it waits, held, for their receipts."""
         self._split.remove(item)
-        del self._split_by_id[item.item_id]
+        del self._by_id[item.item_id]  # in flight, as a whole item is: its pieces keep it
         self.held += 1
 
     def reopen(self, item: BufferedItem) -> None:
         """A piece of an item whose readers all held one came back: its reader may take anew."""
         self.held -= 1
         self._split.add(item)
-        self._split_by_id[item.item_id] = item
+        self._by_id[item.item_id] = item
 
-    def best_piece(self, query: np.ndarray | None, taker: bytes) -> Match | None:
+    def best_piece(self, query: np.ndarray | None, taker: bytes, readers: int) -> Match | None:
         """The split item a request for a piece takes from first (so one request's pieces
-        come from one item), unless `taker` has a piece of it already."""
+        come from one item), unless `taker` has a piece of it already or its readers are
+        another number (another group's item: the request takes a whole one instead)."""
         found = self._split.best_match(query)
-        if found is None or found[0].pieces is None or taker in found[0].pieces.takers:
+        if found is None or (pieces := found[0].pieces) is None or taker in pieces.takers or pieces.readers != readers:
             return None
         return Match(*found)
 
@@ -510,8 +508,8 @@ class LookupBuffer:
         return self._by_id.get(item_id)
 
     def items(self) -> list[BufferedItem]:
-        """Every buffered item, oldest first (for listing; O(n log n))."""
-        return self._index.entries()
+        """Every buffered item, those taken in pieces too, oldest first (for listing; O(n log n))."""
+        return sorted(self._index.entries() + self._split.entries(), key=lambda item: item.seq)
 
     # -- lookup ---------------------------------------------------------------------------
 

@@ -189,3 +189,19 @@ def join_pieces(pieces: Sequence[KVItem]) -> KVItem:
     hidden = next((piece.hidden for piece in cut if piece.hidden is not None), None)
     return KVItem(first.input_tokens, first.roi, key, value, hidden, matched)
 
+
+
+def pieces_agree(pieces: Sequence[KVItem]) -> bool:
+    """Whether pieces from several producers are of one request: their tokens (and roi) agree
+    up to the shortest match. Pieces matched to one query always do; pieces taken by a query
+    of None (each producer's oldest item) may be of different requests."""
+    matched = min(piece.matched for piece in pieces)
+    cut = [truncate(piece, matched) for piece in pieces]
+    first = cut[0]
+    return all(
+        piece.input_tokens.shape == first.input_tokens.shape
+        and torch.equal(piece.input_tokens, first.input_tokens)
+        and (piece.roi is None) == (first.roi is None)
+        and (piece.roi is None or first.roi is None or torch.equal(piece.roi, first.roi))
+        for piece in cut[1:]
+    )

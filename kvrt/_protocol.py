@@ -90,6 +90,8 @@ MAX_WAITING_QUERY_BYTES_PER_PEER: Final = 64 << 20
 """Most bytes of tokens one consumer's waiting drop-selects hold in the producer."""
 MAX_WAITING_QUERY_BYTES: Final = 1 << 30
 """Most bytes of tokens all waiting drop-selects hold in the producer."""
+MAX_ABANDONED: Final = 4096
+"""Requests a consumer link remembers having abandoned, to read their late misses quietly."""
 UNCONFIRMED_SHARE: Final = 0.5
 """Most of the buffer's limit one consumer may hold delivered and not confirmed: one that
 takes items and never confirms them (alive, pinging) cannot fill the buffer and stall every
@@ -228,6 +230,10 @@ class _Waiters:
             self.takers.pop((waiter.peer, waiter.request_id), None)
         elif waiter.buffered:
             self.by_query.remove(waiter)
+
+    def reorder_takers(self) -> None:
+        """Waiters with no query oldest first again (after some were taken out and put back)."""
+        self.takers = dict(sorted(self.takers.items(), key=lambda entry: entry[1].seq))
 
     def oldest_match(self, tokens: np.ndarray) -> tuple[_Waiter, int] | None:
         found = self.by_query.oldest_match(tokens)
@@ -597,9 +603,9 @@ class ProducerCore:
             return self._while_suspended(peer, request, query, now)
         asked = PieceAsked.of(request)
         if asked is not None:
-            found = self._piece_match(peer, query)
+            found = self._piece_match(peer, query, asked)
             if found is not None:
-                return self._piece_out(peer, request.request_id, found, asked, stream=request.stream)
+                return self._piece_out(peer, request.request_id, found, asked, stream=request.stream)[0]
             if request.timeout_s == 0.0:
                 self.counters.misses += 1
                 return [Outgoing(peer, m.Miss(request_id=request.request_id))]
@@ -683,7 +689,7 @@ class ProducerCore:
         offset = 0
         asked = PieceAsked.of(request)
         for query in queries:
-            found = self.buffer.best_match(query) if asked is None else self._piece_match(peer, query)
+            found = self.buffer.best_match(query) if asked is None else self._piece_match(peer, query, asked)
             if found is None:
                 self.counters.misses += 1
                 hits.append(None)
@@ -795,13 +801,14 @@ class ProducerCore:
         self.refusals[code.value] = self.refusals.get(code.value, 0) + 1
         return Outgoing(peer, m.ErrorReply(request_id=request_id, code=code, message=text))
 
-    def _hand_out(self, peer: bytes, item: BufferedItem, lease: int | None = None) -> None:
+    def _hand_out(self, peer: bytes, item: BufferedItem, lease: int | None = None, *, also: int = 0) -> None:
         """`item` is in flight to `peer` under a new lease number (or `lease`); a peer that now
-        holds more than its share unconfirmed is suspended (`UNCONFIRMED_SHARE`)."""
+        holds more than its share unconfirmed is suspended (`UNCONFIRMED_SHARE`). `also`: bytes
+        it holds besides (a piece: its share of the item, kept for the other readers)."""
         item.lease = next(self._lease_numbers) if lease is None else lease
         state = self._peers[peer]
         state.in_flight[item.item_id] = item
-        item.charged = item.nbytes
+        item.charged = item.nbytes + also
         state.unconfirmed_bytes += item.charged
         if not state.suspended and self._over_share(state):
             self._suspend(state)
@@ -840,7 +847,7 @@ class ProducerCore:
             if state.suspended:  # over its share again (`_hand_out`): the rest were taken out anew
                 break
             if waiter.piece is not None:
-                found = self._piece_match(state.identity, waiter.query)
+                found = self._piece_match(state.identity, waiter.query, waiter.piece)
             else:
                 found = self.buffer.best_match(waiter.query)
             if found is None:
@@ -848,7 +855,7 @@ class ProducerCore:
                 continue
             self._drop_waiter(state.identity, request_id)
             if waiter.piece is not None:
-                out += self._piece_out(state.identity, request_id, found, waiter.piece, stream=waiter.stream)
+                out += self._piece_out(state.identity, request_id, found, waiter.piece, stream=waiter.stream)[0]
             elif waiter.stream:
                 out += self._stream_whole(state.identity, request_id, found.item, found.matched)
             else:
@@ -875,11 +882,22 @@ class ProducerCore:
 
     def _serve_waiters(self, item: BufferedItem, now: float) -> list[Outgoing]:
         """Give `item` to the oldest waiting request it matches, if any (an open stream only to a
-        streaming request)."""
+        streaming request). A request for a piece the item cannot give (heads it lacks) is
+        refused, and the next one is served: a bad waiter holds nobody's item."""
+        out: list[Outgoing] = []
+        while True:
+            served, done = self._serve_one_waiter(item, now)
+            out += served
+            if done:
+                return out
+
+    def _serve_one_waiter(self, item: BufferedItem, now: float) -> tuple[list[Outgoing], bool]:
+        """`_serve_waiters` once: what to send, and False when a waiter was refused and the
+        item is still there for the next."""
         if self._closed:
-            return []
+            return [], True
         if item.pieces is not None:
-            return self._serve_piece_waiters(item)
+            return self._serve_piece_waiters(item), True
         found = self._stream_waiters.oldest_match(item.masked_tokens)
         if item.stream is None:  # pieces are cut from inserted items only
             piece = self._piece_waiters.oldest_match(item.masked_tokens)
@@ -890,25 +908,28 @@ class ProducerCore:
             if plain is not None and (found is None or plain[0].seq < found[0].seq):
                 found = plain
         if found is None:
-            return []
+            return [], True
         waiter, matched = found
         self._drop_waiter(waiter.peer, waiter.request_id)
         if waiter.piece is not None:
             asked, stream = waiter.piece, waiter.stream
-            out = self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
-            return out + (self._serve_piece_waiters(item) if item.pieces is not None else [])
+            out, delivered = self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
+            if not delivered:
+                return out, False
+            return out + (self._serve_piece_waiters(item) if item.pieces is not None else []), True
         if item.stream is not None:
-            return self._attach(waiter.peer, waiter.request_id, item, matched)
+            return self._attach(waiter.peer, waiter.request_id, item, matched), True
         if waiter.stream:
-            return self._stream_whole(waiter.peer, waiter.request_id, item, matched)
-        return [self._deliver(waiter.peer, waiter.request_id, item, matched)]
+            return self._stream_whole(waiter.peer, waiter.request_id, item, matched), True
+        return [self._deliver(waiter.peer, waiter.request_id, item, matched)], True
 
     # -- pieces (head ranges) -----------------------------------------------------------
 
-    def _piece_match(self, peer: bytes, query: np.ndarray | None) -> Match | None:
-        """The item a request for a piece takes from: one that other consumers took pieces of
-        already, so that the pieces of one request come from one item; else a whole one."""
-        return self.buffer.best_piece(query, peer) or self.buffer.best_match(query)
+    def _piece_match(self, peer: bytes, query: np.ndarray | None, asked: PieceAsked) -> Match | None:
+        """The item a request for a piece takes from: one that other consumers of its number
+        took pieces of already, so that the pieces of one request come from one item; else a
+        whole one."""
+        return self.buffer.best_piece(query, peer, asked.readers) or self.buffer.best_match(query)
 
     def _cut_piece(self, peer: bytes, item: BufferedItem, asked: PieceAsked) -> BufferedItem | str:
         """A piece of `item` in flight to `peer`, or why it cannot be cut."""
@@ -933,19 +954,20 @@ class ProducerCore:
         if len(pieces.takers) == pieces.readers:
             self.buffer.pieces_out(item)
         self.buffer.add_taken(piece)
-        self._hand_out(peer, piece)
+        self._hand_out(peer, piece, also=item.nbytes // pieces.readers)
         return piece
 
     def _piece_out(
         self, peer: bytes, request_id: int, found: Match, asked: PieceAsked, *, stream: bool
-    ) -> list[Outgoing]:
-        """Deliver a piece of `found.item` to `peer` (layer by layer for a stream)."""
+    ) -> tuple[list[Outgoing], bool]:
+        """Deliver a piece of `found.item` to `peer` (layer by layer for a stream); or refuse
+        the request (heads the item lacks: the item stays as it was). Whether it was delivered."""
         piece = self._cut_piece(peer, found.item, asked)
         if isinstance(piece, str):
-            return [self._refuse(peer, request_id, ErrorCode.INVALID, piece)]
+            return [self._refuse(peer, request_id, ErrorCode.INVALID, piece)], False
         if stream:
-            return _whole_as_stream(peer, request_id, piece, found.matched)
-        return [Outgoing(peer, _deliver_message(request_id, piece, found.matched), piece)]
+            return _whole_as_stream(peer, request_id, piece, found.matched), True
+        return [Outgoing(peer, _deliver_message(request_id, piece, found.matched), piece)], True
 
     def _piece_confirmed(self, item: BufferedItem) -> None:
         """A piece of `item` was received for good: the last one frees the item."""
@@ -970,23 +992,32 @@ class ProducerCore:
         if not pieces.takers:
             item.pieces = None
             self.buffer.unsplit(item)
-            if self.item_ttl_s is not None:
-                self._add_timer(max(now, item.inserted_at + self.item_ttl_s), _TimerKind.ITEM, item)
+        if self.item_ttl_s is not None:  # its time to live may have run out while its places were all taken
+            self._add_timer(max(now, item.inserted_at + self.item_ttl_s), _TimerKind.ITEM, item)
         return self._serve_waiters(item, now)
 
     def _serve_piece_waiters(self, item: BufferedItem) -> list[Outgoing]:
         """Give pieces of a split item to the oldest waiting requests for pieces that it
         matches, while it has readers' places free."""
         out: list[Outgoing] = []
+        passed: list[_Waiter] = []  # waiters this item is not for: out of the index meanwhile
         while item.pieces is not None and item.buffered:
             found = self._piece_waiters.oldest_match(item.masked_tokens)
-            if found is None or found[0].peer in item.pieces.takers:
+            if found is None:
                 break
             waiter, matched = found
             assert waiter.piece is not None
+            if waiter.peer in item.pieces.takers or waiter.piece.readers != item.pieces.readers:
+                self._piece_waiters.remove(waiter)
+                passed.append(waiter)
+                continue
             self._drop_waiter(waiter.peer, waiter.request_id)
             asked, stream = waiter.piece, waiter.stream
-            out += self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
+            out += self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)[0]
+        for waiter in passed:
+            self._piece_waiters.add(waiter)
+        if any(waiter.query is None for waiter in passed):
+            self._piece_waiters.reorder_takers()  # those taking any item stay oldest first
         return out
 
     # -- streams ------------------------------------------------------------------------
@@ -1318,6 +1349,8 @@ class ConsumerCore:
         """The producer's lease (from its welcome; this side's default until then)."""
         self._request_ids = itertools.count(1)
         self._pending: dict[int, float] = {}
+        self._abandoned: collections.OrderedDict[int, None] = collections.OrderedDict()
+        """Requests abandoned lately (the last `MAX_ABANDONED`): their misses may still come."""
         """Request ids waiting for their answer, with the time each was sent."""
         self._pings: dict[int, float] = {}
         """Pings waiting for their pong, by nonce, with the time each was sent."""
@@ -1387,6 +1420,9 @@ class ConsumerCore:
     def abandon(self, request_id: int) -> m.Cancel | None:
         """The caller stopped waiting (cancelled): the Cancel to send, if still pending."""
         if self._pending.pop(request_id, None) is not None:
+            self._abandoned[request_id] = None
+            if len(self._abandoned) > MAX_ABANDONED:
+                self._abandoned.popitem(last=False)
             return m.Cancel(request_id=request_id) if self.state is LinkState.READY else None
         return None
 
@@ -1432,6 +1468,8 @@ class ConsumerCore:
                 if isinstance(request_id, int) and request_id in self._pending:
                     self._answered(self._pending.pop(request_id))
                     return Replied(request_id, message)
+                if isinstance(message, m.Miss) and self._abandoned.pop(message.request_id, 0) is None:
+                    return None  # the answer to a request this side stopped waiting for, already on its way
                 raise RemoteProtocolError(f"unexpected {type(message).__name__} from producer at {self.endpoint}")
 
     def next_deadline(self) -> float | None:

@@ -148,6 +148,26 @@ async def test_a_joined_range_that_does_not_fit_the_callers_buffers_goes_back_wh
         assert item is not None and torch.equal(item.key, key)
 
 
+async def test_a_range_over_two_producers_for_any_item_never_joins_pieces_of_two_requests() -> None:
+    """A query of None takes each producer's oldest item: when those are pieces of different
+    requests (one prefill rank is behind), the call is a miss and both go back whole."""
+    key, value, hidden = full_kv(seed=13)
+    behind = TOKEN_IDS + 1000
+    async with (
+        kvrt.Producer(heads=slice(0, 4)) as first,
+        kvrt.Producer(heads=slice(4, 8)) as second,
+        kvrt.Consumer(connect=[first.endpoint, second.endpoint]) as consumer,
+    ):
+        await first.insert(behind, None, key[:, :, :4].clone(), value[:, :, :4].clone(), hidden)  # its pair is late
+        await first.insert(TOKEN_IDS, None, key[:, :, :4].clone(), value[:, :, :4].clone(), hidden)
+        await second.insert(TOKEN_IDS, None, key[:, :, 4:].clone(), value[:, :, 4:].clone(), hidden)
+        assert await consumer.drop_select(None, heads=slice(0, 8)) is None
+        item = await consumer.drop_select(TOKEN_IDS, heads=slice(0, 8))
+        assert item is not None and torch.equal(item.input_tokens, TOKEN_IDS) and torch.equal(item.key, key)
+        await caught_up(consumer)
+        assert first.stats().items == 1 and second.stats().items == 0
+
+
 async def test_several_producers_that_were_not_told_their_heads_cannot_split_a_range() -> None:
     async with (
         kvrt.Producer() as first,

@@ -159,12 +159,18 @@ def test_heads_the_item_lacks_are_refused_and_the_item_stays_whole() -> None:
     assert isinstance(whole.message, m.Deliver) and whole.message.item_id == item.item_id
 
 
-def test_readers_who_disagree_on_their_number_are_refused() -> None:
+def test_readers_of_another_number_take_another_item_and_never_a_piece_of_this_one() -> None:
     producer = Producer()
-    producer.insert([1, 2])
-    piece(producer.ask(READERS[0], [1, 2], 0, 4, readers=2))
-    (refused,) = producer.ask(READERS[1], [1, 2], 4, 8, readers=3)
-    assert isinstance(refused.message, m.ErrorReply) and "2 readers" in refused.message.message
+    first = producer.insert([1, 2], seed=1)
+    second = producer.insert([1, 2], seed=2)
+    piece(producer.ask(READERS[0], [1, 2], 0, 4, readers=2))  # `first` is split for 2 readers
+    (other,) = producer.ask(READERS[1], [1, 2], 4, 8, readers=3)  # another group's reader
+    assert isinstance(other.message, m.Deliver) and other.item is not None
+    assert torch.equal(other.item.key, second.key[:, :, 4:8])
+    (third,) = producer.ask(READERS[2], [1, 2], 4, 8, readers=4)
+    assert isinstance(third.message, m.Miss)  # no item left that it could start
+    _, mine = piece(producer.ask(READERS[1], [1, 2], 4, 8, readers=2))
+    assert torch.equal(mine.key, first.key[:, :, 4:8])
 
 
 def test_a_batch_takes_a_piece_of_each_item_and_one_bad_range_sends_every_piece_back() -> None:
@@ -239,3 +245,75 @@ def test_a_hand_built_range_that_is_no_range_of_heads_fails_that_request_alone(h
     assert refused.message.code in (ErrorCode.INVALID, ErrorCode.PROTOCOL)
     (whole,) = producer.send(READERS[1], m.DropSelect(request_id=8, tokens=None))
     assert isinstance(whole.message, m.Deliver) and whole.message.item_id == item.item_id
+
+
+def test_a_waiting_request_for_heads_an_item_lacks_is_refused_and_the_next_waiter_gets_it() -> None:
+    producer = Producer()
+    assert producer.ask(READERS[0], None, 0, 1000, readers=1, timeout_s=None) == []  # can never be served
+    assert producer.send(READERS[1], m.DropSelect(request_id=50, tokens=None, timeout_s=None)) == []
+    item = buffered_item(
+        (torch.tensor([1, 2]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
+        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
+    )  # fmt: skip
+    refused, delivered = producer.core.insert(item, producer.now)
+    assert refused.peer == READERS[0] and isinstance(refused.message, m.ErrorReply)
+    assert refused.message.code is ErrorCode.INVALID
+    assert delivered.peer == READERS[1] and isinstance(delivered.message, m.Deliver)
+    assert delivered.message.request_id == 50 and delivered.message.item_id == item.item_id
+
+
+def test_a_readers_second_waiting_request_does_not_keep_another_reader_waiting() -> None:
+    producer = Producer()
+    assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []
+    assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []  # its next request, older than B's
+    assert producer.ask(READERS[1], [7, 8], 4, 8, timeout_s=None) == []
+    item = buffered_item(
+        (torch.tensor([7, 8]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
+        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
+    )  # fmt: skip
+    out = producer.core.insert(item, producer.now)
+    assert sorted(sent.peer for sent in out) == READERS[:2]  # both readers of the item, once each
+    assert producer.core.waiting_count == 1  # rank 0's second request waits for the next item
+
+
+def test_a_piece_taker_is_charged_its_share_of_the_item_so_a_hoarder_is_suspended() -> None:
+    producer = Producer()
+    producer.core.buffer_limit_bytes = 6 * producer.insert([0, 1]).nbytes
+    for index in range(1, 6):
+        producer.insert([index, 1], seed=index)
+    refused = None
+    for index in range(6):
+        out = producer.ask(READERS[0], [index, 1], 0, 1, readers=2)  # one head, never confirmed
+        if isinstance(out[0].message, m.ErrorReply):
+            refused = out[0].message
+            break
+    assert refused is not None and refused.code is ErrorCode.CAPACITY  # held past its share
+
+
+def test_an_item_whose_places_were_all_taken_expires_once_a_piece_comes_back_after_its_time() -> None:
+    producer = Producer(item_ttl_s=1.0)
+    producer.insert([1, 2])
+    first, _ = piece(producer.ask(READERS[0], [1, 2], 0, 4))
+    second, _ = piece(producer.ask(READERS[1], [1, 2], 4, 8))
+    producer.now = 3.0
+    producer.core.expire(producer.now)  # every place taken: not expired
+    producer.send(READERS[1], m.Release(item_id=second.item_id, lease=second.lease))
+    producer.confirm(READERS[0], first)
+    producer.now = 3.5
+    producer.core.expire(producer.now)
+    assert len(producer.core.buffer) == 0 and producer.core.counters.expired_items == 1
+    assert producer.core.buffer.nbytes == 0
+
+
+def test_an_item_taken_in_pieces_is_listed_and_an_operator_can_evict_it() -> None:
+    producer = Producer()
+    item = producer.insert([1, 2])
+    deliver, _ = piece(producer.ask(READERS[0], [1, 2], 0, 4))
+    (listing,) = producer.send(READERS[3], m.ListItems(request_id=60))
+    assert isinstance(listing.message, m.ItemList) and [s.item_id for s in listing.message.items] == [item.item_id]
+    (evicted,) = producer.send(READERS[3], m.Evict(request_id=61, item_id=item.item_id))
+    assert isinstance(evicted.message, m.Evicted)
+    (late,) = producer.ask(READERS[1], [1, 2], 4, 8)
+    assert isinstance(late.message, m.Miss)
+    producer.confirm(READERS[0], deliver)  # the piece out stays valid
+    assert producer.core.buffer.nbytes == 0 and producer.core.buffer.held == 0

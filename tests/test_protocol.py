@@ -349,6 +349,16 @@ def test_a_deliver_for_an_abandoned_request_is_a_stray_to_release(pair: Pair) ->
     assert len(events) == 1 and isinstance(events[0], Stray)
 
 
+def test_a_miss_for_an_abandoned_request_is_read_quietly_and_one_for_no_request_is_a_protocol_error(
+    pair: Pair,
+) -> None:
+    request_id, outgoing = pair.drop_select([5])
+    assert pair.consumer.abandon(request_id) == m.Cancel(request_id=request_id)
+    assert pair.deliver(outgoing) == []  # its miss was already on its way: nothing to report
+    with pytest.raises(RemoteProtocolError, match="unexpected Miss"):
+        pair.consumer.receive(m.encode(m.Miss(request_id=request_id)), pair.now)  # once only
+
+
 def test_replies_may_arrive_in_any_order(pair: Pair) -> None:
     first, _ = pair.drop_select([1], timeout_s=None)
     second, _ = pair.drop_select([2], timeout_s=None)

@@ -25,7 +25,7 @@ from kvrt._errors import (
     KVRTError,
     fresh_copy,
 )
-from kvrt._heads import PiecePlan, head_range, join_pieces, plan_pieces
+from kvrt._heads import PiecePlan, head_range, join_pieces, pieces_agree, plan_pieces
 from kvrt._item import (
     KVBuffers,
     KVItem,
@@ -438,7 +438,11 @@ class _Selecting(ConsumerState):
                 raise failure
             return None
         delivered = [(plan, call.result()) for plan, call in zip(plans, calls, strict=True)]
-        joined = join_pieces([reply.item for _, reply in delivered if reply.item is not None])
+        items = [reply.item for _, reply in delivered if reply.item is not None]
+        if not pieces_agree(items):
+            give_back_delivered()  # the producers' oldest items of different requests (a query of None)
+            return None
+        joined = join_pieces(items)
         if into is not None and len(plans) > 1:
             try:
                 check_fit(joined, into, what="drop_select")
