@@ -185,8 +185,8 @@ class NixlSender(Sender):
         self._arena = RegisteredArena(device, registered_bytes, on_slab=self._register_slab)
         self._probe: torch.Tensor | None = None
         self._probe_registration: Registration | None = None
-        self._described: dict[bytes, set[int]] = {}
-        """Per consumer (joined by an offer), the registrations whose metadata it was sent."""
+        self._pairs: dict[bytes, set[int]] = {}
+        """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
         self._extra: weakref.WeakKeyDictionary[BufferedItem, Registration] = weakref.WeakKeyDictionary()
         """Items outside the arena, registered while they live (released when they go)."""
         self._waiter = Waiter("kvrt-nixl-written")
@@ -229,7 +229,7 @@ class NixlSender(Sender):
     def offer(self, peer: bytes) -> dict[str, str]:
         agent = self._started()
         assert self._probe is not None and self._probe_registration is not None  # set with the agent
-        self._described[peer] = {self._probe_registration.registration_id}
+        self._pairs[peer] = {self._probe_registration.registration_id}
         metadata = agent.metadata(self._probe_registration, connection=True)
         return {
             "nixl": RENDEZVOUS_VERSION,
@@ -258,7 +258,7 @@ class NixlSender(Sender):
             await self._waiter.wait(written.synchronize)
 
     def _frame(self, peer: bytes, item: BufferedItem) -> memoryview:
-        described = self._described.get(peer)
+        described = self._pairs.get(peer)
         if described is None:
             raise PeerLostError("the consumer left before its item could be sent")
         registration = self._registration(item)
@@ -285,12 +285,12 @@ class NixlSender(Sender):
         """Nothing of the consumer's is held here but what it was told: its next session's
         offer starts that afresh. The items it never confirmed are back in the buffer, their
         memory still registered."""
-        self._described.pop(peer, None)
+        self._pairs.pop(peer, None)
 
     async def aclose(self) -> None:
         """Deregister every region and drop the agent (consumers reading then get failed READs)."""
         agent, self._agent = self._agent, None
-        self._described.clear()
+        self._pairs.clear()
         self._waiter.close()
         if agent is None:
             return
