@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--in-flight", type=int, default=None, help="requests in flight (nccl; default 8)")
     bench.add_argument("--batch", type=int, default=None, help="items per drop_select_many (nccl; default 16)")
     bench.add_argument(
-        "--transport", choices=("nccl", "cuda_ipc"), default=None,
-        help="the GPU transport the consumer forces (nccl, pull, stream; default nccl)",
+        "--transport", choices=("nccl", "cuda_ipc", "tcp", "nixl"), default=None,
+        help="the transport forced: nccl or cuda_ipc (nccl, pull, stream; default nccl), tcp or nixl (requests)",
     )  # fmt: skip
     bench.set_defaults(run=_bench)
     from kvrt._attack import SCENARIOS

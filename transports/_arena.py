@@ -5,7 +5,7 @@ of torch's counter file, ~60 us each on an H200 host, and from 1 MiB up every it
 allocation of its own in torch's caching allocator, so every item opened anew).
 
 An item's storage is a region of a slab, made a torch storage of its own (through the CUDA
-array interface, whose deleter keeps a Python object of ours alive): when the last tensor
+array interface, or numpy's for host memory, whose deleter keeps a Python object of ours alive): when the last tensor
 that views the region goes, the region comes back. It is reused only once the GPU work that
 wrote it is done (`written`, the event every send of the item waits on), and that is enough
 for the consumers' reads too: the producer keeps an item, and so its storage, until the
@@ -16,6 +16,9 @@ buffers it never hands out (its lease ended first, see the lease rule in `docs/r
 
 Slabs are never freed while the arena lives (consumers keep them mapped); once they reach
 `limit_bytes` an item that fits in none of them is allocated by torch and shared as before.
+The `nixl` transport keeps its memory the same way, on a GPU or the host: the producer's items
+and the consumer's receive buffers, each slab registered with the NIXL agent once when made
+(`on_slab`), not per transfer.
 `Ranges` is the bookkeeping of one slab, without torch, so that it is tested on any host.
 """
 
@@ -24,9 +27,11 @@ from __future__ import annotations
 import bisect
 import collections
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 REGION_ALIGN_BYTES = 512
@@ -97,6 +102,8 @@ class Slab:
     ranges: Ranges
     share: tuple[Any, ...] | None = None
     """torch's `_share_cuda_` of the slab, made once (by the cuda_ipc sender)."""
+    registration: Any = None
+    """What the transport that owns the arena registered the slab as (a NIXL registration)."""
 
 
 @dataclass(eq=False)
@@ -112,6 +119,7 @@ class _Region:
     nbytes: int
     written: torch.cuda.Event | None = None
     __cuda_array_interface__: dict[str, object] = field(default_factory=dict)
+    __array_interface__: dict[str, object] = field(default_factory=dict)
 
     def __del__(self) -> None:
         self.arena._returned.append((self.slab, self.start, self.nbytes, self.written))
@@ -120,10 +128,18 @@ class _Region:
 class RegisteredArena:
     """The producer's registered GPU memory (see the module's docstring)."""
 
-    def __init__(self, device: torch.device, limit_bytes: int, slab_bytes: int = SLAB_BYTES) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        limit_bytes: int,
+        slab_bytes: int = SLAB_BYTES,
+        on_slab: Callable[[Slab], None] | None = None,
+    ) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
         self.slab_bytes = slab_bytes
+        self._on_slab = on_slab
+        """Called once per new slab, before any region of it is handed out (NIXL registers it)."""
         self.slabs: list[Slab] = []
         self._by_pointer: weakref.WeakValueDictionary[int, _Region] = weakref.WeakValueDictionary()
         """The regions alive, by address (weakly: each is kept by its storage alone)."""
@@ -154,6 +170,8 @@ class RegisteredArena:
         if self.reserved_bytes + size > self.limit_bytes:
             return None
         slab = Slab(len(self.slabs), torch.empty(size, dtype=torch.uint8, device=self.device), Ranges(size))
+        if self._on_slab is not None:
+            self._on_slab(slab)  # a slab it could not register is not kept
         self.slabs.append(slab)
         start = slab.ranges.take(nbytes)
         assert start is not None  # a new slab holds it
@@ -176,14 +194,19 @@ class RegisteredArena:
     def _region(self, slab: Slab, start: int, nbytes: int) -> torch.Tensor:
         pointer = slab.tensor.data_ptr() + start
         region = _Region(self, slab, start, nbytes)
-        region.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-            "stream": None,  # nothing to wait for: the region is free
-        }
-        tensor = torch.as_tensor(region, device=self.device)
+        if self.device.type == "cpu":
+            # numpy's view keeps the region as its base, and torch keeps the view with the storage.
+            region.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3}
+            tensor = torch.from_numpy(np.asarray(region))
+        else:
+            region.__cuda_array_interface__ = {
+                "shape": (nbytes,),
+                "typestr": "|u1",
+                "data": (pointer, False),
+                "version": 3,
+                "stream": None,  # nothing to wait for: the region is free
+            }
+            tensor = torch.as_tensor(region, device=self.device)
         assert tensor.data_ptr() == pointer  # zero-copy, or it is not registered memory
         self._by_pointer[pointer] = region  # the storage's owner holds it; the index only looks
         del region

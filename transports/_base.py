@@ -6,6 +6,8 @@ the consumer (each transport module provides one of each, built by `select.make_
 `select.make_receivers`). Who calls what:
 
 `Sender`, the producer side, all on the producer's event loop:
+* `start`: `Producer.start`, once, after the endpoint is bound and before any peer is
+  served: set-up that blocks (NIXL's agent) runs there, off the loop.
 * `prepare`: `Producer.insert`, once per item, right after the tensors were packed, in the
   inserting task, once the producer recorded a GPU item's `ready_event` (on the caller's
   current CUDA stream: every GPU send waits on it). TCP keeps the frame to send.
@@ -136,6 +138,9 @@ class Sender(abc.ABC):
     (`send_tensors`), or in band by what its frames say (`stream_frames`, cuda_ipc); the
     consumer then posts their receive with `receive_tensors`. Else the producer sends them
     as host frames."""
+
+    async def start(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Producer side, once before serving: set up what blocks (nothing by default)."""
 
     def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: get ready to send `item` (nothing by default)."""

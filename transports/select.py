@@ -6,19 +6,24 @@ import torch
 
 from kvrt._errors import InvalidInputError
 from kvrt.transports._base import Receiver, Sender
+from kvrt.transports._nixl_agent import nixl_unavailable
 from kvrt.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender, ipc_unavailable
+from kvrt.transports.nixl import NixlReceiver, NixlSender
 from kvrt.transports.paired import PairedReceiver, PairedSender
 from kvrt.transports.tcp import TcpReceiver, TcpSender
 
-TRANSPORT_NAMES = ("tcp", "nccl", "gloo", "cuda_ipc")
+TRANSPORT_NAMES = ("tcp", "nccl", "gloo", "cuda_ipc", "nixl")
 SAME_HOST_ONLY = frozenset({"cuda_ipc"})
 """Transports a producer chooses only for a consumer on its own machine."""
 
 
 def transport_preference(forced: str | None, device: torch.device) -> tuple[str, ...]:
     """`forced` alone if given (checked against `device`); else, on a CUDA device, CUDA IPC
-    first (chosen only on one machine), then NCCL where torch has it; TCP always, as the
-    fallback every peer speaks."""
+    first (chosen only on one machine), then NIXL where it is installed (RDMA between hosts),
+    then NCCL where torch has it; TCP always, as the fallback every peer speaks. On a CPU
+    device NIXL is chosen only when forced: its agent's set-up (~0.4 s, a UCX context per
+    process) would be paid by every CPU producer and consumer, most of them one host's
+    processes that TCP serves."""
     if forced is not None:
         if forced not in TRANSPORT_NAMES:
             raise InvalidInputError(f"transport must be one of {TRANSPORT_NAMES} or None, got {forced!r}")
@@ -28,11 +33,15 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
             raise InvalidInputError(f"transport='gloo' moves CPU tensors, got device={device}")
         if forced == "cuda_ipc" and (reason := ipc_unavailable(device)) is not None:
             raise InvalidInputError(f"transport='cuda_ipc' cannot run here: {reason}")
+        if forced == "nixl" and (reason := nixl_unavailable()) is not None:
+            raise InvalidInputError(f"transport='nixl' cannot run here: {reason}")
         return (forced,)
     preferred: list[str] = []
     if device.type == "cuda":
         if ipc_unavailable(device) is None:
             preferred.append("cuda_ipc")
+        if nixl_unavailable() is None:
+            preferred.append("nixl")
         if torch.distributed.is_nccl_available():
             preferred.append("nccl")
     return (*preferred, "tcp")
@@ -42,14 +51,16 @@ def make_senders(
     names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0
 ) -> dict[str, Sender]:
     """The producer's halves of the transports `names`, by name (`store_host`: where consumers
-    reach the rendezvous of a paired transport; `registered_bytes`: the most GPU memory
-    cuda_ipc keeps registered for items)."""
+    reach the rendezvous of a paired transport; `registered_bytes`: the most memory cuda_ipc
+    or nixl keeps registered for items)."""
     senders: dict[str, Sender] = {}
     for name in names:
         if name == "tcp":
             senders[name] = TcpSender(device)
         elif name == "cuda_ipc":
             senders[name] = CudaIpcSender(device, registered_bytes)
+        elif name == "nixl":
+            senders[name] = NixlSender(device, registered_bytes)
         else:
             senders[name] = PairedSender(name, device, store_host=store_host)
     return senders
@@ -63,6 +74,8 @@ def make_receivers(names: tuple[str, ...], device: torch.device) -> dict[str, Re
             receivers[name] = TcpReceiver(device)
         elif name == "cuda_ipc":
             receivers[name] = CudaIpcReceiver(device)
+        elif name == "nixl":
+            receivers[name] = NixlReceiver(device)
         else:
             receivers[name] = PairedReceiver(name, device)
     return receivers

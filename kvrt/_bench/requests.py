@@ -9,7 +9,11 @@ and 16 in flight:
 * raw request/reply: an asyncio DEALER asks a ROUTER for the same bytes and waits for them,
   what a request/response transfer layer without kvrt's protocol costs;
 * raw PUSH/PULL: zero-copy messages of the same bytes, as fast as one socket moves them (the
-  ceiling for the in-flight rows).
+  ceiling for the in-flight rows);
+* with `--transport nixl`: kvrt's producer and consumer over NIXL, beside raw NIXL READs of
+  the same bytes between two agents (registered once, each READ posted and asked after until
+  done), whatever `UCX_TLS` says. Goals there: 16 MiB one at a time at least 90% of raw NIXL's
+  rate; 64 KiB p50 at most the raw request/reply's plus raw NIXL's plus 50 us.
 
 Each side reports the CPU time (every thread of its process, ZeroMQ's I/O threads included)
 it spent during the timed requests, per request. Goals: 64 KiB one at a time, p50 at most 1.5x
@@ -106,14 +110,16 @@ def _cpu_s() -> float:
 # -- kvrt -------------------------------------------------------------------------------------
 
 
-def _kvrt_producer(case: Case, count: int, control: multiprocessing.connection.Connection) -> None:
+def _kvrt_producer(
+    case: Case, count: int, transport: str | None, control: multiprocessing.connection.Connection
+) -> None:
     import kvrt
 
     _one_thread()
 
     async def main() -> None:
         budget = max(1 << 30, 2 * count * case.item_bytes)
-        async with kvrt.Producer(buffer_bytes=budget) as producer:
+        async with kvrt.Producer(buffer_bytes=budget, transport=transport) as producer:
             for index in range(count):
                 tokens, key, value = _item(index, case.item_bytes)
                 await producer.insert(tokens, None, key, value)
@@ -128,14 +134,14 @@ def _kvrt_producer(case: Case, count: int, control: multiprocessing.connection.C
 
 
 def _kvrt_consumer(
-    endpoint: str, case: Case, in_flight: int, control: multiprocessing.connection.Connection
+    endpoint: str, case: Case, in_flight: int, transport: str | None, control: multiprocessing.connection.Connection
 ) -> None:
     import kvrt
 
     _one_thread()
 
     async def main() -> None:
-        async with kvrt.Consumer(connect=endpoint) as consumer:
+        async with kvrt.Consumer(connect=endpoint, transport=transport) as consumer:
             queries = [_item(index, case.item_bytes)[0] for index in range(WARMUP + case.requests)]
             for index in range(WARMUP):
                 assert await consumer.drop_select(queries[index]) is not None
@@ -158,11 +164,16 @@ def _kvrt_consumer(
     asyncio.run(main())
 
 
-def run_kvrt(case: Case, in_flight: int) -> Timed:
-    return _timed_pair(_kvrt_producer, (case, WARMUP + case.requests), _kvrt_consumer, case, in_flight)
+def run_kvrt(case: Case, in_flight: int, transport: str | None = None) -> Timed:
+    return _timed_pair(
+        _kvrt_producer, (case, WARMUP + case.requests, transport), _kvrt_consumer, case, in_flight, (transport,)
+    )
 
 
-def _timed_pair(server: Any, server_args: tuple[Any, ...], client: Any, case: Case, in_flight: int) -> Timed:
+def _timed_pair(
+    server: Any, server_args: tuple[Any, ...], client: Any, case: Case, in_flight: int,
+    client_args: tuple[Any, ...] = (),
+) -> Timed:
     """A server process (it sends its endpoint first) and a client process timing its requests
     to it (see `_timed_client`)."""
     control, child = spawn.Pipe()
@@ -170,7 +181,7 @@ def _timed_pair(server: Any, server_args: tuple[Any, ...], client: Any, case: Ca
     process.start()
     try:
         endpoint = from_child(control, 600)
-        timed = _timed_client(client, (endpoint, case, in_flight), control)
+        timed = _timed_client(client, (endpoint, case, in_flight, *client_args), control)
     finally:
         control.send("stop")
         join(process)
@@ -287,6 +298,74 @@ def run_raw_request_reply(case: Case, in_flight: int) -> Timed:
     return _timed_pair(_raw_server, (case, case.requests), _raw_client, case, in_flight)
 
 
+# -- raw NIXL READs ----------------------------------------------------------------------------
+
+
+def _raw_nixl_server(case: Case, count: int, control: multiprocessing.connection.Connection) -> None:
+    """An agent with the bytes registered once (as kvrt's producer: a progress thread of its own)."""
+    from kvrt.transports._nixl_agent import Agent
+
+    _one_thread()
+    agent = Agent("raw-nixl-server", progress_thread=True, thread_safe=False)
+    payloads = [torch.full((case.item_bytes,), index, dtype=torch.uint8) for index in range(8)]
+    registrations = [agent.register(p.data_ptr(), case.item_bytes, p.device) for p in payloads]
+    control.send((agent.metadata(registrations[0], connection=True), [agent.metadata(r, connection=False)
+                  for r in registrations], [p.data_ptr() for p in payloads]))  # fmt: skip
+    assert control.recv() == "mark"
+    started = _cpu_s()
+    assert control.recv() == "done"
+    control.send(_cpu_s() - started)
+    control.recv()
+
+
+def _raw_nixl_client(
+    endpoint: tuple[bytes, list[bytes], list[int]], case: Case, in_flight: int,
+    control: multiprocessing.connection.Connection,
+) -> None:  # fmt: skip
+    """An agent that READs the server's bytes into memory it registered once, one at a time:
+    each READ made, posted, and asked after until done (as kvrt's consumer: no progress thread)."""
+    from kvrt.transports._nixl_agent import Agent, TransferState
+
+    _one_thread()
+    connection, regions, addresses = endpoint
+    agent = Agent("raw-nixl-client", progress_thread=False, thread_safe=False)
+    remote = agent.load(connection)
+    for region in regions:
+        agent.load(region)
+    landing = torch.empty(case.item_bytes, dtype=torch.uint8)
+    agent.register(landing.data_ptr(), case.item_bytes, landing.device)
+    cpu = torch.device("cpu")
+
+    def read(index: int) -> None:
+        transfer = agent.read(remote, [(landing.data_ptr(), addresses[index % len(addresses)], case.item_bytes)],
+                              local=cpu, peer=cpu)  # fmt: skip
+        state = transfer.post()
+        while state is TransferState.PENDING:
+            state = transfer.state()
+        transfer.release()
+        assert state is TransferState.DONE
+
+    for index in range(WARMUP):
+        read(index)
+    control.send("ready")
+    assert control.recv() == "go"
+    latencies: list[float] = []
+    cpu_started, wall = _cpu_s(), time.perf_counter()
+    for index in range(case.requests):
+        started = time.perf_counter()
+        read(index)
+        latencies.append(time.perf_counter() - started)
+    control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu_started))
+
+
+def run_raw_nixl(case: Case) -> Timed:
+    return _timed_pair(_raw_nixl_server, (case, case.requests), _raw_nixl_client, case, 1)
+
+
+NIXL_RATE_GOAL: Final = 0.9
+NIXL_SMALL_SLACK_MS: Final = 0.05
+
+
 # -- raw PUSH/PULL ------------------------------------------------------------------------------
 
 
@@ -322,12 +401,25 @@ def main(args: argparse.Namespace) -> int:
     rows: list[list[str]] = []
     record: list[dict[str, Any]] = []
     goals_met = True
+    transport = getattr(args, "transport", None)
+    if transport not in (None, "tcp", "nixl"):
+        print(f"bench requests runs over tcp or nixl, not {transport}", file=sys.stderr)
+        return 2
+    nixl_rows: list[list[str]] = []
     for case in cases:
         ceiling = run_push_pull(case)
         for in_flight in (1, IN_FLIGHT):
             _log(f"{case.label}, {in_flight} in flight: raw request/reply, then kvrt")
             raw = run_raw_request_reply(case, in_flight)
-            ours = run_kvrt(case, in_flight)
+            ours = run_kvrt(case, in_flight, transport)
+            if transport == "nixl" and in_flight == 1:
+                _log(f"{case.label}: raw NIXL READs")
+                raw_nixl = run_raw_nixl(case)
+                row, nixl_met = _nixl_row(case, ours, raw, raw_nixl)
+                nixl_rows.append(row)
+                goals_met = goals_met and nixl_met is not False
+                record.append({"case": asdict(case), "raw_nixl": {"p50_ms": raw_nixl.p50_ms(),
+                               "p99_ms": raw_nixl.p99_ms(), "per_s": raw_nixl.per_s()}})  # fmt: skip
             if in_flight == 1:
                 ratio = ours.p50_ms() / raw.p50_ms()
                 measure = f"p50 {ours.p50_ms():.3f} ms vs {raw.p50_ms():.3f} ms: {ratio:.2f}x"
@@ -365,7 +457,33 @@ def main(args: argparse.Namespace) -> int:
         "producer CPU us/req (kvrt / raw)", "consumer CPU us/req (kvrt / raw)",
     ]  # fmt: skip
     print(_table(header, rows))
+    if nixl_rows:
+        print()
+        print(_table(["item", "raw NIXL READ p50 / rate", "kvrt over nixl p50 / rate", "kvrt vs reference", "goal",
+                      "met"], nixl_rows))  # fmt: skip
     print("CPU: every thread of each side's process (ZeroMQ's I/O threads included), over the timed requests.")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
     return 0 if goals_met or args.quick else 1
+
+
+def _nixl_row(case: Case, ours: Timed, raw: Timed, raw_nixl: Timed) -> tuple[list[str], bool | None]:
+    """One item size over nixl, one request at a time, beside raw NIXL READs of its bytes."""
+    ours_rate = case.item_bytes / (ours.p50_ms() / 1e3)
+    raw_rate = case.item_bytes / (raw_nixl.p50_ms() / 1e3)
+    met: bool | None = None
+    if case.item_bytes >= 16 << 20:
+        measure, goal = f"{ours_rate / raw_rate:.0%} of raw NIXL's rate", f">= {NIXL_RATE_GOAL:.0%}"
+        met = ours_rate >= NIXL_RATE_GOAL * raw_rate
+    elif case.item_bytes == 64 << 10:
+        bound = raw.p50_ms() + raw_nixl.p50_ms() + NIXL_SMALL_SLACK_MS
+        measure = f"p50 {ours.p50_ms():.3f} ms vs request/reply + READ + 50 us = {bound:.3f} ms"
+        goal, met = "<= that", ours.p50_ms() <= bound
+    else:
+        measure, goal = f"{ours_rate / raw_rate:.0%} of raw NIXL's rate", ""
+    row = [
+        case.label, f"{raw_nixl.p50_ms():.3f} ms, {raw_rate / 1e9:.2f} GB/s",
+        f"{ours.p50_ms():.3f} ms, {ours_rate / 1e9:.2f} GB/s", measure, goal,
+        "" if met is None else ("met" if met else "not met"),
+    ]  # fmt: skip
+    return row, met

@@ -98,6 +98,8 @@ class Producer(_Publishing, _Streaming, AsyncService):
             # Room for a full buffer and the one insert that may pass it, and a slab to spare.
             registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
         )
+        for transport in self._transports.values():
+            await transport.start()
         self._update_room()
         _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")

@@ -1,0 +1,390 @@
+"""The NIXL transport on CPU: UCX on loopback, over `cma` (its default between processes of one
+host) and over TCP (`UCX_TLS=tcp`, as between hosts without RDMA). Skipped where NIXL is not
+installed (`pip install 'kvrt[nixl]'`; `make test` installs it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing.connection
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+
+import kvrt
+from kvrt import _messages as m
+from kvrt._protocol import HEARTBEAT_MISSES
+from kvrt.transports import nixl, select
+from kvrt.transports._nixl_agent import nixl_unavailable
+from tests._checks import caught_up
+from tests._gpu_processes import run_gpu_consumer_that_dies
+from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
+from tests.conftest import make_kv
+
+if nixl_unavailable() is not None:
+    pytest.skip(f"{nixl_unavailable()}", allow_module_level=True)
+
+HEARTBEAT_S = 0.1
+LEASE_S = HEARTBEAT_S * HEARTBEAT_MISSES
+
+
+@pytest.fixture(params=["cma", "tcp"])
+def ucx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """UCX's transports for the agents made in the test: its default (cma for a READ between
+    two agents of one host) or TCP alone. UCX reads the variable when each agent starts."""
+    if request.param == "tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    else:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    return str(request.param)
+
+
+def nixl_of(service: kvrt.Producer | kvrt.Consumer) -> Any:
+    if isinstance(service, kvrt.Producer):
+        return service._transports["nixl"]  # type: ignore[attr-defined]
+    return service.link_for_tests()._transports["nixl"]
+
+
+async def test_items_of_every_shape_arrive_equal_over_nixl(ucx: str) -> None:
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        small = torch.arange(12)
+        key, value, hidden = make_kv(small, dtype=torch.bfloat16)
+        await producer.insert(small, None, key, value, hidden)
+        large = torch.arange(100, 1124)  # 8 MiB of KV: past the size READ from the loop
+        big_key = torch.randn(4, 1024, 8, 64)
+        roi = torch.ones(1024, dtype=torch.bool)
+        await producer.insert(large, roi, big_key, -big_key, None)
+        item = await consumer.drop_select(small[:5])
+        assert item is not None and item.matched == 5
+        assert torch.equal(item.key, key) and torch.equal(item.value, value) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
+        item = await consumer.drop_select(large, roi)
+        assert item is not None and item.matched == 1024 and item.hidden is None
+        assert torch.equal(item.key, big_key) and torch.equal(item.value, -big_key)
+        assert consumer.transports == {producer.endpoint: "nixl"} and producer.stats().transports == {"nixl": 1}
+
+
+async def test_many_items_in_flight_and_a_batch_arrive_in_the_right_calls(ucx: str) -> None:
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        for index in range(24):
+            tokens = torch.tensor([index, 7])
+            await producer.insert(tokens, None, *make_kv(tokens, seed=index))
+        items = await asyncio.gather(*(consumer.drop_select(torch.tensor([index, 7])) for index in range(16)))
+        for index, item in enumerate(items):
+            assert item is not None and torch.equal(item.key, make_kv(item.input_tokens, seed=index)[0])
+        batch = await consumer.drop_select_many([torch.tensor([index, 7]) for index in range(16, 24)])
+        for index, item in zip(range(16, 24), batch, strict=True):
+            assert item is not None and torch.equal(item.value, make_kv(item.input_tokens, seed=index)[1])
+
+
+async def test_registered_memory_is_reused_once_items_are_confirmed_and_dropped() -> None:
+    """The producer's items and the consumer's receive buffers are regions of slabs registered
+    once: a region comes back when the item is confirmed (producer) or dropped by the caller
+    (consumer), and the next item takes it, with no new registration."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        sender, receiver = nixl_of(producer), nixl_of(consumer)
+        addresses = set()
+        for round_ in range(3):
+            tokens = torch.arange(64)
+            key, value, hidden = make_kv(tokens, layers=4, heads=8, head_dim=64, seed=round_)
+            await producer.insert(tokens, None, key, value, hidden)
+            item = await consumer.drop_select(tokens)
+            assert item is not None and torch.equal(item.key, key)
+            addresses.add(item.key.untyped_storage().data_ptr())
+            del item
+            await caught_up(consumer)  # the receipt went: the producer dropped the item
+        assert len(addresses) == 1  # the consumer's one region, each time
+        assert len(sender._arena.slabs) == 1 and len(receiver._arena.slabs) == 1
+        sender._arena.collect(), receiver._arena.collect()  # what allocating does first
+        assert sender._arena.used_bytes == 0 and receiver._arena.used_bytes == 0
+
+
+async def test_a_delivery_read_after_the_lease_ended_reads_nothing_and_the_item_comes_next_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer woken from a stall reads nothing of a delivery outside its lease (the
+    producer may have reused that memory): no READ is made; the region it describes is
+    still loaded, so the next delivery out of it is read."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        tokens = torch.arange(8)
+        await producer.insert(tokens, None, torch.ones(1, 8, 1, 4), torch.ones(1, 8, 1, 4))
+        link = consumer.link_for_tests()
+        receiver = nixl_of(consumer)
+        core_receive = link.core.receive
+        reads: list[object] = []
+
+        def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
+            event = core_receive(frame, now)
+            if isinstance(m.decode(frame), m.Deliver):
+                monkeypatch.setattr(link, "lease_holds", lambda: False)
+            return event
+
+        monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
+        read = receiver._post
+        monkeypatch.setattr(receiver, "_post", lambda *args: reads.append(args) or read(*args))
+        with pytest.raises(kvrt.LeaseExpiredError):
+            await consumer.drop_select(tokens)
+        assert reads == []
+        monkeypatch.undo()
+        item = await consumer.drop_select(tokens)
+        assert item is not None and torch.equal(item.key, torch.ones(1, 8, 1, 4))
+
+
+async def test_a_frame_naming_memory_the_producer_never_registered_fails_its_call_typed_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer (broken or hostile) that points a READ at memory it did not register for
+    this consumer: NIXL refuses the READ before anything moves, the call fails with
+    `RemoteProtocolError`, and the item, given back, arrives on the next call."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        tokens = torch.arange(6)
+        await producer.insert(tokens, None, *make_kv(tokens, seed=4))
+        sender = nixl_of(producer)
+        frame = sender._frame
+        lied: list[bool] = []
+
+        def elsewhere_once(peer: bytes, item: Any) -> memoryview:
+            honest = nixl._read_decoder.decode(frame(peer, item))
+            if lied:
+                return memoryview(nixl._encode_read(honest))
+            lied.append(True)
+            beyond = nixl.NixlRead(honest.address + (1 << 40), honest.metadata)
+            return memoryview(nixl._encode_read(beyond))
+
+        monkeypatch.setattr(sender, "_frame", elsewhere_once)
+        with pytest.raises(kvrt.RemoteProtocolError, match="nixl"):
+            await consumer.drop_select(tokens)
+        item = await consumer.drop_select(tokens, timeout=10)
+        assert item is not None and torch.equal(item.key, make_kv(tokens, seed=4)[0])
+
+
+@pytest.mark.parametrize(
+    "rendezvous",
+    [
+        {},
+        {"nixl": "1", "probe": "4096", "device": "cpu"},  # no metadata
+        {"nixl": "1", "agent.0": "not base64!", "probe": "4096", "device": "cpu"},
+        {"nixl": "1", "agent.0": "AAAA", "probe": "-1", "device": "cpu"},
+        {"nixl": "1", "agent.0": "AAAA", "probe": str(2**64), "device": "cpu"},
+        {"nixl": "1", "agent.0": "AAAA", "probe": "4096", "device": "tpu"},
+        {"nixl": "1", "agent.0": "AAAA", "probe": "4096", "device": "cpu", **{f"agent.{i}": "AAAA" for i in range(13)}},
+    ],
+    ids=["empty", "no-metadata", "bad-base64", "negative-probe", "huge-probe", "strange-device", "too-many-pieces"],
+)
+def test_a_rendezvous_that_does_not_parse_is_a_typed_error_of_the_producers(rendezvous: dict[str, str]) -> None:
+    expected = kvrt.TransportUnavailableError if "nixl" not in rendezvous else kvrt.RemoteProtocolError
+    with pytest.raises(expected):
+        nixl._parse_rendezvous(rendezvous)
+
+
+def test_the_rendezvous_of_a_newer_layout_is_not_joined_but_fallen_back_from() -> None:
+    with pytest.raises(kvrt.TransportUnavailableError, match="version"):
+        nixl._parse_rendezvous({"nixl": "2", "agent.0": "AAAA", "probe": "4096", "device": "cpu"})
+
+
+def offering(service: Any, names: tuple[str, ...]) -> Any:
+    """`service` (not started) offering `names`, preferred first."""
+    service._transport_names = names
+    if isinstance(service, kvrt.Producer):
+        service._core.transports = names
+    return service
+
+
+@pytest.mark.parametrize("spoiled", ["probe", "metadata"])
+async def test_a_producer_whose_nixl_cannot_be_joined_gives_way_to_tcp_and_says_so(
+    spoiled: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At join the consumer loads the producer agent's metadata and READs its probe: metadata
+    its NIXL refuses, or a probe it cannot read, is `TransportUnavailableError` there, and
+    the items travel over the next transport both offered."""
+    offer = nixl.NixlSender.offer
+
+    def spoiled_offer(self: nixl.NixlSender, peer: bytes) -> dict[str, str]:
+        rendezvous = offer(self, peer)
+        if spoiled == "probe":
+            return {**rendezvous, "probe": str(int(rendezvous["probe"]) + (1 << 40))}
+        return {key: value for key, value in rendezvous.items() if not key.startswith("agent.")} | {
+            "agent.0": "AAAAAAAA"
+        }
+
+    monkeypatch.setattr(nixl.NixlSender, "offer", spoiled_offer)
+    tokens = torch.arange(12)
+    key, value, hidden = make_kv(tokens)
+    async with offering(kvrt.Producer(transport="nixl"), ("nixl", "tcp")) as producer:
+        producer._transports.update(select.make_senders(("tcp",), producer.device, store_host="127.0.0.1"))
+        await producer.insert(tokens, None, key, value, hidden)
+        with caplog.at_level(logging.WARNING, logger="kvrt"):
+            consumer = offering(kvrt.Consumer(connect=producer.endpoint, transport="nixl"), ("nixl", "tcp"))
+            async with consumer:
+                assert consumer.transports == {producer.endpoint: "tcp"}
+                item = await consumer.drop_select(tokens)
+                assert item is not None and torch.equal(item.key, key)
+    said = [record.getMessage() for record in caplog.records]
+    assert any("nixl" in text and "over tcp instead" in text for text in said), said
+
+
+def test_forcing_nixl_where_it_is_not_installed_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(select, "nixl_unavailable", lambda: "NIXL is not installed (simulated)")
+    with pytest.raises(kvrt.InvalidInputError, match=r"transport='nixl' cannot run here.*simulated"):
+        kvrt.Producer(transport="nixl")
+    assert "nixl" not in select.transport_preference(None, torch.device("cpu"))  # never chosen unasked on CPU
+
+
+async def test_a_link_that_went_silent_joins_the_producers_agent_anew_and_reads_on() -> None:
+    """The link gives the producer up (nothing heard), then says hello again: its old session's
+    READs end, the producer's agent is dropped and loaded anew from the new welcome, and
+    items are read over the new session."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl", heartbeat_s=0.05) as consumer,
+    ):
+        await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
+        assert await consumer.drop_select(torch.arange(3)) is not None
+        link = consumer.link_for_tests()
+        receiver = nixl_of(consumer)
+        first_session = receiver._session
+        core_receive, core_expire = link.core.receive, link.core.expire
+        deaf, lost = True, asyncio.Event()
+
+        def noting_the_loss(now: float) -> Any:
+            due, gone = core_expire(now)
+            if gone is not None:
+                lost.set()
+            return due, gone
+
+        link.core.receive = lambda frame, now: core_receive(frame, now) if not deaf else None
+        link.core.expire = noting_the_loss
+        await asyncio.wait_for(lost.wait(), 10)
+        assert first_session.abandoned
+        deaf = False
+        await asyncio.wait_for(link.connected.wait(), 10)
+        await link._joined()
+        assert receiver._session is not None and receiver._session is not first_session
+        await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3), seed=5))
+        item = await asyncio.wait_for(consumer.drop_select(torch.arange(3), timeout=10), 20)
+        assert item is not None and torch.equal(item.key, make_kv(torch.arange(3), seed=5)[0])
+
+
+async def test_a_consumer_killed_holding_an_item_it_read_gives_it_back_and_a_new_one_reads_it(ucx: str) -> None:
+    """`kill -9` after the bytes were READ, before the receipt: the producer forgets the consumer
+    at its heartbeat timeout, the item goes back whole (its registered region untouched), and
+    a new consumer READs it."""
+    async with kvrt.Producer(transport="nixl", heartbeat_s=HEARTBEAT_S) as producer:
+        tokens = torch.arange(64)
+        key = torch.randn(4, 64, 8, 64)
+        await producer.insert(tokens, None, key, -key, None)
+        args = (producer.endpoint, "cpu", HEARTBEAT_S, tokens[:8].tolist())
+        control, child = multiprocessing.get_context("spawn").Pipe()
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_gpu_consumer_that_dies, args=(*args, child, "nixl"), daemon=True
+        )
+        await asyncio.to_thread(process.start)
+        try:
+            assert await asyncio.to_thread(control.poll, 60) and control.recv() == "asked"
+            assert await asyncio.to_thread(control.poll, 60) and control.recv() == "arrived"
+            assert producer.stats().in_flight == 1
+            await killed_and_forgotten(process, producer, HEARTBEAT_S)
+        finally:
+            if process.is_alive():
+                process.kill()
+        stats = producer.stats()
+        assert (stats.items, stats.in_flight, stats.peers) == (1, 0, 0) and stats.totals.returned_items == 1
+        async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer:
+            item = await consumer.drop_select(tokens[:8])
+            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
+            assert await consumer.drop_select(tokens[:8]) is None
+
+
+def run_stalling_nixl_consumer(
+    endpoint: str, tokens: list[int], control: multiprocessing.connection.Connection
+) -> None:
+    """A nixl consumer with a waiting lookup; told ("hold", s), it holds its loop that long (the
+    item reaches its process meanwhile) and is then stopped by the parent; it reports how the
+    call ended and how many READs it made."""
+    import time
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint, transport="nixl", heartbeat_s=HEARTBEAT_S) as consumer:
+            receiver = nixl_of(consumer)
+            reads: list[object] = []
+            post = receiver._post
+            receiver._post = lambda *args: reads.append(args) or post(*args)
+            call = asyncio.create_task(consumer.drop_select(torch.tensor(tokens), None, timeout=None))
+            await asyncio.sleep(0)
+            assert await consumer.drop_select(torch.tensor([-1]), None, timeout=0.0) is None
+            control.send("asked")
+            command = await asyncio.to_thread(control.recv)
+            control.send("holding")
+            until = time.monotonic() + command[1]
+            while time.monotonic() < until:  # the loop and the GIL held: nothing is read
+                pass
+            try:
+                item = await asyncio.wait_for(call, 60)
+            except kvrt.KVRTError as exc:
+                control.send(("error", type(exc).__name__, len(reads)))
+            else:
+                control.send(("item", float(item.key.float().sum()) if item is not None else None, len(reads)))
+            await asyncio.to_thread(_wait_for_stop, control)
+
+    asyncio.run(main())
+
+
+async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its_item_left() -> None:
+    """A consumer whose item reaches its process while its loop is held, then is stopped
+    (SIGSTOP) past its lease: the item goes back, another consumer takes it, and the producer
+    puts a new item in the same registered region. Woken, the stopped consumer READs nothing
+    (its lease ended) and its call fails with `LeaseExpiredError`."""
+    tokens = torch.arange(16)
+    key = torch.randn(1, 16, 4, 64)
+    async with kvrt.Producer(transport="nixl", heartbeat_s=HEARTBEAT_S) as producer:
+        sender = nixl_of(producer)
+        sent: list[int] = []
+        frame = sender._frame
+        sender._frame = lambda peer, item: sent.append(item.storage.data_ptr()) or frame(peer, item)
+        async with child_process(run_stalling_nixl_consumer, (producer.endpoint, tokens.tolist()), "a consumer") as (
+            asked, stalled, control,
+        ):  # fmt: skip
+            assert asked == "asked"
+            control.send(("hold", 0.5))
+            assert await asyncio.to_thread(control.recv) == "holding"
+            producer._peer_left.clear()
+            await producer.insert(tokens, None, key, key)
+            assert producer.stats().in_flight == 1
+            (sent_at,) = sent
+            assert stalled.pid is not None
+            os.kill(stalled.pid, signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(producer._peer_left.wait(), LEASE_S + 5)
+                async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as other:
+                    item = await other.drop_select(tokens)
+                    assert item is not None and torch.equal(item.key, key)
+                    await caught_up(other)
+                sender._arena.collect()
+                assert sender._arena.used_bytes == 0  # the region is free: the next item takes it
+                reused = torch.full_like(key, 7.0)
+                await producer.insert(tokens + 100, None, reused, reused)
+                (reusing,) = producer._core.buffer.items()
+                assert reusing.storage.data_ptr() == sent_at  # the stopped consumer's item's region
+                del reusing
+            finally:
+                os.kill(stalled.pid, signal.SIGCONT)
+            outcome = await asyncio.to_thread(control.recv)
+            assert outcome[0] == "error" and outcome[1] in ("LeaseExpiredError", "PeerLostError"), outcome
+            assert outcome[2] == 0  # no READ of the region, now another item's

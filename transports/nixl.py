@@ -1,0 +1,639 @@
+"""NIXL transport: the consumer READs an item's bytes out of the producer's registered memory
+with NIXL (UCX underneath: `cma` between processes of one host, RDMA where the host has it,
+CUDA IPC or GPUDirect for GPU memory, TCP with `UCX_TLS=tcp`). Install with `kvrt[nixl]`.
+
+Who reads what. As over `cuda_ipc`, the consumer reads, for the same reasons: the producer
+keeps every item until the consumer answers `Received` (the transport contract), so a READ
+needs no round trip of its own, and the consumer's memory is only ever written by the
+consumer's own agent, into buffers it allocated for that delivery.
+
+Agreement at join, through the control plane (no side channel): each producer has one NIXL
+agent (made in `start`, off the loop: UCX's set-up takes ~0.4 s). Its `offer` to a consumer
+is the agent's metadata (how to reach it, and a small probe region of known bytes), base64
+in the welcome's rendezvous. The consumer's `join` makes its own agent (once), loads that
+metadata and READs the probe: anything that keeps NIXL from working between the two (no
+common UCX transport, an agent of another NIXL version, memory it cannot reach) shows as
+`TransportUnavailableError` at join, and the consumer falls back to the next transport it
+offered. The consumer's metadata never travels: a READ needs only the target's.
+
+Registered memory, once: the producer's items live in its registered arena (slabs
+registered with the agent when made, see `kvrt.transports._arena`); an item elsewhere (the
+arena full, or cuda_ipc's arena first) is registered for as long as it lives. The frame
+after a Deliver header (`NixlRead`) names the item's address and, the first time a consumer
+is sent an item in a region, that region's metadata (a few hundred bytes), which the consumer
+loads before it reads. The consumer READs into its own registered arena (a slab per 64 MiB,
+its regions back once the caller drops the tensors); a payload past its limit is registered
+for that one READ. `into=` buffers are then written from there, as for every transport.
+
+How a transfer goes: one READ per delivery, one descriptor per payload segment (a pull's
+chunks: one descriptor list, not one transfer per chunk), one descriptor per hit of a
+DeliverMany. A small READ is posted from the loop (UCX's `cma` finishes it inside the call,
+~10 us); a large one, or one queued behind others, is posted by the session's waiter thread,
+so the loop never copies. NIXL tells completion only when asked (it has no file descriptor
+or callback to wait on), so that thread asks, sleeping between asks from 20 us up to 1 ms:
+the one place kvrt polls, off the loop, for transfers in flight only.
+
+Failures: a READ that fails (the producer's process died: `cma` and UCX's peer error
+handling report it) fails its call with `PeerLostError`. When the link gives the producer
+up (`abandon`) every wait of the session ends at its next ask, its READs are released
+(NIXL cancels those in flight), and the producer's agent is dropped; the next welcome's
+join loads it anew. A consumer reads nothing for a delivery outside its lease (the
+consumer's arrivals check it before `receive`), and never reads a region the producer did
+not name in that delivery's frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Final, TypeVar
+
+import msgspec
+import torch
+import zmq
+from msgspec import Meta
+
+from kvrt._buffer import BufferedItem
+from kvrt._errors import (
+    InvalidInputError,
+    KVRTTimeoutError,
+    PeerLostError,
+    RemoteProtocolError,
+    TransportUnavailableError,
+)
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany
+from kvrt._tensors import (
+    batch_views,
+    check_batch_segments,
+    check_metas,
+    check_segments,
+    transfer_segments,
+    unpack_tensor,
+)
+from kvrt._threads import Waiter, outcome_seen
+from kvrt.transports._arena import RegisteredArena, Slab
+from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, five, item_metas
+from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState, nixl_unavailable
+
+log = logging.getLogger("kvrt.transports")
+
+_T = TypeVar("_T")
+RENDEZVOUS_VERSION: Final = "1"
+"""What a rendezvous's `nixl` field says: the layout of the fields below, and of `NixlRead`."""
+METADATA_KEY: Final = "agent."
+"""Rendezvous keys `agent.0`, `agent.1`, ...: the producer agent's metadata, base64, in pieces
+(a rendezvous value holds at most `MAX_RENDEZVOUS_CHARS`)."""
+_METADATA_PIECE_CHARS: Final = 4000
+MAX_METADATA_PIECES: Final = 12
+"""The welcome's rendezvous holds 16 values: these, the version and the probe's two."""
+MAX_FRAME_METADATA_BYTES: Final = 64 << 10
+"""Most metadata one `NixlRead` may carry (a region's is a few hundred bytes)."""
+_PROBE_BYTES: Final = 4096
+_MAX_PAYLOAD_BYTES: Final = 1 << 40
+POST_ON_LOOP_BYTES: Final = 1 << 20
+"""READs up to this size are posted from the loop (`cma` finishes one inside the call, in a
+few microseconds a 64 KiB); larger ones from the waiter thread, so the loop never copies."""
+RECEIVE_ARENA_BYTES: Final = 4 << 30
+"""The most memory a consumer keeps registered for receives (slabs of `_RECEIVE_SLAB_BYTES`)."""
+_RECEIVE_SLAB_BYTES: Final = 64 << 20
+_FIRST_PAUSE_S: Final = 20e-6
+_LONGEST_PAUSE_S: Final = 1e-3
+
+
+class NixlRead(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The frame after a Deliver header (one per hit of a DeliverMany): where the item's
+    packed bytes lie in the producer's memory, and the metadata of that region when this
+    consumer was not sent it before (empty otherwise)."""
+
+    address: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+    metadata: Annotated[bytes, Meta(max_length=MAX_FRAME_METADATA_BYTES)] = b""
+
+
+_encode_read = msgspec.msgpack.Encoder().encode
+_read_decoder = msgspec.msgpack.Decoder(NixlRead)
+
+
+def _probe_pattern() -> torch.Tensor:
+    return (torch.arange(_PROBE_BYTES, dtype=torch.int64) * 131 % 251).to(torch.uint8)
+
+
+def _pieces(metadata: bytes) -> dict[str, str]:
+    text = base64.b64encode(metadata).decode("ascii")
+    count = -(-len(text) // _METADATA_PIECE_CHARS)
+    if count > MAX_METADATA_PIECES:
+        raise InvalidInputError(f"this NIXL agent's metadata ({len(metadata)} bytes) does not fit a welcome")
+    return {
+        f"{METADATA_KEY}{index}": text[index * _METADATA_PIECE_CHARS : (index + 1) * _METADATA_PIECE_CHARS]
+        for index in range(count)
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Rendezvous:
+    metadata: bytes
+    probe_address: int
+    probe_device: torch.device
+
+
+def _parse_rendezvous(rendezvous: dict[str, str]) -> _Rendezvous:
+    """The producer's rendezvous, checked: anything malformed is the producer's fault."""
+    if rendezvous.get("nixl") != RENDEZVOUS_VERSION:
+        raise TransportUnavailableError(
+            f"nixl: the producer's rendezvous is version {rendezvous.get('nixl')!r}, this consumer reads "
+            f"{RENDEZVOUS_VERSION!r}"
+        )
+    try:
+        pieces = []
+        for index in range(MAX_METADATA_PIECES + 1):
+            piece = rendezvous.get(f"{METADATA_KEY}{index}")
+            if piece is None:
+                break
+            pieces.append(piece)
+        metadata = base64.b64decode("".join(pieces), validate=True)
+        probe_address = int(rendezvous["probe"])
+        probe_device = torch.device(rendezvous["device"])
+    except (KeyError, ValueError, RuntimeError, binascii.Error):
+        raise RemoteProtocolError(f"welcome has no usable nixl rendezvous (keys {sorted(rendezvous)})") from None
+    if not metadata or len(pieces) > MAX_METADATA_PIECES or not 0 < probe_address < 2**64:
+        raise RemoteProtocolError("welcome has no usable nixl rendezvous: no metadata, or a probe out of range")
+    if probe_device.type not in ("cpu", "cuda"):
+        raise RemoteProtocolError(f"nixl: the producer's memory is on {probe_device}, neither cpu nor cuda")
+    return _Rendezvous(metadata, probe_address, probe_device)
+
+
+def _translated(exc: AgentError, what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"nixl: {what}: {exc}")
+
+
+class NixlSender(Sender):
+    """The producer's half: one agent, its items' memory registered, a frame per delivery."""
+
+    def __init__(self, device: torch.device, registered_bytes: int = 0) -> None:
+        reason = nixl_unavailable()
+        if reason is not None:
+            raise InvalidInputError(f"the nixl transport cannot run here: {reason}")
+        self.name = "nixl"
+        self.device = device
+        self._agent: Agent | None = None
+        self._arena = RegisteredArena(device, registered_bytes, on_slab=self._register_slab)
+        self._probe: torch.Tensor | None = None
+        self._probe_registration: Registration | None = None
+        self._pairs: dict[bytes, set[int]] = {}
+        """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
+        self._extra: weakref.WeakKeyDictionary[BufferedItem, Registration] = weakref.WeakKeyDictionary()
+        """Items outside the arena, registered while they live (released when they go)."""
+        self._waiter = Waiter("kvrt-nixl-written")
+        """Waits (GPU items) for an item's bytes to be written before its frame leaves."""
+
+    async def start(self) -> None:
+        """Make the agent and register the probe, on a thread (UCX's set-up takes ~0.4 s)."""
+        name = f"kvrt-producer-{uuid.uuid4().hex}"
+        try:
+            agent = await asyncio.to_thread(Agent, name, progress_thread=True)
+        except AgentError as exc:
+            raise TransportUnavailableError(f"nixl: this producer's agent could not start: {exc}") from None
+        probe = _probe_pattern().to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # 4 KiB, once: read by every join
+        self._agent, self._probe = agent, probe
+        self._probe_registration = agent.register(probe.data_ptr(), _PROBE_BYTES, self.device)
+
+    def _started(self) -> Agent:
+        if self._agent is None:
+            raise PeerLostError("the nixl transport is closed (or was never started)")
+        return self._agent
+
+    def _register_slab(self, slab: Slab) -> None:
+        slab.registration = self._started().register(slab.tensor.data_ptr(), slab.tensor.numel(), self.device)
+
+    def allocate(self, nbytes: int) -> torch.Tensor | None:
+        if self._agent is None:
+            return None
+        try:
+            return self._arena.allocate(nbytes)
+        except AgentError as exc:  # the slab could not be registered: the producer allocates
+            log.warning("nixl could not register a slab of memory: %s", exc)
+            return None
+
+    def prepare(self, item: BufferedItem) -> None:
+        if item.storage.device.type == "cuda":
+            self._arena.written(item.storage, item.written)
+
+    def offer(self, peer: bytes) -> dict[str, str]:
+        agent = self._started()
+        assert self._probe is not None and self._probe_registration is not None  # set with the agent
+        self._pairs[peer] = {self._probe_registration.registration_id}
+        metadata = agent.metadata(self._probe_registration, connection=True)
+        return {
+            "nixl": RENDEZVOUS_VERSION,
+            "probe": str(self._probe.data_ptr()),
+            "device": str(self.device),
+            **_pieces(metadata),
+        }
+
+    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+        if item.nbytes == 0:
+            return []
+        await self._written(item)
+        return [self._frame(peer, item)]
+
+    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+        """One frame per hit: each is read from its own storage, all in one READ."""
+        for item in items:
+            await self._written(item)
+        return [self._frame(peer, item) for item in items]
+
+    async def _written(self, item: BufferedItem) -> None:
+        """A GPU item's bytes are read by another process as soon as its frame arrives: the
+        frame leaves once the GPU wrote them (waited for on a kvrt thread, not the loop)."""
+        written = item.written
+        if written is not None and not written.query():
+            await self._waiter.wait(written.synchronize)
+
+    def _frame(self, peer: bytes, item: BufferedItem) -> memoryview:
+        described = self._pairs.get(peer)
+        if described is None:
+            raise PeerLostError("the consumer left before its item could be sent")
+        registration = self._registration(item)
+        metadata = b""
+        if registration.registration_id not in described:
+            metadata = self._started().metadata(registration, connection=False)
+            described.add(registration.registration_id)
+        return memoryview(_encode_read(NixlRead(item.storage.data_ptr(), metadata)))
+
+    def _registration(self, item: BufferedItem) -> Registration:
+        placed = self._arena.place(item.storage)
+        if placed is not None:
+            in_slab: Registration = placed[0].registration
+            return in_slab
+        registered = self._extra.get(item)
+        if registered is None:
+            storage = item.storage.untyped_storage()
+            registered = self._started().register(storage.data_ptr(), storage.nbytes(), item.storage.device)
+            self._extra[item] = registered
+            weakref.finalize(item, _deregister_quietly, weakref.ref(self), registered)
+        return registered
+
+    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+        """Nothing of the consumer's is held here but what it was told: its next session's
+        offer starts that afresh. The items it never confirmed are back in the buffer, their
+        memory still registered."""
+        self._pairs.pop(peer, None)
+
+    async def aclose(self) -> None:
+        """Deregister every region and drop the agent (consumers reading then get failed READs)."""
+        agent, self._agent = self._agent, None
+        self._pairs.clear()
+        self._waiter.close()
+        if agent is None:
+            return
+        registrations = [slab.registration for slab in self._arena.slabs if slab.registration is not None]
+        registrations += list(self._extra.values())
+        if self._probe_registration is not None:
+            registrations.append(self._probe_registration)
+        self._extra.clear()
+        for registration in registrations:
+            try:
+                agent.deregister(registration)
+            except AgentError as exc:
+                log.warning("nixl: %s", exc)
+        for slab in self._arena.slabs:
+            slab.registration = None
+
+
+def _deregister_quietly(sender: weakref.ref[NixlSender], registration: Registration) -> None:
+    """An item outside the arena went: its registration goes too (if the agent still lives)."""
+    owner = sender()
+    agent = None if owner is None else owner._agent
+    if agent is not None:
+        try:
+            agent.deregister(registration)
+        except AgentError as exc:
+            log.warning("nixl: %s", exc)
+
+
+@dataclass(eq=False)
+class _Session:
+    """The consumer's side of one welcome: the producer's agent as loaded, where its memory
+    lives, and the thread that waits for this session's READs."""
+
+    remote: str
+    remote_device: torch.device
+    waiter: Waiter
+    queued: int = 0
+    """READs handed to the waiter and not ended yet (a READ posted from the loop behind
+    them would wait for the agent's lock)."""
+    abandoned: bool = False
+    """Set by `abandon` (on the loop), read by the waiter between asks."""
+    loaded: set[bytes] = field(default_factory=set)
+    """Region metadata loaded already (a frame repeats none, but a stray one costs nothing)."""
+
+
+class NixlReceiver(Receiver):
+    """The consumer's half: its agent, its registered receive arena, one READ per delivery."""
+
+    def __init__(self, device: torch.device, registered_bytes: int = RECEIVE_ARENA_BYTES) -> None:
+        reason = nixl_unavailable()
+        if reason is not None:
+            raise InvalidInputError(f"the nixl transport cannot run here: {reason}")
+        self.name = "nixl"
+        self.device = device
+        self._agent: Agent | None = None
+        self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
+        self._session: _Session | None = None
+        self._ended: asyncio.Future[None] | None = None
+        """Done once the last session's thread dropped the producer's agent (a join loads it anew)."""
+
+    def _register_slab(self, slab: Slab) -> None:
+        assert self._agent is not None  # receives come after a join
+        slab.registration = self._agent.register(slab.tensor.data_ptr(), slab.tensor.numel(), self.device)
+
+    async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
+        parsed = _parse_rendezvous(rendezvous)
+        self._end_session()
+        ended, self._ended = self._ended, None
+        if ended is not None:
+            await asyncio.wait([ended], timeout=timeout_s)  # else it would drop the agent loaded next
+        try:
+            session = await asyncio.wait_for(asyncio.to_thread(self._join_in_thread, parsed), timeout_s)
+        except TimeoutError:
+            raise KVRTTimeoutError(
+                f"joining the producer's nixl agent took over {timeout_s} s", phase="connect"
+            ) from None
+        self._session = session
+
+    def _join_in_thread(self, rendezvous: _Rendezvous) -> _Session:
+        """Make this side's agent (once; ~0.4 s), load the producer's, and READ its probe."""
+        try:
+            if self._agent is None:
+                # No progress thread: the waiter's asks move UCX on, and on a small host a
+                # progress thread of its own took 0.05 ms of every 64 KiB READ.
+                self._agent = Agent(f"kvrt-consumer-{uuid.uuid4().hex}", progress_thread=False)
+            agent = self._agent
+            remote = agent.load(rendezvous.metadata)
+        except AgentError as exc:
+            raise TransportUnavailableError(f"nixl: the producer's agent cannot be joined from here: {exc}") from None
+        probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8, device=self.device)
+        registration = None
+        try:
+            registration = agent.register(probe.data_ptr(), _PROBE_BYTES, self.device)
+            transfer = agent.read(
+                remote,
+                [(probe.data_ptr(), rendezvous.probe_address, _PROBE_BYTES)],
+                local=self.device,
+                peer=rendezvous.probe_device,
+            )
+            state = _until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
+            transfer.release()
+            matches = state is TransferState.DONE and torch.equal(probe.cpu(), _probe_pattern())
+        except AgentError as exc:
+            raise TransportUnavailableError(f"nixl: the producer's probe cannot be read from here: {exc}") from None
+        finally:
+            if registration is not None:
+                agent.deregister(registration)
+        if not matches:
+            raise TransportUnavailableError("nixl: the producer's probe read back wrong bytes (or its READ failed)")
+        return _Session(remote, rendezvous.probe_device, Waiter("kvrt-nixl-read"))
+
+    def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
+        session = self._joined()
+        payload_bytes = deliver.payload_bytes
+        segments = transfer_segments(deliver.segments, payload_bytes)
+        check_segments(segments, payload_bytes)
+        if not segments:
+            if frames:
+                raise RemoteProtocolError(f"an empty nixl delivery carries no frames, {len(frames)} came")
+            done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
+            done.set_result(five(unpack_tensor(item_metas(deliver), self._empty())))
+            return Arrival(done)
+        (read,) = self._reads(frames, 1)
+        check_metas(item_metas(deliver), payload_bytes)  # lying metas refused before anything is read
+        self._load(session, read)
+        payload, registration = self._payload(payload_bytes)
+        tensors = five(unpack_tensor(item_metas(deliver), payload))
+        base = payload.data_ptr()
+        ranges = [(base + offset, read.address + offset, nbytes) for offset, nbytes in segments]
+        return Arrival(self._post(session, ranges, payload, registration, tensors))
+
+    def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
+        session = self._joined()
+        hits = batch_hits(message)
+        reads = self._reads(frames, len(hits))
+        check_batch_segments(
+            [(0, message.payload_bytes)] if message.payload_bytes else [],
+            [(hit.offset, hit.payload_bytes) for hit in hits],
+            message.payload_bytes,
+        )
+        entries = [(item_metas(hit), hit.offset) for hit in hits]
+        for hit, (metas, _) in zip(hits, entries, strict=True):
+            if hit.offset % BATCH_ALIGNMENT:
+                raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
+            check_metas(metas, hit.payload_bytes)
+        for read in reads:
+            self._load(session, read)
+        if message.payload_bytes == 0 or not hits:
+            done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
+            done.set_result([five(views) for views in batch_views(entries, self._empty())])
+            return done
+        payload, registration = self._payload(message.payload_bytes)
+        tensors = [five(views) for views in batch_views(entries, payload)]
+        base = payload.data_ptr()
+        ranges = [
+            (base + hit.offset, read.address, hit.payload_bytes)
+            for hit, read in zip(hits, reads, strict=True)
+            if hit.payload_bytes
+        ]
+        return self._post(session, ranges, payload, registration, tensors)
+
+    def discard(self, frames: Sequence[zmq.Frame]) -> None:
+        """A delivery this side will not read: the regions its frames describe are loaded all
+        the same (the producer will not describe them again), nothing is read."""
+        session = self._session
+        if session is None:
+            return
+        for frame in frames:
+            try:
+                self._load(session, _decoded(frame))
+            except RemoteProtocolError:
+                continue
+
+    def abandon(self) -> None:
+        self._end_session()
+
+    async def aclose(self) -> None:
+        self._end_session()
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for slab in self._arena.slabs:
+            if slab.registration is not None:
+                try:
+                    agent.deregister(slab.registration)
+                except AgentError as exc:
+                    log.warning("nixl: %s", exc)
+                slab.registration = None
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _joined(self) -> _Session:
+        if self._session is None:
+            raise RemoteProtocolError("a nixl delivery arrived before the producer's agent was joined")
+        return self._session
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def _reads(frames: Sequence[zmq.Frame], count: int) -> list[NixlRead]:
+        if len(frames) != count:
+            raise RemoteProtocolError(f"a nixl delivery of {count} items carries as many frames, {len(frames)} came")
+        return [_decoded(frame) for frame in frames]
+
+    def _load(self, session: _Session, read: NixlRead) -> None:
+        if not read.metadata or read.metadata in session.loaded:
+            return
+        assert self._agent is not None  # joined
+        try:
+            name = self._agent.load(read.metadata)
+        except AgentError as exc:
+            raise _translated(exc, "the producer described a region this agent cannot load") from None
+        if name != session.remote:
+            raise RemoteProtocolError(f"nixl: a region of agent {name!r} in a delivery of {session.remote!r}")
+        session.loaded.add(read.metadata)
+
+    def _payload(self, payload_bytes: int) -> tuple[torch.Tensor, Registration | None]:
+        """The receive buffer: a region of the arena, else one registered for this READ alone."""
+        if payload_bytes > _MAX_PAYLOAD_BYTES:
+            raise RemoteProtocolError(f"delivery announces {payload_bytes} bytes, over {_MAX_PAYLOAD_BYTES}")
+        assert self._agent is not None  # joined
+        try:
+            payload = self._arena.allocate(payload_bytes)
+            if payload is not None:
+                return payload, None
+            payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
+            return payload, self._agent.register(payload.data_ptr(), payload_bytes, self.device)
+        except AgentError as exc:
+            raise _translated(exc, f"{payload_bytes} bytes to receive into could not be registered") from None
+
+    def _post(
+        self,
+        session: _Session,
+        ranges: list[tuple[int, int, int]],
+        payload: torch.Tensor,
+        registration: Registration | None,
+        result: _T,
+    ) -> asyncio.Future[_T]:
+        """READ `ranges` (local, remote, bytes) into `payload`: a future done with `result`
+        once they landed. Small READs with nothing queued before them are posted here (most
+        end inside the call); the rest are posted and waited for by the session's waiter."""
+        agent = self._agent
+        assert agent is not None  # joined
+        try:
+            transfer = agent.read(session.remote, ranges, local=self.device, peer=session.remote_device)
+        except AgentError as exc:
+            if registration is not None:
+                agent.deregister(registration)
+            raise _translated(exc, "the READ the producer described cannot be made") from None
+        loop = asyncio.get_running_loop()
+        posted = None
+        if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0:
+            try:
+                posted = transfer.post()
+            except AgentError as exc:
+                posted = TransferState.FAILED
+                log.info("nixl: %s", exc)
+            if posted is not TransferState.PENDING:
+                transfer.release()
+                if registration is not None:
+                    agent.deregister(registration)
+                done: asyncio.Future[_T] = loop.create_future()
+                if posted is TransferState.DONE:
+                    done.set_result(result)
+                else:
+                    done.set_exception(_read_failed(session))
+                return done
+
+        def wait() -> None:
+            try:
+                state = transfer.post() if posted is None else posted
+                state = _until_ended(transfer, lambda: session.abandoned, deadline=None, state=state)
+            except AgentError:
+                state = TransferState.FAILED
+            finally:
+                transfer.release()  # cancels a READ still in flight (an abandoned session's)
+                if registration is not None:
+                    agent.deregister(registration)
+                landing.clear()  # NIXL wrote into it until here: the region is reused only now
+            if state is not TransferState.DONE:
+                raise _read_failed(session)
+
+        landing = [payload]
+        session.queued += 1
+        waited = session.waiter.wait(wait, result)
+
+        def ended(_: asyncio.Future[_T]) -> None:
+            session.queued -= 1
+
+        waited.add_done_callback(ended)
+        return waited
+
+    def _end_session(self) -> None:
+        """Stop waiting on the producer: READs still in flight end at their next ask, then its
+        agent is dropped, on the session's thread (after them)."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.abandoned = True
+        agent = self._agent
+
+        def forget_remote() -> None:
+            if agent is not None:
+                try:
+                    agent.forget(session.remote)
+                except AgentError as exc:
+                    log.info("nixl: %s", exc)
+
+        self._ended = session.waiter.wait(forget_remote)
+        self._ended.add_done_callback(outcome_seen)
+        session.waiter.close()
+
+
+def _decoded(frame: zmq.Frame) -> NixlRead:
+    try:
+        return _read_decoder.decode(frame.buffer)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"a nixl frame that does not decode: {exc}") from None
+
+
+def _read_failed(session: _Session) -> PeerLostError:
+    if session.abandoned:
+        return PeerLostError("the link gave the producer up before its nixl READ ended")
+    return PeerLostError(f"a nixl READ from the producer's agent {session.remote} failed (its process may have died)")
+
+
+def _until_ended(
+    transfer: Transfer, stop: Callable[[], bool], *, deadline: float | None, state: TransferState | None = None
+) -> TransferState:
+    """On a kvrt thread: ask NIXL for `transfer`'s state until it is not pending, `stop()`
+    says to give up, or `deadline` (monotonic) passed; sleeping between asks, from 20 us
+    doubling to 1 ms (NIXL has nothing to block on; see the module's docstring)."""
+    if state is None:
+        state = transfer.post()
+    pause = _FIRST_PAUSE_S
+    while state is TransferState.PENDING:
+        if stop() or (deadline is not None and time.monotonic() > deadline):
+            return TransferState.PENDING
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_PAUSE_S)
+        state = transfer.state()
+    return state
+
+
+__all__ = ["NixlRead", "NixlReceiver", "NixlSender", "nixl_unavailable"]
