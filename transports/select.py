@@ -19,11 +19,11 @@ SAME_HOST_ONLY = frozenset({"cuda_ipc"})
 
 def transport_preference(forced: str | None, device: torch.device) -> tuple[str, ...]:
     """`forced` alone if given (checked against `device`); else, on a CUDA device, CUDA IPC
-    first (chosen only on one machine), then NIXL where it is installed (RDMA between hosts),
-    then NCCL where torch has it; TCP always, as the fallback every peer speaks. On a CPU
-    device NIXL is chosen only when forced: its agent's set-up (~0.4 s, a UCX context per
-    process) would be paid by every CPU producer and consumer, most of them one host's
-    processes that TCP serves."""
+    first (chosen only on one machine), then NCCL where torch has it; TCP always, as the
+    fallback every peer speaks. NIXL is chosen only when forced (`transport="nixl"`): its
+    agent's set-up (~0.4 s, a UCX context per process) would be paid by every producer and
+    consumer, and on a GPU its registered memory would take the items that cuda_ipc's
+    fallback shares per item; it is not measured yet beside the others on a GPU."""
     if forced is not None:
         if forced not in TRANSPORT_NAMES:
             raise InvalidInputError(f"transport must be one of {TRANSPORT_NAMES} or None, got {forced!r}")
@@ -40,8 +40,6 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
     if device.type == "cuda":
         if ipc_unavailable(device) is None:
             preferred.append("cuda_ipc")
-        if nixl_unavailable() is None:
-            preferred.append("nixl")
         if torch.distributed.is_nccl_available():
             preferred.append("nccl")
     return (*preferred, "tcp")
