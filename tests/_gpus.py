@@ -3,8 +3,7 @@
 The producer takes cuda:0 and the consumer cuda:1 when two GPUs are visible. With one GPU
 both take cuda:0: CUDA IPC works between two processes on one device (NCCL does not: a
 communicator needs a device per rank), so the tests of what cuda_ipc moves and how it fails
-run on a one-GPU host too, and those over NCCL need two. NIXL (UCX's CUDA IPC between two
-processes of one device) runs on one GPU as well, where `kvrt[nixl]` is installed.
+run on a one-GPU host too, and those over NCCL need two.
 """
 
 from __future__ import annotations
@@ -14,23 +13,14 @@ from typing import Final
 import pytest
 import torch
 
-from kvrt.transports._nixl_agent import nixl_unavailable
-
 PRODUCER_DEVICE: Final = "cuda:0"
 CONSUMER_DEVICE: Final = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cuda:0"
 
 one_gpu = pytest.mark.gpu(count=1)
 two_gpus = pytest.mark.gpu(count=2)
 
-needs_nixl = pytest.mark.skipif(nixl_unavailable() is not None, reason="NIXL is not installed (kvrt[nixl])")
-
 over_each_gpu_transport = pytest.mark.parametrize(
-    "transport",
-    [
-        pytest.param("nccl", marks=two_gpus),
-        pytest.param("cuda_ipc", marks=one_gpu),
-        pytest.param("nixl", marks=[one_gpu, needs_nixl]),
-    ],
+    "transport", [pytest.param("nccl", marks=two_gpus), pytest.param("cuda_ipc", marks=one_gpu)]
 )
 """For what each transport must do alike wherever it runs: cuda_ipc's case runs on one GPU."""
 

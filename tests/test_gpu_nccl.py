@@ -1,9 +1,8 @@
-"""The GPU transports, NCCL, CUDA IPC and NIXL, between two processes on two GPUs (producer on
-cuda:0, consumer on cuda:1): the producer offers all, the consumer forces one
-(`over_each_gpu_transport`).
+"""The GPU transports, NCCL and CUDA IPC, between two processes on two GPUs (producer on cuda:0,
+consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`).
 
-Skipped without two CUDA devices, except cuda_ipc's and nixl's cases that hold on one GPU, which
-run there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
+Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
+there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
 GPU host.
 """
 
