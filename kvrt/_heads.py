@@ -21,7 +21,7 @@ import torch
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
-from kvrt._item import KVItem, truncate
+from kvrt._item import KVItem, item_from_packed, truncate
 from kvrt._messages import MAX_HEADS, HeadRange
 from kvrt._tensors import Allocate, copy_into, pack_empty
 
@@ -88,21 +88,9 @@ def piece_of(
         None if item.hidden is None or not hidden else (item.hidden.shape, item.hidden.dtype),
     ]
     packed = pack_empty(specs, item.storage.device, allocate)
-    input_tokens, roi, piece_key, piece_value, piece_hidden = packed.tensors
-    assert input_tokens is not None and piece_key is not None and piece_value is not None
-    return BufferedItem(
-        item_id=item_id,
-        seq=item.seq,
-        masked_tokens=item.masked_tokens,
-        storage=packed.storage,
-        metas=packed.metas,
-        input_tokens=input_tokens,
-        roi=roi,
-        key=piece_key,
-        value=piece_value,
-        hidden=piece_hidden,
-        first_head=first,
-    )
+    piece = item_from_packed(packed, item_id=item_id, seq=item.seq, masked=item.masked_tokens)
+    piece.first_head = first
+    return piece
 
 
 def fill_piece(piece: BufferedItem, item: BufferedItem) -> None:
