@@ -50,6 +50,14 @@ class Producer:
         assert self.core.insert(item, self.now) == []
         return item
 
+    def item(self, tokens: list[int]) -> BufferedItem:
+        """An item of zeros for the core, not inserted yet (its insert's messages are the test's)."""
+        zeros = torch.zeros(1, len(tokens), HEADS, 2)
+        return buffered_item(
+            (torch.tensor(tokens), None, zeros, zeros.clone(), None), torch.device("cpu"),
+            item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
+        )  # fmt: skip
+
     def ask(
         self, peer: bytes, tokens: list[int] | None, first: int, end: int, *, readers: int = 2,
         timeout_s: float | None = 0.0,
@@ -140,10 +148,7 @@ def test_waiting_readers_are_each_served_a_piece_by_one_insert() -> None:
     producer = Producer()
     assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []
     assert producer.ask(READERS[1], [7, 8], 4, 8, timeout_s=None) == []
-    item = buffered_item(
-        (torch.tensor([7, 8]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
-        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
-    )  # fmt: skip
+    item = producer.item([7, 8])
     out = producer.core.insert(item, producer.now)
     assert sorted(sent.peer for sent in out) == READERS[:2]
     assert all(isinstance(sent.message, m.Deliver) for sent in out)
@@ -251,10 +256,7 @@ def test_a_waiting_request_for_heads_an_item_lacks_is_refused_and_the_next_waite
     producer = Producer()
     assert producer.ask(READERS[0], None, 0, 1000, readers=1, timeout_s=None) == []  # can never be served
     assert producer.send(READERS[1], m.DropSelect(request_id=50, tokens=None, timeout_s=None)) == []
-    item = buffered_item(
-        (torch.tensor([1, 2]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
-        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
-    )  # fmt: skip
+    item = producer.item([1, 2])
     refused, delivered = producer.core.insert(item, producer.now)
     assert refused.peer == READERS[0] and isinstance(refused.message, m.ErrorReply)
     assert refused.message.code is ErrorCode.INVALID
@@ -267,10 +269,7 @@ def test_a_readers_second_waiting_request_does_not_keep_another_reader_waiting()
     assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []
     assert producer.ask(READERS[0], [7, 8], 0, 4, timeout_s=None) == []  # its next request, older than B's
     assert producer.ask(READERS[1], [7, 8], 4, 8, timeout_s=None) == []
-    item = buffered_item(
-        (torch.tensor([7, 8]), None, torch.zeros(1, 2, HEADS, 2), torch.zeros(1, 2, HEADS, 2), None),
-        torch.device("cpu"), item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
-    )  # fmt: skip
+    item = producer.item([7, 8])
     out = producer.core.insert(item, producer.now)
     assert sorted(sent.peer for sent in out) == READERS[:2]  # both readers of the item, once each
     assert producer.core.waiting_count == 1  # rank 0's second request waits for the next item
