@@ -20,7 +20,7 @@ from kvrt._protocol import HEARTBEAT_MISSES
 from kvrt.transports import nixl, select
 from kvrt.transports._nixl_agent import nixl_unavailable
 from tests._checks import caught_up
-from tests._gpu_processes import run_gpu_consumer_that_dies
+from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
 from tests.conftest import make_kv
 
@@ -388,3 +388,95 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
             outcome = await asyncio.to_thread(control.recv)
             assert outcome[0] == "error" and outcome[1] in ("LeaseExpiredError", "PeerLostError"), outcome
             assert outcome[2] == 0  # no READ of the region, now another item's
+
+
+@pytest.mark.parametrize("signal_sent", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+async def test_a_producer_killed_or_stopped_mid_read_fails_the_call_in_time_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, signal_sent: signal.Signals
+) -> None:
+    """Over UCX's TCP (a READ of 256 MiB takes a while there, and needs the producer's process
+    to serve it) the producer is killed, or stopped, while the consumer's READ is in flight:
+    the call fails with `PeerLostError` within the heartbeat timeout, the READ is given up
+    (the session's thread is free again). A stopped producer, woken, has the item back and
+    the same consumer takes it whole."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the producer's process inherits it
+    tokens = 16384  # 256 MiB of float32 K and V
+    async with child_process(
+        run_gpu_producer, ("cpu", "nixl", HEARTBEAT_S, [(3, tokens, "float32")]), "a nixl producer"
+    ) as (endpoint, producer, _):
+        async with kvrt.Consumer(connect=endpoint, transport="nixl", heartbeat_s=HEARTBEAT_S) as consumer:
+            receiver = nixl_of(consumer)
+            posted = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            post = nixl.Transfer.post
+
+            def noting_the_post(transfer: nixl.Transfer) -> nixl.TransferState:
+                if transfer.nbytes > 1 << 20:
+                    loop.call_soon_threadsafe(posted.set)
+                return post(transfer)
+
+            monkeypatch.setattr(nixl.Transfer, "post", noting_the_post)
+            call = asyncio.create_task(consumer.drop_select(kv_tokens(3, tokens), timeout=10))
+            await asyncio.wait_for(posted.wait(), 30)
+            assert producer.pid is not None
+            os.kill(producer.pid, signal_sent)
+            sent_at = asyncio.get_running_loop().time()
+            try:
+                with pytest.raises(kvrt.PeerLostError):
+                    await asyncio.wait_for(call, 30)
+                assert asyncio.get_running_loop().time() - sent_at < 4 * LEASE_S + 2.0
+                # The READ was given up: the session's thread took the next one (the new
+                # session's, once the producer answers again) rather than waiting on it.
+                assert receiver._session is None or receiver._session.queued == 0
+            finally:
+                if signal_sent is signal.SIGSTOP:
+                    os.kill(producer.pid, signal.SIGCONT)
+            if signal_sent is signal.SIGSTOP:
+                link = consumer.link_for_tests()
+                await asyncio.wait_for(link.connected.wait(), 20)
+                await link._joined()
+                item = await asyncio.wait_for(consumer.drop_select(kv_tokens(3, tokens), timeout=20), 40)
+                _, key, value, _ = kv_item(3, tokens, torch.float32, "cpu")
+                assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+                assert await consumer.drop_select(kv_tokens(3, tokens)) is None
+
+
+async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and_the_item_is_read_next_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A READ NIXL keeps in progress for good (a wedged fabric) while the producer answers
+    everything else: the call fails with `KVRTTimeoutError` at `transfer_timeout_s`, the READ
+    is released, and the next session reads the item whole."""
+    wedged = False
+    post, state = nixl.Transfer.post, nixl.Transfer.state
+    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if wedged else post(t))
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    released = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    release = nixl.Transfer.release
+
+    def noting_the_release(transfer: nixl.Transfer) -> None:
+        release(transfer)
+        loop.call_soon_threadsafe(released.set)
+
+    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    tokens = torch.arange(40)
+    key, value, hidden = make_kv(tokens)
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl", transfer_timeout_s=0.5) as consumer,
+    ):
+        await producer.insert(tokens, None, key, value, hidden)
+        wedged = True
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(kvrt.KVRTTimeoutError) as failed:
+            await asyncio.wait_for(consumer.drop_select(tokens), 10)
+        assert failed.value.phase == "transfer" and asyncio.get_running_loop().time() - started < 3.0
+        wedged = False
+        await asyncio.wait_for(released.wait(), 5)  # on the session's thread
+        link = consumer.link_for_tests()
+        await asyncio.wait_for(link.connected.wait(), 10)
+        await link._joined()
+        item = await asyncio.wait_for(consumer.drop_select(tokens, timeout=5), 10)
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
+        assert producer.stats().totals.returned_items == 1

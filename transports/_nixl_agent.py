@@ -17,6 +17,7 @@ import enum
 import functools
 import importlib
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,6 +27,12 @@ import numpy as np
 import torch
 
 _WHEELS = ("nixl_cu13", "nixl_cu12")
+PROGRESS_WAKE_US = 1000
+"""How long the UCX progress thread sleeps in `poll` when no event woke it. The thread waits on
+the UCX workers' event file descriptors and wakes on each event; NIXL's Python API sets this
+to 0, which makes that `poll` return at once and the thread spin on a core."""
+_constructing = threading.Lock()
+_FEW_DESCRIPTORS = 8
 
 
 @functools.cache
@@ -128,10 +135,23 @@ class Agent:
             raise AgentError(f"NIXL is not installed: {reasons}")
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"], sync_mode=sync)
-        try:
-            self._agent = api.nixl_agent(name, config)
-        except Exception as exc:
-            raise _failed("creating a NIXL agent", exc) from None
+        bindings = api.nixlBind
+        make_agent = bindings.nixlAgent
+
+        def with_progress_wake(agent_name: str, agent_config: Any) -> Any:
+            agent_config.pthrDelay = PROGRESS_WAKE_US
+            return make_agent(agent_name, agent_config)
+
+        # The Python API offers no say over that delay: its call of the bindings' constructor
+        # is wrapped for the time this agent is made (the lock keeps two agents' apart).
+        with _constructing:
+            bindings.nixlAgent = with_progress_wake
+            try:
+                self._agent = api.nixl_agent(name, config)
+            except Exception as exc:
+                raise _failed("creating a NIXL agent", exc) from None
+            finally:
+                bindings.nixlAgent = make_agent
         if "UCX" not in self._agent.backends:
             raise AgentError(f"NIXL has no UCX backend here (its plugins: {self._agent.plugin_list})")
         self.name = name
@@ -180,9 +200,17 @@ class Agent:
         the memory `remote` registered on its `peer` device into this agent's on `local`."""
         local_memory, local_id = _memory(local)
         remote_memory, remote_id = _memory(peer)
-        rows = np.array(ranges, dtype=np.uint64).reshape(-1, 3)
-        local_rows = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_id, dtype=np.uint64)], axis=1)
-        remote_rows = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), remote_id, dtype=np.uint64)], axis=1)
+        local_rows: Any
+        remote_rows: Any
+        if len(ranges) <= _FEW_DESCRIPTORS:  # lists of tuples: cheaper than numpy for a few
+            local_rows = [(address, nbytes, local_id) for address, _, nbytes in ranges]
+            remote_rows = [(address, nbytes, remote_id) for _, address, nbytes in ranges]
+            nbytes = sum(nbytes for _, _, nbytes in ranges)
+        else:
+            rows = np.array(ranges, dtype=np.uint64).reshape(-1, 3)
+            local_rows = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_id, dtype=np.uint64)], axis=1)
+            remote_rows = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), remote_id, dtype=np.uint64)], axis=1)
+            nbytes = int(rows[:, 2].sum())
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
@@ -192,7 +220,7 @@ class Agent:
             )
         except Exception as exc:
             raise _failed("making a NIXL READ", exc) from None
-        return Transfer(self._agent, handle, int(rows[:, 2].sum()))
+        return Transfer(self._agent, handle, nbytes)
 
 
 __all__ = ["Agent", "AgentError", "Registration", "Transfer", "TransferState", "nixl_unavailable"]
