@@ -9,6 +9,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -480,3 +481,17 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
         item = await asyncio.wait_for(consumer.drop_select(tokens, timeout=5), 10)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
         assert producer.stats().totals.returned_items == 1
+
+
+async def test_an_idle_producer_and_consumer_burn_no_core() -> None:
+    """NIXL's progress thread waits for UCX's events: a producer and a consumer with nothing
+    to move take a small part of a core (NIXL's own setting, a thread that never sleeps,
+    took all of one)."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl"),
+    ):
+        started_cpu, started = time.process_time(), time.monotonic()
+        await asyncio.sleep(1.0)
+        used = (time.process_time() - started_cpu) / (time.monotonic() - started)
+    assert used < 0.2, f"{used:.0%} of a core while idle"
