@@ -182,7 +182,7 @@ def pull_request(
 
 
 def run_gpu_publisher(
-    device: str, seed: int, chunk_bytes: int, mla: bool, host_indexes: bool,
+    device: str, seed: int, chunk_bytes: int, mla: bool, host_indexes: bool, transport: str | None,
     control: multiprocessing.connection.Connection,
 ) -> None:  # fmt: skip
     """Publish `pull_request(seed, mla)` from pools on `device` in chunks of `chunk_bytes`,
@@ -195,7 +195,7 @@ def run_gpu_publisher(
                       Layout.MLA if mla else Layout.TOKEN_MAJOR)  # fmt: skip
 
     async def main() -> None:
-        async with kvrt.Producer(device=device, buffer_bytes=1 << 40) as producer:
+        async with kvrt.Producer(device=device, buffer_bytes=1 << 40, transport=transport) as producer:
             producer.register_pools(table, chunk_bytes=chunk_bytes)
             if host_indexes:
                 await producer.publish(tokens, slots, replica)

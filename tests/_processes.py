@@ -193,8 +193,10 @@ def producer_process(items: int, heartbeat_s: float = 1.0) -> Any:
     return child_process(run_producer, (items, heartbeat_s), "producer process", start_s=60, stop_s=10)
 
 
-def gpu_producer_process(items: list[tuple[int, int, str]], heartbeat_s: float = 1.0) -> Any:
+def gpu_producer_process(
+    items: list[tuple[int, int, str]], heartbeat_s: float = 1.0, transport: str | None = None
+) -> Any:
     """A producer on `PRODUCER_DEVICE` in its own process holding `items` ((index, tokens,
     dtype) each, `tests._gpu_processes.kv_item`): a `child_process` context giving (endpoint,
     process, control)."""
-    return child_process(run_gpu_producer, (PRODUCER_DEVICE, None, heartbeat_s, items), "GPU producer")
+    return child_process(run_gpu_producer, (PRODUCER_DEVICE, transport, heartbeat_s, items), "GPU producer")

@@ -274,7 +274,8 @@ async def test_the_consumer_releases_every_share_it_receives_exactly_once(monkey
     monkeypatch.setattr(cuda_ipc, "_new_shared", counted_open)
     monkeypatch.setattr(cuda_ipc, "_release", counted_release)
     torch.cuda.set_device(CONSUMER_DEVICE)
-    async with child_process(run_gpu_publisher, (PRODUCER_DEVICE, 5, 16 << 20, False, False), "GPU publisher") as (
+    publisher = (PRODUCER_DEVICE, 5, 16 << 20, False, False, None)
+    async with child_process(run_gpu_publisher, publisher, "GPU publisher") as (
         endpoint,
         _,
         _,

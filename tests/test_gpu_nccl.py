@@ -1,5 +1,6 @@
 """The GPU transports, NCCL and CUDA IPC, between two processes on two GPUs (producer on cuda:0,
-consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`).
+consumer on cuda:1): the producer offers both, the consumer forces one (`over_each_gpu_transport`;
+`over_each_gpu_item_transport` adds NIXL, offered by a producer forced to it).
 
 Skipped without two CUDA devices, except cuda_ipc's cases that hold on one GPU, which run
 there with both processes on cuda:0 (`tests/_gpus.py`); `tools/gpu_check.sh` runs them on a
@@ -22,8 +23,9 @@ from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies
 from tests._gpus import (
     CONSUMER_DEVICE,
     PRODUCER_DEVICE,
-    over_each_gpu_transport,
+    over_each_gpu_item_transport,
     over_each_gpu_transport_on_two_gpus,
+    producer_transport,
 )
 from tests._processes import child_process, fails_with_peer_lost_in_time, gpu_producer_process, killed_and_forgotten
 
@@ -39,11 +41,11 @@ GIB_TOKENS = 1 << 17
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "int8", "uint8", "bool", "int64"]
 
 
-@over_each_gpu_transport
+@over_each_gpu_item_transport
 async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu(transport: str) -> None:
     items = [(index, 64 + index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
-        gpu_producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items, transport=producer_transport(transport)) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         assert consumer.transports == {endpoint: transport}
@@ -56,11 +58,11 @@ async def test_every_dtype_arrives_bit_for_bit_on_the_consumers_gpu(transport: s
             assert torch.equal(item.input_tokens, input_tokens)
 
 
-@over_each_gpu_transport
+@over_each_gpu_item_transport
 async def test_a_batch_of_every_dtype_arrives_bit_for_bit(transport: str) -> None:
     items = [(index, 64 + 3 * index, dtype) for index, dtype in enumerate(DTYPES)]
     async with (
-        gpu_producer_process(items) as (endpoint, _, _),
+        gpu_producer_process(items, transport=producer_transport(transport)) as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         queries = [kv_tokens(index, tokens, CONSUMER_DEVICE) for index, tokens, _ in reversed(items)]
@@ -156,11 +158,13 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: s
         assert still_moving > 0 and round_trip < 0.010
 
 
-@over_each_gpu_transport
+@over_each_gpu_item_transport
 async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_the_item(transport: str) -> None:
     heartbeat_s = 0.25
     tokens, key, value, hidden = kv_item(0, GIB_TOKENS, torch.bfloat16, PRODUCER_DEVICE)
-    async with kvrt.Producer(device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s) as producer:
+    async with kvrt.Producer(
+        device=PRODUCER_DEVICE, heartbeat_s=heartbeat_s, transport=producer_transport(transport)
+    ) as producer:
         await producer.insert(tokens, None, key, value, hidden)
         query = tokens[:16].tolist()
         for attempt in ("killed", "served"):
@@ -181,13 +185,14 @@ async def test_a_consumer_killed_mid_transfer_loses_nothing_and_a_new_one_gets_t
             assert producer._transports[transport]._pairs == {}  # type: ignore[attr-defined]
 
 
-@over_each_gpu_transport
+@over_each_gpu_item_transport
 async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_heartbeat_timeout(
     transport: str,
 ) -> None:
     heartbeat_s = 0.25
+    offered = producer_transport(transport)
     async with (
-        gpu_producer_process([(0, 64, "bfloat16")], heartbeat_s) as (endpoint, process, _),
+        gpu_producer_process([(0, 64, "bfloat16")], heartbeat_s, offered) as (endpoint, process, _),
         kvrt.Consumer(
             connect=endpoint, device=CONSUMER_DEVICE, heartbeat_s=heartbeat_s, transport=transport
         ) as consumer,
@@ -198,7 +203,7 @@ async def test_a_killed_producer_fails_the_consumers_pending_calls_within_the_he
         await fails_with_peer_lost_in_time(waiting, process, heartbeat_s)
 
 
-@over_each_gpu_transport
+@over_each_gpu_item_transport
 @pytest.mark.parametrize(
     ("chunk_bytes", "mla", "host_indexes"),
     [(1 << 40, False, False), (16 << 20, False, False), (1 << 20, True, False), (16 << 20, False, True)],
@@ -211,7 +216,7 @@ async def test_a_pull_from_four_replicas_lands_in_replica_two_bit_for_bit_and_th
     from tests._gpu_processes import PULL_LAYERS, pull_request, run_gpu_publisher
 
     torch.cuda.set_device(CONSUMER_DEVICE)
-    publisher = (PRODUCER_DEVICE, 5, chunk_bytes, mla, host_indexes)
+    publisher = (PRODUCER_DEVICE, 5, chunk_bytes, mla, host_indexes, producer_transport(transport))
     async with child_process(run_gpu_publisher, publisher, "GPU publisher") as (endpoint, _, _):
 
         def build() -> tuple[Any, ...]:  # in a thread: generating 1 GiB of pools is no work for the loop

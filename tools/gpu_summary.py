@@ -28,6 +28,7 @@ def main(out: Path) -> int:
     items(out / "nccl.json", "nccl", "raw")
     items(out / "ipc-items.json", "cuda_ipc items", "peer copy")
     one_gpu(out / "ipc-one-gpu.json")
+    nixl(out / "nixl.json")
     kernels = out / "kernels.json"
     if kernels.exists():
         rows = json.loads(kernels.read_text())["rows"]
@@ -69,6 +70,16 @@ def one_gpu(path: Path) -> None:
               f"{once['p50_ms']:.3f} / {per_item['p50_ms']:.3f} / {ours['p50_ms']:.3f} | "
               f"{once['bytes_per_s'] / 1e9:.1f} / {per_item['bytes_per_s'] / 1e9:.1f} / {ours['bytes_per_s'] / 1e9:.1f}"
               f" | {ours['producer_cpu_us']:.0f} / {ours['consumer_cpu_us']:.0f}")  # fmt: skip
+
+
+def nixl(path: Path) -> None:
+    """`bench nixl`: kvrt over NIXL beside raw NIXL READs of the same bytes."""
+    if not path.exists():
+        return
+    print("nixl: request | raw READ p50 ms | kvrt p50 ms | kvrt/raw rate")
+    for row in json.loads(path.read_text()):
+        print(f"  {row['case']['label']:>13} | {row['raw_p50_ms']:.3f} | {row['kvrt_p50_ms']:.3f} | "
+              f"{100 * row['ratio']:.0f}%")  # fmt: skip
 
 
 def pulls(path: Path, name: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("buffer", "consensus", "heads", "nccl", "ipc", "kernels", "pull", "requests", "stream")
+BENCHMARKS = ("buffer", "consensus", "heads", "nccl", "ipc", "kernels", "nixl", "pull", "requests", "stream")
 """Each is a module of this package with `main(args) -> int`."""
 
 

@@ -301,65 +301,17 @@ def run_raw_request_reply(case: Case, in_flight: int) -> Timed:
 # -- raw NIXL READs ----------------------------------------------------------------------------
 
 
-def _raw_nixl_server(case: Case, count: int, control: multiprocessing.connection.Connection) -> None:
-    """An agent with the bytes registered once (as kvrt's producer: a progress thread of its own)."""
-    from kvrt.transports._nixl_agent import Agent
+def _raw_nixl_client(endpoint: Any, case: Case, in_flight: int, control: multiprocessing.connection.Connection) -> None:
+    from kvrt._bench.nixl import raw_nixl_client
 
-    _one_thread()
-    agent = Agent("raw-nixl-server", progress_thread=True, thread_safe=False)
-    payloads = [torch.full((case.item_bytes,), index, dtype=torch.uint8) for index in range(8)]
-    registrations = [agent.register(p.data_ptr(), case.item_bytes, p.device) for p in payloads]
-    control.send((agent.metadata(registrations[0], connection=True), [agent.metadata(r, connection=False)
-                  for r in registrations], [p.data_ptr() for p in payloads]))  # fmt: skip
-    assert control.recv() == "mark"
-    started = _cpu_s()
-    assert control.recv() == "done"
-    control.send(_cpu_s() - started)
-    control.recv()
-
-
-def _raw_nixl_client(
-    endpoint: tuple[bytes, list[bytes], list[int]], case: Case, in_flight: int,
-    control: multiprocessing.connection.Connection,
-) -> None:  # fmt: skip
-    """An agent that READs the server's bytes into memory it registered once, one at a time:
-    each READ made, posted, and asked after until done (as kvrt's consumer: no progress thread)."""
-    from kvrt.transports._nixl_agent import Agent, TransferState
-
-    _one_thread()
-    connection, regions, addresses = endpoint
-    agent = Agent("raw-nixl-client", progress_thread=False, thread_safe=False)
-    remote = agent.load(connection)
-    for region in regions:
-        agent.load(region)
-    landing = torch.empty(case.item_bytes, dtype=torch.uint8)
-    agent.register(landing.data_ptr(), case.item_bytes, landing.device)
-    cpu = torch.device("cpu")
-
-    def read(index: int) -> None:
-        transfer = agent.read(remote, [(landing.data_ptr(), addresses[index % len(addresses)], case.item_bytes)],
-                              local=cpu, peer=cpu)  # fmt: skip
-        state = transfer.post()
-        while state is TransferState.PENDING:
-            state = transfer.state()
-        transfer.release()
-        assert state is TransferState.DONE
-
-    for index in range(WARMUP):
-        read(index)
-    control.send("ready")
-    assert control.recv() == "go"
-    latencies: list[float] = []
-    cpu_started, wall = _cpu_s(), time.perf_counter()
-    for index in range(case.requests):
-        started = time.perf_counter()
-        read(index)
-        latencies.append(time.perf_counter() - started)
-    control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu_started))
+    raw_nixl_client(endpoint, case.item_bytes, case.requests, "cpu", control)
 
 
 def run_raw_nixl(case: Case) -> Timed:
-    return _timed_pair(_raw_nixl_server, (case, case.requests), _raw_nixl_client, case, 1)
+    """Raw NIXL READs of the case's bytes between two host agents (`kvrt._bench.nixl`)."""
+    from kvrt._bench.nixl import raw_nixl_server
+
+    return _timed_pair(raw_nixl_server, (case.item_bytes, "cpu"), _raw_nixl_client, case, 1)
 
 
 NIXL_RATE_GOAL: Final = 0.9
