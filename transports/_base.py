@@ -75,7 +75,8 @@ import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
-from kvrt._messages import Deliver, DeliverMany, Hit, Payload, TensorMeta
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
+from kvrt._tensors import check_batch_segments, check_metas
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """input_tokens, roi, key, value, hidden: the order they travel in."""
@@ -96,6 +97,23 @@ def five(tensors: Sequence[torch.Tensor | None]) -> ItemTensors:
 def batch_hits(message: DeliverMany) -> list[Hit]:
     """A DeliverMany's hits, in order (its misses left out)."""
     return [hit for hit in message.hits if hit is not None]
+
+
+def checked_batch(message: DeliverMany, hits: Sequence[Hit]) -> list[tuple[tuple[TensorMeta | None, ...], int]]:
+    """The hits of a batch that travels as one payload, checked before anything is read: their
+    segments lie in the payload without overlap, each starts aligned, and its metas fit its
+    bytes (`RemoteProtocolError` otherwise). Each hit's metas and offset, for `batch_views`."""
+    check_batch_segments(
+        [(0, message.payload_bytes)] if message.payload_bytes else [],
+        [(hit.offset, hit.payload_bytes) for hit in hits],
+        message.payload_bytes,
+    )
+    entries = [(item_metas(hit), hit.offset) for hit in hits]
+    for hit, (metas, _) in zip(hits, entries, strict=True):
+        if hit.offset % BATCH_ALIGNMENT:
+            raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
+        check_metas(metas, hit.payload_bytes)
+    return entries
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,8 +72,6 @@ from kvrt._messages import Deliver, DeliverMany, TensorMeta
 from kvrt._tensors import (
     back_to_back,
     batch_views,
-    check_batch_segments,
-    check_metas,
     check_segments,
     pack_back_to_back,
     span_of,
@@ -91,6 +89,7 @@ from kvrt.transports._base import (
     Sender,
     TensorsArrival,
     batch_hits,
+    checked_batch,
     five,
     item_metas,
     on_device,
@@ -512,16 +511,7 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             raise RemoteProtocolError(f"deliver_many with {len(hits)} hits needs as many frames, {len(frames)} came")
         shares = [self._share_in([frame]) for frame in frames]
         try:
-            check_batch_segments(
-                [(0, message.payload_bytes)] if message.payload_bytes else [],
-                [(hit.offset, hit.payload_bytes) for hit in hits],
-                message.payload_bytes,
-            )
-            entries = [(item_metas(hit), hit.offset) for hit in hits]
-            for hit, (metas, _) in zip(hits, entries, strict=True):
-                if hit.offset % m.BATCH_ALIGNMENT:
-                    raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
-                check_metas(metas, hit.payload_bytes)
+            entries = checked_batch(message, hits)
             for hit, share in zip(hits, shares, strict=True):
                 if len(share.marks) != 1 or share.storage_bytes - share.start < hit.payload_bytes:
                     raise RemoteProtocolError(f"item {hit.item_id}: its cuda_ipc share does not hold it")

@@ -68,10 +68,9 @@ from kvrt._errors import (
     RemoteProtocolError,
     TransportUnavailableError,
 )
-from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany
+from kvrt._messages import Deliver, DeliverMany
 from kvrt._tensors import (
     batch_views,
-    check_batch_segments,
     check_metas,
     check_segments,
     transfer_segments,
@@ -79,7 +78,7 @@ from kvrt._tensors import (
 )
 from kvrt._threads import Waiter, outcome_seen
 from kvrt.transports._arena import RegisteredArena, Slab
-from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, five, item_metas
+from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, checked_batch, five, item_metas
 from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState, nixl_unavailable
 
 log = logging.getLogger("kvrt.transports")
@@ -436,16 +435,7 @@ class NixlReceiver(Receiver):
         session = self._joined()
         hits = batch_hits(message)
         reads = self._reads(frames, len(hits))
-        check_batch_segments(
-            [(0, message.payload_bytes)] if message.payload_bytes else [],
-            [(hit.offset, hit.payload_bytes) for hit in hits],
-            message.payload_bytes,
-        )
-        entries = [(item_metas(hit), hit.offset) for hit in hits]
-        for hit, (metas, _) in zip(hits, entries, strict=True):
-            if hit.offset % BATCH_ALIGNMENT:
-                raise RemoteProtocolError(f"item {hit.item_id} at offset {hit.offset} of its batch is misaligned")
-            check_metas(metas, hit.payload_bytes)
+        entries = checked_batch(message, hits)
         for read in reads:
             self._load(session, read)
         if message.payload_bytes == 0 or not hits:
