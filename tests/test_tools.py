@@ -52,6 +52,7 @@ def test_gpu_summary_prints_the_tests_and_every_benchmarks_ratios_from_a_check_o
     (tmp_path / "ipc-items.json").write_text(json.dumps(ipc["items"]))
     (tmp_path / "ipc-paged.json").write_text(json.dumps(ipc["paged"]))
     (tmp_path / "ipc-fused.json").write_text(json.dumps({"peer": {"best_s": 0.01089}, "4 warps": {"best_s": 0.01188}}))
+    shutil.copy(RECORDS / "nixl-one-gpu-h200.json", tmp_path / "nixl.json")
 
     result = subprocess.run(
         [sys.executable, str(TOOLS / "gpu_summary.py"), str(tmp_path)], capture_output=True, text=True, check=False
@@ -68,6 +69,7 @@ def test_gpu_summary_prints_the_tests_and_every_benchmarks_ratios_from_a_check_o
     assert re.search(r"^pull: raw NCCL 11\.44 ms", out, re.MULTILINE), out
     assert re.search(r"^pull over cuda_ipc: peer copy 10\.88 ms", out, re.MULTILINE), out
     assert "fused pool-to-pool kernel alone: peer copy 10.89 ms; 4 warps 11.88 ms (92%)" in out
+    assert re.search(r"^\s+16 MiB pull \| 34\.446 \| 36\.211 \| 95%$", out, re.MULTILINE), out  # nixl
     assert re.search(r"stream: raw NCCL one layer 0\.131 ms .*\n\s+stream:\s+0\.216 ms median", out), out
 
 
