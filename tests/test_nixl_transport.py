@@ -5,10 +5,13 @@ installed (`pip install 'kvrt[nixl]'`; `make test` installs it)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing.connection
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -499,3 +502,20 @@ async def test_an_idle_producer_and_consumer_burn_no_core() -> None:
         await asyncio.sleep(1.0)
         used = (time.process_time() - started_cpu) / (time.monotonic() - started)
     assert used < 0.2, f"{used:.0%} of a core while idle"
+
+
+def test_the_nixl_benchmark_runs_on_the_host_and_reports_each_ratio_beside_its_reference(tmp_path: Any) -> None:
+    """`kvrt bench nixl --quick` on the CPU (a smoke run: it keeps the benchmark working, its
+    figures are not a record)."""
+    report = tmp_path / "nixl.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrt", "bench", "nixl", "--quick", "--json", str(report)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kvrt over nixl on cpu, one request at a time, beside raw NIXL READs" in result.stdout
+    rows = json.loads(report.read_text())
+    assert [row["case"]["kind"] for row in rows] == ["item", "pull"]
+    for row in rows:
+        assert row["raw_p50_ms"] > 0 and row["kvrt_p50_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["raw_p50_ms"] / row["kvrt_p50_ms"])
