@@ -519,3 +519,33 @@ def test_the_nixl_benchmark_runs_on_the_host_and_reports_each_ratio_beside_its_r
     for row in rows:
         assert row["raw_p50_ms"] > 0 and row["kvrt_p50_ms"] > 0
         assert row["ratio"] == pytest.approx(row["raw_p50_ms"] / row["kvrt_p50_ms"])
+
+
+async def test_a_probe_written_over_by_a_peer_is_whole_again_for_the_next_consumer_that_joins() -> None:
+    """A peer that drives NIXL by hand can WRITE into what the welcome names (outside kvrt's
+    guarantees, see the guide): one write over the join probe must not keep every later
+    consumer from joining. Each offer writes the probe anew."""
+    from kvrt.transports._nixl_agent import Agent
+
+    async with kvrt.Producer(transport="nixl") as producer:
+        await producer.insert(torch.arange(8), None, *make_kv(torch.arange(8)))
+        rendezvous = nixl._parse_rendezvous(nixl_of(producer).offer(b"hostile"))
+        hostile = await asyncio.to_thread(Agent, "hostile", progress_thread=False)
+        remote = hostile.load(rendezvous.metadata)
+        zeros = torch.zeros(4096, dtype=torch.uint8)
+        hostile.register(zeros.data_ptr(), zeros.numel(), zeros.device)
+        api = hostile._agent
+        handle = api.initialize_xfer(
+            "WRITE",
+            api.get_xfer_descs([(zeros.data_ptr(), 4096, 0)], "DRAM"),
+            api.get_xfer_descs([(rendezvous.probe_address, 4096, 0)], "DRAM"),
+            remote,
+        )
+        state = api.transfer(handle)
+        while state == "PROC":
+            state = api.check_xfer_state(handle)
+        api.release_xfer_handle(handle)
+        assert state == "DONE"
+        async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer:
+            assert consumer.transports == {producer.endpoint: "nixl"}
+            assert await consumer.drop_select(torch.arange(8)) is not None

@@ -183,6 +183,9 @@ class NixlSender(Sender):
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, on_slab=self._register_slab)
         self._probe: torch.Tensor | None = None
+        self._pattern: torch.Tensor | None = None
+        """The probe's bytes, kept apart (unregistered): each offer writes the probe anew."""
+        self._probe_stream: torch.cuda.Stream | None = None
         self._probe_registration: Registration | None = None
         self._pairs: dict[bytes, set[int]] = {}
         """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
@@ -198,10 +201,11 @@ class NixlSender(Sender):
             agent = await asyncio.to_thread(Agent, name, progress_thread=True)
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: this producer's agent could not start: {exc}") from None
-        probe = _probe_pattern().to(self.device)
+        pattern = _probe_pattern().to(self.device)
+        probe = pattern.clone()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # 4 KiB, once: read by every join
-        self._agent, self._probe = agent, probe
+        self._agent, self._probe, self._pattern = agent, probe, pattern
         self._probe_registration = agent.register(probe.data_ptr(), _PROBE_BYTES, self.device)
 
     def _started(self) -> Agent:
@@ -227,7 +231,18 @@ class NixlSender(Sender):
 
     def offer(self, peer: bytes) -> dict[str, str]:
         agent = self._started()
-        assert self._probe is not None and self._probe_registration is not None  # set with the agent
+        assert self._probe is not None and self._pattern is not None and self._probe_registration is not None
+        # A peer driving NIXL by hand may have written over the probe: one write must not keep
+        # every later consumer from joining (4 KiB; on a GPU on a stream of its own, waited for
+        # alone, not the engine's work).
+        if self.device.type == "cuda":
+            if self._probe_stream is None:
+                self._probe_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._probe_stream):
+                self._probe.copy_(self._pattern, non_blocking=True)
+            self._probe_stream.synchronize()
+        else:
+            self._probe.copy_(self._pattern)
         self._pairs[peer] = {self._probe_registration.registration_id}
         metadata = agent.metadata(self._probe_registration, connection=True)
         return {
