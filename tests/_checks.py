@@ -1,14 +1,17 @@
-"""Checks the tests share: tensors equal bit for bit, a consumer's producers caught up, and a
-full garbage collection that does not count as the event loop blocked."""
+"""Checks the tests share: tensors equal bit for bit, a consumer's producers caught up, a
+full garbage collection that does not count as the event loop blocked, and a link made deaf
+or its lease ended."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import torch
 
 import kvrt
+from kvrt import _messages as m
 
 MISS: torch.Tensor = torch.tensor([-1])
 """Tokens no test inserts: a query of them is a miss."""
@@ -45,3 +48,36 @@ async def collected() -> None:
     heap of a whole test run (it takes longer than a loop step may) is not the test's own
     loop step that the loop guard reports as blocked."""
     await asyncio.to_thread(gc.collect)
+
+
+class DeafLink:
+    """A consumer's link made to hear nothing from its producer until `deaf` is cleared:
+    `lost` is set once the link gave the producer up (its heartbeat timeout)."""
+
+    def __init__(self, link: Any) -> None:
+        self.deaf = True
+        self.lost = asyncio.Event()
+        core_receive, core_expire = link.core.receive, link.core.expire
+
+        def noting_the_loss(now: float) -> Any:
+            due, gone = core_expire(now)
+            if gone is not None:
+                self.lost.set()
+            return due, gone
+
+        link.core.receive = lambda frame, now: core_receive(frame, now) if not self.deaf else None
+        link.core.expire = noting_the_loss
+
+
+def lease_ends_with_the_next_delivery(link: Any, monkeypatch: Any) -> None:
+    """From the next Deliver a link receives on, its lease no longer holds (as after a stall
+    of the consumer's process as long as the lease)."""
+    core_receive = link.core.receive
+
+    def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
+        event = core_receive(frame, now)
+        if isinstance(m.decode(frame), m.Deliver):
+            monkeypatch.setattr(link, "lease_holds", lambda: False)
+        return event
+
+    monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvrt
-from tests._checks import same_bits
+from tests._checks import lease_ends_with_the_next_delivery, same_bits
 from tests._gpu_processes import kv_item, run_gpu_producer
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu
 from tests._processes import child_process
@@ -73,7 +73,6 @@ async def test_a_gpu_item_that_does_not_fit_its_buffers_goes_back_to_the_produce
 async def test_a_cuda_ipc_delivery_read_after_the_lease_ended_opens_nothing_of_the_producers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvrt import _messages as m
     from kvrt.transports import cuda_ipc
 
     opened: list[bool] = []
@@ -92,16 +91,7 @@ async def test_a_cuda_ipc_delivery_read_after_the_lease_ended_opens_nothing_of_t
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport="cuda_ipc") as consumer,
     ):
         tokens, key, _, _ = kv_item(0, TOKENS, torch.bfloat16, CONSUMER_DEVICE)
-        link = consumer.link_for_tests()
-        core_receive = link.core.receive
-
-        def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
-            event = core_receive(frame, now)
-            if isinstance(m.decode(frame), m.Deliver):
-                monkeypatch.setattr(link, "lease_holds", lambda: False)
-            return event
-
-        monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
+        lease_ends_with_the_next_delivery(consumer.link_for_tests(), monkeypatch)
         monkeypatch.setattr(cuda_ipc, "_new_shared", watched)
         with pytest.raises(kvrt.LeaseExpiredError):
             await consumer.drop_select(tokens)

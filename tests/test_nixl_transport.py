@@ -19,11 +19,10 @@ import pytest
 import torch
 
 import kvrt
-from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES
 from kvrt.transports import nixl, select
 from kvrt.transports._nixl_agent import nixl_unavailable
-from tests._checks import caught_up
+from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
 from tests.conftest import make_kv
@@ -128,16 +127,8 @@ async def test_a_delivery_read_after_the_lease_ended_reads_nothing_and_the_item_
         await producer.insert(tokens, None, torch.ones(1, 8, 1, 4), torch.ones(1, 8, 1, 4))
         link = consumer.link_for_tests()
         receiver = nixl_of(consumer)
-        core_receive = link.core.receive
         reads: list[object] = []
-
-        def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
-            event = core_receive(frame, now)
-            if isinstance(m.decode(frame), m.Deliver):
-                monkeypatch.setattr(link, "lease_holds", lambda: False)
-            return event
-
-        monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
+        lease_ends_with_the_next_delivery(link, monkeypatch)
         read = receiver._post
         monkeypatch.setattr(receiver, "_post", lambda *args: reads.append(args) or read(*args))
         with pytest.raises(kvrt.LeaseExpiredError):
@@ -264,20 +255,10 @@ async def test_a_link_that_went_silent_joins_the_producers_agent_anew_and_reads_
         link = consumer.link_for_tests()
         receiver = nixl_of(consumer)
         first_session = receiver._session
-        core_receive, core_expire = link.core.receive, link.core.expire
-        deaf, lost = True, asyncio.Event()
-
-        def noting_the_loss(now: float) -> Any:
-            due, gone = core_expire(now)
-            if gone is not None:
-                lost.set()
-            return due, gone
-
-        link.core.receive = lambda frame, now: core_receive(frame, now) if not deaf else None
-        link.core.expire = noting_the_loss
-        await asyncio.wait_for(lost.wait(), 10)
+        deafened = DeafLink(link)
+        await asyncio.wait_for(deafened.lost.wait(), 10)
         assert first_session.abandoned
-        deaf = False
+        deafened.deaf = False
         await asyncio.wait_for(link.connected.wait(), 10)
         await link._joined()
         assert receiver._session is not None and receiver._session is not first_session

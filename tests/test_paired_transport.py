@@ -13,7 +13,7 @@ import torch
 import kvrt
 import kvrt.transports
 from kvrt import _messages as m
-from tests._checks import caught_up
+from tests._checks import DeafLink, caught_up
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 
@@ -198,19 +198,9 @@ async def test_a_link_that_went_silent_says_hello_again_and_its_new_pair_carries
         await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3)))
         assert await consumer.drop_select(torch.arange(3)) is not None
         link = consumer.link_for_tests()
-        core_receive, core_expire = link.core.receive, link.core.expire
-        deaf, lost = True, asyncio.Event()
-
-        def noting_the_loss(now: float) -> Any:
-            due, gone = core_expire(now)
-            if gone is not None:
-                lost.set()
-            return due, gone
-
-        link.core.receive = lambda frame, now: core_receive(frame, now) if not deaf else None
-        link.core.expire = noting_the_loss
-        await asyncio.wait_for(lost.wait(), 10)  # nothing heard for its timeout
-        deaf = False
+        deafened = DeafLink(link)
+        await asyncio.wait_for(deafened.lost.wait(), 10)  # nothing heard for its timeout
+        deafened.deaf = False
         await asyncio.wait_for(link.connected.wait(), 10)  # welcomed again (same identity)
         assert producer.stats().peers == 1
         await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3), seed=5))

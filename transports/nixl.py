@@ -171,13 +171,17 @@ def _translated(exc: AgentError, what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"nixl: {what}: {exc}")
 
 
+def _refuse_if_unavailable() -> None:
+    reason = nixl_unavailable()
+    if reason is not None:
+        raise InvalidInputError(f"the nixl transport cannot run here: {reason}")
+
+
 class NixlSender(Sender):
     """The producer's half: one agent, its items' memory registered, a frame per delivery."""
 
     def __init__(self, device: torch.device, registered_bytes: int = 0) -> None:
-        reason = nixl_unavailable()
-        if reason is not None:
-            raise InvalidInputError(f"the nixl transport cannot run here: {reason}")
+        _refuse_if_unavailable()
         self.name = "nixl"
         self.device = device
         self._agent: Agent | None = None
@@ -364,9 +368,7 @@ class NixlReceiver(Receiver):
     """The consumer's half: its agent, its registered receive arena, one READ per delivery."""
 
     def __init__(self, device: torch.device, registered_bytes: int = RECEIVE_ARENA_BYTES) -> None:
-        reason = nixl_unavailable()
-        if reason is not None:
-            raise InvalidInputError(f"the nixl transport cannot run here: {reason}")
+        _refuse_if_unavailable()
         self.name = "nixl"
         self.device = device
         self._agent: Agent | None = None
