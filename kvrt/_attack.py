@@ -1220,6 +1220,11 @@ async def run_scenario(
                         f"the producer counts {run.delivered_by_producer} items confirmed, the journals "
                         f"{result.delivered} (a consumer killed between its receipt and its journal)"
                     )
+                    # A confirmed item was handed over (its receipt came): as many of the untaken
+                    # ones as the producer confirmed past the journals are delivered, not lost.
+                    unjournaled = min(max(0, run.delivered_by_producer - result.delivered), result.lost)
+                    result.lost -= unjournaled
+                    result.delivered += unjournaled
             if run.killed_incarnations:
                 result.notes.append("RSS after: the new producer's")
             return result
