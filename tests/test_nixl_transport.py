@@ -435,7 +435,7 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
 ) -> None:
     """A READ NIXL keeps in progress for good (a wedged fabric) while the producer answers
     everything else: the call fails with `KVRTTimeoutError` at `transfer_timeout_s`, the READ
-    is released, and the next session reads the item whole."""
+    is released, and once the link is welcomed again the item is read whole."""
     wedged = False
     post, state = nixl.Transfer.post, nixl.Transfer.state
     monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if wedged else post(t))
