@@ -152,9 +152,53 @@ class PoolTable:
         self.addresses = torch.tensor(addresses, dtype=torch.int64, device=self.device).view(
             self.replicas, self.copies, self.layers
         )
+        self.host_addresses = np.array(addresses, dtype=np.int64).reshape(self.replicas, self.copies, self.layers)
+        """`addresses` on the host, for transports that name the pools' memory themselves."""
 
     def staging_shape(self, tokens: int, heads: tuple[int, int]) -> tuple[int, ...]:
         return (self.layers, tokens, self.geometry.kv, heads[1] - heads[0], self.geometry.head_dim)
+
+
+def landing_ranges(
+    table: PoolTable, replicas: np.ndarray, slots: np.ndarray, *, item_tokens: int, key_offset: int,
+    value_offset: int,
+) -> np.ndarray | None:  # fmt: skip
+    """Where an item's K and V rows land in `table` for its first `len(slots)` tokens (token
+    i at `slots[i]` of replica `replicas[i]`, every copy): int64 rows (pool address, offset
+    in the item's payload, bytes), one per layer, copy, part (K, then V) and run of tokens.
+
+    The item's key (and value) are [layers, item_tokens, heads, head_dim] of the pools' dtype
+    and geometry, at `key_offset` (and `value_offset`) of its payload. A run is a stretch of
+    tokens whose slots follow each other in one replica where the layout keeps one slot's
+    rows right after the previous slot's (block and MLA pools: one row for a whole page, or
+    more); token-major pools interleave each slot's K and V, so there a token is a run. None
+    where a slot's rows are not contiguous at all (head-major blocks): the item must be
+    scattered by a kernel. Indexes must be in range (`check_indices`)."""
+    g = table.geometry
+    if g.block_size != 1:
+        return None
+    count = len(slots)
+    if not count:
+        return np.empty((0, 3), dtype=np.int64)
+    slots, replicas = slots.astype(np.int64, copy=False), replicas.astype(np.int64, copy=False)
+    itemsize = table.dtype.itemsize
+    row = g.heads * g.head_dim
+    if g.token_stride == row:
+        breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(replicas) != 0)) + 1
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
+    else:
+        starts = np.arange(count, dtype=np.int64)
+    lengths = np.diff(np.append(starts, count))
+    layers = np.arange(table.layers, dtype=np.int64)
+    parts = [(0, key_offset)] + ([(g.v_offset, value_offset)] if g.kv == 2 else [])
+    bases = table.host_addresses[replicas[starts]].transpose(2, 1, 0)  # [layer, copy, run]
+    rows = []
+    for pool_offset, item_offset in parts:
+        local = bases + ((pool_offset + slots[starts] * g.token_stride) * itemsize)[None, None, :]
+        remote = item_offset + (layers[:, None] * item_tokens + starts[None, :]) * (row * itemsize)  # [layer, run]
+        nbytes = (lengths * row * itemsize)[None, None, :]
+        rows.append(np.stack(np.broadcast_arrays(local, remote[:, None, :], nbytes), axis=-1).reshape(-1, 3))
+    return np.concatenate(rows)
 
 
 def index_ranges(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ installed (`pip install 'kvrt[nixl]'`; `make test` installs it)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing.connection
@@ -19,13 +20,15 @@ import pytest
 import torch
 
 import kvrt
+from kvrt import Layout
 from kvrt._protocol import HEARTBEAT_MISSES
 from kvrt.transports import nixl, select
 from kvrt.transports._nixl_agent import nixl_unavailable
-from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery
+from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery, same_bits
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
 from tests.conftest import make_kv
+from tests.test_pull import CPU_LAYOUTS, DIM, LAYERS, SLOTS, random_pools, row
 
 if nixl_unavailable() is not None:
     pytest.skip(f"{nixl_unavailable()}", allow_module_level=True)
@@ -496,10 +499,10 @@ def test_the_nixl_benchmark_runs_on_the_host_and_reports_each_ratio_beside_its_r
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kvrt over nixl on cpu, one request at a time, beside raw NIXL READs" in result.stdout
     rows = json.loads(report.read_text())
-    assert [row["case"]["kind"] for row in rows] == ["item", "pull"]
-    for row in rows:
-        assert row["raw_p50_ms"] > 0 and row["kvrt_p50_ms"] > 0
-        assert row["ratio"] == pytest.approx(row["raw_p50_ms"] / row["kvrt_p50_ms"])
+    assert [entry["case"]["kind"] for entry in rows] == ["item", "pull"]
+    for entry in rows:
+        assert entry["raw_p50_ms"] > 0 and entry["kvrt_p50_ms"] > 0
+        assert entry["ratio"] == pytest.approx(entry["raw_p50_ms"] / entry["kvrt_p50_ms"])
 
 
 async def test_a_probe_written_over_by_a_peer_is_whole_again_for_the_next_consumer_that_joins() -> None:
@@ -530,3 +533,153 @@ async def test_a_probe_written_over_by_a_peer_is_whole_again_for_the_next_consum
         async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer:
             assert consumer.transports == {producer.endpoint: "nixl"}
             assert await consumer.drop_select(torch.arange(8)) is not None
+
+
+# -- pulls: K and V READ straight into the caller's pools ----------------------------------
+
+
+def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of descriptors of each READ the agents make from here on."""
+    reads: list[int] = []
+    read = nixl.Agent.read
+
+    def counted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
+        reads.append(len(ranges))
+        return read(agent, remote, ranges, **where)
+
+    monkeypatch.setattr(nixl.Agent, "read", counted)
+    return reads
+
+
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
+async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
+    ucx: str, layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over nixl a pull's K and V are READ into the pools themselves, one descriptor per run of
+    slots, in the item's one READ; the returned item's K and V hold no bytes (meta tensors).
+    Head-major blocks have no contiguous rows: their item lands in kvrt's memory and is
+    scattered, as over every transport."""
+    from kvrt.kernels import paged_kv
+
+    source = random_pools(4, layout, seed=1)
+    target = random_pools(3, layout, copies=2 if layout is Layout.MLA else 1, seed=2)
+    tokens = torch.arange(500, 512)
+    from_replica = torch.arange(12) % 4
+    from_slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(3))[:12]
+    into_slots = torch.arange(16, 28)
+    untouched = [pool.clone() for pool in target.pools[0][0]]
+    scatters: list[object] = []
+    scatter = paged_kv.scatter_from_any
+    monkeypatch.setattr(paged_kv, "scatter_from_any", lambda *given: scatters.append(given) or scatter(*given))
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await consumer.link_for_tests()._joined()
+        reads = counting_reads(monkeypatch)
+        producer.register_pools(source)
+        await producer.publish(tokens, from_slots, from_replica)
+        item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
+    assert item is not None and item.matched == 12 and torch.equal(item.input_tokens, tokens)
+    for layer in range(LAYERS):
+        for token in range(12):
+            for kv in range(target.geometry.kv):
+                want = row(source, int(from_replica[token]), 0, layer, int(from_slots[token]), kv)
+                for copy in range(target.copies):
+                    assert same_bits(row(target, 2, copy, layer, 16 + token, kv), want)
+    assert all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
+    assert len(reads) == 1
+    if layout is Layout.BLOCK_HEAD_MAJOR:
+        assert item.key.device.type == "cpu" and len(scatters) == 1
+    else:
+        assert item.key.device.type == "meta" and item.key.shape == (LAYERS, 12, target.geometry.heads, DIM)
+        assert not scatters and reads[0] > 1
+
+
+async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pull whose READ into the pools is still in flight when the caller cancels it: the
+    READ is released before the cancellation returns (the engine may reuse the slots at
+    once), the item goes back to the producer, and the next pull lands it whole."""
+    wedged = False
+    posted, released = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
+
+    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
+        if not wedged:
+            return post(transfer)
+        loop.call_soon_threadsafe(posted.set)
+        return nixl.TransferState.PENDING
+
+    def noting_the_release(transfer: nixl.Transfer) -> None:
+        release(transfer)
+        if wedged:
+            loop.call_soon_threadsafe(released.set)
+
+    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    source, target = random_pools(1, Layout.BLOCK, seed=4), random_pools(1, Layout.BLOCK, seed=5)
+    tokens = torch.arange(8)
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        producer.register_pools(source)
+        await producer.publish(tokens, torch.arange(8))
+        await consumer.link_for_tests()._joined()
+        wedged = True
+        pull = asyncio.create_task(consumer.pull(tokens, into=target, slots=torch.arange(8, 16), timeout=5))
+        await asyncio.wait_for(posted.wait(), 10)
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pull, 5)
+        assert released.is_set()  # before the pull returned, not after
+        wedged = False
+        item = await asyncio.wait_for(consumer.pull(tokens, into=target, slots=torch.arange(16, 24), timeout=5), 10)
+    assert item is not None
+    for slot in range(8):
+        assert same_bits(row(target, 0, 0, 1, 16 + slot, 1), row(source, 0, 0, 1, slot, 1))
+
+
+async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools are registered with the consumer's agent at their first pull, once; a table
+    that was dropped loses its registrations at the next pull, and closing drops the rest."""
+    registered: set[int] = set()
+    register, deregister = nixl.Agent.register, nixl.Agent.deregister
+
+    def noting_register(agent: nixl.Agent, address: int, nbytes: int, device: torch.device) -> nixl.Registration:
+        registration = register(agent, address, nbytes, device)
+        registered.add(registration.registration_id)
+        return registration
+
+    def noting_deregister(agent: nixl.Agent, registration: nixl.Registration) -> None:
+        deregister(agent, registration)
+        registered.discard(registration.registration_id)
+
+    monkeypatch.setattr(nixl.Agent, "register", noting_register)
+    monkeypatch.setattr(nixl.Agent, "deregister", noting_deregister)
+    source = random_pools(1, Layout.BLOCK, seed=6)
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        producer.register_pools(source)
+        await consumer.link_for_tests()._joined()
+        receiver = nixl_of(consumer)
+        first = random_pools(1, Layout.BLOCK, seed=7)
+        for request in range(2):
+            await producer.publish(torch.arange(4) + 10 * request, torch.arange(4))
+            assert await consumer.pull(torch.arange(4) + 10 * request, into=first, slots=torch.arange(4)) is not None
+        held = list(receiver._pools[first])
+        assert len(held) == LAYERS and {r.registration_id for r in held} <= registered
+        del first
+        gc.collect()
+        await producer.publish(torch.arange(4) + 100, torch.arange(4))
+        second = random_pools(1, Layout.BLOCK, seed=8)
+        assert await consumer.pull(torch.arange(4) + 100, into=second, slots=torch.arange(4)) is not None
+        assert not {r.registration_id for r in held} & registered
+        assert len(receiver._pools[second]) == LAYERS
+    assert not registered  # every registration of both sides, pools and slabs

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
@@ -276,3 +279,67 @@ def test_a_head_major_block_pool_reads_a_slots_key_as_a_column_of_its_block_and_
 def test_a_head_major_block_pool_of_another_shape_is_refused() -> None:
     with pytest.raises(kvrt.InvalidInputError, match=r"\[blocks, heads, 2, block_size, head_dim\]"):
         PoolTable([[[torch.zeros((SLOTS // 4, HEADS, 4, 2 * DIM))]]], Layout.BLOCK_HEAD_MAJOR)
+
+
+def landed_by_descriptors(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor
+) -> int:
+    """Write an item's K and V into `table` as a transport following `landing_ranges` would:
+    one copy of bytes per row, from the item's packed payload. Returns the number of rows."""
+    from kvrt._pools import landing_ranges
+
+    payload = torch.cat([key.reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)])
+    rows = landing_ranges(
+        table, replica.numpy(), slots.numpy(), item_tokens=key.shape[1], key_offset=0, value_offset=key.nbytes
+    )
+    assert rows is not None
+    for pool_address, offset, nbytes in rows.tolist():
+        assert offset >= 0 and offset + nbytes <= payload.numel()  # inside the item, always
+        ctypes.memmove(pool_address, payload.data_ptr() + offset, nbytes)
+    return len(rows)
+
+
+@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.MLA], ids=lambda layout: layout.value)
+@pytest.mark.parametrize("slots_given", ["scattered", "in-pages", "fewer-than-tokens"])
+def test_a_pulls_descriptors_write_the_pools_exactly_as_the_scatter_does(layout: Layout, slots_given: str) -> None:
+    from kvrt.kernels.paged_kv import scatter_from_any
+
+    source = random_pools(2, layout, seed=11)
+    tokens = 12
+    key, value = gather_layer_reference(source, torch.arange(tokens) % 2, torch.arange(tokens), 0)
+    key = torch.stack([key * (layer + 1) for layer in range(LAYERS)])  # every layer its own bytes
+    value = torch.stack([value * (layer + 1) for layer in range(LAYERS)])
+    generator = torch.Generator().manual_seed(12)
+    if slots_given == "scattered":
+        replica = torch.randint(0, 3, (tokens,), generator=generator)
+        slots = torch.randperm(SLOTS, generator=generator)[:tokens]
+    elif slots_given == "in-pages":  # two pages of one replica, then the rest of the request in another
+        replica = torch.tensor([1] * 8 + [2] * 4)
+        slots = torch.cat([torch.arange(4, 12), torch.arange(20, 24)])
+    else:
+        replica, slots = torch.full((5,), 2), torch.arange(8, 13)
+    copies = 2 if layout is Layout.MLA else 1
+    by_scatter = random_pools(3, layout, copies=copies, seed=13)
+    by_descriptors = random_pools(3, layout, copies=copies, seed=13)
+    scatter_from_any(by_scatter, key, value, replica, slots)
+    rows = landed_by_descriptors(by_descriptors, key, value, replica, slots)
+    for want, got in zip(by_scatter.pools, by_descriptors.pools, strict=True):
+        for want_copy, got_copy in zip(want, got, strict=True):
+            assert all(same_bits(a, b) for a, b in zip(want_copy, got_copy, strict=True))
+    # Consecutive slots of one replica are one descriptor a layer, part and copy, where a
+    # slot's rows follow the previous slot's (not token-major: its K and V interleave).
+    pages = layout is not Layout.TOKEN_MAJOR
+    runs = 1 + sum(
+        not (pages and slots[i] == slots[i - 1] + 1 and replica[i] == replica[i - 1]) for i in range(1, slots.numel())
+    )
+    if slots_given == "in-pages":
+        assert runs == (2 if pages else 12)
+    assert rows == runs * LAYERS * by_scatter.geometry.kv * copies
+
+
+def test_head_major_blocks_have_no_descriptors_and_are_scattered() -> None:
+    from kvrt._pools import landing_ranges
+
+    table = random_pools(1, Layout.BLOCK_HEAD_MAJOR)
+    empty = np.zeros(4, dtype=np.int64)
+    assert landing_ranges(table, empty, np.arange(4), item_tokens=4, key_offset=0, value_offset=0) is None

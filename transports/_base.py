@@ -57,6 +57,10 @@ the consumer (each transport module provides one of each, built by `select.make_
   done-callback, so a transport hands out a future, not a coroutine.
   A GPU transport also hands out the tensors at once with an event per payload segment,
   so that a pull can scatter the first layers while the last are still on the wire.
+* `receive_into_pools`: instead of `receive`, for the Deliver of a pull from one producer:
+  a transport that can land K and V in the caller's pools itself (nixl: one READ whose
+  descriptors name the pools' slots) does so and says so (`PoolLanding.landed`); the others
+  `receive` as usual, and the pull scatters the item.
 
 Both halves: `aclose` when the producer or consumer closes.
 """
@@ -70,12 +74,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
+from kvrt._pools import PoolTable
 from kvrt._tensors import check_batch_segments, check_metas
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -209,6 +215,51 @@ class Sender(abc.ABC):
         """Release threads, streams and pairs."""
 
 
+@dataclass(slots=True)
+class PoolLanding:
+    """A pull's pools, for a transport that lands K and V there itself: token i goes to
+    `slots[i]` of replica `replicas[i]` (checked in range), for as many tokens as both have.
+    `stream` (GPU) is the pull's: the pools are written only after the work queued on it.
+    `landed` is set by the transport that did so."""
+
+    table: PoolTable
+    replicas: torch.Tensor
+    slots: torch.Tensor
+    stream: torch.cuda.Stream | None = None
+    landed: bool = False
+    reading: asyncio.Future[Any] | None = None
+    """Done once the transport's write into the pools ended (set with `landed`)."""
+    stop: bool = False
+    """Set by `ended`: the write is to be given up (the pull ended without it)."""
+    _host: tuple[np.ndarray, np.ndarray] | None = None
+
+    async def ended(self) -> None:
+        """Return once nothing writes the pools any more: a write still going (the pull failed
+        or was cancelled before it landed) is told to stop, and waited for (it ends within the
+        link's transfer timeout at the latest, when the link gives the producer up)."""
+        reading = self.reading
+        if reading is None or reading.done():
+            return
+        self.stop = True
+        await asyncio.wait([reading])
+
+    def host_indexes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The replica and slot indexes on the host (read back once, after the pull's stream
+        wrote them, where they are on the device)."""
+        if self._host is None:
+            with contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream):
+                self._host = (self.replicas.cpu().numpy(), self.slots.cpu().numpy())
+        return self._host
+
+    def ready(self) -> torch.cuda.Event | None:
+        """An event recorded now on the pull's stream (None on the host)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
 class Receiver(abc.ABC):
     """The consumer's half of a transport: posts the receives of the items delivered to it."""
 
@@ -230,6 +281,12 @@ class Receiver(abc.ABC):
     @abc.abstractmethod
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
+
+    def receive_into_pools(self, deliver: Deliver, frames: Sequence[zmq.Frame], pools: PoolLanding) -> Arrival:
+        """As `receive`, for a pull into `pools`: a transport that can write the item's K and
+        V straight into them sets `pools.landed` (the arrival's key and value then hold no
+        bytes); by default the item is received as any other, for the pull to scatter."""
+        return self.receive(deliver, frames)
 
     def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
         """Consumer side: the frames of a delivery whose header came alone (TCP only)."""

@@ -194,20 +194,27 @@ class Agent:
             raise _failed("removing a NIXL peer", exc) from None
 
     def read(
-        self, remote: str, ranges: Sequence[tuple[int, int, int]], *, local: torch.device, peer: torch.device
+        self,
+        remote: str,
+        ranges: Sequence[tuple[int, int, int]] | np.ndarray,
+        *,
+        local: torch.device,
+        peer: torch.device,
     ) -> Transfer:
-        """A READ of `ranges` (local address, remote address, bytes), one descriptor each, from
-        the memory `remote` registered on its `peer` device into this agent's on `local`."""
+        """A READ of `ranges` (local address, remote address, bytes; or an int64 array of such
+        rows), one descriptor each, from the memory `remote` registered on its `peer` device
+        into this agent's on `local`."""
         local_memory, local_id = _memory(local)
         remote_memory, remote_id = _memory(peer)
         local_rows: Any
         remote_rows: Any
-        if len(ranges) <= _FEW_DESCRIPTORS:  # lists of tuples: cheaper than numpy for a few
+        if not isinstance(ranges, np.ndarray) and len(ranges) <= _FEW_DESCRIPTORS:
+            # Lists of tuples: cheaper than numpy for a few.
             local_rows = [(address, nbytes, local_id) for address, _, nbytes in ranges]
             remote_rows = [(address, nbytes, remote_id) for _, address, nbytes in ranges]
             nbytes = sum(nbytes for _, _, nbytes in ranges)
         else:
-            rows = np.array(ranges, dtype=np.uint64).reshape(-1, 3)
+            rows = np.asarray(ranges).astype(np.uint64, copy=False).reshape(-1, 3)
             local_rows = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_id, dtype=np.uint64)], axis=1)
             remote_rows = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), remote_id, dtype=np.uint64)], axis=1)
             nbytes = int(rows[:, 2].sum())

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Final, TypeVar
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 from msgspec import Meta
@@ -68,17 +69,32 @@ from kvrt._errors import (
     RemoteProtocolError,
     TransportUnavailableError,
 )
-from kvrt._messages import Deliver, DeliverMany
+from kvrt._messages import Deliver, DeliverMany, TensorMeta
+from kvrt._pools import PoolTable, landing_ranges
 from kvrt._tensors import (
+    DTYPES,
+    back_to_back,
     batch_views,
     check_metas,
     check_segments,
+    dtype_name,
+    meta_end,
     transfer_segments,
     unpack_tensor,
 )
 from kvrt._threads import Waiter, outcome_seen
 from kvrt.transports._arena import RegisteredArena, Slab
-from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, checked_batch, five, item_metas
+from kvrt.transports._base import (
+    Arrival,
+    ItemTensors,
+    PoolLanding,
+    Receiver,
+    Sender,
+    batch_hits,
+    checked_batch,
+    five,
+    item_metas,
+)
 from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState, nixl_unavailable
 
 log = logging.getLogger("kvrt.transports")
@@ -374,6 +390,9 @@ class NixlReceiver(Receiver):
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
         self._session: _Session | None = None
+        self._pools: weakref.WeakKeyDictionary[PoolTable, list[Registration]] = weakref.WeakKeyDictionary()
+        self._collected: list[Registration] = []
+        """Registrations of pool tables since collected, dropped at the next landing."""
         self._ended: asyncio.Future[None] | None = None
         """Done once the last session's thread dropped the producer's agent (a join loads it anew)."""
 
@@ -448,6 +467,47 @@ class NixlReceiver(Receiver):
         ranges = [(base + offset, read.address + offset, nbytes) for offset, nbytes in segments]
         return Arrival(self._post(session, ranges, payload, registration, tensors))
 
+    def receive_into_pools(self, deliver: Deliver, frames: Sequence[zmq.Frame], pools: PoolLanding) -> Arrival:
+        """One READ that lands the item's K and V in the pools, a descriptor per run of slots
+        (`landing_ranges`), and its tokens, roi and hidden states in this side's arena. The
+        arrival's key and value are meta tensors: their shape and dtype, no bytes. An item
+        the pools cannot take as it is (another dtype or geometry, head-major blocks), or
+        pools the agent cannot register, is received as usual, for the pull to scatter."""
+        session = self._joined()
+        payload_bytes = deliver.payload_bytes
+        check_segments(transfer_segments(deliver.segments, payload_bytes), payload_bytes)
+        metas = item_metas(deliver)
+        check_metas(metas, payload_bytes)
+        rows = _pool_rows(deliver, pools)
+        if rows is None or not payload_bytes:
+            return self.receive(deliver, frames)
+        held = self._pool_registrations(pools.table)
+        if held is None:
+            return self.receive(deliver, frames)
+        (read,) = self._reads(frames, 1)
+        self._load(session, read)
+        tokens, roi, key, value, hidden = metas
+        assert key is not None and value is not None  # Deliver's types say so
+        aside = [(index, meta) for index, meta in ((0, tokens), (1, roi), (4, hidden)) if meta is not None]
+        placed, aside_bytes = back_to_back([meta for _, meta in aside])
+        payload, registration = self._payload(max(1, aside_bytes))
+        views: list[torch.Tensor | None] = [None] * 5
+        for (index, _), view in zip(aside, unpack_tensor(placed, payload), strict=True):
+            views[index] = view
+        views[2], views[3] = _shaped(key), _shaped(value)
+        base = payload.data_ptr()
+        copies = [
+            (base + where.offset, read.address + meta.offset, meta_end(meta) - meta.offset)
+            for (_, meta), where in zip(aside, placed, strict=True)
+            if meta_end(meta) > meta.offset
+        ]
+        rows[:, 1] += read.address
+        if copies:
+            rows = np.concatenate((np.array(copies, dtype=np.int64), rows))
+        landing = self._post(session, rows, payload, registration, five(views), pools=pools)
+        pools.landed, pools.reading = True, landing
+        return Arrival(landing)
+
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         session = self._joined()
         hits = batch_hits(message)
@@ -492,6 +552,10 @@ class NixlReceiver(Receiver):
         registrations = [slab.registration for slab in self._arena.slabs if slab.registration is not None]
         for slab in self._arena.slabs:
             slab.registration = None
+        registrations += [registration for held_pools in self._pools.values() for registration in held_pools]
+        registrations += self._collected
+        self._pools.clear()
+        self._collected.clear()
         held = [agent]
         del agent
         await asyncio.to_thread(_deregistered_and_dropped, held, registrations)
@@ -524,6 +588,39 @@ class NixlReceiver(Receiver):
             raise RemoteProtocolError(f"nixl: a region of agent {name!r} in a delivery of {session.remote!r}")
         session.loaded.add(read.metadata)
 
+    def _pool_registrations(self, table: PoolTable) -> list[Registration] | None:
+        """The pools of `table` registered with this side's agent: once per table, for as long
+        as it lives (each pool's registration is dropped at the first landing after the table
+        was collected, or at `aclose`). None when the agent refused one (logged)."""
+        held = self._pools.get(table)
+        if held is not None:
+            return held
+        agent = self._agent
+        assert agent is not None  # joined
+        self._deregister_collected()
+        held = []
+        pools = {pool.data_ptr(): pool for replica in table.pools for copy in replica for pool in copy}
+        try:
+            for address, pool in pools.items():
+                held.append(agent.register(address, pool.numel() * pool.element_size(), self.device))
+        except AgentError as exc:
+            log.info("nixl: the pools cannot be registered (%s): pulls scatter what lands in the arena", exc)
+            for registration in held:
+                agent.deregister(registration)
+            return None
+        self._pools[table] = held
+        weakref.finalize(table, self._collected.extend, held)
+        return held
+
+    def _deregister_collected(self) -> None:
+        collected, self._collected[:] = list(self._collected), []
+        assert self._agent is not None
+        for registration in collected:
+            try:
+                self._agent.deregister(registration)
+            except AgentError as exc:
+                log.info("nixl: %s", exc)
+
     def _payload(self, payload_bytes: int) -> tuple[torch.Tensor, Registration | None]:
         """The receive buffer: a region of the arena, else one registered for this READ alone."""
         if payload_bytes > _MAX_PAYLOAD_BYTES:
@@ -541,14 +638,18 @@ class NixlReceiver(Receiver):
     def _post(
         self,
         session: _Session,
-        ranges: list[tuple[int, int, int]],
+        ranges: list[tuple[int, int, int]] | np.ndarray,
         payload: torch.Tensor,
         registration: Registration | None,
         result: _T,
+        *,
+        pools: PoolLanding | None = None,
     ) -> asyncio.Future[_T]:
-        """READ `ranges` (local, remote, bytes) into `payload`: a future done with `result`
-        once they landed. Small READs with nothing queued before them are posted here (most
-        end inside the call); the rest are posted and waited for by the session's waiter."""
+        """READ `ranges` (local, remote, bytes) into `payload` (and `pools`, where they name
+        them): a future done with `result` once they landed. Small READs with nothing queued
+        before them are posted here (most end inside the call); the rest are posted and
+        waited for by the session's waiter, which first waits for the caller's work on the
+        pools, where that has not ended, and gives the READ up when told (`pools.stop`)."""
         agent = self._agent
         assert agent is not None  # joined
         try:
@@ -559,7 +660,10 @@ class NixlReceiver(Receiver):
             raise _translated(exc, "the READ the producer described cannot be made") from None
         loop = asyncio.get_running_loop()
         posted = None
-        if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0:
+        ready = None if pools is None else pools.ready()
+        if ready is not None and ready.query():
+            ready = None
+        if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0 and ready is None:
             try:
                 posted = transfer.post()
             except AgentError as exc:
@@ -576,10 +680,15 @@ class NixlReceiver(Receiver):
                     done.set_exception(_read_failed(session))
                 return done
 
+        def give_up() -> bool:
+            return session.abandoned or (pools is not None and pools.stop)
+
         def wait() -> None:
             try:
+                if ready is not None:
+                    ready.synchronize()  # the caller's work on the pools before the pull
                 state = transfer.post() if posted is None else posted
-                state = _until_ended(transfer, lambda: session.abandoned, deadline=None, state=state)
+                state = _until_ended(transfer, give_up, deadline=None, state=state)
             except AgentError:
                 state = TransferState.FAILED
             finally:
@@ -619,6 +728,30 @@ class NixlReceiver(Receiver):
         self._ended = session.waiter.wait(forget_remote)
         self._ended.add_done_callback(outcome_seen)
         session.waiter.close()
+
+
+def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
+    """The pool descriptors of a pull's item (`landing_ranges`, offsets in its payload), or
+    None when the item does not lie in the pools as it is."""
+    table, g = pools.table, pools.table.geometry
+    key, value = deliver.key, deliver.value
+    shape = [table.layers, key.shape[1] if len(key.shape) == 4 else -1, g.heads, g.head_dim]
+    if list(key.shape) != shape or key.dtype != dtype_name(table.dtype):
+        return None
+    if g.kv == 2 and (list(value.shape) != shape or value.dtype != key.dtype):
+        return None
+    if g.kv == 1 and 0 not in value.shape:
+        return None
+    replicas, slots = pools.host_indexes()
+    count = min(shape[1], len(slots))
+    return landing_ranges(
+        table, replicas[:count], slots[:count], item_tokens=shape[1], key_offset=key.offset, value_offset=value.offset
+    )
+
+
+def _shaped(meta: TensorMeta) -> torch.Tensor:
+    """A tensor of `meta`'s shape and dtype that holds no bytes (on the meta device)."""
+    return torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device="meta")
 
 
 def _decoded(frame: zmq.Frame) -> NixlRead:

@@ -49,8 +49,12 @@ class LinkArrivals(LinkSession):
             # producer's), so nothing is read.
             self._refuse_unread(future, [deliver.item_id], payload)
             return
+        pools = self._pools.get(deliver.request_id)
         try:
-            arrival = self._transport.receive(deliver, payload)
+            if pools is not None and future is not None and not future.done():
+                arrival = self._transport.receive_into_pools(deliver, payload, pools)
+            else:
+                arrival = self._transport.receive(deliver, payload)
         except ProtocolError as exc:
             if self._transport.out_of_band:
                 self._start_afresh(future, exc)

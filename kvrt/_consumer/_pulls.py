@@ -21,7 +21,7 @@ from kvrt._item import KVItem
 from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._tensors import layer_chunks, transfer_segments
 from kvrt._threads import gpu_worker
-from kvrt.transports._base import Arrival
+from kvrt.transports._base import Arrival, PoolLanding
 
 
 class _Pulling(_Selecting):
@@ -63,12 +63,23 @@ class _Pulling(_Selecting):
         from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
 
         # Bad slots are refused before any item is taken.
-        replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
+        given = per_token(replica, slots), slots
+        replicas, slots = checked_indexes(into, *given)
         wanted = head_range(heads, "pull: heads")
-        if self.device.type == "cuda" and len(self._links) == 1 and self._consensus is None and wanted is None:
-            item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas)
-        else:
-            item, scattered = await self._lookup(input_tokens, roi, timeout, what="pull", heads=wanted), False
+        one_producer = len(self._links) == 1 and self._consensus is None and wanted is None
+        # A transport that reads the producer's memory itself (nixl) lands K and V in the
+        # slots in the same READ, with no scatter after it.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        pools = PoolLanding(into, *given, stream=stream) if one_producer else None
+        try:
+            if self.device.type == "cuda" and pools is not None:
+                item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas, pools)
+            else:
+                item = await self._lookup(input_tokens, roi, timeout, what="pull", heads=wanted, pools=pools)
+                scattered = pools is not None and pools.landed
+        finally:
+            if pools is not None:  # the caller's later work on these slots comes after the writes
+                await pools.ended()
         if item is not None and not scattered:
             count = min(item.key.shape[1], slots.numel())
             # Straight from the item as it arrived (its K and V are views of the received
@@ -78,7 +89,7 @@ class _Pulling(_Selecting):
 
     async def _pull_pipelined(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
-        slots: torch.Tensor, replicas: torch.Tensor,
+        slots: torch.Tensor, replicas: torch.Tensor, pools: PoolLanding,
     ) -> tuple[KVItem | None, bool]:  # fmt: skip
         """`pull` on a GPU: chunks are scattered as they land (see `pull`). Returns the item and
         whether it was scattered (not when it came without early tensors, as over TCP)."""
@@ -117,14 +128,16 @@ class _Pulling(_Selecting):
             queued.append(self._scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
 
         try:
-            item = await self._lookup(input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands)
+            item = await self._lookup(
+                input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands, pools=pools
+            )
         finally:
             for job in queued:  # the caller's later work on these slots comes after the writes
                 # Queued long before the last byte landed, as a rule: then no wrapping future
                 # and its hops of the loop (three, after the item itself completed).
                 done: torch.cuda.Event = job.result() if job.done() else await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
-        return item, bool(queued)
+        return item, bool(queued) or pools.landed
 
     def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._scatters is None:

@@ -39,6 +39,7 @@ from kvrt._item import (
     truncate,
 )
 from kvrt._messages import HeadRange
+from kvrt.transports._base import PoolLanding
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -331,9 +332,11 @@ class _Selecting(ConsumerState):
     async def _lookup(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *, what: str,
         on_landing: OnLanding | None = None, into: KVBuffers | None = None, heads: HeadRange | None = None,
+        pools: PoolLanding | None = None,
     ) -> KVItem | None:  # fmt: skip
-        """drop_select, counted and timed; `on_landing` as for `_Link.call` (one producer, no
-        group); `into` checked already; `heads` a checked range (pieces, see `drop_select`)."""
+        """drop_select, counted and timed; `on_landing` and `pools` as for `_Link.call` (one
+        producer, no group); `into` checked already; `heads` a checked range (pieces, see
+        `drop_select`)."""
         self._check_open()
         query = query_bytes(input_tokens, roi, what=what)
         check_timeout(timeout, what=what)
@@ -347,7 +350,7 @@ class _Selecting(ConsumerState):
             if plans is not None:
                 item = await self._drop_select_pieces(query, timeout, plans, into=into)
             else:
-                item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing, into=into)
+                item = await self._drop_select(build, waits_s=timeout, on_landing=on_landing, into=into, pools=pools)
         except KVRTError as error:
             self._count_error(error)
             raise
@@ -475,7 +478,7 @@ class _Selecting(ConsumerState):
 
     async def _drop_select(
         self, build: Callable[[int], m.Message], *, waits_s: float | None, on_landing: OnLanding | None = None,
-        into: KVBuffers | None = None,
+        into: KVBuffers | None = None, pools: PoolLanding | None = None,
     ) -> KVItem | None:  # fmt: skip
         """One drop-select whose producer may wait `waits_s` for a match (None: for ever)."""
         if self._consensus is not None:
@@ -483,7 +486,10 @@ class _Selecting(ConsumerState):
                 lambda: self._take(build, waits_s=waits_s, into=into), self._consensus, into=into
             )
         if len(self._links) == 1:
-            return (await self._links[0].call(build, on_landing=on_landing, waits_s=waits_s, into=_landing(into))).item
+            reply = await self._links[0].call(
+                build, on_landing=on_landing, waits_s=waits_s, into=_landing(into), pools=pools
+            )
+            return reply.item
         taken = await self._take(build, waits_s=waits_s, into=into)
         if taken is None:
             return None
