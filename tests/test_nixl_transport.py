@@ -499,7 +499,9 @@ def test_the_nixl_benchmark_runs_on_the_host_and_reports_each_ratio_beside_its_r
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kvrt over nixl on cpu, one request at a time, beside raw NIXL READs" in result.stdout
     rows = json.loads(report.read_text())
-    assert [entry["case"]["kind"] for entry in rows] == ["item", "pull"]
+    assert [(entry["case"]["kind"], entry["case"]["layout"]) for entry in rows] == [
+        ("item", "token_major"), ("pull", "block")
+    ]
     for entry in rows:
         assert entry["raw_p50_ms"] > 0 and entry["kvrt_p50_ms"] > 0
         assert entry["ratio"] == pytest.approx(entry["raw_p50_ms"] / entry["kvrt_p50_ms"])
@@ -558,8 +560,11 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
     """Over nixl a pull's K and V are READ into the pools themselves, one descriptor per run of
     slots, in the item's one READ; the returned item's K and V hold no bytes (meta tensors).
     Head-major blocks have no contiguous rows: their item lands in kvrt's memory and is
-    scattered, as over every transport."""
+    scattered, as over every transport. (These pools' rows are tiny: descriptors of any size
+    are taken here, see the next test.)"""
     from kvrt.kernels import paged_kv
+
+    monkeypatch.setattr(nixl, "POOL_DESCRIPTOR_BYTES", 0)
 
     source = random_pools(4, layout, seed=1)
     target = random_pools(3, layout, copies=2 if layout is Layout.MLA else 1, seed=2)
@@ -596,6 +601,41 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
         assert not scatters and reads[0] > 1
 
 
+@pytest.mark.parametrize(("page_tokens", "in_place"), [(1, False), (64, True)], ids=["token-rows", "pages"])
+async def test_a_pull_lands_in_place_only_where_its_runs_of_slots_are_long(
+    page_tokens: int, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UCX pays for every descriptor: runs of slots shorter than `POOL_DESCRIPTOR_BYTES` on
+    average (here a slot's 2 KiB row each) are READ whole into kvrt's memory and scattered;
+    pages of 64 slots (128 KiB a run) are READ in place."""
+    from kvrt.kernels import paged_kv
+
+    tokens, heads, dim = 256, 4, 128  # 1 KiB of K and 1 KiB of V a token and layer, bf16
+
+    def pools() -> kvrt.PoolTable:
+        layers = [torch.randn(2, 8, 64, heads, dim).to(torch.bfloat16) for _ in range(2)]
+        return kvrt.PoolTable([[layers]], Layout.BLOCK)
+
+    source, target = pools(), pools()
+    pages = torch.randperm(512 // page_tokens, generator=torch.Generator().manual_seed(9))[: tokens // page_tokens]
+    into_slots = (pages[:, None] * page_tokens + torch.arange(page_tokens)).flatten()
+    scatters: list[object] = []
+    scatter = paged_kv.scatter_from_any
+    monkeypatch.setattr(paged_kv, "scatter_from_any", lambda *given: scatters.append(given) or scatter(*given))
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        producer.register_pools(source)
+        await producer.publish(torch.arange(tokens), torch.arange(tokens))
+        item = await consumer.pull(torch.arange(tokens), into=target, slots=into_slots)
+    assert item is not None and (item.key.device.type == "meta") == in_place and len(scatters) == (0 if in_place else 1)
+    for layer in range(2):
+        for kv in range(2):
+            landed = target.pools[0][0][layer][kv].reshape(512, heads, dim)[into_slots]
+            assert same_bits(landed, source.pools[0][0][layer][kv].reshape(512, heads, dim)[:tokens])
+
+
 async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_slots(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -621,6 +661,7 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
     monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
     monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
     monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    monkeypatch.setattr(nixl, "POOL_DESCRIPTOR_BYTES", 0)
     source, target = random_pools(1, Layout.BLOCK, seed=4), random_pools(1, Layout.BLOCK, seed=5)
     tokens = torch.arange(8)
     async with (
@@ -661,6 +702,7 @@ async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(m
 
     monkeypatch.setattr(nixl.Agent, "register", noting_register)
     monkeypatch.setattr(nixl.Agent, "deregister", noting_deregister)
+    monkeypatch.setattr(nixl, "POOL_DESCRIPTOR_BYTES", 0)
     source = random_pools(1, Layout.BLOCK, seed=6)
     async with (
         kvrt.Producer(transport="nixl") as producer,
@@ -683,3 +725,45 @@ async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(m
         assert not {r.registration_id for r in held} & registered
         assert len(receiver._pools[second]) == LAYERS
     assert not registered  # every registration of both sides, pools and slabs
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("host_indexes", [False, True], ids=["indexes-on-the-device", "indexes-on-the-host"])
+async def test_a_gpu_pull_reads_its_pages_in_place_after_the_callers_work_on_them(host_indexes: bool) -> None:
+    """On a GPU a pull into 16-slot pages of VRAM READs them in place (both processes on
+    cuda:0), and only after the work the caller queued on its stream before the pull: pages
+    cleared by a kernel still queued behind 100 ms of GPU work hold the request afterwards,
+    not the clearing (a READ landed first would be written over)."""
+    from tests._gpu_processes import PULL_DIM, PULL_HEADS, PULL_LAYERS, PULL_SLOTS, pull_request, run_gpu_publisher
+
+    torch.cuda.set_device("cuda:0")
+    publisher = ("cuda:0", 5, 16 << 20, False, host_indexes, "nixl")
+    pools, tokens, replica, slots = pull_request(5)
+    page = 16
+    pages = torch.randperm(PULL_SLOTS // page, generator=torch.Generator().manual_seed(1))[: tokens.numel() // page]
+    into_slots = (pages[:, None] * page + torch.arange(page)).flatten()
+    shape = (2, PULL_SLOTS // page, page, PULL_HEADS, PULL_DIM)
+    target = kvrt.PoolTable(
+        [[[torch.zeros(shape, dtype=torch.bfloat16, device="cuda:0") for _ in range(PULL_LAYERS)]]], Layout.BLOCK
+    )
+    async with (
+        child_process(run_gpu_publisher, publisher, "GPU publisher") as (endpoint, _, _),
+        kvrt.Consumer(connect=endpoint, device="cuda:0", transport="nixl") as consumer,
+    ):
+        await consumer.link_for_tests()._joined()
+        torch.cuda._sleep(200_000_000)  # ~100 ms of the caller's GPU work, then the clearing
+        for pool in target.pools[0][0]:
+            pool.fill_(7.0)
+        item = await consumer.pull(
+            tokens, into=target, slots=into_slots if host_indexes else into_slots.cuda(), timeout=30
+        )
+    assert item is not None and item.key.device.type == "meta"
+    for layer in range(PULL_LAYERS):
+        for kv in range(2):
+            landed = target.pools[0][0][layer][kv].reshape(PULL_SLOTS, PULL_HEADS, PULL_DIM)[into_slots.cuda()].cpu()
+            want = torch.empty_like(landed)
+            for r in range(len(pools)):
+                chosen = (replica == r).nonzero().flatten()
+                rows = pools[r][0][layer][slots[chosen]]  # token-major: K heads, then V heads
+                want[chosen] = rows[:, kv * PULL_HEADS : (kv + 1) * PULL_HEADS]
+            assert same_bits(landed, want)

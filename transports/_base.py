@@ -218,20 +218,20 @@ class Sender(abc.ABC):
 @dataclass(slots=True)
 class PoolLanding:
     """A pull's pools, for a transport that lands K and V there itself: token i goes to
-    `slots[i]` of replica `replicas[i]` (checked in range), for as many tokens as both have.
-    `stream` (GPU) is the pull's: the pools are written only after the work queued on it.
-    `landed` is set by the transport that did so."""
+    `slots[i]` of replica `replicas[i]` (host arrays, checked in range; None where the pull's
+    indexes live on the device and were not read back: the item is then received as usual),
+    for as many tokens as both have. On a GPU, `ready` was recorded on the pull's stream when
+    it began: the pools are written only after it. `landed` is set by the transport that did."""
 
     table: PoolTable
-    replicas: torch.Tensor
-    slots: torch.Tensor
-    stream: torch.cuda.Stream | None = None
+    replicas: np.ndarray | None
+    slots: np.ndarray | None
+    ready: torch.cuda.Event | None = None
     landed: bool = False
     reading: asyncio.Future[Any] | None = None
     """Done once the transport's write into the pools ended (set with `landed`)."""
     stop: bool = False
     """Set by `ended`: the write is to be given up (the pull ended without it)."""
-    _host: tuple[np.ndarray, np.ndarray] | None = None
 
     async def ended(self) -> None:
         """Return once nothing writes the pools any more: a write still going (the pull failed
@@ -242,22 +242,6 @@ class PoolLanding:
             return
         self.stop = True
         await asyncio.wait([reading])
-
-    def host_indexes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The replica and slot indexes on the host (read back once, after the pull's stream
-        wrote them, where they are on the device)."""
-        if self._host is None:
-            with contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream):
-                self._host = (self.replicas.cpu().numpy(), self.slots.cpu().numpy())
-        return self._host
-
-    def ready(self) -> torch.cuda.Event | None:
-        """An event recorded now on the pull's stream (None on the host)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
 
 
 class Receiver(abc.ABC):
@@ -270,6 +254,9 @@ class Receiver(abc.ABC):
     from memory only a lease that still holds may read."""
     streams_tensors: bool = False
     """As `Sender.streams_tensors`: a stream message's tensors are received with `receive_tensors`."""
+    lands_in_pools: bool = False
+    """True when `receive_into_pools` writes a pull's K and V into the pools itself: a pull
+    then reads indexes it holds on the device back to the host first."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
         """Consumer side: join the producer's rendezvous (nothing by default)."""

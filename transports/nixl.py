@@ -115,6 +115,11 @@ _MAX_PAYLOAD_BYTES: Final = 1 << 40
 POST_ON_LOOP_BYTES: Final = 1 << 20
 """READs up to this size are posted from the loop (`cma` finishes one inside the call, in a
 few microseconds a 64 KiB); larger ones from the waiter thread, so the loop never copies."""
+POOL_DESCRIPTOR_BYTES: Final = 16 << 10
+"""The least a pull's descriptors into the pools must move on average for the READ to land
+there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
+one READ of the same 16 MiB), so rows of a token each (token-major pools) are READ whole and
+scattered, and pages of 16 tokens or more (block pools) are READ in place."""
 RECEIVE_ARENA_BYTES: Final = 4 << 30
 """The most memory a consumer keeps registered for receives (slabs of `_RECEIVE_SLAB_BYTES`)."""
 _RECEIVE_SLAB_BYTES: Final = 64 << 20
@@ -386,6 +391,7 @@ class NixlReceiver(Receiver):
     def __init__(self, device: torch.device, registered_bytes: int = RECEIVE_ARENA_BYTES) -> None:
         _refuse_if_unavailable()
         self.name = "nixl"
+        self.lands_in_pools = True
         self.device = device
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
@@ -471,15 +477,16 @@ class NixlReceiver(Receiver):
         """One READ that lands the item's K and V in the pools, a descriptor per run of slots
         (`landing_ranges`), and its tokens, roi and hidden states in this side's arena. The
         arrival's key and value are meta tensors: their shape and dtype, no bytes. An item
-        the pools cannot take as it is (another dtype or geometry, head-major blocks), or
-        pools the agent cannot register, is received as usual, for the pull to scatter."""
+        the pools cannot take as it is (another dtype or geometry, head-major blocks), runs
+        of slots too short for a descriptor each (`POOL_DESCRIPTOR_BYTES`), or pools the
+        agent cannot register, is received as usual, for the pull to scatter."""
         session = self._joined()
         payload_bytes = deliver.payload_bytes
         check_segments(transfer_segments(deliver.segments, payload_bytes), payload_bytes)
         metas = item_metas(deliver)
         check_metas(metas, payload_bytes)
         rows = _pool_rows(deliver, pools)
-        if rows is None or not payload_bytes:
+        if rows is None or not payload_bytes or len(rows) * POOL_DESCRIPTOR_BYTES > int(rows[:, 2].sum()):
             return self.receive(deliver, frames)
         held = self._pool_registrations(pools.table)
         if held is None:
@@ -660,7 +667,7 @@ class NixlReceiver(Receiver):
             raise _translated(exc, "the READ the producer described cannot be made") from None
         loop = asyncio.get_running_loop()
         posted = None
-        ready = None if pools is None else pools.ready()
+        ready = None if pools is None else pools.ready
         if ready is not None and ready.query():
             ready = None
         if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0 and ready is None:
@@ -742,7 +749,9 @@ def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
         return None
     if g.kv == 1 and 0 not in value.shape:
         return None
-    replicas, slots = pools.host_indexes()
+    replicas, slots = pools.replicas, pools.slots
+    if replicas is None or slots is None:
+        return None
     count = min(shape[1], len(slots))
     return landing_ranges(
         table, replicas[:count], slots[:count], item_tokens=shape[1], key_offset=key.offset, value_offset=value.offset

@@ -7,9 +7,12 @@ bytes with CUDA IPC), else the host (UCX's `cma`, or TCP with `UCX_TLS=tcp`).
   (then, on a GPU, the device synchronized);
 * kvrt, items: the producer holds the items (inserted before the clock); the consumer takes
   each with `drop_select` by its tokens, one at a time, on `transport="nixl"`;
-* kvrt, paged pull: the producer published each request from token-major paged pools
-  (`register_pools`, `publish`: gathered into an item before the clock); the consumer
-  `pull`s it into pools of its own (the READ, then the scatter), the device synchronized.
+* kvrt, paged pull: the producer published each request from paged pools (`register_pools`,
+  `publish`: gathered into an item before the clock); the consumer `pull`s it into pools of
+  its own, the device synchronized. Token-major pools (LightLLM: a 2 KiB row a token and
+  layer) take the READ into kvrt's memory, then the scatter; block pools of 16-slot pages
+  (vLLM), the request's pages in shuffled order, take one READ with a descriptor a page,
+  layer and part, straight into the pages.
 
 Goal: at 16 MiB and above, kvrt's rate (bytes over its p50) at least 90% of raw NIXL's.
 """
@@ -47,6 +50,8 @@ class Case:
     """"item" (drop_select) or "pull" (publish, then pull into pools)."""
     item_bytes: int
     requests: int
+    layout: str = "token_major"
+    """A pull's pools: "token_major" or "block" (16-slot pages)."""
 
     @property
     def tokens(self) -> int:
@@ -57,10 +62,16 @@ CASES: Final = (
     Case("16 MiB item", "item", 16 << 20, 30),
     Case("64 MiB item", "item", 64 << 20, 20),
     Case("256 MiB item", "item", 256 << 20, 10),
-    Case("16 MiB pull", "pull", 16 << 20, 30),
-    Case("64 MiB pull", "pull", 64 << 20, 20),
+    Case("16 MiB pull, token rows", "pull", 16 << 20, 30),
+    Case("64 MiB pull, token rows", "pull", 64 << 20, 20),
+    Case("16 MiB pull, 16-slot pages", "pull", 16 << 20, 30, "block"),
+    Case("64 MiB pull, 16-slot pages", "pull", 64 << 20, 20, "block"),
 )
-QUICK_CASES: Final = (Case("16 MiB item", "item", 16 << 20, 8), Case("16 MiB pull", "pull", 16 << 20, 8))
+QUICK_CASES: Final = (
+    Case("16 MiB item", "item", 16 << 20, 8),
+    Case("16 MiB pull, 16-slot pages", "pull", 16 << 20, 8, "block"),
+)
+PAGE_SLOTS: Final = 16
 
 
 def _device() -> str:
@@ -76,16 +87,30 @@ def _request_tokens(index: int, case: Case) -> torch.Tensor:
     return torch.arange(case.tokens) + 1_000_000 * (index + 1)
 
 
-def _pools(slots: int, device: str, fill: bool) -> Any:
-    """Token-major pools of one replica, `LAYERS` layers of [slots, 2 * HEADS, DIM] bf16."""
+def _pools(case: Case, device: str, fill: bool) -> Any:
+    """Pools of one replica for `case.tokens` slots, `LAYERS` layers, bf16: token-major
+    [slots, 2 * HEADS, DIM] or blocks [2, pages, PAGE_SLOTS, HEADS, DIM]."""
     from kvrt import Layout, PoolTable
 
-    def layer(index: int) -> torch.Tensor:
-        if fill:
-            return torch.full((slots, 2 * HEADS, DIM), float(index % 5), dtype=torch.bfloat16, device=device)
-        return torch.zeros((slots, 2 * HEADS, DIM), dtype=torch.bfloat16, device=device)
+    layout = Layout(case.layout)
+    if layout is Layout.BLOCK:
+        shape: tuple[int, ...] = (2, case.tokens // PAGE_SLOTS, PAGE_SLOTS, HEADS, DIM)
+    else:
+        shape = (case.tokens, 2 * HEADS, DIM)
 
-    return PoolTable([[[layer(index) for index in range(LAYERS)]]], Layout.TOKEN_MAJOR)
+    def layer(index: int) -> torch.Tensor:
+        return torch.full(shape, float(index % 5) if fill else 0.0, dtype=torch.bfloat16, device=device)
+
+    return PoolTable([[[layer(index) for index in range(LAYERS)]]], layout)
+
+
+def _pull_slots(case: Case, device: str) -> torch.Tensor:
+    """Where the consumer's pull lands the request: every slot, its pages in shuffled order
+    (as an engine's block table hands them out) where the pools are paged."""
+    if case.layout != "block":
+        return torch.arange(case.tokens, device=device)
+    pages = torch.randperm(case.tokens // PAGE_SLOTS, generator=torch.Generator().manual_seed(0))
+    return (pages[:, None] * PAGE_SLOTS + torch.arange(PAGE_SLOTS)).flatten().to(device)
 
 
 # -- kvrt -------------------------------------------------------------------------------------
@@ -100,7 +125,7 @@ def _kvrt_producer(case: Case, device: str, control: multiprocessing.connection.
         async with kvrt.Producer(device=device, transport="nixl", buffer_bytes=1 << 40) as producer:
             count = WARMUP + case.requests
             if case.kind == "pull":
-                producer.register_pools(_pools(case.tokens, device, fill=True))
+                producer.register_pools(_pools(case, device, fill=True))
                 slots = torch.arange(case.tokens, device=device)
                 for index in range(count):
                     await producer.publish(_request_tokens(index, case), slots)
@@ -129,8 +154,8 @@ def _kvrt_consumer(
     async def main() -> None:
         async with kvrt.Consumer(connect=endpoint, device=device, transport="nixl") as consumer:
             assert consumer.transports == {endpoint: "nixl"}, consumer.transports
-            target = _pools(case.tokens, device, fill=False) if case.kind == "pull" else None
-            slots = torch.arange(case.tokens, device=device)
+            target = _pools(case, device, fill=False) if case.kind == "pull" else None
+            slots = _pull_slots(case, device)
 
             async def take(index: int) -> None:
                 tokens = _request_tokens(index, case)
@@ -152,7 +177,7 @@ def _kvrt_consumer(
                 await take(index)
                 latencies.append(time.perf_counter() - started)
             if target is not None:  # the last request landed where the pull was told
-                assert float(target.pools[0][0][LAYERS - 1][-1, 0, 0]) == float((LAYERS - 1) % 5)
+                assert float(target.pools[0][0][LAYERS - 1].flatten()[-1]) == float((LAYERS - 1) % 5)
             control.send(Timed(latencies, time.perf_counter() - wall, 0.0))
 
     asyncio.run(main())

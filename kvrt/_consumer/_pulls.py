@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvrt import _messages as m
@@ -66,11 +67,11 @@ class _Pulling(_Selecting):
         given = per_token(replica, slots), slots
         replicas, slots = checked_indexes(into, *given)
         wanted = head_range(heads, "pull: heads")
-        one_producer = len(self._links) == 1 and self._consensus is None and wanted is None
-        # A transport that reads the producer's memory itself (nixl) lands K and V in the
-        # slots in the same READ, with no scatter after it.
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        pools = PoolLanding(into, *given, stream=stream) if one_producer else None
+        pools = None
+        if len(self._links) == 1 and self._consensus is None and wanted is None:
+            # A transport that reads the producer's memory itself (nixl) lands K and V in the
+            # slots in the same READ, with no scatter after it.
+            pools = await self._pool_landing(into, *given)
         try:
             if self.device.type == "cuda" and pools is not None:
                 item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas, pools)
@@ -138,6 +139,27 @@ class _Pulling(_Selecting):
                 done: torch.cuda.Event = job.result() if job.done() else await asyncio.shield(asyncio.wrap_future(job))
                 caller.wait_event(done)
         return item, bool(queued) or pools.landed
+
+    async def _pool_landing(self, into: PoolTable, replicas: torch.Tensor, slots: torch.Tensor) -> PoolLanding:
+        """The pools as the link's transport may land the item there itself. Indexes held on
+        the device are read back (on a thread, after the caller's stream wrote them) only for
+        a transport that does so (nixl)."""
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        if replicas.device.type == "cpu" and slots.device.type == "cpu":
+            return PoolLanding(into, replicas.numpy(), slots.numpy(), ready)
+        receiver = self._links[0].receiver
+        if receiver is None or not receiver.lands_in_pools:
+            return PoolLanding(into, None, None, ready)
+        assert ready is not None  # indexes on a device
+
+        def read_back() -> tuple[np.ndarray, np.ndarray]:
+            ready.synchronize()
+            return replicas.cpu().numpy(), slots.cpu().numpy()
+
+        return PoolLanding(into, *await asyncio.to_thread(read_back), ready)
 
     def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._scatters is None:

@@ -282,6 +282,11 @@ class LinkSession:
             )
         )
 
+    @property
+    def receiver(self) -> Receiver | None:
+        """The transport the producer and this link agreed on (None before the first welcome)."""
+        return self._transport
+
     def lease_holds(self) -> bool:
         """Whether an item delivered by this link may be handed to a caller now."""
         return self.core.lease_holds(self._now())
