@@ -9,7 +9,7 @@ import torch
 import kvrt
 from tests._checks import lease_ends_with_the_next_delivery, same_bits
 from tests._gpu_processes import kv_item, run_gpu_producer
-from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu
+from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, needs_nixl, one_gpu, producer_transport
 from tests._processes import child_process
 
 pytestmark = [one_gpu, pytest.mark.timeout(100, method="thread")]
@@ -21,19 +21,26 @@ def _staging(like: torch.Tensor, extra: int = 0) -> torch.Tensor:
     return torch.full((like.numel() + extra,), -1, dtype=like.dtype, device=CONSUMER_DEVICE)
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "tcp"])
+@pytest.mark.parametrize("transport", ["cuda_ipc", "tcp", pytest.param("nixl", marks=needs_nixl)])
 async def test_an_item_over_a_gpu_consumer_lands_in_its_buffers_ordered_on_its_stream(
     transport: str,
 ) -> None:
+    """Over nixl the item is READ into the buffers themselves, after the stream's work before
+    the call (the buffers are cleared on it behind 100 ms of GPU work, which the READ waits for)."""
     items = [(index, TOKENS, "bfloat16") for index in range(3)]
+    producer = (PRODUCER_DEVICE, producer_transport(transport), 1.0, items)
     async with (
-        child_process(run_gpu_producer, (PRODUCER_DEVICE, None, 1.0, items), "GPU producer") as (endpoint, _, _),
+        child_process(run_gpu_producer, producer, "GPU producer") as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer,
     ):
         assert consumer.transports == {endpoint: transport}
         tokens, key, value, hidden = kv_item(0, TOKENS, torch.bfloat16, CONSUMER_DEVICE)
         into = kvrt.KVBuffers(key=_staging(key, 64), value=_staging(value), hidden=_staging(hidden))
         stream = torch.cuda.Stream(CONSUMER_DEVICE)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)
+            for buffer in (into.key, into.value):
+                buffer.fill_(0)
         item = await consumer.drop_select(tokens, into=into, stream=stream)
         assert item is not None and item.key.data_ptr() == into.key.data_ptr()
         with torch.cuda.stream(stream):  # what the caller's stream reads after the call

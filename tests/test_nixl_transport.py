@@ -685,23 +685,31 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
         assert same_bits(row(target, 0, 0, 1, 16 + slot, 1), row(source, 0, 0, 1, slot, 1))
 
 
-async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pools are registered with the consumer's agent at their first pull, once; a table
-    that was dropped loses its registrations at the next pull, and closing drops the rest."""
-    registered: set[int] = set()
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The ids of the registrations this process's agents hold, from here on."""
+    held: set[int] = set()
     register, deregister = nixl.Agent.register, nixl.Agent.deregister
 
     def noting_register(agent: nixl.Agent, address: int, nbytes: int, device: torch.device) -> nixl.Registration:
         registration = register(agent, address, nbytes, device)
-        registered.add(registration.registration_id)
+        held.add(registration.registration_id)
         return registration
 
     def noting_deregister(agent: nixl.Agent, registration: nixl.Registration) -> None:
         deregister(agent, registration)
-        registered.discard(registration.registration_id)
+        held.discard(registration.registration_id)
 
     monkeypatch.setattr(nixl.Agent, "register", noting_register)
     monkeypatch.setattr(nixl.Agent, "deregister", noting_deregister)
+    return held
+
+
+async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(
+    registered: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pools are registered with the consumer's agent at their first pull, once; a table
+    that was dropped loses its registrations at the next pull, and closing drops the rest."""
     monkeypatch.setattr(nixl, "POOL_DESCRIPTOR_BYTES", 0)
     source = random_pools(1, Layout.BLOCK, seed=6)
     async with (
@@ -738,7 +746,7 @@ async def test_a_gpu_pull_reads_its_pages_in_place_after_the_callers_work_on_the
 
     torch.cuda.set_device("cuda:0")
     publisher = ("cuda:0", 5, 16 << 20, False, host_indexes, "nixl")
-    pools, tokens, replica, slots = pull_request(5)
+    pools, tokens, replica, slots = await asyncio.to_thread(pull_request, 5)  # 512 MiB of pools: no work for the loop
     page = 16
     pages = torch.randperm(PULL_SLOTS // page, generator=torch.Generator().manual_seed(1))[: tokens.numel() // page]
     into_slots = (pages[:, None] * page + torch.arange(page)).flatten()
@@ -758,12 +766,138 @@ async def test_a_gpu_pull_reads_its_pages_in_place_after_the_callers_work_on_the
             tokens, into=target, slots=into_slots if host_indexes else into_slots.cuda(), timeout=30
         )
     assert item is not None and item.key.device.type == "meta"
-    for layer in range(PULL_LAYERS):
-        for kv in range(2):
-            landed = target.pools[0][0][layer][kv].reshape(PULL_SLOTS, PULL_HEADS, PULL_DIM)[into_slots.cuda()].cpu()
-            want = torch.empty_like(landed)
-            for r in range(len(pools)):
-                chosen = (replica == r).nonzero().flatten()
-                rows = pools[r][0][layer][slots[chosen]]  # token-major: K heads, then V heads
-                want[chosen] = rows[:, kv * PULL_HEADS : (kv + 1) * PULL_HEADS]
-            assert same_bits(landed, want)
+
+    def check() -> None:  # in a thread: reading back and comparing 64 MiB is no work for the loop
+        torch.cuda.set_device("cuda:0")  # read on the caller's stream: the pull's end orders it
+        for layer in range(PULL_LAYERS):
+            for kv in range(2):
+                landed = target.pools[0][0][layer][kv].reshape(PULL_SLOTS, PULL_HEADS, PULL_DIM)[into_slots.cuda()]
+                want = torch.empty(landed.shape, dtype=landed.dtype)
+                for r in range(len(pools)):
+                    chosen = (replica == r).nonzero().flatten()
+                    rows = pools[r][0][layer][slots[chosen]]  # token-major: K heads, then V heads
+                    want[chosen] = rows[:, kv * PULL_HEADS : (kv + 1) * PULL_HEADS]
+                assert same_bits(landed.cpu(), want)
+
+    await asyncio.to_thread(check)
+
+
+# -- into= buffers: K and V READ straight into them ----------------------------------------
+
+
+@pytest.mark.parametrize("with_hidden", [False, True], ids=["kv", "kv-and-hidden"])
+async def test_an_item_taken_into_buffers_is_read_into_them_with_no_copy(
+    ucx: str, with_hidden: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`drop_select(into=)` over nixl: the item's K and V (and hidden states, where a buffer
+    for them is given) are READ into the caller's buffers in the item's one READ; nothing is
+    copied after it, and the returned tensors are views of the buffers."""
+    from kvrt._consumer import _arrivals
+
+    copies: list[object] = []
+    land_in = _arrivals.land_in
+    monkeypatch.setattr(_arrivals, "land_in", lambda *given: copies.append(given) or land_in(*given))
+    tokens = torch.arange(64)
+    key, value, hidden = make_kv(tokens, dtype=torch.bfloat16)
+    staging = kvrt.KVBuffers(
+        key=torch.zeros(key.numel() + 100, dtype=key.dtype),
+        value=torch.zeros(value.numel() + 100, dtype=value.dtype),
+        hidden=torch.zeros(hidden.numel(), dtype=hidden.dtype) if with_hidden else None,  # type: ignore[union-attr]
+    )
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await consumer.link_for_tests()._joined()
+        reads = counting_reads(monkeypatch)
+        for _ in range(2):  # the second with the buffers registered already
+            await producer.insert(tokens, None, key, value, hidden)
+            item = await consumer.drop_select(tokens, into=staging)
+            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+            assert torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
+            assert item.key.data_ptr() == staging.key.data_ptr() and item.value.data_ptr() == staging.value.data_ptr()
+            assert (item.hidden.data_ptr() == staging.hidden.data_ptr()) if staging.hidden is not None else True  # type: ignore[union-attr]
+            assert not staging.key[key.numel() :].any()  # past the item: untouched
+    assert len(reads) == 2 and not copies
+
+
+async def test_an_item_that_does_not_fit_the_buffers_writes_nothing_there_and_goes_back() -> None:
+    tokens = torch.arange(32)
+    key, value, hidden = make_kv(tokens)
+    small = kvrt.KVBuffers(  # one element short for the key
+        key=torch.full((key.numel() - 1,), 5.0, dtype=key.dtype),
+        value=torch.full((value.numel(),), 5.0, dtype=key.dtype),
+    )
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await producer.insert(tokens, None, key, value, hidden)
+        await consumer.link_for_tests()._joined()
+        with pytest.raises(kvrt.InvalidInputError, match="goes back to the producer"):
+            await consumer.drop_select(tokens, into=small)
+        assert bool((small.key == 5.0).all()) and bool((small.value == 5.0).all())
+        item = await consumer.drop_select(tokens)
+        assert item is not None and torch.equal(item.key, key)
+
+
+async def test_a_lookup_into_buffers_cancelled_mid_read_returns_only_once_nothing_writes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wedged = False
+    posted, released = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
+
+    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
+        if not wedged:
+            return post(transfer)
+        loop.call_soon_threadsafe(posted.set)
+        return nixl.TransferState.PENDING
+
+    def noting_the_release(transfer: nixl.Transfer) -> None:
+        release(transfer)
+        if wedged:
+            loop.call_soon_threadsafe(released.set)
+
+    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    tokens = torch.arange(16)
+    key, value, hidden = make_kv(tokens)
+    staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await producer.insert(tokens, None, key, value, hidden)
+        await consumer.link_for_tests()._joined()
+        wedged = True
+        lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
+        await asyncio.wait_for(posted.wait(), 10)
+        lookup.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(lookup, 5)
+        assert released.is_set()  # before the lookup returned, not after
+        wedged = False
+        item = await asyncio.wait_for(consumer.drop_select(tokens, into=staging, timeout=5), 10)
+        assert item is not None and torch.equal(item.key, key) and item.key.data_ptr() == staging.key.data_ptr()
+
+
+async def test_only_the_last_few_buffers_stay_registered_and_none_past_the_close(registered: set[int]) -> None:
+    tokens = torch.arange(8)
+    key, value, hidden = make_kv(tokens)
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await consumer.link_for_tests()._joined()
+        receiver = nixl_of(consumer)
+        for request in range(nixl.REGISTERED_BUFFERS + 4):
+            await producer.insert(tokens + 100 * request, None, key, value, hidden)
+            staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
+            item = await consumer.drop_select(tokens + 100 * request, into=staging)
+            assert item is not None and item.key.data_ptr() == staging.key.data_ptr()
+        assert len(receiver._buffers) == nixl.REGISTERED_BUFFERS
+        assert {registration.registration_id for registration, _ in receiver._buffers.values()} <= registered
+    assert not registered

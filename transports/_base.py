@@ -57,10 +57,11 @@ the consumer (each transport module provides one of each, built by `select.make_
   done-callback, so a transport hands out a future, not a coroutine.
   A GPU transport also hands out the tensors at once with an event per payload segment,
   so that a pull can scatter the first layers while the last are still on the wire.
-* `receive_into_pools`: instead of `receive`, for the Deliver of a pull from one producer:
-  a transport that can land K and V in the caller's pools itself (nixl: one READ whose
-  descriptors name the pools' slots) does so and says so (`PoolLanding.landed`); the others
-  `receive` as usual, and the pull scatters the item.
+* `receive_in_place`: instead of `receive`, for the Deliver of a pull, or of a drop_select
+  with `into=` buffers, from one producer and no group: a transport that can land K and V
+  in the caller's memory itself (nixl: one READ whose descriptors name the pools' slots, or
+  the buffers) does so and says so (`InPlace.landed`); the others `receive` as usual, and
+  the call scatters or copies the item.
 
 Both halves: `aclose` when the producer or consumer closes.
 """
@@ -71,7 +72,7 @@ import abc
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -215,26 +216,31 @@ class Sender(abc.ABC):
         """Release threads, streams and pairs."""
 
 
-@dataclass(slots=True)
-class PoolLanding:
-    """A pull's pools, for a transport that lands K and V there itself: token i goes to
-    `slots[i]` of replica `replicas[i]` (host arrays, checked in range; None where the pull's
-    indexes live on the device and were not read back: the item is then received as usual),
-    for as many tokens as both have. On a GPU, `ready` was recorded on the pull's stream when
-    it began: the pools are written only after it. `landed` is set by the transport that did."""
+def caller_ready(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on the current stream of `device` (the calling call's, inside a
+    kvrt call), or None on the host."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
-    table: PoolTable
-    replicas: np.ndarray | None
-    slots: np.ndarray | None
-    ready: torch.cuda.Event | None = None
-    landed: bool = False
-    reading: asyncio.Future[Any] | None = None
-    """Done once the transport's write into the pools ended (set with `landed`)."""
-    stop: bool = False
-    """Set by `ended`: the write is to be given up (the pull ended without it)."""
+
+@dataclass(slots=True)
+class InPlace:
+    """Memory of the caller's that one call's item may be written into by the transport
+    itself (`Receiver.receive_in_place`). On a GPU, `ready` was recorded on the call's stream
+    when it began: the memory is written only after it. `landed` is set by a transport that
+    writes there, with `reading`, done once it stopped writing."""
+
+    ready: torch.cuda.Event | None
+    landed: bool = field(default=False, init=False)
+    reading: asyncio.Future[Any] | None = field(default=None, init=False)
+    stop: bool = field(default=False, init=False)
+    """Set by `ended`: the write is to be given up (the call ended without it)."""
 
     async def ended(self) -> None:
-        """Return once nothing writes the pools any more: a write still going (the pull failed
+        """Return once nothing writes the memory any more: a write still going (the call failed
         or was cancelled before it landed) is told to stop, and waited for (it ends within the
         link's transfer timeout at the latest, when the link gives the producer up)."""
         reading = self.reading
@@ -242,6 +248,28 @@ class PoolLanding:
             return
         self.stop = True
         await asyncio.wait([reading])
+
+
+@dataclass(slots=True)
+class PoolLanding(InPlace):
+    """A pull's pools: token i goes to `slots[i]` of replica `replicas[i]` (host arrays,
+    checked in range; None where the pull's indexes live on the device and were not read
+    back: the item is then received as usual), for as many tokens as both have."""
+
+    table: PoolTable = field(kw_only=True)
+    replicas: np.ndarray | None = field(kw_only=True)
+    slots: np.ndarray | None = field(kw_only=True)
+
+
+@dataclass(slots=True)
+class BufferLanding(InPlace):
+    """A drop_select's `into=` buffers (contiguous, on the consumer's device): the item's key,
+    value (and hidden states, where `hidden` is given) in their leading elements, where they
+    fit; an item that does not is received as usual (and refused by the call)."""
+
+    key: torch.Tensor = field(kw_only=True)
+    value: torch.Tensor = field(kw_only=True)
+    hidden: torch.Tensor | None = field(kw_only=True)
 
 
 class Receiver(abc.ABC):
@@ -254,8 +282,8 @@ class Receiver(abc.ABC):
     from memory only a lease that still holds may read."""
     streams_tensors: bool = False
     """As `Sender.streams_tensors`: a stream message's tensors are received with `receive_tensors`."""
-    lands_in_pools: bool = False
-    """True when `receive_into_pools` writes a pull's K and V into the pools itself: a pull
+    writes_in_place: bool = False
+    """True when `receive_in_place` writes an item into the caller's memory itself: a pull
     then reads indexes it holds on the device back to the host first."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
@@ -269,10 +297,12 @@ class Receiver(abc.ABC):
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
         """Post the receive of a DeliverMany's hits; their tensors, in order, once all landed."""
 
-    def receive_into_pools(self, deliver: Deliver, frames: Sequence[zmq.Frame], pools: PoolLanding) -> Arrival:
-        """As `receive`, for a pull into `pools`: a transport that can write the item's K and
-        V straight into them sets `pools.landed` (the arrival's key and value then hold no
-        bytes); by default the item is received as any other, for the pull to scatter."""
+    def receive_in_place(self, deliver: Deliver, frames: Sequence[zmq.Frame], target: InPlace) -> Arrival:
+        """As `receive`, for a call that lands its item in the caller's memory: a pull's pools
+        or a drop_select's `into=` buffers. A transport that writes the item's K and V (and
+        hidden states) there itself sets `target.landed` (a pull's arrival's key and value
+        then hold no bytes; a drop_select's are views of its buffers); by default the item is
+        received as any other, for the call to scatter or copy."""
         return self.receive(deliver, frames)
 
     def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:

@@ -48,6 +48,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import math
 import time
 import uuid
 import weakref
@@ -86,6 +87,8 @@ from kvrt._threads import Waiter, outcome_seen
 from kvrt.transports._arena import RegisteredArena, Slab
 from kvrt.transports._base import (
     Arrival,
+    BufferLanding,
+    InPlace,
     ItemTensors,
     PoolLanding,
     Receiver,
@@ -120,6 +123,8 @@ POOL_DESCRIPTOR_BYTES: Final = 16 << 10
 there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
 one READ of the same 16 MiB), so rows of a token each (token-major pools) are READ whole and
 scattered, and pages of 16 tokens or more (block pools) are READ in place."""
+REGISTERED_BUFFERS: Final = 8
+"""How many storages of `into=` buffers a consumer keeps registered (and alive) at most."""
 RECEIVE_ARENA_BYTES: Final = 4 << 30
 """The most memory a consumer keeps registered for receives (slabs of `_RECEIVE_SLAB_BYTES`)."""
 _RECEIVE_SLAB_BYTES: Final = 64 << 20
@@ -391,7 +396,7 @@ class NixlReceiver(Receiver):
     def __init__(self, device: torch.device, registered_bytes: int = RECEIVE_ARENA_BYTES) -> None:
         _refuse_if_unavailable()
         self.name = "nixl"
-        self.lands_in_pools = True
+        self.writes_in_place = True
         self.device = device
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
@@ -399,6 +404,8 @@ class NixlReceiver(Receiver):
         self._pools: weakref.WeakKeyDictionary[PoolTable, list[Registration]] = weakref.WeakKeyDictionary()
         self._collected: list[Registration] = []
         """Registrations of pool tables since collected, dropped at the next landing."""
+        self._buffers: dict[tuple[int, int], tuple[Registration, torch.Tensor]] = {}
+        """The storages of recent `into=` buffers, registered, by (address, bytes), oldest first."""
         self._ended: asyncio.Future[None] | None = None
         """Done once the last session's thread dropped the producer's agent (a join loads it anew)."""
 
@@ -473,46 +480,92 @@ class NixlReceiver(Receiver):
         ranges = [(base + offset, read.address + offset, nbytes) for offset, nbytes in segments]
         return Arrival(self._post(session, ranges, payload, registration, tensors))
 
-    def receive_into_pools(self, deliver: Deliver, frames: Sequence[zmq.Frame], pools: PoolLanding) -> Arrival:
+    def receive_in_place(self, deliver: Deliver, frames: Sequence[zmq.Frame], target: InPlace) -> Arrival:
+        if isinstance(target, PoolLanding):
+            return self._receive_into_pools(deliver, frames, target)
+        if isinstance(target, BufferLanding):
+            return self._receive_into_buffers(deliver, frames, target)
+        return self.receive(deliver, frames)
+
+    def _receive_into_pools(self, deliver: Deliver, frames: Sequence[zmq.Frame], pools: PoolLanding) -> Arrival:
         """One READ that lands the item's K and V in the pools, a descriptor per run of slots
         (`landing_ranges`), and its tokens, roi and hidden states in this side's arena. The
         arrival's key and value are meta tensors: their shape and dtype, no bytes. An item
         the pools cannot take as it is (another dtype or geometry, head-major blocks), runs
         of slots too short for a descriptor each (`POOL_DESCRIPTOR_BYTES`), or pools the
         agent cannot register, is received as usual, for the pull to scatter."""
-        session = self._joined()
+        metas = self._checked(deliver)
+        rows = _pool_rows(deliver, pools)
+        if rows is None or not deliver.payload_bytes or len(rows) * POOL_DESCRIPTOR_BYTES > int(rows[:, 2].sum()):
+            return self.receive(deliver, frames)
+        if self._pool_registrations(pools.table) is None:
+            return self.receive(deliver, frames)
+        _, _, key, value, _ = metas
+        assert key is not None and value is not None  # Deliver's types say so
+        return self._read_in_place(deliver, frames, pools, rows, {2: _shaped(key), 3: _shaped(value)})
+
+    def _receive_into_buffers(self, deliver: Deliver, frames: Sequence[zmq.Frame], into: BufferLanding) -> Arrival:
+        """One READ that lands the item's K and V (and hidden states, where `into.hidden` is
+        given) in the caller's buffers, and the rest in this side's arena. The arrival's
+        tensors are views of the buffers in the item's shapes, as `into=` promises. An item
+        that does not fit them, or buffers the agent cannot register, is received as usual
+        (the call then refuses a misfit)."""
+        metas = self._checked(deliver)
+        wanted = [(2, into.key), (3, into.value)] + ([(4, into.hidden)] if into.hidden is not None else [])
+        rows, views = [], {}
+        for index, buffer in wanted:
+            meta = metas[index]
+            if meta is None or DTYPES[meta.dtype] != buffer.dtype or buffer.numel() < math.prod(meta.shape):
+                return self.receive(deliver, frames)
+            view = buffer.view(-1)[: math.prod(meta.shape)].view(meta.shape)
+            views[index] = view
+            if view.numel():
+                rows.append((view.data_ptr(), meta.offset, view.numel() * view.element_size()))
+        if not deliver.payload_bytes:
+            return self.receive(deliver, frames)
+        for buffer in {id(buffer): buffer for _, buffer in wanted}.values():
+            if self._buffer_registration(buffer) is None:
+                return self.receive(deliver, frames)
+        return self._read_in_place(deliver, frames, into, np.array(rows, dtype=np.int64).reshape(-1, 3), views)
+
+    def _checked(self, deliver: Deliver) -> tuple[TensorMeta | None, ...]:
+        """A delivery's metas, refused (`RemoteProtocolError`) where they or its segments lie
+        outside its payload, before anything is read."""
         payload_bytes = deliver.payload_bytes
         check_segments(transfer_segments(deliver.segments, payload_bytes), payload_bytes)
         metas = item_metas(deliver)
         check_metas(metas, payload_bytes)
-        rows = _pool_rows(deliver, pools)
-        if rows is None or not payload_bytes or len(rows) * POOL_DESCRIPTOR_BYTES > int(rows[:, 2].sum()):
-            return self.receive(deliver, frames)
-        held = self._pool_registrations(pools.table)
-        if held is None:
-            return self.receive(deliver, frames)
+        return metas
+
+    def _read_in_place(
+        self, deliver: Deliver, frames: Sequence[zmq.Frame], target: InPlace, rows: np.ndarray,
+        in_place: dict[int, torch.Tensor],
+    ) -> Arrival:  # fmt: skip
+        """Post one READ: `rows` (the caller's address, offset in the item's payload, bytes)
+        into the caller's memory, whose tensors `in_place` gives by their index of the five,
+        and the item's other tensors into this side's arena, back to back."""
+        session = self._joined()
         (read,) = self._reads(frames, 1)
         self._load(session, read)
-        tokens, roi, key, value, hidden = metas
-        assert key is not None and value is not None  # Deliver's types say so
-        aside = [(index, meta) for index, meta in ((0, tokens), (1, roi), (4, hidden)) if meta is not None]
+        metas = item_metas(deliver)
+        aside = [(index, meta) for index, meta in enumerate(metas) if meta is not None and index not in in_place]
         placed, aside_bytes = back_to_back([meta for _, meta in aside])
         payload, registration = self._payload(max(1, aside_bytes))
-        views: list[torch.Tensor | None] = [None] * 5
+        views: list[torch.Tensor | None] = [in_place.get(index) for index in range(5)]
         for (index, _), view in zip(aside, unpack_tensor(placed, payload), strict=True):
             views[index] = view
-        views[2], views[3] = _shaped(key), _shaped(value)
         base = payload.data_ptr()
         copies = [
             (base + where.offset, read.address + meta.offset, meta_end(meta) - meta.offset)
             for (_, meta), where in zip(aside, placed, strict=True)
             if meta_end(meta) > meta.offset
         ]
+        rows = rows.copy()
         rows[:, 1] += read.address
         if copies:
             rows = np.concatenate((np.array(copies, dtype=np.int64), rows))
-        landing = self._post(session, rows, payload, registration, five(views), pools=pools)
-        pools.landed, pools.reading = True, landing
+        landing = self._post(session, rows, payload, registration, five(views), in_place=target)
+        target.landed, target.reading = True, landing
         return Arrival(landing)
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
@@ -561,8 +614,10 @@ class NixlReceiver(Receiver):
             slab.registration = None
         registrations += [registration for held_pools in self._pools.values() for registration in held_pools]
         registrations += self._collected
+        registrations += [registration for registration, _ in self._buffers.values()]
         self._pools.clear()
         self._collected.clear()
+        self._buffers.clear()
         held = [agent]
         del agent
         await asyncio.to_thread(_deregistered_and_dropped, held, registrations)
@@ -619,14 +674,39 @@ class NixlReceiver(Receiver):
         weakref.finalize(table, self._collected.extend, held)
         return held
 
+    def _buffer_registration(self, buffer: torch.Tensor) -> Registration | None:
+        """The storage of an `into=` buffer registered with this side's agent, once: the last
+        `REGISTERED_BUFFERS` storages stay registered (and alive) for the calls that reuse
+        them, as an engine's staging buffers are; an older one is dropped. None when the agent
+        refused it (logged)."""
+        storage = buffer.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        held = self._buffers.pop(key, None)
+        if held is None:
+            assert self._agent is not None  # joined
+            try:
+                registration = self._agent.register(key[0], key[1], self.device)
+            except AgentError as exc:
+                log.info("nixl: into= buffers cannot be registered (%s): items are copied there", exc)
+                return None
+            held = (registration, buffer)
+            while len(self._buffers) >= REGISTERED_BUFFERS:
+                oldest = next(iter(self._buffers))
+                self._deregister_quietly(self._buffers.pop(oldest)[0])
+        self._buffers[key] = held  # the most recent last
+        return held[0]
+
+    def _deregister_quietly(self, registration: Registration) -> None:
+        assert self._agent is not None
+        try:
+            self._agent.deregister(registration)
+        except AgentError as exc:
+            log.info("nixl: %s", exc)
+
     def _deregister_collected(self) -> None:
         collected, self._collected[:] = list(self._collected), []
-        assert self._agent is not None
         for registration in collected:
-            try:
-                self._agent.deregister(registration)
-            except AgentError as exc:
-                log.info("nixl: %s", exc)
+            self._deregister_quietly(registration)
 
     def _payload(self, payload_bytes: int) -> tuple[torch.Tensor, Registration | None]:
         """The receive buffer: a region of the arena, else one registered for this READ alone."""
@@ -650,13 +730,14 @@ class NixlReceiver(Receiver):
         registration: Registration | None,
         result: _T,
         *,
-        pools: PoolLanding | None = None,
+        in_place: InPlace | None = None,
     ) -> asyncio.Future[_T]:
-        """READ `ranges` (local, remote, bytes) into `payload` (and `pools`, where they name
-        them): a future done with `result` once they landed. Small READs with nothing queued
-        before them are posted here (most end inside the call); the rest are posted and
-        waited for by the session's waiter, which first waits for the caller's work on the
-        pools, where that has not ended, and gives the READ up when told (`pools.stop`)."""
+        """READ `ranges` (local, remote, bytes) into `payload` (and the caller's memory of
+        `in_place`, where they name it): a future done with `result` once they landed. Small
+        READs with nothing queued before them are posted here (most end inside the call); the
+        rest are posted and waited for by the session's waiter, which first waits for the
+        caller's work on that memory, where that has not ended, and gives the READ up when
+        told (`in_place.stop`)."""
         agent = self._agent
         assert agent is not None  # joined
         try:
@@ -667,7 +748,7 @@ class NixlReceiver(Receiver):
             raise _translated(exc, "the READ the producer described cannot be made") from None
         loop = asyncio.get_running_loop()
         posted = None
-        ready = None if pools is None else pools.ready
+        ready = None if in_place is None else in_place.ready
         if ready is not None and ready.query():
             ready = None
         if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0 and ready is None:
@@ -688,7 +769,7 @@ class NixlReceiver(Receiver):
                 return done
 
         def give_up() -> bool:
-            return session.abandoned or (pools is not None and pools.stop)
+            return session.abandoned or (in_place is not None and in_place.stop)
 
         def wait() -> None:
             try:

@@ -49,10 +49,10 @@ class LinkArrivals(LinkSession):
             # producer's), so nothing is read.
             self._refuse_unread(future, [deliver.item_id], payload)
             return
-        pools = self._pools.get(deliver.request_id)
+        in_place = self._in_place.get(deliver.request_id)
         try:
-            if pools is not None and future is not None and not future.done():
-                arrival = self._transport.receive_into_pools(deliver, payload, pools)
+            if in_place is not None and future is not None and not future.done():
+                arrival = self._transport.receive_in_place(deliver, payload, in_place)
             else:
                 arrival = self._transport.receive(deliver, payload)
         except ProtocolError as exc:
@@ -101,7 +101,8 @@ class LinkArrivals(LinkSession):
         item = KVItem(*arriving.result(), deliver.matched)
         landing = self._into.get(deliver.request_id)
         buffers = None if landing is None else landing.at(0)
-        if buffers is not None:
+        in_place = self._in_place.get(deliver.request_id)
+        if buffers is not None and not (in_place is not None and in_place.landed):  # else READ there, fitting
             assert landing is not None
             try:
                 check_fit(item, buffers, what="drop_select")

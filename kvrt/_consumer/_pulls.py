@@ -22,7 +22,7 @@ from kvrt._item import KVItem
 from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._tensors import layer_chunks, transfer_segments
 from kvrt._threads import gpu_worker
-from kvrt.transports._base import Arrival, PoolLanding
+from kvrt.transports._base import Arrival, PoolLanding, caller_ready
 
 
 class _Pulling(_Selecting):
@@ -144,22 +144,20 @@ class _Pulling(_Selecting):
         """The pools as the link's transport may land the item there itself. Indexes held on
         the device are read back (on a thread, after the caller's stream wrote them) only for
         a transport that does so (nixl)."""
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        ready = caller_ready(self.device)
         if replicas.device.type == "cpu" and slots.device.type == "cpu":
-            return PoolLanding(into, replicas.numpy(), slots.numpy(), ready)
+            return PoolLanding(ready, table=into, replicas=replicas.numpy(), slots=slots.numpy())
         receiver = self._links[0].receiver
-        if receiver is None or not receiver.lands_in_pools:
-            return PoolLanding(into, None, None, ready)
+        if receiver is None or not receiver.writes_in_place:
+            return PoolLanding(ready, table=into, replicas=None, slots=None)
         assert ready is not None  # indexes on a device
 
         def read_back() -> tuple[np.ndarray, np.ndarray]:
             ready.synchronize()
             return replicas.cpu().numpy(), slots.cpu().numpy()
 
-        return PoolLanding(into, *await asyncio.to_thread(read_back), ready)
+        host_replicas, host_slots = await asyncio.to_thread(read_back)
+        return PoolLanding(ready, table=into, replicas=host_replicas, slots=host_slots)
 
     def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._scatters is None:

@@ -39,7 +39,7 @@ from kvrt._item import (
     truncate,
 )
 from kvrt._messages import HeadRange
-from kvrt.transports._base import PoolLanding
+from kvrt.transports._base import BufferLanding, InPlace, PoolLanding, caller_ready
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -334,7 +334,7 @@ class _Selecting(ConsumerState):
         on_landing: OnLanding | None = None, into: KVBuffers | None = None, heads: HeadRange | None = None,
         pools: PoolLanding | None = None,
     ) -> KVItem | None:  # fmt: skip
-        """drop_select, counted and timed; `on_landing` and `pools` as for `_Link.call` (one
+        """drop_select, counted and timed; `on_landing` and `pools` (`in_place`) as for `_Link.call` (one
         producer, no group); `into` checked already; `heads` a checked range (pieces, see
         `drop_select`)."""
         self._check_open()
@@ -486,9 +486,17 @@ class _Selecting(ConsumerState):
                 lambda: self._take(build, waits_s=waits_s, into=into), self._consensus, into=into
             )
         if len(self._links) == 1:
-            reply = await self._links[0].call(
-                build, on_landing=on_landing, waits_s=waits_s, into=_landing(into), pools=pools
-            )
+            link = self._links[0]
+            in_place: InPlace | None = pools
+            if into is not None and pools is None:  # the transport may READ into them itself (nixl)
+                in_place = BufferLanding(caller_ready(self.device), key=into.key, value=into.value, hidden=into.hidden)
+            try:
+                reply = await link.call(
+                    build, on_landing=on_landing, waits_s=waits_s, into=_landing(into), in_place=in_place
+                )
+            finally:
+                if in_place is not None:  # nothing writes the caller's memory once this returns
+                    await in_place.ended()
             return reply.item
         taken = await self._take(build, waits_s=waits_s, into=into)
         if taken is None:

@@ -42,7 +42,7 @@ from kvrt._protocol import (
 from kvrt._streams import ConsumerStream, PoolWriter
 from kvrt._zmqio import SocketIO, zmtp_heartbeats
 from kvrt.transports import Receiver
-from kvrt.transports._base import Arrival, PoolLanding
+from kvrt.transports._base import Arrival, InPlace
 from kvrt.transports.cuda_ipc import host_identity
 
 log = logging.getLogger("kvrt.consumer")
@@ -180,8 +180,8 @@ class LinkSession:
         self._landing: dict[int, OnLanding] = {}
         self._into: dict[int, Landing] = {}
         """Where each pending request's items land (`into=`), checked as they arrive."""
-        self._pools: dict[int, PoolLanding] = {}
-        """The pools a pending pull's item lands in, where the transport writes them itself."""
+        self._in_place: dict[int, InPlace] = {}
+        """The caller's memory a pending call's item lands in, where the transport writes it itself."""
         self._writers: dict[int, PoolWriter] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
@@ -200,7 +200,7 @@ class LinkSession:
         writer: PoolWriter | None = None,
         waits_s: float | None = 0.0,
         into: Landing | None = None,
-        pools: PoolLanding | None = None,
+        in_place: InPlace | None = None,
     ) -> _Reply:
         """Send a request and wait for its answer (or for the link to fail).
 
@@ -214,8 +214,8 @@ class LinkSession:
         `waits_s` is how long the producer may wait before it answers (None: for ever): with
         no answer `reply_timeout_s` after that, the call fails with `KVRTTimeoutError`.
         `into`: the caller's buffers; an item that does not fit them is given back and the
-        call raises `InvalidInputError`. `pools`: a pull's, for a transport that lands the
-        item there itself (`Receiver.receive_into_pools`).
+        call raises `InvalidInputError`. `in_place`: the pools of a pull or the buffers of
+        `into`, for a transport that lands the item there itself (`Receiver.receive_in_place`).
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
@@ -230,8 +230,8 @@ class LinkSession:
             self._writers[request_id] = writer
         if into is not None:
             self._into[request_id] = into
-        if pools is not None:
-            self._pools[request_id] = pools
+        if in_place is not None:
+            self._in_place[request_id] = in_place
         if self._metrics is not None:
             self._asked_at[request_id] = time.perf_counter()
         overdue = None
@@ -257,7 +257,7 @@ class LinkSession:
             self._landing.pop(request_id, None)
             self._writers.pop(request_id, None)
             self._into.pop(request_id, None)
-            self._pools.pop(request_id, None)
+            self._in_place.pop(request_id, None)
             self._asked_at.pop(request_id, None)
         if confirm:
             kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
