@@ -85,8 +85,36 @@ class _Pulling(_Selecting):
             count = min(item.key.shape[1], slots.numel())
             # Straight from the item as it arrived (its K and V are views of the received
             # payload): no staging copy.
-            scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
+            if self.device.type == "cuda":
+                await self._scatter_off_the_loop(into, item, replicas[:count], slots[:count])
+            else:
+                scatter_from_any(into, item.key, item.value, replicas[:count], slots[:count])
         return item
+
+    async def _scatter_off_the_loop(
+        self, into: PoolTable, item: KVItem, replicas: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """A GPU item's scatter, queued by the scatter thread (a first launch compiles, for
+        about a second, which the loop must not wait for), after the caller's stream reached
+        this point (the item landed on it); the caller's stream waits for the scatter."""
+        from kvrt.kernels.paged_kv import scatter_from
+
+        caller = torch.cuda.current_stream(self.device)
+        landed = torch.cuda.Event()
+        landed.record(caller)
+
+        def queue() -> torch.cuda.Event:
+            stream = self._scatter_stream()
+            with torch.cuda.stream(stream):
+                stream.wait_event(landed)
+                for tensor in (item.key, item.value, slots, replicas):
+                    tensor.record_stream(stream)
+                scatter_from(into, item.key, item.value, replicas, slots, check=False)  # checked by `pull`
+                done = torch.cuda.Event()
+                done.record(stream)
+            return done
+
+        caller.wait_event(await asyncio.shield(asyncio.wrap_future(self._scatter_thread().submit(queue))))
 
     async def _pull_pipelined(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
