@@ -37,7 +37,8 @@ class KVItem:
     """One request's KV as `drop_select` returns it; the consumer owns the tensors.
 
     `matched` is the number of roi-masked tokens the query and the item share (the shorter
-    of the two masked lengths). Tensors are on the consumer's device.
+    of the two masked lengths). Tensors are on the consumer's device (but for a pull whose
+    K and V a transport READ into the pools: there `key` and `value` are meta tensors).
     """
 
     input_tokens: torch.Tensor

@@ -23,11 +23,17 @@ after a Deliver header (`NixlRead`) names the item's address and, the first time
 is sent an item in a region, that region's metadata (a few hundred bytes), which the consumer
 loads before it reads. The consumer READs into its own registered arena (a slab per 64 MiB,
 its regions back once the caller drops the tensors); a payload past its limit is registered
-for that one READ. `into=` buffers are then written from there, as for every transport.
+for that one READ. Where a call lands its item in the caller's memory (one producer, no
+group: `Receiver.receive_in_place`), the same READ takes K and V straight there: a
+drop_select's `into=` buffers (their storages registered at first use, the last
+`REGISTERED_BUFFERS` kept), or a pull's pools (registered once per `PoolTable`, for as long as
+it lives), one descriptor per run of slots; only the rest (tokens, roi) lands in the arena.
+Such a READ waits for the work the caller queued on its stream before the call, and the call
+returns (also failed or cancelled) only once the READ no longer writes there.
 
 How a transfer goes: one READ per delivery, one descriptor per payload segment (a pull's
-chunks: one descriptor list, not one transfer per chunk), one descriptor per hit of a
-DeliverMany. A small READ is posted from the loop (UCX's `cma` finishes it inside the call,
+chunks: one descriptor list, not one transfer per chunk; into the pools, one per run of slots
+and layer), one descriptor per hit of a DeliverMany. A small READ is posted from the loop (UCX's `cma` finishes it inside the call,
 ~10 us); a large one, or one queued behind others, is posted by the session's waiter thread,
 so the loop never copies. NIXL tells completion only when asked (it has no file descriptor
 or callback to wait on), so that thread asks, sleeping between asks from 20 us up to 1 ms:

@@ -58,7 +58,11 @@ class _Pulling(_Selecting):
         returns sees the whole request in the pools, also after a pull that failed or was
         cancelled midway (the slots then hold a partial request, and no defined bytes where a
         producer died before writing them). `heads`: only those KV heads of the request, as for
-        `drop_select` (the pools hold this rank's heads)."""
+        `drop_select` (the pools hold this rank's heads).
+
+        Over `nixl` (one producer, no group) K and V are READ straight into the slots where the
+        runs of consecutive slots are long enough (pages of block pools): the returned item's
+        `key` and `value` are then meta tensors (shape and dtype, no bytes)."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
         from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
