@@ -901,3 +901,47 @@ async def test_only_the_last_few_buffers_stay_registered_and_none_past_the_close
         assert len(receiver._buffers) == nixl.REGISTERED_BUFFERS
         assert {registration.registration_id for registration, _ in receiver._buffers.values()} <= registered
     assert not registered
+
+
+async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_returns_at_once_and_never_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A READ into `into=` buffers queued behind another that does not end: cancelling its
+    call returns at once (not after the transfer timeout), and the READ never starts, so the
+    buffers stay as they were; its item goes back to the producer."""
+    wedged = False
+    post, state = nixl.Transfer.post, nixl.Transfer.state
+    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if wedged else post(t))
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    first, second = torch.arange(16), torch.arange(100, 116)
+    key, value, hidden = make_kv(first)
+    staging = kvrt.KVBuffers(key=torch.full_like(key, 3.0).flatten(), value=torch.zeros_like(value).flatten())
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        for tokens in (first, second):
+            await producer.insert(tokens, None, key, value, hidden)
+        await consumer.link_for_tests()._joined()
+        wedged = True
+        stuck = asyncio.create_task(consumer.drop_select(first, timeout=5))
+        await asyncio.sleep(0.2)
+        queued = asyncio.create_task(consumer.drop_select(second, into=staging, timeout=5))
+        await asyncio.sleep(0.2)
+        started = loop_time()
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(queued, 5)
+        assert loop_time() - started < 0.5
+        wedged = False  # the READ ahead ends (failed: the wedge never posted it), its item goes back
+        with pytest.raises(kvrt.PeerLostError):
+            await asyncio.wait_for(stuck, 10)
+        await asyncio.sleep(0.2)  # the waiter reaches the cancelled READ's turn, and skips it
+        assert bool((staging.key == 3.0).all())
+        for tokens in (second, first):
+            item = await asyncio.wait_for(consumer.drop_select(tokens, timeout=5), 10)
+            assert item is not None and torch.equal(item.key, key)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()

@@ -71,6 +71,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,15 +239,27 @@ class InPlace:
     reading: asyncio.Future[Any] | None = field(default=None, init=False)
     stop: bool = field(default=False, init=False)
     """Set by `ended`: the write is to be given up (the call ended without it)."""
+    _writing: bool = field(default=False, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def may_write(self) -> bool:
+        """Called by the transport (any thread) right before it starts writing: False when the
+        call ended first (then it must not start)."""
+        with self._lock:
+            self._writing = not self.stop
+            return self._writing
 
     async def ended(self) -> None:
-        """Return once nothing writes the memory any more: a write still going (the call failed
-        or was cancelled before it landed) is told to stop, and waited for (it ends within the
-        link's transfer timeout at the latest, when the link gives the producer up)."""
+        """Return once nothing writes the memory any more: a write that has not started (queued
+        behind others) never will; one going (the call failed or was cancelled before it
+        landed) is told to stop, and waited for: the transport gives it up at its next look."""
         reading = self.reading
         if reading is None or reading.done():
             return
-        self.stop = True
+        with self._lock:
+            self.stop = True
+            if not self._writing:
+                return
         await asyncio.wait([reading])
 
 

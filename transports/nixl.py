@@ -33,11 +33,12 @@ returns (also failed or cancelled) only once the READ no longer writes there.
 
 How a transfer goes: one READ per delivery, one descriptor per payload segment (a pull's
 chunks: one descriptor list, not one transfer per chunk; into the pools, one per run of slots
-and layer), one descriptor per hit of a DeliverMany. A small READ is posted from the loop (UCX's `cma` finishes it inside the call,
-~10 us); a large one, or one queued behind others, is posted by the session's waiter thread,
-so the loop never copies. NIXL tells completion only when asked (it has no file descriptor
-or callback to wait on), so that thread asks, sleeping between asks from 20 us up to 1 ms:
-the one place kvrt polls, off the loop, for transfers in flight only.
+and layer), one descriptor per hit of a DeliverMany. A small READ is posted from the loop
+(UCX's `cma` finishes it inside the call, ~10 us); a large one, or one queued behind others,
+is posted by the session's waiter thread, so the loop never copies. NIXL tells completion
+only when asked (it has no file descriptor or callback to wait on), so that thread asks,
+sleeping between asks from 20 us up to 1 ms: the one place kvrt polls, off the loop, for
+transfers in flight only.
 
 Failures: a READ that fails (the producer's process died: `cma` and UCX's peer error
 handling report it) fails its call with `PeerLostError`. When the link gives the producer
@@ -759,7 +760,7 @@ class NixlReceiver(Receiver):
             ready = None
         if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0 and ready is None:
             try:
-                posted = transfer.post()
+                posted = transfer.post() if in_place is None or in_place.may_write() else TransferState.FAILED
             except AgentError as exc:
                 posted = TransferState.FAILED
                 log.info("nixl: %s", exc)
@@ -780,8 +781,11 @@ class NixlReceiver(Receiver):
         def wait() -> None:
             try:
                 if ready is not None:
-                    ready.synchronize()  # the caller's work on the pools before the pull
-                state = transfer.post() if posted is None else posted
+                    ready.synchronize()  # the caller's work on that memory before the call
+                if posted is None and in_place is not None and not in_place.may_write():
+                    state = TransferState.FAILED  # the call ended before this READ's turn came
+                else:
+                    state = transfer.post() if posted is None else posted
                 state = _until_ended(transfer, give_up, deadline=None, state=state)
             except AgentError:
                 state = TransferState.FAILED
