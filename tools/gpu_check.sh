@@ -70,7 +70,7 @@ if [ "$only" = ipc ]; then
   exit 0
 fi
 if [ "$only" = nixl ]; then
-  timeout 200 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log" | tail -12
+  timeout 330 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log" | tail -12
   exit 0
 fi
 if [ "$only" = kernels ]; then
@@ -85,7 +85,7 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if { [ "$only" = all ] || [ "$only" = bench ]; } && [ "$gpus" -lt 2 ]; then
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
   timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc-one-gpu.json" 2>&1 | tee "$OUT/bench-ipc.log"
-  timeout 200 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log"
+  timeout 330 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log"
 elif [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
