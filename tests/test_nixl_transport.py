@@ -447,9 +447,10 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
     loop = asyncio.get_running_loop()
     release = nixl.Transfer.release
 
-    def noting_the_release(transfer: nixl.Transfer) -> None:
-        release(transfer)
+    def noting_the_release(transfer: nixl.Transfer) -> bool:
+        done = release(transfer)
         loop.call_soon_threadsafe(released.set)
+        return done
 
     monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
     tokens = torch.arange(40)
@@ -653,10 +654,11 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
         loop.call_soon_threadsafe(posted.set)
         return nixl.TransferState.PENDING
 
-    def noting_the_release(transfer: nixl.Transfer) -> None:
-        release(transfer)
+    def noting_the_release(transfer: nixl.Transfer) -> bool:
+        done = release(transfer)
         if wedged:
             loop.call_soon_threadsafe(released.set)
+        return done
 
     monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
     monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
@@ -855,10 +857,11 @@ async def test_a_lookup_into_buffers_cancelled_mid_read_returns_only_once_nothin
         loop.call_soon_threadsafe(posted.set)
         return nixl.TransferState.PENDING
 
-    def noting_the_release(transfer: nixl.Transfer) -> None:
-        release(transfer)
+    def noting_the_release(transfer: nixl.Transfer) -> bool:
+        done = release(transfer)
         if wedged:
             loop.call_soon_threadsafe(released.set)
+        return done
 
     monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
     monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
@@ -945,3 +948,54 @@ async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_ret
 
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
+
+
+async def test_a_read_nixl_will_not_cancel_is_waited_for_before_the_cancelled_call_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL may refuse to cancel a READ in flight (it then keeps writing): a lookup into
+    `into=` buffers cancelled then returns only once that READ ended, never while it could
+    still write the buffers."""
+    wedged, refused = False, 0
+    posted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
+
+    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
+        if not wedged:
+            return post(transfer)
+        loop.call_soon_threadsafe(posted.set)
+        return nixl.TransferState.PENDING
+
+    def refusing_while_wedged(transfer: nixl.Transfer) -> bool:
+        nonlocal refused
+        if wedged:
+            refused += 1
+            loop.call_soon_threadsafe(loop.call_later, 0.5, unwedge)  # the READ ends 0.5 s on
+            return False
+        return release(transfer)
+
+    def unwedge() -> None:
+        nonlocal wedged
+        wedged = False
+
+    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    monkeypatch.setattr(nixl.Transfer, "release", refusing_while_wedged)
+    tokens = torch.arange(16)
+    key, value, hidden = make_kv(tokens)
+    staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        await producer.insert(tokens, None, key, value, hidden)
+        await consumer.link_for_tests()._joined()
+        wedged = True
+        lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
+        await asyncio.wait_for(posted.wait(), 10)
+        started = loop_time()
+        lookup.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(lookup, 5)
+        assert refused == 1 and not wedged and loop_time() - started >= 0.4

@@ -115,14 +115,19 @@ class Transfer:
         except Exception as exc:
             raise _failed("checking a NIXL READ", exc) from None
 
-    def release(self) -> None:
-        """Free the request; NIXL cancels one still in flight (and may refuse: it is then kept
-        by the agent until the agent goes)."""
+    def release(self) -> bool:
+        """Free the request; NIXL cancels one still in flight, and may refuse: then False, and
+        the READ may still be writing (ask `state` until it ended, then release it again)."""
         try:
             self._handle.release()
-        except Exception:  # a cancel NIXL refused: the agent frees it when it is destroyed
-            self._agent._leaked_xfer_handles.append(self._handle._handle)
-            self._handle._released = True
+        except Exception:  # a cancel NIXL refused
+            return False
+        return True
+
+    def abandon(self) -> None:
+        """Leave a request NIXL would not release to the agent, which frees it when it goes."""
+        self._agent._leaked_xfer_handles.append(self._handle._handle)
+        self._handle._released = True
 
 
 class Agent:

@@ -130,6 +130,8 @@ POOL_DESCRIPTOR_BYTES: Final = 16 << 10
 there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
 one READ of the same 16 MiB), so rows of a token each (token-major pools) are READ whole and
 scattered, and pages of 16 tokens or more (block pools) are READ in place."""
+UNCANCELLED_WAIT_S: Final = 60.0
+"""How long a READ NIXL refused to cancel is waited for before it is left to the agent."""
 REGISTERED_BUFFERS: Final = 8
 """How many storages of `into=` buffers a consumer keeps registered (and alive) at most."""
 RECEIVE_ARENA_BYTES: Final = 4 << 30
@@ -456,7 +458,7 @@ class NixlReceiver(Receiver):
                 peer=rendezvous.probe_device,
             )
             state = _until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
-            transfer.release()
+            _released(transfer)
             matches = state is TransferState.DONE and torch.equal(probe.cpu(), _probe_pattern())
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: the producer's probe cannot be read from here: {exc}") from None
@@ -765,7 +767,8 @@ class NixlReceiver(Receiver):
                 posted = TransferState.FAILED
                 log.info("nixl: %s", exc)
             if posted is not TransferState.PENDING:
-                transfer.release()
+                if not transfer.release():  # an ended READ: NIXL has nothing to cancel
+                    transfer.abandon()
                 if registration is not None:
                     agent.deregister(registration)
                 done: asyncio.Future[_T] = loop.create_future()
@@ -790,7 +793,7 @@ class NixlReceiver(Receiver):
             except AgentError:
                 state = TransferState.FAILED
             finally:
-                transfer.release()  # cancels a READ still in flight (an abandoned session's)
+                _released(transfer)  # cancels a READ still in flight (an abandoned session's)
                 if registration is not None:
                     agent.deregister(registration)
                 landing.clear()  # NIXL wrote into it until here: the region is reused only now
@@ -852,6 +855,18 @@ def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
 def _shaped(meta: TensorMeta) -> torch.Tensor:
     """A tensor of `meta`'s shape and dtype that holds no bytes (on the meta device)."""
     return torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device="meta")
+
+
+def _released(transfer: Transfer) -> None:
+    """On a kvrt thread: release `transfer`, cancelling it if in flight. Where NIXL refuses the
+    cancel, the READ may still be writing (into the arena, or the caller's memory): wait for
+    it to end (`UNCANCELLED_WAIT_S` at most) before the memory is reused or the call returns."""
+    if transfer.release():
+        return
+    _until_ended(transfer, lambda: False, deadline=time.monotonic() + UNCANCELLED_WAIT_S)
+    if not transfer.release():
+        log.error("nixl: a READ NIXL would not cancel still ran after %.0f s; left to the agent", UNCANCELLED_WAIT_S)
+        transfer.abandon()
 
 
 def _decoded(frame: zmq.Frame) -> NixlRead:
