@@ -28,7 +28,7 @@ from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
 from tests.conftest import make_kv
-from tests.test_pull import CPU_LAYOUTS, DIM, LAYERS, SLOTS, random_pools, row
+from tests.test_pull import CPU_LAYOUTS, DIM, LAYERS, SLOTS, landed_in_replica_two, random_pools, row
 
 if nixl_unavailable() is not None:
     pytest.skip(f"{nixl_unavailable()}", allow_module_level=True)
@@ -587,13 +587,7 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
         await producer.publish(tokens, from_slots, from_replica)
         item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
     assert item is not None and item.matched == 12 and torch.equal(item.input_tokens, tokens)
-    for layer in range(LAYERS):
-        for token in range(12):
-            for kv in range(target.geometry.kv):
-                want = row(source, int(from_replica[token]), 0, layer, int(from_slots[token]), kv)
-                for copy in range(target.copies):
-                    assert same_bits(row(target, 2, copy, layer, 16 + token, kv), want)
-    assert all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
+    assert landed_in_replica_two(source, target, from_replica, from_slots, untouched)
     assert len(reads) == 1
     if layout is Layout.BLOCK_HEAD_MAJOR:
         assert item.key.device.type == "cpu" and len(scatters) == 1
@@ -637,32 +631,43 @@ async def test_a_pull_lands_in_place_only_where_its_runs_of_slots_are_long(
             assert same_bits(landed, source.pools[0][0][layer][kv].reshape(512, heads, dim)[:tokens])
 
 
+class Wedge:
+    """NIXL made to keep every READ posted while `on` in progress (never posted for real),
+    as a wedged fabric would: `posted` is set at such a post, `released` at each release of
+    one, and `refuse` makes releases fail (NIXL refusing the cancel) while `on`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.on = False
+        self.refuse = False
+        self.posted, self.released = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
+
+        def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
+            if not self.on:
+                return post(transfer)
+            loop.call_soon_threadsafe(self.posted.set)
+            return nixl.TransferState.PENDING
+
+        def noting_the_release(transfer: nixl.Transfer) -> bool:
+            if self.on:
+                loop.call_soon_threadsafe(self.released.set)
+                if self.refuse:
+                    return False
+            return release(transfer)
+
+        monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
+        monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if self.on else state(t))
+        monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+
+
 async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_slots(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A pull whose READ into the pools is still in flight when the caller cancels it: the
     READ is released before the cancellation returns (the engine may reuse the slots at
     once), the item goes back to the producer, and the next pull lands it whole."""
-    wedged = False
-    posted, released = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
-
-    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
-        if not wedged:
-            return post(transfer)
-        loop.call_soon_threadsafe(posted.set)
-        return nixl.TransferState.PENDING
-
-    def noting_the_release(transfer: nixl.Transfer) -> bool:
-        done = release(transfer)
-        if wedged:
-            loop.call_soon_threadsafe(released.set)
-        return done
-
-    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
-    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    wedge = Wedge(monkeypatch)
     monkeypatch.setattr(nixl, "POOL_DESCRIPTOR_BYTES", 0)
     source, target = random_pools(1, Layout.BLOCK, seed=4), random_pools(1, Layout.BLOCK, seed=5)
     tokens = torch.arange(8)
@@ -673,14 +678,14 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
         producer.register_pools(source)
         await producer.publish(tokens, torch.arange(8))
         await consumer.link_for_tests()._joined()
-        wedged = True
+        wedge.on = True
         pull = asyncio.create_task(consumer.pull(tokens, into=target, slots=torch.arange(8, 16), timeout=5))
-        await asyncio.wait_for(posted.wait(), 10)
+        await asyncio.wait_for(wedge.posted.wait(), 10)
         pull.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(pull, 5)
-        assert released.is_set()  # before the pull returned, not after
-        wedged = False
+        assert wedge.released.is_set()  # before the pull returned, not after
+        wedge.on = False
         item = await asyncio.wait_for(consumer.pull(tokens, into=target, slots=torch.arange(16, 24), timeout=5), 10)
     assert item is not None
     for slot in range(8):
@@ -846,26 +851,7 @@ async def test_an_item_that_does_not_fit_the_buffers_writes_nothing_there_and_go
 async def test_a_lookup_into_buffers_cancelled_mid_read_returns_only_once_nothing_writes_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    wedged = False
-    posted, released = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
-
-    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
-        if not wedged:
-            return post(transfer)
-        loop.call_soon_threadsafe(posted.set)
-        return nixl.TransferState.PENDING
-
-    def noting_the_release(transfer: nixl.Transfer) -> bool:
-        done = release(transfer)
-        if wedged:
-            loop.call_soon_threadsafe(released.set)
-        return done
-
-    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
-    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    wedge = Wedge(monkeypatch)
     tokens = torch.arange(16)
     key, value, hidden = make_kv(tokens)
     staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
@@ -875,14 +861,14 @@ async def test_a_lookup_into_buffers_cancelled_mid_read_returns_only_once_nothin
     ):
         await producer.insert(tokens, None, key, value, hidden)
         await consumer.link_for_tests()._joined()
-        wedged = True
+        wedge.on = True
         lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
-        await asyncio.wait_for(posted.wait(), 10)
+        await asyncio.wait_for(wedge.posted.wait(), 10)
         lookup.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(lookup, 5)
-        assert released.is_set()  # before the lookup returned, not after
-        wedged = False
+        assert wedge.released.is_set()  # before the lookup returned, not after
+        wedge.on = False
         item = await asyncio.wait_for(consumer.drop_select(tokens, into=staging, timeout=5), 10)
         assert item is not None and torch.equal(item.key, key) and item.key.data_ptr() == staging.key.data_ptr()
 
@@ -912,10 +898,7 @@ async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_ret
     """A READ into `into=` buffers queued behind another that does not end: cancelling its
     call returns at once (not after the transfer timeout), and the READ never starts, so the
     buffers stay as they were; its item goes back to the producer."""
-    wedged = False
-    post, state = nixl.Transfer.post, nixl.Transfer.state
-    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if wedged else post(t))
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    wedge = Wedge(monkeypatch)
     first, second = torch.arange(16), torch.arange(100, 116)
     key, value, hidden = make_kv(first)
     staging = kvrt.KVBuffers(key=torch.full_like(key, 3.0).flatten(), value=torch.zeros_like(value).flatten())
@@ -926,7 +909,7 @@ async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_ret
         for tokens in (first, second):
             await producer.insert(tokens, None, key, value, hidden)
         await consumer.link_for_tests()._joined()
-        wedged = True
+        wedge.on = True
         stuck = asyncio.create_task(consumer.drop_select(first, timeout=5))
         await asyncio.sleep(0.2)
         queued = asyncio.create_task(consumer.drop_select(second, into=staging, timeout=5))
@@ -936,7 +919,7 @@ async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_ret
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(queued, 5)
         assert loop_time() - started < 0.5
-        wedged = False  # the READ ahead ends (failed: the wedge never posted it), its item goes back
+        wedge.on = False  # the READ ahead ends (failed: the wedge never posted it), its item goes back
         with pytest.raises(kvrt.PeerLostError):
             await asyncio.wait_for(stuck, 10)
         await asyncio.sleep(0.2)  # the waiter reaches the cancelled READ's turn, and skips it
@@ -956,32 +939,13 @@ async def test_a_read_nixl_will_not_cancel_is_waited_for_before_the_cancelled_ca
     """NIXL may refuse to cancel a READ in flight (it then keeps writing): a lookup into
     `into=` buffers cancelled then returns only once that READ ended, never while it could
     still write the buffers."""
-    wedged, refused = False, 0
-    posted = asyncio.Event()
+    wedge = Wedge(monkeypatch)
+    wedge.refuse = True
     loop = asyncio.get_running_loop()
-    post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
 
-    def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
-        if not wedged:
-            return post(transfer)
-        loop.call_soon_threadsafe(posted.set)
-        return nixl.TransferState.PENDING
+    def unwedge_soon() -> None:  # once the cancel was refused: the READ then ends 0.5 s on
+        loop.call_later(0.5, setattr, wedge, "on", False)
 
-    def refusing_while_wedged(transfer: nixl.Transfer) -> bool:
-        nonlocal refused
-        if wedged:
-            refused += 1
-            loop.call_soon_threadsafe(loop.call_later, 0.5, unwedge)  # the READ ends 0.5 s on
-            return False
-        return release(transfer)
-
-    def unwedge() -> None:
-        nonlocal wedged
-        wedged = False
-
-    monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
-    monkeypatch.setattr(nixl.Transfer, "release", refusing_while_wedged)
     tokens = torch.arange(16)
     key, value, hidden = make_kv(tokens)
     staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
@@ -991,11 +955,13 @@ async def test_a_read_nixl_will_not_cancel_is_waited_for_before_the_cancelled_ca
     ):
         await producer.insert(tokens, None, key, value, hidden)
         await consumer.link_for_tests()._joined()
-        wedged = True
+        wedge.on = True
         lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
-        await asyncio.wait_for(posted.wait(), 10)
+        await asyncio.wait_for(wedge.posted.wait(), 10)
         started = loop_time()
         lookup.cancel()
+        await asyncio.wait_for(wedge.released.wait(), 5)  # the cancel NIXL refused
+        unwedge_soon()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(lookup, 5)
-        assert refused == 1 and not wedged and loop_time() - started >= 0.4
+        assert not wedge.on and loop_time() - started >= 0.4

@@ -69,13 +69,24 @@ async def test_a_request_spread_over_four_replicas_lands_in_replica_two_bit_for_
         await producer.publish(tokens, from_slots, from_replica)
         item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
     assert item is not None and item.matched == 12
+    assert landed_in_replica_two(source, target, from_replica, from_slots, untouched)
+
+
+def landed_in_replica_two(
+    source: PoolTable, target: PoolTable, from_replica: torch.Tensor, from_slots: torch.Tensor,
+    untouched: list[torch.Tensor],
+) -> bool:  # fmt: skip
+    """Whether token i of the request published from `from_slots[i]` of replica
+    `from_replica[i]` is at slot 16 + i of replica 2 in every copy (MLA: every card of the
+    group), and replica 0's pools are still `untouched`."""
     for layer in range(LAYERS):
-        for token in range(12):
+        for token in range(from_slots.numel()):
             for kv in range(target.geometry.kv):
                 want = row(source, int(from_replica[token]), 0, layer, int(from_slots[token]), kv)
-                for copy in range(target.copies):  # MLA: every card of the group
-                    assert same_bits(row(target, 2, copy, layer, 16 + token, kv), want)
-    assert all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
+                for copy in range(target.copies):
+                    if not same_bits(row(target, 2, copy, layer, 16 + token, kv), want):
+                        return False
+    return all(torch.equal(a, b) for a, b in zip(untouched, target.pools[0][0], strict=True))
 
 
 async def test_a_miss_writes_nothing() -> None:
