@@ -69,7 +69,7 @@ def test_gpu_summary_prints_the_tests_and_every_benchmarks_ratios_from_a_check_o
     assert re.search(r"^pull: raw NCCL 11\.44 ms", out, re.MULTILINE), out
     assert re.search(r"^pull over cuda_ipc: peer copy 10\.88 ms", out, re.MULTILINE), out
     assert "fused pool-to-pool kernel alone: peer copy 10.89 ms; 4 warps 11.88 ms (92%)" in out
-    assert re.search(r"^\s+16 MiB pull \| 34\.446 \| 36\.211 \| 95%$", out, re.MULTILINE), out  # nixl
+    assert re.search(r"^\s+16 MiB pull, 16-slot pages \| 36\.882 \| 38\.800 \| 95%$", out, re.MULTILINE), out  # nixl
     assert re.search(r"stream: raw NCCL one layer 0\.131 ms .*\n\s+stream:\s+0\.216 ms median", out), out
 
 

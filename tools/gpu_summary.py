@@ -78,7 +78,7 @@ def nixl(path: Path) -> None:
         return
     print("nixl: request | raw READ p50 ms | kvrt p50 ms | kvrt/raw rate")
     for row in json.loads(path.read_text()):
-        print(f"  {row['case']['label']:>13} | {row['raw_p50_ms']:.3f} | {row['kvrt_p50_ms']:.3f} | "
+        print(f"  {row['case']['label']:>26} | {row['raw_p50_ms']:.3f} | {row['kvrt_p50_ms']:.3f} | "
               f"{100 * row['ratio']:.0f}%")  # fmt: skip
 
 
