@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,6 +74,60 @@ async def test_items_of_every_shape_arrive_equal_over_nixl(ucx: str) -> None:
         assert item is not None and item.matched == 1024 and item.hidden is None
         assert torch.equal(item.key, big_key) and torch.equal(item.value, -big_key)
         assert consumer.transports == {producer.endpoint: "nixl"} and producer.stats().transports == {"nixl": 1}
+
+
+def bytes_of_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of each READ the agents make from here on."""
+    reads: list[int] = []
+    read = nixl.Agent.read
+
+    def counted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
+        transfer = read(agent, remote, ranges, **where)
+        reads.append(transfer.nbytes)
+        return transfer
+
+    monkeypatch.setattr(nixl.Agent, "read", counted)
+    return reads
+
+
+async def test_a_large_item_of_host_memory_is_read_in_parts_that_keep_the_loop_waiting_little(
+    ucx: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between host memories UCX's `cma` copies inside the call that posts a READ, holding the
+    agent's lock, which every call of the loop's takes too: a large item is READ as parts of at
+    most `READ_PART_BYTES`, so the loop (another producer's small READ, a registration) waits
+    on the agent for one part's copy at most, not for a whole item's."""
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
+    ):
+        tokens = torch.arange(1000)
+        key = torch.randn(4, 1000, 8, 64)  # 16 MB of K and V
+        await producer.insert(tokens, None, key, -key)
+        await consumer.link_for_tests()._joined()
+        reads = bytes_of_reads(monkeypatch)
+        item = await consumer.drop_select(tokens)
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
+    assert sum(reads) >= 2 * key.nbytes and len(reads) >= 2 * key.nbytes // nixl.READ_PART_BYTES
+    assert max(reads) <= nixl.READ_PART_BYTES
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[10], [25], [3, 4, 5, 6, 7], [1, 30, 2, 9, 1, 1, 10], [10, 10, 10]],
+    ids=lambda sizes: "+".join(map(str, sizes)),
+)
+def test_the_parts_of_a_read_cover_its_bytes_in_order_and_none_passes_the_limit(sizes: list[int]) -> None:
+    starts = np.cumsum([0, *sizes[:-1]])
+    ranges = [(1000 + start, 5000 + 2 * start, size) for start, size in zip(starts, sizes, strict=True)]
+    parts = nixl._parts(ranges, 10)
+    rows = [tuple(int(value) for value in row) for part in parts for row in part]
+    assert all(sum(int(row[2]) for row in part) <= 10 for part in parts)
+    assert len(parts) <= 2 * -(-sum(sizes) // 10)  # two parts in a row hold more than the limit
+    local = [(address + offset) for address, _, size in rows for offset in range(size)]
+    remote = [(address + offset) for _, address, size in rows for offset in range(size)]
+    assert local == [address + offset for address, _, size in ranges for offset in range(size)]
+    assert remote == [address + offset for _, address, size in ranges for offset in range(size)]
 
 
 async def test_many_items_in_flight_and_a_batch_arrive_in_the_right_calls(ucx: str) -> None:
@@ -473,6 +528,43 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
         item = await asyncio.wait_for(consumer.drop_select(tokens, timeout=5), 10)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
         assert producer.stats().totals.returned_items == 1
+
+
+async def test_a_small_item_is_not_held_up_behind_a_large_read_of_the_same_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large READ under way (here: one that does not end) from a producer: a small item of
+    the same producer is READ meanwhile, not after it; the large one fails at the transfer
+    timeout and its item is read whole next time."""
+    wedged = True
+    post, state = nixl.Transfer.post, nixl.Transfer.state
+
+    def large(transfer: nixl.Transfer) -> bool:
+        return wedged and transfer.nbytes > nixl.POST_ON_LOOP_BYTES
+
+    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if large(t) else post(t))
+    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if large(t) else state(t))
+    small_tokens, large_tokens = torch.arange(16), torch.arange(100, 1124)
+    small_kv, large_kv = make_kv(small_tokens), make_kv(large_tokens, layers=4, heads=8, head_dim=64)
+    async with (
+        kvrt.Producer(transport="nixl") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="nixl", transfer_timeout_s=3.0) as consumer,
+    ):
+        await producer.insert(small_tokens, None, *small_kv)
+        await producer.insert(large_tokens, None, *large_kv)
+        await consumer.link_for_tests()._joined()
+        stuck = asyncio.create_task(consumer.drop_select(large_tokens))
+        await asyncio.sleep(0.2)
+        item = await asyncio.wait_for(consumer.drop_select(small_tokens), 2.0)
+        assert item is not None and torch.equal(item.key, small_kv[0]) and not stuck.done()
+        with pytest.raises(kvrt.KVRTTimeoutError):
+            await asyncio.wait_for(stuck, 10)
+        wedged = False
+        link = consumer.link_for_tests()
+        await asyncio.wait_for(link.connected.wait(), 10)
+        await link._joined()
+        item = await asyncio.wait_for(consumer.drop_select(large_tokens, timeout=5), 10)
+        assert item is not None and torch.equal(item.key, large_kv[0]) and torch.equal(item.value, large_kv[1])
 
 
 async def test_an_idle_producer_and_consumer_burn_no_core() -> None:

@@ -33,9 +33,12 @@ returns (also failed or cancelled) only once the READ no longer writes there.
 
 How a transfer goes: one READ per delivery, one descriptor per payload segment (a pull's
 chunks: one descriptor list, not one transfer per chunk; into the pools, one per run of slots
-and layer), one descriptor per hit of a DeliverMany. A small READ is posted from the loop
-(UCX's `cma` finishes it inside the call, ~10 us); a large one, or one queued behind others,
-is posted by the session's waiter thread, so the loop never copies. NIXL tells completion
+and layer), one descriptor per hit of a DeliverMany; between host memories, a READ of more
+than `READ_PART_BYTES` as parts of that size (`cma` copies inside the call that posts, under
+the agent's lock). A small READ is posted from the loop (UCX's `cma` finishes it inside the
+call, ~10 us), also while a large one is under way; a large one is posted by the session's
+waiter thread, so the loop never copies, and waits at most for one part's copy when it calls
+the agent. NIXL tells completion
 only when asked (it has no file descriptor or callback to wait on), so that thread asks,
 sleeping between asks from 20 us up to 1 ms: the one place kvrt polls, off the loop, for
 transfers in flight only.
@@ -125,6 +128,12 @@ _MAX_PAYLOAD_BYTES: Final = 1 << 40
 POST_ON_LOOP_BYTES: Final = 1 << 20
 """READs up to this size are posted from the loop (`cma` finishes one inside the call, in a
 few microseconds a 64 KiB); larger ones from the waiter thread, so the loop never copies."""
+READ_PART_BYTES: Final = 4 << 20
+"""The most one READ between host memories moves: a larger one is made as parts of this size,
+posted one after the other. UCX's `cma` copies inside the call that posts a READ, holding the
+agent's lock (NIXL's thread-safe mode locks every call), so any call of the loop's (another
+READ made, a registration) waits for the copy under way: a part's, 0.5 ms or so, not an
+item's (a 256 MiB one takes 40 ms). Between GPUs a post only queues the copy."""
 POOL_DESCRIPTOR_BYTES: Final = 16 << 10
 """The least a pull's descriptors into the pools must move on average for the READ to land
 there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
@@ -743,15 +752,23 @@ class NixlReceiver(Receiver):
     ) -> asyncio.Future[_T]:
         """READ `ranges` (local, remote, bytes) into `payload` (and the caller's memory of
         `in_place`, where they name it): a future done with `result` once they landed. Small
-        READs with nothing queued before them are posted here (most end inside the call); the
+        READs are posted here (most end inside the call), into kvrt's memory also while larger
+        ones are under way (into the caller's, only with none queued: a cancelled call waits
+        for a READ there that started, and one that did not end would wait behind others); the
         rest are posted and waited for by the session's waiter, which first waits for the
         caller's work on that memory, where that has not ended, and gives the READ up when
-        told (`in_place.stop`)."""
+        told (`in_place.stop`). Between host memories a READ past `READ_PART_BYTES` is made
+        as parts, posted in turn."""
         agent = self._agent
         assert agent is not None  # joined
+        host = self.device.type == "cpu" and session.remote_device.type == "cpu"
+        transfers: list[Transfer] = []
         try:
-            transfer = agent.read(session.remote, ranges, local=self.device, peer=session.remote_device)
+            for part in _parts(ranges, READ_PART_BYTES) if host else [ranges]:
+                transfers.append(agent.read(session.remote, part, local=self.device, peer=session.remote_device))
         except AgentError as exc:
+            for transfer in transfers:
+                _released(transfer)
             if registration is not None:
                 agent.deregister(registration)
             raise _translated(exc, "the READ the producer described cannot be made") from None
@@ -760,15 +777,17 @@ class NixlReceiver(Receiver):
         ready = None if in_place is None else in_place.ready
         if ready is not None and ready.query():
             ready = None
-        if transfer.nbytes <= POST_ON_LOOP_BYTES and session.queued == 0 and ready is None:
+        first = transfers[0]
+        small = len(transfers) == 1 and first.nbytes <= POST_ON_LOOP_BYTES
+        if small and ready is None and (in_place is None or session.queued == 0):
             try:
-                posted = transfer.post() if in_place is None or in_place.may_write() else TransferState.FAILED
+                posted = first.post() if in_place is None or in_place.may_write() else TransferState.FAILED
             except AgentError as exc:
                 posted = TransferState.FAILED
                 log.info("nixl: %s", exc)
             if posted is not TransferState.PENDING:
-                if not transfer.release():  # an ended READ: NIXL has nothing to cancel
-                    transfer.abandon()
+                if not first.release():  # an ended READ: NIXL has nothing to cancel
+                    first.abandon()
                 if registration is not None:
                     agent.deregister(registration)
                 done: asyncio.Future[_T] = loop.create_future()
@@ -781,19 +800,42 @@ class NixlReceiver(Receiver):
         def give_up() -> bool:
             return session.abandoned or (in_place is not None and in_place.stop)
 
+        def post_all() -> list[TransferState]:
+            """Post the parts in turn (the first maybe posted already), up to one that failed,
+            or until told to give up."""
+            states = [posted] if posted is not None else []
+            for transfer in transfers[len(states) :]:
+                if give_up():
+                    break
+                if states:
+                    # NIXL's lock is not fair: taken again at once, a call of the loop's
+                    # waiting on it would wait out every part. This thread steps aside.
+                    time.sleep(0)
+                states.append(transfer.post())
+                if states[-1] is TransferState.FAILED:
+                    break
+            return states
+
         def wait() -> None:
+            state = TransferState.FAILED
             try:
                 if ready is not None:
                     ready.synchronize()  # the caller's work on that memory before the call
                 if posted is None and in_place is not None and not in_place.may_write():
-                    state = TransferState.FAILED  # the call ended before this READ's turn came
+                    pass  # the call ended before this READ's turn came
                 else:
-                    state = transfer.post() if posted is None else posted
-                state = _until_ended(transfer, give_up, deadline=None, state=state)
+                    states = post_all()
+                    if len(states) == len(transfers):
+                        state = TransferState.DONE
+                    for transfer, posted_state in zip(transfers, states, strict=False):
+                        if _until_ended(transfer, give_up, deadline=None, state=posted_state) is not TransferState.DONE:
+                            state = TransferState.FAILED
+                            break
             except AgentError:
                 state = TransferState.FAILED
             finally:
-                _released(transfer)  # cancels a READ still in flight (an abandoned session's)
+                for transfer in transfers:
+                    _released(transfer)  # cancels a READ still in flight (an abandoned session's)
                 if registration is not None:
                     agent.deregister(registration)
                 landing.clear()  # NIXL wrote into it until here: the region is reused only now
@@ -829,6 +871,35 @@ class NixlReceiver(Receiver):
         self._ended = session.waiter.wait(forget_remote)
         self._ended.add_done_callback(outcome_seen)
         session.waiter.close()
+
+
+_Ranges = list[tuple[int, int, int]] | np.ndarray
+
+
+def _parts(ranges: _Ranges, limit: int) -> list[_Ranges]:
+    """`ranges` (local, remote, bytes) as lists of at most `limit` bytes each, in order (a
+    range longer than that cut into pieces)."""
+    if isinstance(ranges, list) and sum(nbytes for _, _, nbytes in ranges) <= limit:
+        return [ranges]
+    rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+    sizes = rows[:, 2]
+    if int(sizes.sum()) <= limit:
+        return [ranges]
+    pieces = -(-sizes // limit)
+    if int(pieces.max()) > 1:  # a range of `limit` bytes a row, the last one the rest
+        first_of = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        offsets = (np.arange(int(pieces.sum())) - first_of) * limit
+        rows = np.repeat(rows, pieces, axis=0)
+        rows[:, 0] += offsets
+        rows[:, 1] += offsets
+        rows[:, 2] = np.minimum(limit, rows[:, 2] - offsets)
+    ends = np.cumsum(rows[:, 2])
+    cuts, start, taken = [], 0, 0
+    while start < len(rows):  # one pass a part: the rows up to the last that still fits
+        start = max(start + 1, int(np.searchsorted(ends, taken + limit, side="right")))
+        cuts.append(start)
+        taken = int(ends[start - 1])
+    return list[_Ranges](np.split(rows, cuts[:-1]))
 
 
 def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:

@@ -93,9 +93,13 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def _tokens(index: int) -> torch.Tensor:
+    return torch.arange(TOKENS, dtype=torch.int64) + (index + 1) * 1_000_000
+
+
 def _item(index: int, item_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens and a key and value of `item_bytes` in all (tokens included), distinct per index."""
-    tokens = torch.arange(TOKENS, dtype=torch.int64) + (index + 1) * 1_000_000
+    tokens = _tokens(index)
     elements = max(1, (item_bytes - tokens.nbytes) // 2 // 2 // TOKENS)  # fp16, key and value
     key = torch.full((1, TOKENS, 1, elements), float(index % 7), dtype=torch.float16)
     return tokens, key, key
@@ -142,7 +146,7 @@ def _kvrt_consumer(
 
     async def main() -> None:
         async with kvrt.Consumer(connect=endpoint, transport=transport) as consumer:
-            queries = [_item(index, case.item_bytes)[0] for index in range(WARMUP + case.requests)]
+            queries = [_tokens(index) for index in range(WARMUP + case.requests)]
             for index in range(WARMUP):
                 assert await consumer.drop_select(queries[index]) is not None
             control.send("ready")
