@@ -48,7 +48,8 @@ IN_FLIGHT: Final = 16
 TOKENS: Final = 64
 """Tokens an item has (its query names them all)."""
 WARMUP: Final = 20
-"""Requests made before the clock starts, on every path (connections and caches warm)."""
+"""Requests made before the clock starts, on every path, as many in flight as then (connections
+and caches warm, and the consumer's receive memory grown to what that many take)."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,13 @@ def _kvrt_consumer(
     async def main() -> None:
         async with kvrt.Consumer(connect=endpoint, transport=transport) as consumer:
             queries = [_tokens(index) for index in range(WARMUP + case.requests)]
-            for index in range(WARMUP):
-                assert await consumer.drop_select(queries[index]) is not None
+            warming = iter(range(WARMUP))
+
+            async def warm() -> None:
+                for index in warming:
+                    assert await consumer.drop_select(queries[index]) is not None
+
+            await asyncio.gather(*(warm() for _ in range(in_flight)))
             control.send("ready")
             assert control.recv() == "go"
             latencies: list[float] = []
@@ -275,8 +281,13 @@ def _raw_client(endpoint: str, case: Case, in_flight: int, control: multiprocess
             await dealer.send_multipart([request_id.to_bytes(8, "little")], copy=False)
             await future
 
-        for _ in range(WARMUP):
-            await ask()
+        warming = iter(range(WARMUP))
+
+        async def warm() -> None:
+            for _ in warming:
+                await ask()
+
+        await asyncio.gather(*(warm() for _ in range(in_flight)))
         control.send("ready")
         assert control.recv() == "go"
         latencies: list[float] = []
