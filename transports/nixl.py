@@ -128,12 +128,14 @@ _MAX_PAYLOAD_BYTES: Final = 1 << 40
 POST_ON_LOOP_BYTES: Final = 1 << 20
 """READs up to this size are posted from the loop (`cma` finishes one inside the call, in a
 few microseconds a 64 KiB); larger ones from the waiter thread, so the loop never copies."""
-READ_PART_BYTES: Final = 4 << 20
+READ_PART_BYTES: Final = 8 << 20
 """The most one READ between host memories moves: a larger one is made as parts of this size,
 posted one after the other. UCX's `cma` copies inside the call that posts a READ, holding the
 agent's lock (NIXL's thread-safe mode locks every call), so any call of the loop's (another
-READ made, a registration) waits for the copy under way: a part's, 0.5 ms or so, not an
-item's (a 256 MiB one takes 40 ms). Between GPUs a post only queues the copy."""
+READ made, a registration) waits for the copy under way: a part's, a few ms, not an item's
+(a 256 MiB one stalled the loop for up to 250 ms). Parts of 4 MiB cost large items a third of
+their rate on a 2-core host; 8 MiB ones, a few percent. Between GPUs a post only queues the
+copy."""
 POOL_DESCRIPTOR_BYTES: Final = 16 << 10
 """The least a pull's descriptors into the pools must move on average for the READ to land
 there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
