@@ -38,10 +38,9 @@ than `READ_PART_BYTES` as parts of that size (`cma` copies inside the call that 
 the agent's lock). A small READ is posted from the loop (UCX's `cma` finishes it inside the
 call, ~10 us), also while a large one is under way; a large one is posted by the session's
 waiter thread, so the loop never copies, and waits at most for one part's copy when it calls
-the agent. NIXL tells completion
-only when asked (it has no file descriptor or callback to wait on), so that thread asks,
-sleeping between asks from 20 us up to 1 ms: the one place kvrt polls, off the loop, for
-transfers in flight only.
+the agent. NIXL tells completion only when asked (it has no file descriptor or callback to
+wait on), so that thread asks, sleeping between asks from 20 us up to 1 ms: the one place
+kvrt polls, off the loop, for transfers in flight only.
 
 Failures: a READ that fails (the producer's process died: `cma` and UCX's peer error
 handling report it) fails its call with `PeerLostError`. When the link gives the producer

@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -106,6 +107,17 @@ def _item(index: int, item_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return tokens, key, key
 
 
+async def _in_flight(step: Callable[[int], Awaitable[None]], indexes: range, in_flight: int) -> None:
+    """`await step(index)` for each of `indexes`, `in_flight` at a time, in order."""
+    pending = iter(indexes)
+
+    async def worker() -> None:
+        for index in pending:
+            await step(index)
+
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+
+
 def _cpu_s() -> float:
     """CPU time of every thread of this process so far (ZeroMQ's I/O threads included), to the
     nanosecond (`os.times` counts in clock ticks of 10 ms)."""
@@ -148,27 +160,20 @@ def _kvrt_consumer(
     async def main() -> None:
         async with kvrt.Consumer(connect=endpoint, transport=transport) as consumer:
             queries = [_tokens(index) for index in range(WARMUP + case.requests)]
-            warming = iter(range(WARMUP))
+            latencies: list[float] = []
 
-            async def warm() -> None:
-                for index in warming:
-                    assert await consumer.drop_select(queries[index]) is not None
+            async def take(index: int) -> None:
+                started = time.perf_counter()
+                item = await consumer.drop_select(queries[index])
+                latencies.append(time.perf_counter() - started)
+                assert item is not None
 
-            await asyncio.gather(*(warm() for _ in range(in_flight)))
+            await _in_flight(take, range(WARMUP), in_flight)
             control.send("ready")
             assert control.recv() == "go"
-            latencies: list[float] = []
-            pending = iter(range(WARMUP, WARMUP + case.requests))
-
-            async def worker() -> None:
-                for index in pending:
-                    started = time.perf_counter()
-                    item = await consumer.drop_select(queries[index])
-                    latencies.append(time.perf_counter() - started)
-                    assert item is not None
-
+            latencies.clear()
             cpu, wall = _cpu_s(), time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(in_flight)))
+            await _in_flight(take, range(WARMUP, WARMUP + case.requests), in_flight)
             control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu))
 
     asyncio.run(main())
@@ -281,26 +286,19 @@ def _raw_client(endpoint: str, case: Case, in_flight: int, control: multiprocess
             await dealer.send_multipart([request_id.to_bytes(8, "little")], copy=False)
             await future
 
-        warming = iter(range(WARMUP))
+        latencies: list[float] = []
 
-        async def warm() -> None:
-            for _ in warming:
-                await ask()
+        async def timed_ask(_: int) -> None:
+            started = time.perf_counter()
+            await ask()
+            latencies.append(time.perf_counter() - started)
 
-        await asyncio.gather(*(warm() for _ in range(in_flight)))
+        await _in_flight(timed_ask, range(WARMUP), in_flight)
         control.send("ready")
         assert control.recv() == "go"
-        latencies: list[float] = []
-        remaining = iter(range(case.requests))
-
-        async def worker() -> None:
-            for _ in remaining:
-                started = time.perf_counter()
-                await ask()
-                latencies.append(time.perf_counter() - started)
-
+        latencies.clear()
         cpu, wall = _cpu_s(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        await _in_flight(timed_ask, range(case.requests), in_flight)
         control.send(Timed(latencies, time.perf_counter() - wall, _cpu_s() - cpu))
         reader.cancel()
         dealer.close(linger=0)
