@@ -282,6 +282,10 @@ def test_a_thread_interrupted_while_it_waits_cancels_its_own_call() -> None:
         """
         import os, signal, threading, torch, kvrt.blocking
 
+        # Python's own Ctrl-C handling, as a program started from a terminal has it: a child of
+        # a background job (a CI runner's) may inherit SIGINT ignored, and then never hears it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         def interrupt():
             # Ctrl-C as soon as the call runs on kvrt's loop: the main thread may still be in
             # the portal's hand-over of the call, or already waiting for its result.
