@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,17 +77,23 @@ async def test_items_of_every_shape_arrive_equal_over_nixl(ucx: str) -> None:
         assert consumer.transports == {producer.endpoint: "nixl"} and producer.stats().transports == {"nixl": 1}
 
 
-def bytes_of_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The bytes of each READ the agents make from here on."""
-    reads: list[int] = []
+@dataclass(frozen=True)
+class ReadMade:
+    descriptors: int
+    nbytes: int
+
+
+def reads_made(monkeypatch: pytest.MonkeyPatch) -> list[ReadMade]:
+    """Each READ the agents make from here on: its descriptors and bytes."""
+    reads: list[ReadMade] = []
     read = nixl.Agent.read
 
-    def counted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
+    def noted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
         transfer = read(agent, remote, ranges, **where)
-        reads.append(transfer.nbytes)
+        reads.append(ReadMade(len(ranges), transfer.nbytes))
         return transfer
 
-    monkeypatch.setattr(nixl.Agent, "read", counted)
+    monkeypatch.setattr(nixl.Agent, "read", noted)
     return reads
 
 
@@ -105,11 +112,12 @@ async def test_a_large_item_of_host_memory_is_read_in_parts_that_keep_the_loop_w
         key = torch.randn(4, 1000, 8, 64)  # 16 MB of K and V
         await producer.insert(tokens, None, key, -key)
         await consumer.link_for_tests()._joined()
-        reads = bytes_of_reads(monkeypatch)
+        reads = reads_made(monkeypatch)
         item = await consumer.drop_select(tokens)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
-    assert sum(reads) >= 2 * key.nbytes and len(reads) >= 2 * key.nbytes // nixl.READ_PART_BYTES
-    assert max(reads) <= nixl.READ_PART_BYTES
+    assert sum(read.nbytes for read in reads) >= 2 * key.nbytes
+    assert len(reads) >= 2 * key.nbytes // nixl.READ_PART_BYTES
+    assert max(read.nbytes for read in reads) <= nixl.READ_PART_BYTES
 
 
 @pytest.mark.parametrize(
@@ -633,19 +641,6 @@ async def test_a_probe_written_over_by_a_peer_is_whole_again_for_the_next_consum
 # -- pulls: K and V READ straight into the caller's pools ----------------------------------
 
 
-def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of descriptors of each READ the agents make from here on."""
-    reads: list[int] = []
-    read = nixl.Agent.read
-
-    def counted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
-        reads.append(len(ranges))
-        return read(agent, remote, ranges, **where)
-
-    monkeypatch.setattr(nixl.Agent, "read", counted)
-    return reads
-
-
 @pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
 async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
     ucx: str, layout: Layout, monkeypatch: pytest.MonkeyPatch
@@ -674,7 +669,7 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         await consumer.link_for_tests()._joined()
-        reads = counting_reads(monkeypatch)
+        reads = reads_made(monkeypatch)
         producer.register_pools(source)
         await producer.publish(tokens, from_slots, from_replica)
         item = await consumer.pull(tokens, into=target, slots=into_slots, replica=2)
@@ -685,7 +680,7 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
         assert item.key.device.type == "cpu" and len(scatters) == 1
     else:
         assert item.key.device.type == "meta" and item.key.shape == (LAYERS, 12, target.geometry.heads, DIM)
-        assert not scatters and reads[0] > 1
+        assert not scatters and reads[0].descriptors > 1
 
 
 @pytest.mark.parametrize(("page_tokens", "in_place"), [(1, False), (64, True)], ids=["token-rows", "pages"])
@@ -908,7 +903,7 @@ async def test_an_item_taken_into_buffers_is_read_into_them_with_no_copy(
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         await consumer.link_for_tests()._joined()
-        reads = counting_reads(monkeypatch)
+        reads = reads_made(monkeypatch)
         for _ in range(2):  # the second with the buffers registered already
             await producer.insert(tokens, None, key, value, hidden)
             item = await consumer.drop_select(tokens, into=staging)

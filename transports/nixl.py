@@ -822,9 +822,8 @@ class NixlReceiver(Receiver):
             try:
                 if ready is not None:
                     ready.synchronize()  # the caller's work on that memory before the call
-                if posted is None and in_place is not None and not in_place.may_write():
-                    pass  # the call ended before this READ's turn came
-                else:
+                # Not posted when the call ended before this READ's turn came.
+                if posted is not None or in_place is None or in_place.may_write():
                     states = post_all()
                     if len(states) == len(transfers):
                         state = TransferState.DONE
@@ -900,7 +899,8 @@ def _parts(ranges: _Ranges, limit: int) -> list[_Ranges]:
         start = max(start + 1, int(np.searchsorted(ends, taken + limit, side="right")))
         cuts.append(start)
         taken = int(ends[start - 1])
-    return list[_Ranges](np.split(rows, cuts[:-1]))
+    parts: list[_Ranges] = list(np.split(rows, cuts[:-1]))
+    return parts
 
 
 def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
