@@ -5,14 +5,16 @@ heartbeats, request ids), and never takes an item:
 
     async with kvrt.Client("tcp://prefill-0:5555") as client:
         (await client.probe(tokens)).matched   # route the request to the longest prefix
+        await client.probe_many([tokens_a, tokens_b])   # a scheduler step's lookups, one message
         await client.stats()
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Self, TypeVar
 
 import torch
@@ -95,6 +97,21 @@ class Client(AsyncService):
         """What a drop_select with these tokens would take, without taking it (`matched` 0: nothing)."""
         tokens = query_bytes(input_tokens, roi, what="probe")
         return await self._ask(lambda request_id: m.Probe(request_id=request_id, tokens=tokens), m.ProbeReply)
+
+    async def probe_many(self, queries: Sequence[torch.Tensor | None]) -> list[m.Probed]:
+        """`probe` for each query (input tokens, roi applied already; None: the oldest item),
+        in one message: at most `MAX_BATCH` (256). A producer of an older release, which does
+        not answer `probe_many`, is asked one `probe` per query, all in flight together."""
+        if not 1 <= len(queries) <= m.MAX_BATCH:
+            raise InvalidInputError(f"probe_many takes 1 to {m.MAX_BATCH} queries, got {len(queries)}")
+        tokens = [query_bytes(query, None, what="probe_many") for query in queries]
+        if self._link is not None and m.Capability.PROBE_MANY not in self._link.core.producer_capabilities:
+            replies = await asyncio.gather(*(self.probe(query) for query in queries))
+            return [m.Probed(reply.matched, reply.item_id) for reply in replies]
+        reply = await self._ask(lambda request_id: m.ProbeMany(request_id=request_id, queries=tokens), m.ProbeManyReply)
+        if len(reply.answers) != len(queries):
+            raise RemoteProtocolError(f"probe_many: {len(reply.answers)} answers to {len(queries)} queries")
+        return reply.answers
 
     async def list_items(self, limit: int = 100) -> m.ItemList:
         """The oldest buffered items (at most `limit`), and how many there are in all."""

@@ -66,6 +66,8 @@ class Capability(enum.StrEnum):
     CUDA_IPC = "cuda_ipc"
     PROBE = "probe"
     STATS = "stats"
+    PROBE_MANY = "probe_many"
+    """The producer answers `probe_many` (an older one answers each `probe` alone)."""
 
 
 # Messages are plain data decoded from the wire and never refer back to themselves, so the
@@ -381,6 +383,28 @@ class ProbeReply(Message, frozen=True, tag="probe_reply"):
     item_id: ItemId | None = None
 
 
+class ProbeMany(Message, frozen=True, tag="probe_many"):
+    """Client → producer: a `probe` for each query, answered at once in one `probe_many_reply`
+    (a scheduler step's lookups in one message). Each query as `Probe.tokens`."""
+
+    request_id: RequestId
+    queries: Annotated[list[TokenBytes | None], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class Probed(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One query's answer in a `probe_many_reply`, as `ProbeReply`'s fields."""
+
+    matched: Annotated[int, Meta(ge=0)]
+    item_id: ItemId | None = None
+
+
+class ProbeManyReply(Message, frozen=True, tag="probe_many_reply"):
+    """The answers to a `probe_many`, in query order."""
+
+    request_id: RequestId
+    answers: Annotated[list[Probed], Meta(max_length=MAX_BATCH)]
+
+
 class ListItems(Message, frozen=True, tag="list_items"):
     """Client → producer: the oldest buffered items, at most `limit`. Answered with `item_list`."""
 
@@ -459,7 +483,8 @@ class StreamAbort(Message, frozen=True, tag="stream_abort"):
 AnyMessage = (
     Hello | Welcome | Ping | Pong | Bye | DropSelect | Cancel | Deliver | Miss | Received | Release | ErrorReply
     | Health | HealthReply | Stats | StatsReply | Probe | ProbeReply | ListItems | ItemList | Evict | Evicted
-    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany | Payload
+    | StreamStart | StreamLayer | StreamEnd | StreamAbort | DropSelectMany | DeliverMany | Payload | ProbeMany
+    | ProbeManyReply
 )  # fmt: skip
 
 

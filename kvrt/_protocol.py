@@ -153,6 +153,7 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
         m.Health,
         m.Stats,
         m.Probe,
+        m.ProbeMany,
         m.ListItems,
         m.Evict,
     ),
@@ -439,6 +440,8 @@ class ProducerCore:
                 return [Outgoing(peer, self._stats(request_id))]
             case m.Probe():
                 return [self._on_probe(peer, message)]
+            case m.ProbeMany():
+                return [self._on_probe_many(peer, message)]
             case m.ListItems(request_id=request_id, limit=limit):
                 return [Outgoing(peer, self._listing(request_id, limit, now))]
             case m.Evict(request_id=request_id, item_id=item_id):
@@ -586,7 +589,7 @@ class ProducerCore:
             producer_id=self.producer_id,
             heartbeat_s=self.heartbeat_s,
             transport=transport,
-            capabilities=list(self.transports),
+            capabilities=[*self.transports, m.Capability.PROBE_MANY.value],
             lease_s=self.lease_s,
             heads=self.heads,
         )
@@ -776,6 +779,17 @@ class ProducerCore:
         if found is None:
             return Outgoing(peer, m.ProbeReply(request_id=probe.request_id, matched=0))
         return Outgoing(peer, m.ProbeReply(probe.request_id, found.matched, found.item.item_id))
+
+    def _on_probe_many(self, peer: bytes, probe: m.ProbeMany) -> Outgoing:
+        try:
+            queries = [None if tokens is None else m.tokens_from_bytes(tokens) for tokens in probe.queries]
+        except ProtocolError as exc:
+            return self._refuse(peer, probe.request_id, exc.code, str(exc))
+        answers = []
+        for query in queries:
+            found = self.buffer.best_match(query)
+            answers.append(m.Probed(0) if found is None else m.Probed(found.matched, found.item.item_id))
+        return Outgoing(peer, m.ProbeManyReply(request_id=probe.request_id, answers=answers))
 
     def _listing(self, request_id: int, limit: int, now: float) -> m.ItemList:
         items = self.buffer.items()
@@ -1344,6 +1358,9 @@ class ConsumerCore:
         self.producer_id: str | None = None
         self.transport: str | None = None
         self.heads: m.HeadRange | None = None
+        self.producer_capabilities: frozenset[str] = frozenset()
+        """What the producer's welcome lists: its transports and the operations it answers
+        beyond the base protocol (`m.Capability`)."""
         """The model's KV heads the producer's items hold, if it was told (from its welcome)."""
         self.lease_s = heartbeat_s * HEARTBEAT_MISSES
         """The producer's lease (from its welcome; this side's default until then)."""
@@ -1541,6 +1558,7 @@ class ConsumerCore:
         self.producer_id = welcome.producer_id
         self.transport = welcome.transport
         self.heads = welcome.heads
+        self.producer_capabilities = frozenset(welcome.capabilities)
         self.heartbeat_s = min(self.heartbeat_s, welcome.heartbeat_s)
         if welcome.lease_s > 0:
             self.lease_s = welcome.lease_s

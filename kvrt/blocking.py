@@ -53,7 +53,7 @@ from kvrt._auth import CurveKeys
 from kvrt._caller_stream import caller_stream
 from kvrt._errors import ClosedError, KVRTError
 from kvrt._item import KVBuffers, KVItem
-from kvrt._messages import Evicted, ItemList, ProbeReply, StatsReply
+from kvrt._messages import Evicted, ItemList, Probed, ProbeReply, StatsReply
 from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
 from kvrt._streams import ConsumerStream as _AsyncConsumerStream
 from kvrt._streams import ProducerStream as _AsyncProducerStream
@@ -564,6 +564,10 @@ class Client(_Blocking[_client.Client]):
     def probe(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None) -> ProbeReply:
         """`kvrt.Client.probe`: what a drop_select with these tokens would take, without taking it."""
         return self._call(self._service.probe, input_tokens, roi)
+
+    def probe_many(self, queries: Sequence[torch.Tensor | None]) -> list[Probed]:
+        """`kvrt.Client.probe_many`: a probe for each query, in one message."""
+        return self._call(self._service.probe_many, queries)
 
     def stats(self) -> StatsReply:
         """`kvrt.Client.stats`."""

@@ -36,6 +36,37 @@ async def test_probe_reports_the_match_without_taking_the_item(producer: kvrt.Pr
     assert producer.stats().items == 1
 
 
+async def test_probe_many_answers_every_query_in_order_in_one_request(
+    producer: kvrt.Producer, client: kvrt.Client
+) -> None:
+    await insert_tokens(producer, torch.arange(10))
+    await insert_tokens(producer, torch.arange(4) + 100)
+    before = (await client.stats()).totals
+    answers = await client.probe_many([torch.arange(6), torch.tensor([99]), torch.arange(4) + 100, None])
+    assert [answer.matched for answer in answers] == [6, 0, 4, 10]
+    assert answers[1].item_id is None and answers[0].item_id == answers[3].item_id != answers[2].item_id
+    assert producer.stats().items == 2
+    assert (await client.stats()).totals.get("errors", 0) == before.get("errors", 0)
+
+
+async def test_probe_many_asks_a_producer_that_does_not_answer_it_one_probe_per_query(
+    producer: kvrt.Producer, client: kvrt.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A producer of an older release lists no `probe_many` in its welcome.
+    link = client._link
+    assert link is not None and "probe_many" in link.core.producer_capabilities
+    monkeypatch.setattr(link.core, "producer_capabilities", frozenset({"tcp"}))
+    await insert_tokens(producer, torch.arange(10))
+    answers = await client.probe_many([torch.arange(3), torch.tensor([7])])
+    assert [answer.matched for answer in answers] == [3, 0]
+
+
+@pytest.mark.parametrize("count", [0, 257])
+async def test_probe_many_refuses_no_queries_or_more_than_a_batch(client: kvrt.Client, count: int) -> None:
+    with pytest.raises(kvrt.InvalidInputError, match="1 to 256 queries"):
+        await client.probe_many([torch.arange(2)] * count)
+
+
 async def test_list_items_shows_the_oldest_first_with_a_total(producer: kvrt.Producer, client: kvrt.Client) -> None:
     for index in range(3):
         await insert_tokens(producer, torch.arange(4) + 10 * index)
