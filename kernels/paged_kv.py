@@ -481,31 +481,37 @@ def scatter_from(
 
 def _layer_plan(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
-    layer: int, tuning: Tuning, *, gather: bool,
+    layer: int, tuning: Tuning, *, gather: bool, heads: tuple[int, int] | None = None,
 ) -> _Launch | None:  # fmt: skip
-    """The launch between layer `layer` of the pools and one layer's K and V [tokens, heads,
-    head_dim]: a stage whose layer stride is 0, so that the kernel's layer `layer` is them."""
-    _check_layer(table, key, value, slots.numel(), layer)
+    """The launch between layer `layer` of the pools (heads `heads`, all by default) and one
+    layer's K and V [tokens, heads, head_dim]: a stage whose layer stride is 0, so that the
+    kernel's layer `layer` is them."""
+    head_range = _head_range(table, heads)
+    _check_layer(table, key, value, slots.numel(), layer, head_range)
     g = table.geometry
-    stage = _Stage(key, value if g.kv == 2 else key, 0, 0, 0, g.heads * g.head_dim)
-    return _plan(table, stage, replica, slots, (0, g.heads), gather=gather, layers=(layer, layer + 1), tuning=tuning)
+    stage = _Stage(key, value if g.kv == 2 else key, 0, 0, 0, (head_range[1] - head_range[0]) * g.head_dim)
+    return _plan(table, stage, replica, slots, head_range, gather=gather, layers=(layer, layer + 1), tuning=tuning)
 
 
-def _check_layer(table: PoolTable, key: torch.Tensor, value: torch.Tensor, tokens: int, layer: int) -> None:
+def _check_layer(
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, tokens: int, layer: int,
+    heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     if not isinstance(layer, int) or not 0 <= layer < table.layers:
         raise InvalidInputError(f"layer {layer!r} is outside the pools' {table.layers} layers")
     g = table.geometry
+    count = g.heads if heads is None else heads[1] - heads[0]
     for name, tensor in (("key", key), ("value", value)) if g.kv == 2 else (("key", key),):
         if (
             tensor.dim() != 3
-            or (tensor.shape[1], tensor.shape[2]) != (g.heads, g.head_dim)
+            or (tensor.shape[1], tensor.shape[2]) != (count, g.head_dim)
             or tensor.shape[0] < tokens
             or tensor.dtype != table.dtype
             or tensor.device != table.device
             or not tensor.is_contiguous()
         ):
             raise InvalidInputError(
-                f"{name} must be a contiguous {table.dtype} tensor [>= {tokens}, {g.heads}, {g.head_dim}] on "
+                f"{name} must be a contiguous {table.dtype} tensor [>= {tokens}, {count}, {g.head_dim}] on "
                 f"{table.device}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
             )
 
@@ -523,11 +529,12 @@ def prepare_gather_layer(
 
 def scatter_layer_from(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor,
-    layer: int, *, check: bool = True, tuning: Tuning = DEFAULT_TUNING,
+    layer: int, *, heads: tuple[int, int] | None = None, check: bool = True, tuning: Tuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """The first len(slots) tokens of one layer's K and V [tokens, heads, head_dim] written into
-    layer `layer` of the pools: a stream's reader places each layer as it lands."""
-    plan = _layer_plan(table, key, value, replica, slots, layer, tuning, gather=False)
+    layer `layer` of the pools (into their heads `heads`, all by default): a stream's reader
+    places each layer as it lands."""
+    plan = _layer_plan(table, key, value, replica, slots, layer, tuning, gather=False, heads=heads)
     if check:
         check_indices(table, replica, slots)
     if plan is not None:
@@ -607,14 +614,17 @@ def gather_layer_reference(
 
 
 def scatter_layer_reference(
-    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int
-) -> None:
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int,
+    *, heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    first, end = _head_range(table, heads)
     tokens = slots.numel()
     for kv, source in enumerate([key, value][: table.geometry.kv]):
         for r in range(table.replicas):
             chosen = (replica == r).nonzero().flatten()
             for copy in range(table.copies):
-                _rows(table, table.pools[r][copy][layer], kv)[_at(table, slots[chosen])] = source[:tokens][chosen]
+                rows = _rows(table, table.pools[r][copy][layer], kv)
+                rows[_at(table, slots[chosen], slice(first, end))] = source[:tokens][chosen]
 
 
 # -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
@@ -667,11 +677,12 @@ def gather_layer_into_any(
 
 
 def scatter_layer_from_any(
-    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int
-) -> None:
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int,
+    *, heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     """`scatter_layer_from` (indexes not checked) where Triton runs, its torch reference elsewhere."""
     if table.device.type == "cuda":
-        scatter_layer_from(table, key, value, replica, slots, layer, check=False)
+        scatter_layer_from(table, key, value, replica, slots, layer, heads=heads, check=False)
         return
-    _check_layer(table, key, value, slots.numel(), layer)
-    scatter_layer_reference(table, key, value, replica, slots, layer)
+    _check_layer(table, key, value, slots.numel(), layer, _head_range(table, heads))
+    scatter_layer_reference(table, key, value, replica, slots, layer, heads=heads)

@@ -121,12 +121,17 @@ class PoolTable:
     copy per card); other layouts have one copy per replica.
     """
 
-    def __init__(self, pools: Sequence[Sequence[Sequence[torch.Tensor]]], layout: Layout) -> None:
+    def __init__(
+        self, pools: Sequence[Sequence[Sequence[torch.Tensor]]], layout: Layout, *, heads: slice | None = None
+    ) -> None:
         if not pools or not pools[0] or not pools[0][0]:
             raise InvalidInputError("pools must name at least one replica, copy and layer")
         first = pools[0][0][0]
         self.layout = layout
         self.geometry = geometry(first, layout)
+        self.first_head = _first_head(heads, self.geometry.heads)
+        """The first of the model's KV heads the pools hold (`heads=`, a TP rank's share; 0 when
+        not said): a landing call's `heads=` count in the model's numbering."""
         self.dtype = first.dtype
         self.device = first.device
         self.replicas = len(pools)
@@ -157,6 +162,24 @@ class PoolTable:
 
     def staging_shape(self, tokens: int, heads: tuple[int, int]) -> tuple[int, ...]:
         return (self.layers, tokens, self.geometry.kv, heads[1] - heads[0], self.geometry.head_dim)
+
+
+def _first_head(heads: object, count: int) -> int:
+    if heads is None:
+        return 0
+    if (
+        not isinstance(heads, slice)
+        or not isinstance(heads.start, int)
+        or not isinstance(heads.stop, int)
+        or heads.step not in (None, 1)
+        or heads.start < 0
+        or heads.stop - heads.start != count
+    ):
+        raise InvalidInputError(
+            f"heads must be None or slice(h0, h0 + {count}): the model's KV heads the pools' {count} heads are, "
+            f"got {heads!r}"
+        )
+    return heads.start
 
 
 def landing_ranges(

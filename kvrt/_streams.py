@@ -89,25 +89,34 @@ class PoolWriter:
         thread: Callable[[], concurrent.futures.Executor],
         stream: Callable[[], torch.cuda.Stream],
         indexes_ready: torch.cuda.Event | None,
+        *,
+        skip: int = 0,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         self.placement = placement
         self._thread = thread
         self._stream = stream
         self._indexes_ready = indexes_ready
         """GPU: the caller's stream may still be writing the slots when it opened the stream."""
+        self.skip = skip
+        """The first tokens of each layer, which the caller holds already: not written."""
+        self.heads = heads
+        """Which heads of the pools a layer's heads land in (None: all of them)."""
 
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None
     ) -> asyncio.Future[torch.cuda.Event | None]:
-        """Write layer `layer` (the first tokens of its key and value, as many as there are
-        slots) into the pools; the future gives the event after the write (GPU)."""
+        """Write layer `layer` (its tokens from `skip` on, as many as there are slots) into the
+        pools; the future gives the event after the write (GPU)."""
         from kvrt.kernels.paged_kv import scatter_layer_from_any
 
         pools = self.placement.pools
         if pools.device.type != "cuda":
             written: asyncio.Future[torch.cuda.Event | None] = asyncio.get_running_loop().create_future()
             try:
-                scatter_layer_from_any(pools, key, value, *self._indexes(key), layer)
+                scatter_layer_from_any(
+                    pools, *self._rows(key, value), *self._indexes(key), layer, heads=self.heads
+                )
             except Exception as exc:
                 written.set_exception(exc)
             else:
@@ -131,14 +140,23 @@ class PoolWriter:
             stream.wait_event(landed)
             for tensor in (key, value, replicas, slots):
                 tensor.record_stream(stream)  # freed by their owners while the write may still run
-            scatter_layer_from(self.placement.pools, key, value, replicas, slots, layer, check=False)
+            scatter_layer_from(
+                self.placement.pools, *self._rows(key, value), replicas, slots, layer, heads=self.heads, check=False
+            )
             written = torch.cuda.Event()
             written.record(stream)
         return written
 
+    def _rows(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's key and value from token `skip` on (value stays whole for a latent: it is empty)."""
+        if not self.skip:
+            return key, value
+        return key[self.skip :], value if value.numel() == 0 else value[self.skip :]
+
     def _indexes(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The replica and slot indexes of the tokens both the layer and the slots have."""
-        count = min(key.shape[0], self.placement.slots.numel())
+        """The replica and slot indexes of the tokens both the layer (from `skip` on) and the
+        slots have."""
+        count = max(0, min(key.shape[0] - self.skip, self.placement.slots.numel()))
         return self.placement.replicas[:count], self.placement.slots[:count]
 
 

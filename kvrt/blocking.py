@@ -33,7 +33,6 @@ stream is not the engine's (`kvrt._caller_stream`).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -41,18 +40,17 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Generic, ParamSpec, Self, TypeVar
+from typing import TYPE_CHECKING, Generic, ParamSpec, Self, TypeVar
 
-import anyio
 import torch
 import torch.distributed as dist
-from anyio.from_thread import BlockingPortal
 
 from kvrt import _client, _consumer, _producer
 from kvrt._auth import CurveKeys
 from kvrt._caller_stream import caller_stream
 from kvrt._errors import ClosedError, KVRTError
 from kvrt._item import KVBuffers, KVItem
+from kvrt._loop_thread import CLOSE_TIMEOUT_S, LoopThread
 from kvrt._messages import Evicted, ItemList, Probed, ProbeReply, StatsReply
 from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
 from kvrt._streams import ConsumerStream as _AsyncConsumerStream
@@ -64,117 +62,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvrt.blocking")
 
-CLOSE_TIMEOUT_S: Final = 30.0
-"""The longest `close()` waits for the async side to say its byes before it cancels what is
-left and stops the thread."""
-
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 _Service = TypeVar("_Service", _producer.Producer, _consumer.Consumer, _client.Client)
 
 
-class _LoopThread:
-    """One thread running an asyncio loop with a `BlockingPortal` in it, until `stop()`."""
-
-    def __init__(self, name: str, kind: str) -> None:
-        self._kind = kind
-        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
-        started = concurrent.futures.Future()
-        # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
-        # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
-        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
-        self._thread.start()
-        self._portal, self._event_loop = started.result()
-        self._stopping = threading.Lock()
-        self._stopped = False
-
-    @staticmethod
-    def _run(started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
-        async def serve() -> None:
-            async with BlockingPortal() as portal:
-                started.set_result((portal, asyncio.get_running_loop()))
-                await portal.sleep_until_stopped()
-
-        try:
-            anyio.run(serve, backend="asyncio")
-        except BaseException as exc:  # handed to the constructor, or logged
-            if not started.done():
-                started.set_exception(exc)
-            else:
-                log.error("kvrt's loop thread ended with an error", exc_info=exc)
-
-    @property
-    def on_this_thread(self) -> bool:
-        return threading.get_ident() == self._thread.ident
-
-    def call(self, function: Callable[[], Awaitable[_T]], what: str, timeout_s: float | None = None) -> _T:
-        """Run `function` on the loop and wait for its result in this thread.
-
-        However this thread stops waiting (an interrupt such as Ctrl-C, `timeout_s`), the call
-        on the loop is cancelled, also when the interrupt lands while the call is being handed
-        over: the portal's own hand-over waits too, and its future is then never seen here.
-        """
-        if self.on_this_thread:
-            raise KVRTError(f"{what}: kvrt.blocking was called on kvrt's own loop thread; use the async API there")
-        task = _CancellableCall(function)
-        try:
-            try:
-                future = self._portal.start_task_soon(task.run)
-            except RuntimeError:  # the portal has stopped: `close()` ran
-                raise ClosedError(f"{what}: the {self._kind} is closed") from None
-            return future.result(timeout_s)
-        except concurrent.futures.CancelledError:
-            raise ClosedError(f"{what}: the {self._kind} was closed while the call waited") from None
-        except BaseException:
-            # The call's own error (its task is done: nothing to cancel), or this thread was
-            # interrupted or gave up while it waited: the call is cancelled on the loop. Not
-            # through the portal, whose calls wait and so could be interrupted in their turn.
-            try:
-                self._event_loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:
-                pass  # the loop has ended: nothing runs on it any more
-            raise
-
-    def stop(self) -> None:
-        """Cancel what still runs on the loop, end it and join the thread (idempotent)."""
-        with self._stopping:
-            if self._stopped:
-                return
-            self._stopped = True
-            try:
-                self._portal.call(self._portal.stop, True)
-            except RuntimeError:
-                pass  # stopped already
-            self._thread.join(CLOSE_TIMEOUT_S)
-            if self._thread.is_alive():
-                log.warning("kvrt's loop thread %s did not end within %s s", self._thread.name, CLOSE_TIMEOUT_S)
-
-
-class _CancellableCall(Generic[_T]):
-    """A blocking call's coroutine on the loop, which `cancel()` (run on the loop) ends whether
-    it has started yet or not."""
-
-    def __init__(self, function: Callable[[], Awaitable[_T]]) -> None:
-        self._function = function
-        self._scope: anyio.CancelScope | None = None
-        self._cancelled = False
-
-    async def run(self) -> _T:
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            if self._cancelled:
-                scope.cancel()
-            return await self._function()
-        # Reached only when cancel() ended it: its caller has stopped waiting for a result.
-        raise ClosedError("the call was cancelled by its caller")
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-
-def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
+def _close(loop: LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
     """Close `service` on its loop (its byes, every pending call ended), then stop the loop."""
     try:
         loop.call(service.aclose, "close", timeout_s=CLOSE_TIMEOUT_S)
@@ -186,7 +79,7 @@ def _close(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer |
         loop.stop()
 
 
-def _finalize(loop: _LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
+def _finalize(loop: LoopThread, service: _producer.Producer | _consumer.Consumer | _client.Client) -> None:
     """Close an object that was dropped without `close()`. The garbage collector may run this
     on kvrt's loop thread itself, which cannot wait for its own loop: a thread does it then."""
     if loop.on_this_thread:
@@ -201,7 +94,7 @@ class _Blocking(Generic[_Service]):
     _what: str
 
     def __init__(self, start: Callable[[], Awaitable[_Service]], thread_name: str) -> None:
-        self._loop = _LoopThread(thread_name, self._what)
+        self._loop = LoopThread(thread_name, self._what)
         try:
             self._service: _Service = self._loop.call(start, f"starting the {self._what}")
         except BaseException:
@@ -333,12 +226,13 @@ class Producer(_Blocking[_producer.Producer]):
         layers: int | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        timeout: float | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """`kvrt.Producer.open_stream`: a prefill that publishes its KV layer by layer."""
         opened = self._call(
             self._service.open_stream, input_tokens, roi, layers=layers, slots=slots, replica=replica,
-            stream=self._stream(stream),
+            timeout=timeout, stream=self._stream(stream),
         )  # fmt: skip
         return ProducerStream(self, opened)
 
@@ -498,11 +392,12 @@ class Consumer(_Blocking[_consumer.Consumer]):
         replica: torch.Tensor | int = 0,
         stream: torch.cuda.Stream | None = None,
         heads: slice | None = None,
+        skip: int = 0,
     ) -> ConsumerStream | None:
         """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
         opened = self._call(
             self._service.open_stream, input_tokens, roi, timeout, into=into, slots=slots, replica=replica,
-            stream=self._stream(stream), heads=heads,
+            stream=self._stream(stream), heads=heads, skip=skip,
         )  # fmt: skip
         return None if opened is None else ConsumerStream(self, opened)
 

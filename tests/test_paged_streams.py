@@ -11,6 +11,7 @@ import torch
 
 import kvrt
 from kvrt import Layout, PoolTable
+from kvrt.kernels.paged_kv import gather_layer_reference
 from tests._checks import caught_up, same_bits
 from tests.test_pull import CPU_LAYOUTS, HEADS, LAYERS, SLOTS, random_pools, row
 
@@ -227,3 +228,71 @@ async def test_a_reader_whose_pools_do_not_fit_the_stream_fails_clearly_and_the_
         await reader.finished()
     item = await consumer.drop_select(tokens)  # nothing lost: the item went back each time
     assert item is not None and item.key.shape == (LAYERS, TOKENS, HEADS, 8)
+
+
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)
+async def test_a_reader_that_holds_a_prefix_has_only_the_rest_written_into_its_pools(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, layout: Layout
+) -> None:
+    # A decode instance whose own prefix cache holds the first tokens loads only the others:
+    # the pages of the prefix (other requests may be reading them) are not written.
+    held = 5
+    source = random_pools(4, layout, seed=11)
+    target = random_pools(3, layout, seed=12)
+    before = [[pool.clone() for pool in layers] for layers in target.pools[2]]
+    producer.register_pools(source)
+    tokens = torch.arange(1200, 1200 + TOKENS)
+    await producer.publish(tokens, FROM_SLOTS, FROM_REPLICA)
+    reader = await consumer.open_stream(tokens, into=target, slots=INTO_SLOTS[held:], replica=2, skip=held)
+    assert reader is not None and reader.matched == TOKENS
+    await reader.finished()
+    rest = range(held, TOKENS)
+    for layer in range(LAYERS):
+        for kv in range(source.geometry.kv):
+            for token in rest:
+                written = row(target, 2, 0, layer, int(INTO_SLOTS[token]), kv)
+                assert same_bits(written, row(source, int(FROM_REPLICA[token]), 0, layer, int(FROM_SLOTS[token]), kv))
+    # The prefix's slots keep their bytes.
+    for layer in range(LAYERS):
+        for slot in [int(slot) for slot in INTO_SLOTS[:held]]:
+            for kv in range(source.geometry.kv):
+                assert same_bits(row(target, 2, 0, layer, slot, kv), row(_table(before, layout), 0, 0, layer, slot, kv))
+
+
+def _table(layers: list[list[torch.Tensor]], layout: Layout) -> PoolTable:
+    return PoolTable([layers], layout)
+
+
+@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.BLOCK_HEAD_MAJOR])
+async def test_a_piece_of_the_heads_lands_at_their_place_among_the_pools_heads(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, layout: Layout
+) -> None:
+    # Decode pools holding the model's heads [1, 2) of a producer's two: a TP rank's share.
+    source = random_pools(1, layout, seed=13)
+    producer.register_pools(source)
+    tokens = torch.arange(1300, 1300 + TOKENS)
+    await producer.publish(tokens, FROM_SLOTS)
+    shape = {
+        Layout.TOKEN_MAJOR: (SLOTS, 2, 8),
+        Layout.BLOCK: (2, SLOTS // 4, 4, 1, 8),
+        Layout.BLOCK_HEAD_MAJOR: (SLOTS // 4, 1, 2, 4, 8),
+    }[layout]
+    target = PoolTable([[[torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]]], layout, heads=slice(1, 2))
+    reader = await consumer.open_stream(tokens, into=target, slots=INTO_SLOTS, heads=slice(1, 2))
+    assert reader is not None
+    await reader.finished()
+    for layer in range(LAYERS):
+        landed = gather_layer_reference(target, torch.zeros(TOKENS, dtype=torch.int64), INTO_SLOTS, layer)
+        for kv in range(2):
+            for token in range(TOKENS):
+                expected = row(source, 0, 0, layer, int(FROM_SLOTS[token]), kv)[1:2]
+                assert same_bits(landed[kv][token], expected)
+    with pytest.raises(kvrt.InvalidInputError, match=r"heads \[0, 2\) do not lie in the pools' heads \[1, 2\)"):
+        await consumer.open_stream(tokens, into=target, slots=INTO_SLOTS, heads=slice(0, 2))
+
+
+def test_pools_that_say_which_heads_they_hold_must_name_as_many_as_they_have() -> None:
+    pools = [[[torch.zeros(SLOTS, 2, 8)]]]
+    assert PoolTable(pools, Layout.TOKEN_MAJOR, heads=slice(3, 4)).first_head == 3
+    with pytest.raises(kvrt.InvalidInputError, match=r"slice\(h0, h0 \+ 1\)"):
+        PoolTable(pools, Layout.TOKEN_MAJOR, heads=slice(3, 5))

@@ -193,6 +193,26 @@ async def test_bad_layers_are_refused_clearly(producer: kvrt.Producer) -> None:
         await producer.open_stream(torch.arange(3), layers=0)
 
 
+async def test_a_stream_opened_over_the_buffer_limit_waits_for_room_or_is_refused_at_once() -> None:
+    async with (
+        kvrt.Producer(bind="tcp://127.0.0.1:0", buffer_bytes=1) as producer,
+        kvrt.Consumer(connect=producer.endpoint) as consumer,
+    ):
+        first = await producer.open_stream(torch.arange(TOKENS), layers=1)
+        await first.put_layer(*layer_kv(0))
+        await first.finish()
+        assert producer.stats().buffer_bytes > producer.buffer_bytes
+        with pytest.raises(kvrt.KVRTTimeoutError, match="stayed over 1 bytes"):
+            await producer.open_stream(torch.arange(100, 100 + TOKENS), layers=1, timeout=0)
+        waiting = asyncio.create_task(producer.open_stream(torch.arange(200, 200 + TOKENS), layers=1, timeout=10))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        assert await consumer.drop_select(torch.arange(TOKENS)) is not None  # room again
+        second = await waiting
+        assert second.layers == 1
+        await second.abort("done")
+
+
 # -- over a pair: layers out of band --------------------------------------------------------
 
 

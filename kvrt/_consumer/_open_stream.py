@@ -34,6 +34,7 @@ class _OpeningStreams(_Pulling):
         replica: torch.Tensor | int = 0,
         stream: torch.cuda.Stream | None = None,
         heads: slice | None = None,
+        skip: int = 0,
     ) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
@@ -46,8 +47,13 @@ class _OpeningStreams(_Pulling):
         writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
         when this was called: the work that wrote the slots there.
 
+        `skip`: the first tokens of the match, which the caller holds in its pools already (a
+        prefix of its own cache), are not written: token i >= `skip` lands at `slots[i - skip]`.
+
         `heads`: only those KV heads of each layer, as for `drop_select`. A piece is cut from a
-        finished item: a request for one takes a prefill that is still running once it ended."""
+        finished item: a request for one takes a prefill that is still running once it ended.
+        Into pools that hold some of the model's heads (`PoolTable(..., heads=)`), the piece
+        lands at its heads' place among them."""
         self._check_open()
         if len(self._links) != 1 or self._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
@@ -55,7 +61,7 @@ class _OpeningStreams(_Pulling):
         check_timeout(timeout, what="open_stream")
         wanted = head_range(heads, "open_stream: heads")
         plan = None if wanted is None else self._piece_plans(wanted)[0]
-        writer = None if into is None and slots is None else self._pool_writer(into, slots, replica)
+        writer = None if into is None and slots is None else self._pool_writer(into, slots, replica, skip, wanted)
 
         def build(request_id: int) -> m.DropSelect:
             if plan is None:
@@ -74,15 +80,29 @@ class _OpeningStreams(_Pulling):
         return reply.stream
 
     def _pool_writer(
-        self, into: PoolTable | None, slots: torch.Tensor | None, replica: torch.Tensor | int
-    ) -> PoolWriter:
+        self, into: PoolTable | None, slots: torch.Tensor | None, replica: torch.Tensor | int, skip: int,
+        wanted: m.HeadRange | None,
+    ) -> PoolWriter:  # fmt: skip
         if into is None or slots is None:
             raise InvalidInputError("a stream into the pools needs both into= and slots=")
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
+        if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+            raise InvalidInputError(f"skip must be an int >= 0 (tokens the pools hold already), got {skip!r}")
+        heads = None
+        if wanted is not None and into.geometry.kv == 2:
+            heads = (wanted.first - into.first_head, wanted.end - into.first_head)
+            if heads[0] < 0 or heads[1] > into.geometry.heads:
+                raise InvalidInputError(
+                    f"heads [{wanted.first}, {wanted.end}) do not lie in the pools' heads [{into.first_head}, "
+                    f"{into.first_head + into.geometry.heads}) (PoolTable(..., heads=) says which the pools hold)"
+                )
         replicas, slots = checked_indexes(into, per_token(replica, slots), slots)
         indexes_ready = None
         if self.device.type == "cuda":
             indexes_ready = torch.cuda.Event()
             indexes_ready.record(torch.cuda.current_stream(self.device))
-        return PoolWriter(Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready)
+        return PoolWriter(
+            Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready,
+            skip=skip, heads=heads,
+        )  # fmt: skip

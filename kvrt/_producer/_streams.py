@@ -12,6 +12,7 @@ from kvrt._errors import (
     InvalidInputError,
 )
 from kvrt._item import (
+    check_timeout,
     check_tokens,
     item_from_packed,
     item_from_tokens,
@@ -43,6 +44,7 @@ class _Streaming(_Inserting):
         layers: int | None = None,
         slots: torch.Tensor | None = None,
         replica: torch.Tensor | int = 0,
+        timeout: float | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
@@ -54,9 +56,14 @@ class _Streaming(_Inserting):
         pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
         (`layers` may be left out). Indexes on the host are checked there; on the GPU the
         check reads a flag back, which waits for `stream` (None: the caller's current stream)
-        once."""
+        once.
+
+        Waits while the buffer is over `buffer_bytes`, as `insert` does; `timeout` bounds that
+        wait (0: a prefill that must not wait is refused at once with `KVRTTimeoutError`, phase
+        "insert", and publishes nothing)."""
         self._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
+        check_timeout(timeout, what="open_stream")
         placement = None
         if slots is not None:
             placement = self._placement(input_tokens, slots, replica)
@@ -65,6 +72,7 @@ class _Streaming(_Inserting):
             layers = placement.pools.layers
         if not isinstance(layers, int) or layers <= 0:
             raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
+        await self._wait_for_room(timeout)
         packed = pack((input_tokens, roi), torch.device("cpu"))
         item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
         item.stream = StreamState(layers)

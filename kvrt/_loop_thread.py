@@ -1,0 +1,141 @@
+"""One thread that runs an asyncio event loop for callers on other threads: `kvrt.blocking`'s
+objects each own one, and the vLLM connector's scheduler and worker sides theirs.
+
+A caller either waits for a coroutine's result (`call`: interrupted or timed out, it cancels
+the coroutine on the loop) or hands one over and goes on (`submit`: a concurrent future it may
+look at later). Every coroutine runs inside the loop's `BlockingPortal`, whose task group
+owns it: `stop` cancels what still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Final, Generic, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from kvrt._errors import ClosedError, KVRTError
+
+log = logging.getLogger("kvrt.blocking")
+
+CLOSE_TIMEOUT_S: Final = 30.0
+"""The longest `stop` waits for the loop's thread to end, and `kvrt.blocking`'s `close()` for
+the async side to say its byes."""
+
+_T = TypeVar("_T")
+
+
+class LoopThread:
+    """One thread running an asyncio loop with a `BlockingPortal` in it, until `stop()`."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        self._kind = kind
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
+        started = concurrent.futures.Future()
+        # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
+        # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread.start()
+        self._portal, self._event_loop = started.result()
+        self._stopping = threading.Lock()
+        self._stopped = False
+
+    @staticmethod
+    def _run(started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                started.set_result((portal, asyncio.get_running_loop()))
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # handed to the constructor, or logged
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                log.error("kvrt's loop thread ended with an error", exc_info=exc)
+
+    @property
+    def on_this_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def call(self, function: Callable[[], Awaitable[_T]], what: str, timeout_s: float | None = None) -> _T:
+        """Run `function` on the loop and wait for its result in this thread.
+
+        However this thread stops waiting (an interrupt such as Ctrl-C, `timeout_s`), the call
+        on the loop is cancelled, also when the interrupt lands while the call is being handed
+        over: the portal's own hand-over waits too, and its future is then never seen here.
+        """
+        if self.on_this_thread:
+            raise KVRTError(f"{what}: kvrt.blocking was called on kvrt's own loop thread; use the async API there")
+        task = CancellableCall(function)
+        try:
+            try:
+                future = self._portal.start_task_soon(task.run)
+            except RuntimeError:  # the portal has stopped: `close()` ran
+                raise ClosedError(f"{what}: the {self._kind} is closed") from None
+            return future.result(timeout_s)
+        except concurrent.futures.CancelledError:
+            raise ClosedError(f"{what}: the {self._kind} was closed while the call waited") from None
+        except BaseException:
+            # The call's own error (its task is done: nothing to cancel), or this thread was
+            # interrupted or gave up while it waited: the call is cancelled on the loop. Not
+            # through the portal, whose calls wait and so could be interrupted in their turn.
+            try:
+                self._event_loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:
+                pass  # the loop has ended: nothing runs on it any more
+            raise
+
+    def submit(self, function: Callable[[], Awaitable[_T]], what: str) -> concurrent.futures.Future[_T]:
+        """Start `function` on the loop and return at once: its future, done when it is (with
+        `ClosedError` once the loop stopped)."""
+        try:
+            return self._portal.start_task_soon(function)
+        except RuntimeError:  # the portal has stopped
+            failed: concurrent.futures.Future[_T] = concurrent.futures.Future()
+            failed.set_exception(ClosedError(f"{what}: the {self._kind} is closed"))
+            return failed
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop, end it and join the thread (idempotent)."""
+        with self._stopping:
+            if self._stopped:
+                return
+            self._stopped = True
+            try:
+                self._portal.call(self._portal.stop, True)
+            except RuntimeError:
+                pass  # stopped already
+            self._thread.join(CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("kvrt's loop thread %s did not end within %s s", self._thread.name, CLOSE_TIMEOUT_S)
+
+
+class CancellableCall(Generic[_T]):
+    """A blocking call's coroutine on the loop, which `cancel()` (run on the loop) ends whether
+    it has started yet or not."""
+
+    def __init__(self, function: Callable[[], Awaitable[_T]]) -> None:
+        self._function = function
+        self._scope: anyio.CancelScope | None = None
+        self._cancelled = False
+
+    async def run(self) -> _T:
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            if self._cancelled:
+                scope.cancel()
+            return await self._function()
+        # Reached only when cancel() ended it: its caller has stopped waiting for a result.
+        raise ClosedError("the call was cancelled by its caller")
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
