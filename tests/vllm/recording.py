@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvrt.integrations.vllm import KvrtConnector, KvrtConnectorMetadata
+from kvrt.integrations.vllm.connector import KvrtConnector, KvrtConnectorMetadata
 from kvrt.kernels.paged_kv import gather_reference
 
 WORKER_PID = "worker.pid"
@@ -51,11 +51,11 @@ class RecordingKvrtConnector(KvrtConnector):
         folder = self._extra("record")
         if not folder or not isinstance(meta, KvrtConnectorMetadata):
             return
+        assert self._worker is not None and self._outcome is not None
         pools = self._worker._pools
         assert pools is not None
-        failed = self._worker._failed_blocks
         moved = [(s.tokens, s.slots) for s in meta.saves]
-        moved += [(load.tokens, load.slots) for load in meta.loads if not failed.intersection(load.block_ids)]
+        moved += [(load.tokens, load.slots) for load in meta.loads if load.request_id not in self._outcome.failed]
         for tokens, slots in moved:
             index = torch.tensor(slots, dtype=torch.int64)
             pages = gather_reference(pools, torch.zeros_like(index), index)

@@ -9,7 +9,8 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvrt import Layout, PoolTable
-from kvrt.integrations.vllm import ConnectorConfigError, _as_pool
+from kvrt.integrations.vllm import ConnectorConfigError
+from kvrt.integrations.vllm.layouts import CacheSpec, kv_cache_pools
 from kvrt.kernels.paged_kv import gather_layer_reference, scatter_layer_reference
 from tests._checks import same_bits
 
@@ -55,15 +56,21 @@ def test_pages_kvrt_writes_are_the_pages_vllms_kernel_writes(dtype: torch.dtype,
     assert same_bits(written, cache)
 
 
+def spec(dtype: torch.dtype, head_dim: int, isa: str) -> CacheSpec:
+    return CacheSpec(
+        block_size=BLOCK_SIZE, kv_heads=HEADS, head_size=head_dim, head_size_v=head_dim, dtype=dtype, cpu_kernel=isa
+    )
+
+
 def test_the_connector_refuses_pages_that_vllms_amx_kernel_lays_out() -> None:
-    if _get_attn_isa(torch.bfloat16, BLOCK_SIZE, 64) != "amx":
-        pytest.skip("this host has no AMX: vLLM lays bfloat16 pages out as float32's")
+    cache = torch.zeros((BLOCKS, HEADS, BLOCK_SIZE, 2 * 64), dtype=torch.bfloat16)
     with pytest.raises(ConnectorConfigError, match=r"'amx'.*float32 or float16"):
-        _as_pool(torch.zeros((BLOCKS, HEADS, BLOCK_SIZE, 2 * 64), dtype=torch.bfloat16), BLOCK_SIZE)
+        kv_cache_pools([cache], spec(torch.bfloat16, 64, "amx"))
 
 
 def test_the_connector_takes_the_pages_of_vllms_vec_kernel_as_kvrts_head_major_blocks() -> None:
-    cache, key, value, slots, _ = vllm_cache(torch.float32, 64)
-    table = PoolTable([[[_as_pool(cache, BLOCK_SIZE)]]], Layout.BLOCK_HEAD_MAJOR)
+    cache, key, value, slots, isa = vllm_cache(torch.float32, 64)
+    table = kv_cache_pools([cache], spec(torch.float32, 64, isa))
+    assert table.layout is Layout.BLOCK_HEAD_MAJOR
     read_key, read_value = gather_layer_reference(table, torch.zeros_like(slots), slots, 0)
     assert same_bits(read_key, key) and same_bits(read_value, value)

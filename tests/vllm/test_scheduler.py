@@ -1,6 +1,7 @@
 """`KvrtConnector` in vLLM's own `Scheduler` (no model runs): what the scheduler computes and
-plans to load for external hits, partial hits and misses, and what it releases on the
-producer when a request finishes or is aborted on either side."""
+plans to load for external hits, partial hits and misses, what it releases on the producer
+when a request finishes, fails its load or is aborted on either side, and that a lookup never
+holds the scheduler."""
 
 from __future__ import annotations
 
@@ -17,8 +18,17 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 import kvrt.blocking
-from kvrt.integrations.vllm import KvrtConnectorMetadata
-from tests.vllm.scheduler import NUM_BLOCKS, make_request, make_scheduler, run_step
+from kvrt.integrations.vllm.connector import KvrtConnectorMetadata
+from tests.vllm.relay import DelayingRelay
+from tests.vllm.scheduler import (
+    ANSWER_S,
+    connector,
+    loads_of,
+    make_request,
+    make_scheduler,
+    run_step,
+    schedule_answered,
+)
 from tests.vllm.test_two_instances import free_endpoint
 
 PROMPT = list(range(10, 80))
@@ -37,8 +47,8 @@ def schedulers(model: Path) -> Iterator[Callable[..., Scheduler]]:
     """`make_scheduler` of the tiny model; each one shut down after the test (its connector's sockets)."""
     made: list[Scheduler] = []
 
-    def make(role: str, *, num_blocks: int = NUM_BLOCKS, **extra: Any) -> Scheduler:
-        made.append(make_scheduler(model, role, num_blocks=num_blocks, **extra))
+    def make(role: str, **kwargs: Any) -> Scheduler:
+        made.append(make_scheduler(model, role, **kwargs))
         return made[-1]
 
     yield make
@@ -62,10 +72,16 @@ def holds(producer: kvrt.blocking.Producer) -> int:
     return producer.stats().items
 
 
+def released(scheduler: Scheduler, producer: kvrt.blocking.Producer, items: int) -> bool:
+    """Whether the producer holds `items` items once the scheduler's releases ended (it never
+    waits for them: they land a round trip later)."""
+    lookups = connector(scheduler)._lookups
+    assert lookups is not None and lookups.wait_settled(ANSWER_S)
+    return holds(producer) == items
+
+
 def loads(output: object) -> list[tuple[str, int]]:
-    meta = output.kv_connector_metadata  # type: ignore[attr-defined]
-    assert isinstance(meta, KvrtConnectorMetadata)
-    return [(load.request_id, len(load.tokens)) for load in meta.loads]
+    return [(load.request_id, len(load.tokens)) for load in loads_of(output)]  # type: ignore[arg-type]
 
 
 def assert_empty(scheduler: Scheduler) -> None:
@@ -74,11 +90,11 @@ def assert_empty(scheduler: Scheduler) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
 
 
-def finish(scheduler: Scheduler, output: object) -> list[object]:
+def finish(scheduler: Scheduler, output: object, **kwargs: Any) -> list[object]:
     """Steps until every request finished: what the engine handed back for them."""
-    done = run_step(scheduler, output)  # type: ignore[arg-type]
+    done = run_step(scheduler, output, **kwargs)  # type: ignore[arg-type]
     while scheduler.has_unfinished_requests():
-        done += run_step(scheduler, scheduler.schedule())
+        done += run_step(scheduler, schedule_answered(scheduler))
     return [out for out in done if out.finished]
 
 
@@ -88,10 +104,11 @@ def test_a_prompt_the_producer_holds_is_loaded_but_its_last_token_which_the_deco
     hold(producer, PROMPT)
     scheduler = schedulers("kv_consumer")
     scheduler.add_request(make_request("hit", PROMPT, producer.endpoint))
-    output = scheduler.schedule()
+    output = schedule_answered(scheduler)
     assert output.num_scheduled_tokens == {"hit": 1}
     assert output.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
-    assert loads(output) == [("hit", len(PROMPT) - 1)]
+    (load,) = loads_of(output)
+    assert (load.request_id, len(load.tokens), load.skip, len(load.slots)) == ("hit", len(PROMPT) - 1, 0, 69)
     finish(scheduler, output)
     assert_empty(scheduler)
 
@@ -102,7 +119,7 @@ def test_a_prefix_the_producer_holds_is_loaded_and_the_rest_computed(
     hold(producer, PROMPT[:40])
     scheduler = schedulers("kv_consumer")
     scheduler.add_request(make_request("partial", PROMPT, producer.endpoint))
-    output = scheduler.schedule()
+    output = schedule_answered(scheduler)
     assert output.num_scheduled_tokens == {"partial": len(PROMPT) - 40}
     assert loads(output) == [("partial", 40)]
     finish(scheduler, output)
@@ -115,7 +132,7 @@ def test_a_prompt_the_producer_does_not_hold_is_computed(
     hold(producer, [1, 2, 3])
     scheduler = schedulers("kv_consumer")
     scheduler.add_request(make_request("miss", PROMPT, producer.endpoint))
-    output = scheduler.schedule()
+    output = schedule_answered(scheduler)
     assert output.num_scheduled_tokens == {"miss": len(PROMPT)} and loads(output) == []
     finish(scheduler, output)
     assert holds(producer) == 1  # another prompt's KV is not touched
@@ -125,31 +142,158 @@ def test_a_prompt_the_producer_does_not_hold_is_computed(
 def test_a_prompt_whose_producer_does_not_answer_is_computed(schedulers: Callable[..., Scheduler]) -> None:
     scheduler = schedulers("kv_consumer", lookup_timeout_s=0.2)
     scheduler.add_request(make_request("gone", PROMPT, free_endpoint()))
-    output = scheduler.schedule()
+    output = schedule_answered(scheduler)
     assert output.num_scheduled_tokens == {"gone": len(PROMPT)} and loads(output) == []
     finish(scheduler, output)
     assert_empty(scheduler)
 
 
-def test_a_producer_that_does_not_answer_holds_the_scheduler_once_not_for_every_request(
-    schedulers: Callable[..., Scheduler],
-) -> None:
-    # Each lookup holds vLLM's scheduler (every request of the instance) for up to the lookup
-    # timeout: the next requests naming a silent producer are computed at once for a while.
-    timeout_s = 0.5
-    scheduler = schedulers("kv_consumer", lookup_timeout_s=timeout_s)
+def test_a_producer_that_did_not_answer_is_not_asked_again_for_a_while(schedulers: Callable[..., Scheduler]) -> None:
+    scheduler = schedulers("kv_consumer", lookup_timeout_s=0.2)
     endpoint = free_endpoint()
-    took = []
-    for index in range(3):
-        prompt = [token + 1000 * index for token in PROMPT]
-        scheduler.add_request(make_request(f"r{index}", prompt, endpoint))
-        started = time.monotonic()
+    scheduler.add_request(make_request("first", PROMPT, endpoint))
+    finish(scheduler, schedule_answered(scheduler))
+    scheduler.add_request(make_request("second", [token + 1000 for token in PROMPT], endpoint))
+    output = scheduler.schedule()  # no lookup: computed at once
+    assert output.num_scheduled_tokens == {"second": len(PROMPT)} and loads(output) == []
+    finish(scheduler, output)
+    assert_empty(scheduler)
+
+
+def lookup_times(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds each of the scheduler's calls of `get_num_new_matched_tokens` takes, as made."""
+    taken: list[float] = []
+    kvrt_connector = connector(scheduler)
+    original = kvrt_connector.get_num_new_matched_tokens
+
+    def timed(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        started = time.perf_counter()
+        try:
+            return original(request, num_computed_tokens)
+        finally:
+            taken.append(time.perf_counter() - started)
+
+    monkeypatch.setattr(kvrt_connector, "get_num_new_matched_tokens", timed)
+    return taken
+
+
+@pytest.mark.parametrize("producer_is", ["slow", "gone"])
+def test_a_lookup_never_holds_the_scheduler_whether_its_producer_answers_late_or_not_at_all(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer, monkeypatch: pytest.MonkeyPatch,
+    producer_is: str,
+) -> None:  # fmt: skip
+    # Every request of the instance waits while the scheduler does: a lookup answers None
+    # ("ask again next step") until its producer did, however long that takes.
+    prompts = [[token + 1000 * index for token in PROMPT] for index in range(64)]
+    for prompt in prompts:
+        hold(producer, prompt)
+    with DelayingRelay(producer.endpoint, delay_s=0.05) as relay:
+        endpoint = relay.endpoint if producer_is == "slow" else free_endpoint()
+        scheduler = schedulers("kv_consumer", num_blocks=512, max_num_seqs=64, lookup_timeout_s=1.0)
+        taken = lookup_times(scheduler, monkeypatch)
+        for index, prompt in enumerate(prompts):
+            scheduler.add_request(make_request(f"r{index}", prompt, endpoint, max_tokens=1))
+        planned = []
+        deadline = time.monotonic() + 30
+        while scheduler.has_unfinished_requests() and time.monotonic() < deadline:
+            output = scheduler.schedule()
+            planned += loads(output)
+            run_step(scheduler, output)
+    assert not scheduler.has_unfinished_requests()
+    taken.sort()
+    assert taken[int(0.99 * (len(taken) - 1))] <= 1e-3, f"p99 {taken[int(0.99 * (len(taken) - 1))] * 1e3:.2f} ms"
+    if producer_is == "slow":
+        assert len(planned) == 64  # every request waited for its answer, and loaded
+    else:
+        assert planned == []
+    assert_empty(scheduler)
+
+
+def test_a_steps_lookups_reach_their_producer_in_one_message(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int] = []
+    original = kvrt.Client.probe_many
+
+    async def counted(client: kvrt.Client, queries: Any) -> Any:
+        asked.append(len(queries))
+        return await original(client, queries)
+
+    monkeypatch.setattr(kvrt.Client, "probe_many", counted)
+    scheduler = schedulers("kv_consumer")
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", [token + 1000 * index for token in PROMPT], producer.endpoint))
+    finish(scheduler, schedule_answered(scheduler))
+    assert asked == [4]
+
+
+def test_a_request_preempted_after_its_load_computes_its_prompt_and_is_not_loaded_twice(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    # Two requests whose prompts fill the cache: the first to need a new block while decoding
+    # preempts the other, which loaded its KV (the producer's item is taken).
+    first, second = PROMPT[:63], [token + 1000 for token in PROMPT[:63]]
+    hold(producer, first)
+    hold(producer, second)
+    scheduler = schedulers("kv_consumer", num_blocks=5)  # 4 blocks of 32: two per prompt
+    scheduler.add_request(make_request("first", first, producer.endpoint, max_tokens=40))
+    scheduler.add_request(make_request("second", second, producer.endpoint, max_tokens=40))
+    output = schedule_answered(scheduler)
+    assert sorted(loads(output)) == [("first", 62), ("second", 62)]
+    planned = loads(output)
+    run_step(scheduler, output)
+    preempted = 0
+    while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
-        took.append(time.monotonic() - started)
-        assert output.num_scheduled_tokens == {f"r{index}": len(PROMPT)} and loads(output) == []
-        finish(scheduler, output)
-    assert took[0] >= timeout_s * 0.9  # asked, and waited for its answer
-    assert max(took[1:]) < timeout_s / 2, took  # not asked again within its backoff
+        planned += loads(output)
+        preempted += sum(request.num_preemptions for request in scheduler.requests.values())
+        run_step(scheduler, output)
+    assert preempted > 0, "no request was preempted: the test did not test what it says"
+    assert sorted(planned) == [("first", 62), ("second", 62)]  # no second load of a taken item
+    assert_empty(scheduler)
+
+
+def test_a_decode_that_holds_a_prefix_in_its_own_cache_loads_only_the_rest(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    scheduler = schedulers("kv_consumer", prefix_caching=True)
+    shared = PROMPT[:64]  # two full blocks
+    scheduler.add_request(make_request("computed", [*shared, 5, 6, 7], producer.endpoint))
+    finish(scheduler, schedule_answered(scheduler))  # the producer holds nothing: computed, cached
+    hold(producer, PROMPT)
+    scheduler.add_request(make_request("loaded", PROMPT, producer.endpoint))
+    output = schedule_answered(scheduler)
+    (load,) = loads_of(output)
+    assert (load.skip, len(load.tokens), len(load.slots)) == (64, 69, 5)
+    assert len(load.block_ids) == 1  # the third block only: the prefix's two are the cache's
+    finish(scheduler, output)
+    assert_empty(scheduler)
+
+
+def test_a_load_the_workers_report_failed_is_recomputed_and_its_kv_released_on_the_producer(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    hold(producer, PROMPT)
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("failed", PROMPT, producer.endpoint))
+    output = schedule_answered(scheduler)
+    assert loads(output) == [("failed", len(PROMPT) - 1)]
+    finish(scheduler, output, failed={"failed"})
+    assert released(scheduler, producer, 0)  # the item the load did not take is gone
+    assert_empty(scheduler)
+
+
+def test_a_load_that_landed_releases_nothing(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    hold(producer, PROMPT)
+    hold(producer, [1, 2, 3])
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("landed", PROMPT, producer.endpoint, max_tokens=1))
+    output = schedule_answered(scheduler)
+    assert loads(output) == [("landed", len(PROMPT) - 1)]
+    finish(scheduler, output)  # the workers report it landed
+    assert released(scheduler, producer, 2)  # no worker took the item in this test, and nothing released it
     assert_empty(scheduler)
 
 
@@ -159,8 +303,9 @@ def test_a_request_aborted_on_the_decode_before_it_loaded_releases_its_kv_on_the
     hold(producer, PROMPT)
     scheduler = schedulers("kv_consumer")
     scheduler.add_request(make_request("aborted", PROMPT, producer.endpoint))
+    run_step(scheduler, scheduler.schedule())  # its lookup is out
     scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
-    assert holds(producer) == 0
+    assert released(scheduler, producer, 0)
     assert_empty(scheduler)
 
 
@@ -170,13 +315,13 @@ def test_a_request_aborted_on_the_decode_while_it_waits_for_blocks_releases_its_
     other = [token + 100 for token in PROMPT]
     hold(producer, PROMPT)
     hold(producer, other)
-    scheduler = schedulers("kv_consumer", num_blocks=4)  # 3 blocks of 32 tokens: one prompt at a time
+    scheduler = schedulers("kv_consumer", num_blocks=4)  # 3 blocks of 32: one prompt at a time
     scheduler.add_request(make_request("first", other, producer.endpoint))
     scheduler.add_request(make_request("waiting", PROMPT, producer.endpoint))
-    output = scheduler.schedule()
+    output = schedule_answered(scheduler)
     assert loads(output) == [("first", len(PROMPT) - 1)] and holds(producer) == 2  # "waiting" found its KV
     scheduler.finish_requests("waiting", RequestStatus.FINISHED_ABORTED)
-    assert holds(producer) == 1
+    assert released(scheduler, producer, 1)
     finish(scheduler, output)
     assert_empty(scheduler)
 
@@ -191,7 +336,9 @@ def test_a_finished_prefill_names_its_producer_and_keeps_the_kv_for_the_decode(
     assert isinstance(meta, KvrtConnectorMetadata) and [save.tokens for save in meta.saves] == [PROMPT]
     hold(producer, PROMPT)  # what the worker publishes in that step
     (done,) = finish(scheduler, output)
-    assert done.kv_transfer_params == {"kvrt_endpoint": producer.endpoint}  # type: ignore[attr-defined]
+    assert done.kv_transfer_params == {  # type: ignore[attr-defined]
+        "kvrt_endpoint": producer.endpoint, "kvrt_endpoints": [producer.endpoint]
+    }
     assert holds(producer) == 1
     assert_empty(scheduler)
 
@@ -205,5 +352,6 @@ def test_a_prefill_aborted_after_it_published_releases_its_kv_on_the_producer(
     hold(producer, PROMPT)
     run_step(scheduler, output)
     scheduler.finish_requests("prefill", RequestStatus.FINISHED_ABORTED)
-    assert holds(producer) == 0
+    assert released(scheduler, producer, 0)
     assert_empty(scheduler)
+

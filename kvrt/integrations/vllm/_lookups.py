@@ -1,0 +1,202 @@
+"""The decode scheduler's questions to producers, asked without ever waiting for them.
+
+vLLM's scheduler thread runs every request of the instance: a lookup that held it for a round
+trip would hold them all. So `Lookups` queues each request's probe (`ask`), sends a step's
+probes to each producer as one `probe_many` message once the step is planned (`send`), and
+reads the answer at a later step (`answer`: None while it is on its way, vLLM's "ask again
+next step"). Releases of KV that no load will take (`release`) go the same way and are never
+waited for. All network work runs on one kvrt loop thread that this object owns; the
+scheduler's thread only queues work and looks at futures.
+
+A producer that does not answer within `timeout_s` (gone, stalled, unreachable) answers 0 for
+the requests it was asked about, and is not asked again for a while (`SILENT_BACKOFF_S`):
+its requests are computed at once meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import torch
+
+import kvrt
+from kvrt._loop_thread import LoopThread
+from kvrt._messages import MAX_BATCH
+
+log = logging.getLogger("kvrt.integrations.vllm")
+
+SILENT_BACKOFF_S: Final = (1.0, 30.0)
+"""A producer that did not answer is not asked again for the first figure, doubled at each
+failure up to the second."""
+
+MAX_SILENT_PRODUCERS: Final = 1024
+"""Silent producers remembered at most (endpoints come with the requests)."""
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One `probe_many` on its way: its producer and its future (the matched tokens, in order)."""
+
+    endpoint: str
+    answers: concurrent.futures.Future[list[int]]
+    settled: bool = False
+    """Its outcome was counted (a failure backs its producer off once, not once a request)."""
+
+
+class Lookups:
+    """Probes and releases of requests' KV on their producers (see the module docstring).
+
+    Called from one thread (vLLM's scheduler): `ask`, `send`, `answer`, `forget`, `release`,
+    each returning at once; `close` once, at shutdown."""
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._loop = LoopThread("kvrt-lookups", "scheduler's lookups")
+        self._queued: dict[str, dict[str, list[int]]] = {}
+        """Per producer, the probes of this step not sent yet: request id -> prompt."""
+        self._asked: dict[str, tuple[_Batch, int]] = {}
+        """Per request sent, its batch and its place in it."""
+        self._silent: dict[str, tuple[float, float]] = {}
+        """Per producer that did not answer: when it may be asked again (monotonic), and the
+        backoff that led there; oldest first."""
+        self._releases: set[concurrent.futures.Future[None]] = set()
+        """Releases on their way (a done one removes itself, on kvrt's thread)."""
+        self._clients: dict[str, kvrt.Client] = {}
+        """On the loop thread only: one control client per producer, kept while it answers."""
+
+    # -- the scheduler's thread --------------------------------------------------------------
+
+    def asks(self, endpoint: str) -> bool:
+        """Whether `endpoint` may be asked now: not while it is in its backoff after failing."""
+        silent = self._silent.get(endpoint)
+        return silent is None or time.monotonic() >= silent[0]
+
+    def ask(self, request_id: str, endpoint: str, prompt: list[int]) -> None:
+        """Queue a probe of `prompt` on `endpoint`, sent with the step's others by `send`."""
+        self._queued.setdefault(endpoint, {})[request_id] = prompt
+
+    def send(self) -> None:
+        """Send the queued probes: one `probe_many` per producer (per 256 probes)."""
+        queued, self._queued = self._queued, {}
+        for endpoint, probes in queued.items():
+            request_ids = list(probes)
+            for start in range(0, len(request_ids), MAX_BATCH):
+                chosen = request_ids[start : start + MAX_BATCH]
+                prompts = [probes[request_id] for request_id in chosen]
+                batch = _Batch(endpoint, self._loop.submit(functools.partial(self._probe, endpoint, prompts), "lookup"))
+                for index, request_id in enumerate(chosen):
+                    self._asked[request_id] = (batch, index)
+
+    def answer(self, request_id: str) -> int | None:
+        """The tokens the request's producer holds (0: none, or it did not answer), or None
+        while the answer is on its way or not sent yet."""
+        asked = self._asked.get(request_id)
+        if asked is None:
+            return None
+        batch, index = asked
+        if not batch.answers.done():
+            return None
+        del self._asked[request_id]
+        try:
+            matched = batch.answers.result()[index]
+        except Exception as exc:  # any failure of the lookup means: compute it here
+            if not batch.settled:
+                batch.settled = True
+                self._failed(batch.endpoint, exc)
+            return 0
+        if not batch.settled:
+            batch.settled = True
+            self._silent.pop(batch.endpoint, None)
+        return matched
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Block until every probe and release sent so far has ended (or `timeout_s` passed):
+        for a caller that must see their effect, such as a test playing the scheduler's steps."""
+        futures: list[concurrent.futures.Future[Any]] = [batch.answers for batch, _ in self._asked.values()]
+        futures += list(self._releases)
+        _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+        return not pending
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: its answer, if one comes, is dropped."""
+        self._asked.pop(request_id, None)
+        for probes in self._queued.values():
+            probes.pop(request_id, None)
+
+    def release(self, endpoint: str, prompt: list[int]) -> None:
+        """Evict the item of exactly `prompt` from `endpoint`, if it is there (a request that
+        will never take it); not waited for, and a producer in its backoff is not told."""
+        if self.asks(endpoint):
+            release = self._loop.submit(functools.partial(self._release, endpoint, prompt), "release")
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
+
+    def close(self) -> None:
+        """Close the clients and stop the loop thread (what is in flight is cancelled)."""
+        try:
+            self._loop.call(self._close_clients, "close", timeout_s=self._timeout_s + 1.0)
+        except Exception as exc:  # closing goes on whatever a client does
+            log.debug("closing the lookups' clients: %s", exc)
+        self._loop.stop()
+
+    def _failed(self, endpoint: str, error: BaseException) -> None:
+        first, longest = SILENT_BACKOFF_S
+        _, backoff = self._silent.pop(endpoint, (0.0, first / 2))
+        backoff = min(2 * backoff, longest)
+        self._silent[endpoint] = (time.monotonic() + backoff, backoff)
+        while len(self._silent) > MAX_SILENT_PRODUCERS:
+            del self._silent[next(iter(self._silent))]
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        log.warning("the producer at %s did not answer a lookup (%s): not asked for %.0f s", endpoint, why, backoff)
+
+    # -- kvrt's loop thread -------------------------------------------------------------------
+
+    async def _client(self, endpoint: str) -> kvrt.Client:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = await kvrt.Client(endpoint, connect_timeout_s=self._timeout_s).start()
+            if endpoint in self._clients:  # another batch connected meanwhile: keep one
+                await client.aclose()
+                return self._clients[endpoint]
+            self._clients[endpoint] = client
+        return client
+
+    async def _drop_client(self, endpoint: str) -> None:
+        client = self._clients.pop(endpoint, None)
+        if client is not None:
+            await client.aclose()
+
+    async def _probe(self, endpoint: str, prompts: list[list[int]]) -> list[int]:
+        try:
+            with anyio.fail_after(self._timeout_s):
+                client = await self._client(endpoint)
+                answers = await client.probe_many([torch.tensor(prompt, dtype=torch.int64) for prompt in prompts])
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._drop_client(endpoint)
+            raise
+        return [answer.matched for answer in answers]
+
+    async def _release(self, endpoint: str, prompt: list[int]) -> None:
+        try:
+            with anyio.fail_after(self._timeout_s):
+                client = await self._client(endpoint)
+                (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
+                if found.item_id is not None and found.matched == len(prompt):
+                    await client.evict(found.item_id)
+        except kvrt.NotFoundError:
+            pass  # taken or evicted meanwhile
+        except (kvrt.KVRTError, TimeoutError) as exc:
+            log.warning("could not release KV at %s: %s", endpoint, exc)
+            with anyio.CancelScope(shield=True):
+                await self._drop_client(endpoint)
+
+    async def _close_clients(self) -> None:
+        for endpoint in list(self._clients):
+            await self._drop_client(endpoint)

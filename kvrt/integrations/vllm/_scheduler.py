@@ -1,0 +1,248 @@
+"""The connector's scheduler side, in vLLM's scheduler process: what each request finds on its
+producer, the plan of each step, and the KV no load will take, released. Plain values in and
+out (request ids, token lists, block ids): `connector.py` maps vLLM's objects onto them.
+
+A decode request's life here, one record (`_Wanted`) from the first lookup to its end:
+
+    event (who calls)                          what happens
+    matched (get_num_new_matched_tokens)       first call: its probe is queued; until the
+                                               answer came: None ("ask again next step")
+    step end (build_connector_meta)            the step's probes leave, one message a producer
+    matched, answered                          the tokens to load past what vLLM holds itself
+    allocated (update_state_after_alloc)       a `Load` of those tokens into its new blocks;
+                                               never asked again: its item is taken (preempted
+                                               and resumed, the request computes its prompt)
+    outcome (update_connector_output)          the workers say the load failed
+    finished (request_finished)                KV found and not loaded: released on its
+                                               producer (a failed load, a load never planned,
+                                               an abort); one whose outcome is not known yet
+                                               waits for it (vLLM ends a request before it
+                                               reads the step's connector output)
+
+A prefill request: the step that computes its last prompt token publishes it (`Save`), once;
+when it finishes, its producers are named in its `kv_transfer_params`, or, aborted, its KV is
+released there.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvrt.integrations.vllm._lookups import Lookups
+
+ENDPOINT_PARAM: Final = "kvrt_endpoint"
+"""The key of a request's `kv_transfer_params` that names the producer holding its KV (the
+first of several)."""
+
+ENDPOINTS_PARAM: Final = "kvrt_endpoints"
+"""The key that names every prefill rank's producer, in rank order (tensor parallel prefill)."""
+
+MAX_AWAITING: Final = 4096
+"""Finished requests whose load outcome is awaited, at most (the oldest are dropped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """A request whose prompt this step completes: its worker publishes its KV."""
+
+    request_id: str
+    tokens: list[int]
+    slots: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A request's load: the first `len(tokens)` tokens of its prompt are on `endpoints`; the
+    worker writes tokens [skip, len(tokens)) into `slots` (vLLM holds the first `skip` in its
+    own prefix cache). `block_ids` are the blocks those slots lie in: what vLLM recomputes if
+    the load fails."""
+
+    request_id: str
+    endpoints: tuple[str, ...]
+    tokens: list[int]
+    skip: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+def slots_of(block_ids: Sequence[int], block_size: int, first: int, end: int) -> list[int]:
+    """The slot of each token in [first, end) of a request, from its block ids."""
+    return [block_ids[token // block_size] * block_size + token % block_size for token in range(first, end)]
+
+
+def endpoints_of(params: dict[str, Any] | None, default: str | None) -> tuple[str, ...]:
+    """The producers a request's `kv_transfer_params` name (or `default`), in rank order."""
+    params = params or {}
+    many = params.get(ENDPOINTS_PARAM)
+    if isinstance(many, list) and many and all(isinstance(endpoint, str) for endpoint in many):
+        return tuple(many)
+    one = params.get(ENDPOINT_PARAM, default)
+    return (str(one),) if one else ()
+
+
+@dataclass(slots=True)
+class _Wanted:
+    """A decode request's record (see the module docstring)."""
+
+    endpoints: tuple[str, ...]
+    prompt: list[int]
+    asked: bool = False
+    found: int | None = None
+    """Tokens its producer holds (0: none), once the lookup answered."""
+    local: int = 0
+    """Tokens vLLM held itself (block-aligned) when it last asked."""
+    planned: bool = False
+    settled: bool = False
+    """The workers reported its load's outcome."""
+    failed: bool = False
+
+
+class DecodeScheduler:
+    """The decode instance's half of the scheduler side (one thread: vLLM's scheduler)."""
+
+    def __init__(self, lookups: Lookups, *, block_size: int, default_endpoint: str | None) -> None:
+        self._lookups = lookups
+        self._block_size = block_size
+        self._default = default_endpoint
+        self._wanted: dict[str, _Wanted] = {}
+        self._loads: list[Load] = []
+        self._awaiting: collections.OrderedDict[str, _Wanted] = collections.OrderedDict()
+        """Finished requests with a load whose outcome the workers have not reported yet."""
+        self.counters: collections.Counter[str] = collections.Counter()
+        """lookups, hits, loads, loaded_tokens, failed_loads, releases."""
+
+    def matched(self, request_id: str, prompt: list[int], params: dict[str, Any] | None, local: int) -> int | None:
+        """Tokens to load past the `local` ones vLLM holds; None while the lookup is out."""
+        wanted = self._wanted.get(request_id)
+        if wanted is None:
+            wanted = _Wanted(endpoints_of(params, self._default), prompt)
+            self._wanted[request_id] = wanted
+        if wanted.planned or not wanted.endpoints or len(prompt) < 2:
+            return 0
+        if wanted.found is None:
+            if not wanted.asked:
+                wanted.asked = True
+                if not self._lookups.asks(wanted.endpoints[0]):
+                    wanted.found = 0
+                    return 0
+                self._lookups.ask(request_id, wanted.endpoints[0], prompt)
+                self.counters["lookups"] += 1
+                return None
+            found = self._lookups.answer(request_id)
+            if found is None:
+                return None
+            wanted.found = found
+            self.counters["hits"] += found > 0
+        wanted.local = local
+        # The last prompt token is always computed here: its logits give the first output token.
+        return max(0, min(wanted.found, len(prompt) - 1) - local)
+
+    def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> None:
+        """vLLM gave the request its blocks, `external` tokens of them to load."""
+        wanted = self._wanted.get(request_id)
+        if external <= 0 or wanted is None:
+            return
+        wanted.planned = True
+        first, end = wanted.local, wanted.local + external
+        blocks = list(block_ids[first // self._block_size : -(-end // self._block_size)])
+        slots = slots_of(block_ids, self._block_size, first, end)
+        self._loads.append(Load(request_id, wanted.endpoints, wanted.prompt[:end], first, slots, blocks))
+        self.counters["loads"] += 1
+        self.counters["loaded_tokens"] += external
+
+    def step(self) -> list[Load]:
+        """This step's loads (once); the step's lookups leave now."""
+        self._lookups.send()
+        loads, self._loads = self._loads, []
+        return loads
+
+    def outcome(self, failed: set[str], settled: set[str]) -> None:
+        """The workers' word on this step's loads: `failed` ones did not land; `settled` are
+        all the step's loads, failed or not."""
+        for request_id in settled:
+            wanted = self._wanted.get(request_id) or self._awaiting.pop(request_id, None)
+            if wanted is None:
+                continue
+            wanted.failed = request_id in failed
+            wanted.settled = True
+            self.counters["failed_loads"] += wanted.failed
+            if request_id not in self._wanted:  # it finished before its outcome came
+                self._settle(wanted)
+
+    def finished(self, request_id: str, aborted: bool) -> None:
+        wanted = self._wanted.pop(request_id, None)
+        self._lookups.forget(request_id)
+        if wanted is None:
+            return
+        if wanted.planned and not wanted.settled:
+            self._awaiting[request_id] = wanted  # the step's outcome may still say it failed
+            while len(self._awaiting) > MAX_AWAITING:
+                self._awaiting.popitem(last=False)
+            return
+        if (wanted.found and (not wanted.planned or wanted.failed)) or (aborted and wanted.found is None):
+            self._release(wanted)
+
+    def _settle(self, wanted: _Wanted) -> None:
+        if wanted.failed:
+            self._release(wanted)
+
+    def _release(self, wanted: _Wanted) -> None:
+        for endpoint in wanted.endpoints:
+            self._lookups.release(endpoint, wanted.prompt)
+        self.counters["releases"] += 1
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A prefill request in flight: its prompt and its blocks, for the step that computes its
+    last prompt token (vLLM names both only when the request is new)."""
+
+    prompt: list[int]
+    blocks: list[int] = field(default_factory=list)
+    published: bool = False
+
+
+class PrefillScheduler:
+    """The prefill instance's half of the scheduler side (one thread: vLLM's scheduler)."""
+
+    def __init__(self, lookups: Lookups, *, block_size: int, endpoints: tuple[str, ...]) -> None:
+        self._lookups = lookups
+        self._block_size = block_size
+        self.endpoints = endpoints
+        """Every rank's producer, in rank order: what a finished request names."""
+        self._requests: dict[str, _Prefill] = {}
+
+    def new(self, request_id: str, prompt: list[int], block_ids: Sequence[int]) -> None:
+        self._requests[request_id] = _Prefill(prompt, list(block_ids))
+
+    def more_blocks(self, request_id: str, block_ids: Sequence[int], *, resumed: bool) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if resumed:
+            request.blocks = list(block_ids)
+        else:
+            request.blocks.extend(block_ids)
+
+    def computed(self, request_id: str, computed: int) -> Save | None:
+        """The request has `computed` prompt tokens done after this step: its `Save` if that is
+        the whole prompt, once."""
+        request = self._requests.get(request_id)
+        if request is None or request.published or computed < len(request.prompt):
+            return None
+        request.published = True
+        return Save(request_id, request.prompt, slots_of(request.blocks, self._block_size, 0, len(request.prompt)))
+
+    def finished(self, request_id: str, prompt: list[int], aborted: bool) -> dict[str, Any] | None:
+        """The `kv_transfer_params` a finished request hands on (None: nothing published)."""
+        request = self._requests.pop(request_id, None)
+        if request is None or not request.published:
+            return None
+        if aborted:
+            for endpoint in self.endpoints:
+                self._lookups.release(endpoint, prompt)
+            return None
+        return {ENDPOINT_PARAM: self.endpoints[0], ENDPOINTS_PARAM: list(self.endpoints)}

@@ -1,0 +1,252 @@
+"""The connector's worker side, in each vLLM worker process: kvrt's producer and consumers over
+vLLM's paged KV cache. Plain values in and out (`Save`, `Load`, layer indexes): `connector.py`
+maps vLLM's calls onto it, so a test drives it with no vLLM installed (on a GPU host too).
+
+Who calls what, each from vLLM's model-runner thread, once a step in this order:
+
+    start_loads(loads)         before the forward pass: every load's stream opened at once
+                               (one message each, all in flight together), into vLLM's blocks
+    wait_layer(i)              before attention of layer i: returns once layer i of every load
+                               is written (on a GPU: the caller's stream waits for the writes)
+    save_layer(saves, i)       after layer i is written: layer i of the step's finished
+                               prompts published from the pages (the first layer opens them)
+    end_step() -> StepOutcome  after the forward pass: the step's streams ended; which loads
+                               failed, whose blocks vLLM recomputes
+
+All of kvrt's work runs on one loop thread this object owns; each call above is one hop to
+it and back (none when the step has nothing to move). The pools are vLLM's own pages, read
+and written in place: nothing here copies them aside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kvrt
+from kvrt._caller_stream import caller_stream
+from kvrt._loop_thread import LoopThread
+from kvrt.integrations.vllm._scheduler import Load, Save
+
+log = logging.getLogger("kvrt.integrations.vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What the worker side needs of the connector's configuration."""
+
+    produces: bool
+    consumes: bool
+    bind: str | None
+    """The address this rank's producer binds (prefill)."""
+    buffer_bytes: int
+    item_ttl_s: float | None
+    connect_timeout_s: float
+    heads: slice | None = None
+    """This rank's share of the model's KV heads (tensor parallel), None: all of them."""
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a step's loads came to, for the scheduler and for vLLM."""
+
+    settled: set[str] = field(default_factory=set)
+    """Every load of the step, landed or not."""
+    failed: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+    """The blocks of the failed loads: vLLM recomputes them."""
+
+
+@dataclass(slots=True)
+class _Reading:
+    load: Load
+    stream: kvrt.ConsumerStream
+
+
+class WorkerSide:
+    """kvrt's side of one vLLM worker (see the module docstring)."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self._settings = settings
+        self._loop = LoopThread("kvrt-worker", "connector's worker")
+        self._pools: kvrt.PoolTable | None = None
+        self._producer: kvrt.Producer | None = None
+        self._consumers: dict[tuple[str, ...], kvrt.Consumer] = {}
+        """On the loop: one consumer per set of producers a load names (kept while they answer)."""
+        self._reading: list[_Reading] = []
+        self._writing: list[kvrt.ProducerStream] = []
+        self._outcome = StepOutcome()
+        self.counters: dict[str, int] = {"saves": 0, "refused_saves": 0, "loads": 0, "failed_loads": 0}
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where this rank's producer is bound (None on a decode rank)."""
+        return None if self._producer is None else self._producer.endpoint
+
+    def register(self, pools: kvrt.PoolTable) -> None:
+        """vLLM's KV cache as kvrt's pools (once, at start); a producing rank binds here."""
+        self._pools = pools
+        if self._settings.produces:
+            self._loop.call(self._start_producer, "starting the producer")
+
+    async def _start_producer(self) -> None:
+        settings = self._settings
+        assert settings.bind is not None and self._pools is not None
+        producer = kvrt.Producer(
+            bind=settings.bind, device=self._pools.device, buffer_bytes=settings.buffer_bytes,
+            item_ttl_s=settings.item_ttl_s, heads=settings.heads,
+        )  # fmt: skip
+        await producer.start()
+        producer.register_pools(self._pools)
+        self._producer = producer
+        log.info("kvrt producer bound at %s", producer.endpoint)
+
+    # -- loads (decode) ------------------------------------------------------------------------
+
+    def start_loads(self, loads: Sequence[Load]) -> None:
+        if not loads:
+            return
+        self._loop.call(lambda: self._open_all(loads, caller_stream(None, self._device())), "start_loads")
+
+    def _device(self) -> torch.device:
+        assert self._pools is not None, "vLLM registers its KV cache before the first step"
+        return self._pools.device
+
+    async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
+        opened = await asyncio.gather(*(self._open(load, stream) for load in loads))
+        self._reading += [reading for reading in opened if reading is not None]
+
+    async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading | None:
+        self.counters["loads"] += 1
+        self._outcome.settled.add(load.request_id)
+        assert self._pools is not None
+        try:
+            consumer = await self._consumer(load.endpoints)
+            opened = await consumer.open_stream(
+                torch.tensor(load.tokens, dtype=torch.int64), into=self._pools,
+                slots=torch.tensor(load.slots, dtype=torch.int64), skip=load.skip, stream=stream,
+                heads=self._settings.heads,
+            )  # fmt: skip
+        except kvrt.KVRTError as exc:
+            if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError):
+                await self._drop_consumer(load.endpoints)
+            self._fail(load, exc)
+            return None
+        if opened is None:
+            self._fail(load, "nothing matched: the KV was taken or evicted since the lookup")
+            return None
+        if opened.matched < len(load.tokens):
+            self._fail(load, f"only {opened.matched} of {len(load.tokens)} tokens matched")
+            return None
+        return _Reading(load, opened)
+
+    async def _consumer(self, endpoints: tuple[str, ...]) -> kvrt.Consumer:
+        consumer = self._consumers.get(endpoints)
+        if consumer is None:
+            consumer = kvrt.Consumer(
+                connect=list(endpoints), device=self._device(), connect_timeout_s=self._settings.connect_timeout_s
+            )
+            await consumer.start()
+            self._consumers[endpoints] = consumer
+        return consumer
+
+    async def _drop_consumer(self, endpoints: tuple[str, ...]) -> None:
+        consumer = self._consumers.pop(endpoints, None)
+        if consumer is not None:
+            await consumer.aclose()
+
+    def _fail(self, load: Load, why: object) -> None:
+        log.warning("loading request %s from %s failed (%s): vLLM recomputes it", load.request_id, load.endpoints, why)
+        self.counters["failed_loads"] += 1
+        self._outcome.failed.add(load.request_id)
+        self._outcome.failed_blocks.update(load.block_ids)
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer `layer` of every load of the step is written."""
+        if self._reading:
+            self._loop.call(lambda: self._wait_layer(layer, caller_stream(None, self._device())), "wait_for_layer_load")
+
+    async def _wait_layer(self, layer: int, stream: torch.cuda.Stream | None) -> None:
+        async def one(reading: _Reading) -> None:
+            try:
+                await reading.stream.layer(layer, stream=stream)
+            except kvrt.KVRTError as exc:
+                self._reading.remove(reading)
+                self._fail(reading.load, exc)
+
+        await asyncio.gather(*(one(reading) for reading in list(self._reading)))
+
+    # -- saves (prefill) -----------------------------------------------------------------------
+
+    def save_layer(self, saves: Sequence[Save], layer: int) -> None:
+        """Publish layer `layer` of the step's finished prompts (the first layer opens them)."""
+        if self._producer is None or (not saves and not self._writing):
+            return
+        self._loop.call(lambda: self._save_layer(saves, layer, caller_stream(None, self._device())), "save_kv_layer")
+
+    async def _save_layer(self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None) -> None:
+        producer = self._producer
+        assert producer is not None
+        if layer == 0:
+            for save in saves:
+                tokens = torch.tensor(save.tokens, dtype=torch.int64)
+                slots = torch.tensor(save.slots, dtype=torch.int64)
+                try:
+                    self._writing.append(await producer.open_stream(tokens, slots=slots, timeout=0, stream=stream))
+                    self.counters["saves"] += 1
+                except kvrt.KVRTError as exc:
+                    self.counters["refused_saves"] += 1
+                    log.warning("request %s is not published: %s", save.request_id, exc)
+        for writing in list(self._writing):
+            try:
+                await writing.put_layer(stream=stream)
+            except kvrt.KVRTError as exc:
+                log.warning("publishing layer %d failed: %s", layer, exc)
+                self._writing.remove(writing)
+                await writing.abort(str(exc))
+
+    # -- the step's end ------------------------------------------------------------------------
+
+    def end_step(self) -> StepOutcome:
+        """End the step's streams; what its loads came to."""
+        if self._writing or self._reading:
+            self._loop.call(lambda: self._end_step(caller_stream(None, self._device())), "wait_for_save")
+        outcome, self._outcome = self._outcome, StepOutcome()
+        return outcome
+
+    async def _end_step(self, stream: torch.cuda.Stream | None) -> None:
+        writing, self._writing = self._writing, []
+        for written in writing:
+            try:
+                if written.published == written.layers:
+                    await written.finish(stream=stream)
+                else:
+                    await written.abort("the forward pass did not publish every layer")
+            except kvrt.KVRTError as exc:
+                log.warning("a stream did not end: %s", exc)
+        reading, self._reading = self._reading, []
+        for read in reading:
+            try:
+                await read.stream.finished()
+            except kvrt.KVRTError as exc:
+                # Every layer was written (wait_layer saw each); only the end was lost.
+                log.info("the stream of request %s ended with %s after its layers landed", read.load.request_id, exc)
+
+    def close(self) -> None:
+        """Close the producer and the consumers, then the loop thread."""
+        try:
+            self._loop.call(self._close, "close", timeout_s=kvrt.blocking.CLOSE_TIMEOUT_S)
+        except Exception as exc:  # shutting down goes on whatever a peer does
+            log.debug("closing the worker's kvrt side: %s", exc)
+        self._loop.stop()
+
+    async def _close(self) -> None:
+        for endpoints in list(self._consumers):
+            await self._drop_consumer(endpoints)
+        if self._producer is not None:
+            await self._producer.aclose()
+            self._producer = None
