@@ -65,7 +65,10 @@ def _word(table: PoolTable, heads: tuple[int, int], stage_bytes: Sequence[int]) 
     """The widest word that divides every offset and address the kernel uses, and its size."""
     itemsize = table.dtype.itemsize
     g = table.geometry
-    offsets = [g.token_stride, g.v_offset, heads[0] * g.head_dim, (heads[1] - heads[0]) * g.head_dim]
+    offsets = [
+        g.token_stride, g.v_offset, g.block_stride, g.head_stride, g.head_dim, heads[0] * g.head_stride,
+        (heads[1] - heads[0]) * g.head_dim,
+    ]  # fmt: skip
     word = widest_word(table.address_alignment, [offset * itemsize for offset in offsets] + list(stage_bytes))
     return word, word.itemsize
 
@@ -96,7 +99,12 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
     head_offset,  # words from a slot's row start to head h0
     stage_layer_stride,  # words between layers in the staging
     stage_token_stride,  # words between tokens in the staging
+    block_size,  # slots per block (1: every slot one token_stride from the last)
+    block_stride,  # words between blocks of a pool
+    head_stride,  # words between a slot's heads in a pool
     ROW: tl.constexpr,  # words of one K (or V) row of the selected heads
+    DIM: tl.constexpr,  # words of one head's row
+    SPLIT_HEADS: tl.constexpr,  # a slot's heads lie head_stride apart in the pools, not side by side
     KV: tl.constexpr,  # 2, or 1 for MLA and for one part (keys or values) alone
     COPIES: tl.constexpr,  # copies per replica (MLA: cards of a group); gather reads the first
     BLOCK: tl.constexpr,  # words of a row moved per step: a power of two
@@ -104,11 +112,15 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
 ):
     """One program moves one token's rows of one layer. A step loads its K and V words
     before it stores either: twice the bytes in flight per program, which is what brings a
-    gather of random slots near a device copy of the same bytes (`kvrt bench kernels`)."""
+    gather of random slots near a device copy of the same bytes (`kvrt bench kernels`).
+    The staging holds a token's heads side by side; in the pools they may lie apart (heads
+    before tokens in a block, or K and V of a head side by side): word i of the row is then
+    word i % DIM of head i // DIM."""
     token = tl.program_id(0).to(tl.int64)
     layer = first_layer + tl.program_id(1).to(tl.int64)
     r = tl.load(replica + token).to(tl.int64)  # int32 indexes too: addresses are 64-bit
-    row_start = tl.load(slots + token).to(tl.int64) * token_stride + head_offset
+    slot = tl.load(slots + token).to(tl.int64)
+    row_start = (slot // block_size) * block_stride + (slot % block_size) * token_stride + head_offset
     stage_k_row = stage_k + layer * stage_layer_stride + token * stage_token_stride
     stage_v_row = stage_v + layer * stage_layer_stride + token * stage_token_stride
     word = stage_k.dtype.element_ty
@@ -120,10 +132,14 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
             mask = None  # no predicate at all when the steps tile the row
         else:
             mask = offsets < ROW
+        if SPLIT_HEADS:  # noqa: SIM108 (a static branch)
+            in_pool = (offsets // DIM) * head_stride + offsets % DIM
+        else:
+            in_pool = offsets
         if GATHER:
-            k = tl.load(pool_row + offsets, mask=mask)
+            k = tl.load(pool_row + in_pool, mask=mask)
             if KV == 2:
-                v = tl.load(pool_row + v_offset + offsets, mask=mask)
+                v = tl.load(pool_row + v_offset + in_pool, mask=mask)
                 tl.store(stage_v_row + offsets, v, mask=mask)
             tl.store(stage_k_row + offsets, k, mask=mask)
         else:
@@ -133,9 +149,9 @@ def _move_kv(  # type: ignore[no-untyped-def]  # Triton reads its own annotation
             for copy in tl.static_range(COPIES):
                 base = tl.load(addresses + (r * COPIES + copy) * layers + layer)
                 copy_row = base.to(tl.pointer_type(word)) + row_start
-                tl.store(copy_row + offsets, k, mask=mask)
+                tl.store(copy_row + in_pool, k, mask=mask)
                 if KV == 2:
-                    tl.store(copy_row + v_offset + offsets, v, mask=mask)
+                    tl.store(copy_row + v_offset + in_pool, v, mask=mask)
 
 
 _MAX_BLOCK_WORDS: Final = 2048
@@ -226,7 +242,7 @@ def _plan(
     None when there is nothing to move. `part` moves only the K rows or only the V rows:
     either is a one-row launch (KV = 1) whose rows start at K's or V's offset, so a receiver
     can scatter a chunk's keys while its values are still on the wire."""
-    if table.layout is Layout.BLOCK_HEAD_MAJOR:
+    if not table.geometry.strided:
         raise InvalidInputError(
             "head-major block pools (vLLM's CPU layout) have no token stride: the torch references move them "
             "(the `*_any` functions), not the Triton kernels"
@@ -256,6 +272,7 @@ def _plan(
     block = min(triton.next_power_of_2(max(1, tuning.block_words)), triton.next_power_of_2(row))
     stage_k = _flat(stage.key).view(word)[to_words(stage.key_offset) :]
     stage_v = _flat(stage.value).view(word)[to_words(stage.value_offset) :]
+    split_heads = heads[1] - heads[0] > 1 and g.head_stride != g.head_dim
     args = (
         table.addresses,
         replica,
@@ -266,11 +283,17 @@ def _plan(
         first_layer,
         to_words(g.token_stride),
         to_words(g.v_offset),
-        to_words(row_offset + heads[0] * g.head_dim),
+        to_words(row_offset + heads[0] * g.head_stride),
         to_words(stage.layer_stride),
         to_words(stage.token_stride),
+        g.block_size,
+        to_words(g.block_stride),
+        to_words(g.head_stride),
     )
-    constants = {"ROW": row, "KV": kv, "COPIES": table.copies, "BLOCK": block, "GATHER": gather}
+    constants = {
+        "ROW": row, "DIM": to_words(g.head_dim), "SPLIT_HEADS": split_heads, "KV": kv, "COPIES": table.copies,
+        "BLOCK": block, "GATHER": gather,
+    }  # fmt: skip
     launch = _Launch((tokens, end_layer - first_layer), args, constants, tuning.warps)
     return _Launch(launch.grid, args, constants, tuning.warps, launch.signature())
 
@@ -546,7 +569,8 @@ def scatter_layer_from(
 
 def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
     """One layer's pool as [slots, heads, head_dim] for K (kv=0) or V (kv=1), indexed by
-    `_at`: for a head-major block pool a view [blocks, block_size, heads, head_dim]."""
+    `_at`: for pools in blocks (head-major, bhnc, MLA in blocks) a view [blocks, block_size,
+    heads, head_dim]."""
     g = table.geometry
     if table.layout is Layout.TOKEN_MAJOR:
         return pool[:, kv * g.heads : (kv + 1) * g.heads]
@@ -557,16 +581,19 @@ def _rows(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
         if kv == 0:  # a block's keys of one head are [head_dim, block_size]: a slot is a column
             return pool[:, :, 0].view(blocks, heads, dim, block_size).permute(0, 3, 1, 2)
         return pool[:, :, 1].permute(0, 2, 1, 3)
+    if table.layout is Layout.BHNC:  # [blocks, heads, block_size, K | V] -> [blocks, block_size, heads, dim]
+        return pool[..., kv * g.head_dim : (kv + 1) * g.head_dim].permute(0, 2, 1, 3)
+    if pool.dim() == 4:  # MLA in blocks: [blocks, 1, block_size, dim] -> [blocks, block_size, 1, dim]
+        return pool.permute(0, 2, 1, 3)
     return pool.view(g.slots, 1, g.head_dim)
 
 
 def _at(table: PoolTable, slots: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor | slice, ...]:
-    """The index of `slots` (and `heads`) into `_rows`: the slots, or (block, offset) for a
-    head-major pool."""
+    """The index of `slots` (and `heads`) into `_rows`: the slots, or (block, offset) for pools
+    whose `_rows` keep their blocks."""
     block_size = table.geometry.block_size
-    at: tuple[torch.Tensor | slice, ...] = (
-        (slots // block_size, slots % block_size) if table.layout is Layout.BLOCK_HEAD_MAJOR else (slots,)
-    )
+    in_blocks = table.layout in (Layout.BLOCK_HEAD_MAJOR, Layout.BHNC) or table.pools[0][0][0].dim() == 4
+    at: tuple[torch.Tensor | slice, ...] = (slots // block_size, slots % block_size) if in_blocks else (slots,)
     return at if heads is None else (*at, heads)
 
 

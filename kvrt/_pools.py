@@ -8,14 +8,30 @@ names every pool of a node, `pools[replica][copy][layer]`; `Producer.register_po
 
     token-major  [slots, 2*H, D]                K heads, then V heads (LightLLM)
                  [slots, 1, D]                  one latent per token: MLA as LightLLM keeps it
-    block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM)
+    block        [2, blocks, block_size, H, D]  slot = block * block_size + offset (vLLM < 0.32)
+    bhnc         [blocks, H, block_size, 2*D]   per block, head and slot one row: the key's D
+                                                elements, then the value's; any strides, the
+                                                row contiguous (vLLM >= 0.32 on GPUs, in every
+                                                physical order its KV cache layout names:
+                                                NHD, HND, cross-layer blocks)
     block, head-major
                  [blocks, H, 2, block_size, D]  per block and head, its keys transposed (D
                                                 rows of block_size: a slot is a column), then
                                                 its values (block_size rows of D): vLLM's CPU
                                                 backend with its vec and vec16 kernels (CPU
                                                 pools only)
-    mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card
+    mla          [slots, D] or [slots, 1, D]    one latent per token, the same on every card;
+                 [blocks, 1, block_size, D]     also in blocks, any strides (vLLM >= 0.32)
+
+Every layout but head-major blocks is one addressing scheme (`PoolGeometry`): a slot's row of
+head h, part kv (0: K, 1: V) starts at
+
+    (slot // block_size) * block_stride + (slot % block_size) * token_stride + kv * v_offset
+        + h * head_stride
+
+elements from the pool's first, and runs `head_dim` elements. That is what the Triton kernels
+compute, so a producer and a consumer of different layouts and block sizes move the same
+tokens: each side addresses its own pools.
 
 Replica and slot indexes are int32 or int64 (engines keep them as either), on the pools'
 device or the host.
@@ -51,50 +67,73 @@ class Layout(enum.Enum):
 
     TOKEN_MAJOR = "token_major"
     BLOCK = "block"
+    BHNC = "bhnc"
     BLOCK_HEAD_MAJOR = "block_head_major"
     MLA = "mla"
 
 
 @dataclass(frozen=True, slots=True)
 class PoolGeometry:
-    """Where a slot's K and V rows sit in one layer's pool, in elements of the pool's dtype."""
+    """Where a slot's K and V rows sit in one layer's pool, in elements of the pool's dtype
+    (the address in this module's docstring)."""
 
     layout: Layout
     slots: int
     heads: int
     head_dim: int
     token_stride: int
+    """From a slot to the next one of its block (to the next slot, where blocks are of one)."""
     v_offset: int
     """From a slot's K row to its V row (0 for a latent, which has no V)."""
     kv: int = 2
     """Rows per slot: K and V, or 1 for a latent (MLA)."""
     block_size: int = 1
-    """Slots per block where a slot's heads are not next to each other (`BLOCK_HEAD_MAJOR`);
-    1 elsewhere. Such pools have no token stride: the Triton kernels refuse them."""
+    """Slots per block where a block's slots are not all one stride apart; 1 elsewhere."""
+    block_stride: int = 0
+    """From a block to the next (where `block_size` > 1)."""
+    head_stride: int = 0
+    """From a slot's head to the next (`head_dim` where its heads lie side by side)."""
+
+    @property
+    def strided(self) -> bool:
+        """Whether every row is where the address says, `head_dim` elements long (the Triton
+        kernels move such pools); head-major blocks keep their keys transposed."""
+        return self.layout is not Layout.BLOCK_HEAD_MAJOR
+
+
+def _flat_geometry(
+    layout: Layout, slots: int, heads: int, dim: int, slot_stride: int, v_offset: int, kv: int = 2
+) -> PoolGeometry:
+    """A pool whose slots are all one stride apart and whose heads lie side by side."""
+    return PoolGeometry(
+        layout, slots, heads, dim, slot_stride, v_offset, kv=kv, block_stride=slot_stride, head_stride=dim
+    )
 
 
 def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
     """The geometry of one layer's pool, checking its shape against `layout`."""
+    if layout is Layout.BHNC or (layout is Layout.MLA and pool.dim() == 4):
+        return _strided_geometry(pool, layout)
     if not pool.is_contiguous():
-        raise InvalidInputError("KV pools must be contiguous")
+        raise InvalidInputError(f"KV pools of the {layout.value} layout must be contiguous")
     if layout is Layout.TOKEN_MAJOR:
         if pool.dim() == 3 and pool.shape[1] == 1:  # one latent per token (MLA): no V heads
             slots, _, dim = pool.shape
-            return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
+            return _flat_geometry(layout, slots, 1, dim, dim, 0, kv=1)
         if pool.dim() != 3 or pool.shape[1] % 2:
             raise InvalidInputError(
                 "a token-major pool is [slots, 2*heads, head_dim] (K heads, then V heads) or [slots, 1, latent_dim] "
                 f"(MLA), got {tuple(pool.shape)}"
             )
         slots, two_heads, dim = pool.shape
-        return PoolGeometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
+        return _flat_geometry(layout, slots, two_heads // 2, dim, two_heads * dim, two_heads // 2 * dim)
     if layout is Layout.BLOCK:
         if pool.dim() != 5 or pool.shape[0] != 2:
             raise InvalidInputError(
                 f"a block pool is [2, blocks, block_size, heads, head_dim], got {tuple(pool.shape)}"
             )
         _, blocks, block_size, heads, dim = pool.shape
-        return PoolGeometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
+        return _flat_geometry(layout, blocks * block_size, heads, dim, heads * dim, blocks * block_size * heads * dim)
     if layout is Layout.BLOCK_HEAD_MAJOR:
         if pool.dim() != 5 or pool.shape[2] != 2:
             raise InvalidInputError(
@@ -108,10 +147,30 @@ def geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
         pool = pool.view(pool.shape[0], pool.shape[2])
     if pool.dim() != 2:
         raise InvalidInputError(
-            f"an MLA pool is [slots, latent_dim] or [slots, 1, latent_dim], got {tuple(pool.shape)}"
+            f"an MLA pool is [slots, latent_dim], [slots, 1, latent_dim] or [blocks, 1, block_size, latent_dim], "
+            f"got {tuple(pool.shape)}"
         )
     slots, dim = pool.shape
-    return PoolGeometry(layout, slots, 1, dim, dim, 0, kv=1)
+    return _flat_geometry(layout, slots, 1, dim, dim, 0, kv=1)
+
+
+def _strided_geometry(pool: torch.Tensor, layout: Layout) -> PoolGeometry:
+    """[blocks, heads, block_size, content] of any strides whose content is contiguous: K and
+    V rows side by side (`BHNC`), or one latent (MLA, one head)."""
+    mla = layout is Layout.MLA
+    if pool.dim() != 4 or pool.stride(3) != 1 or (mla and pool.shape[1] != 1) or (not mla and pool.shape[3] % 2):
+        what = "[blocks, 1, block_size, latent_dim]" if mla else "[blocks, heads, block_size, 2*head_dim]"
+        raise InvalidInputError(
+            f"a {layout.value} pool is {what} with each row's elements contiguous, got {tuple(pool.shape)} strides "
+            f"{pool.stride()}"
+        )
+    blocks, heads, block_size, content = pool.shape
+    block_stride, head_stride, token_stride, _ = pool.stride()
+    dim = content if mla else content // 2
+    return PoolGeometry(
+        layout, blocks * block_size, heads, dim, token_stride, 0 if mla else dim, kv=1 if mla else 2,
+        block_size=block_size, block_stride=block_stride, head_stride=head_stride,
+    )  # fmt: skip
 
 
 class PoolTable:
@@ -132,6 +191,9 @@ class PoolTable:
         self.first_head = _first_head(heads, self.geometry.heads)
         """The first of the model's KV heads the pools hold (`heads=`, a TP rank's share; 0 when
         not said): a landing call's `heads=` count in the model's numbering."""
+        self.heads_said = heads is not None
+        """Whether `heads=` was given: then a whole item of a producer that says which heads it
+        holds lands at their place among the pools' heads."""
         self.dtype = first.dtype
         self.device = first.device
         self.replicas = len(pools)
@@ -143,12 +205,16 @@ class PoolTable:
                 raise InvalidInputError(f"replica {replica} has a different number of copies or layers")
             for layers in copies:
                 for pool in layers:
-                    if pool.shape != first.shape or pool.dtype != first.dtype or pool.device != first.device:
+                    if (
+                        pool.shape != first.shape
+                        or pool.stride() != first.stride()
+                        or pool.dtype != first.dtype
+                        or pool.device != first.device
+                    ):
                         raise InvalidInputError(
-                            f"every pool must match the first: {tuple(first.shape)} {first.dtype} on {first.device}"
+                            f"every pool must match the first: {tuple(first.shape)} strides {first.stride()} "
+                            f"{first.dtype} on {first.device}"
                         )
-                    if not pool.is_contiguous():
-                        raise InvalidInputError("KV pools must be contiguous")
                     addresses.append(pool.data_ptr())
         self.pools = [[list(layers) for layers in copies] for copies in pools]
         self.address_alignment = next(w.itemsize for w in WORDS if all(a % w.itemsize == 0 for a in addresses))
@@ -198,7 +264,7 @@ def landing_ranges(
     where a slot's rows are not contiguous at all (head-major blocks): the item must be
     scattered by a kernel. Indexes must be in range (`check_indices`)."""
     g = table.geometry
-    if g.block_size != 1:
+    if g.block_size != 1 or g.head_stride != g.head_dim:
         return None
     count = len(slots)
     if not count:

@@ -950,9 +950,14 @@ class ProducerCore:
         pieces = item.pieces
         if pieces is not None and pieces.readers != asked.readers:
             return f"item {item.item_id} is taken by {pieces.readers} readers, this request says {asked.readers}"
-        if asked.readers > len(self._peers):
+        if asked.readers > len(self._peers) and self.item_ttl_s is None:
             # They could never all take theirs: the item would wait for ever for the missing ones.
-            return f"{asked.readers} readers asked for, {len(self._peers)} consumers are connected"
+            # With an item TTL it waits that long at most: readers still connecting (the ranks
+            # of a decode group whose first request reaches this producer) take theirs meanwhile.
+            return (
+                f"{asked.readers} readers asked for, {len(self._peers)} consumers are connected (a producer with "
+                "item_ttl_s waits for the others that long)"
+            )
         try:
             piece = self._cut(item, asked, self.new_item_id())
         except InvalidInputError as exc:

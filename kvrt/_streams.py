@@ -102,6 +102,15 @@ class PoolWriter:
         """The first tokens of each layer, which the caller holds already: not written."""
         self.heads = heads
         """Which heads of the pools a layer's heads land in (None: all of them)."""
+        self._queued: list[asyncio.Future[torch.cuda.Event | None]] = []
+        """Every write handed to the scatter thread (GPU): what `written` waits for."""
+
+    async def written(self, stream: torch.cuda.Stream | None) -> None:
+        """`stream` (GPU) waits for every write queued so far, whatever became of its layer."""
+        done = await asyncio.gather(*(asyncio.shield(future) for future in self._queued), return_exceptions=True)
+        for event in done:
+            if stream is not None and isinstance(event, torch.cuda.Event):
+                stream.wait_event(event)
 
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None
@@ -125,7 +134,11 @@ class PoolWriter:
         if landed is None:  # it came as frames: copied to the device on this thread's stream
             landed = torch.cuda.Event()
             landed.record(torch.cuda.current_stream(pools.device))
-        return asyncio.wrap_future(self._thread().submit(self._queue_write, layer, key, value, landed))
+        queued: asyncio.Future[torch.cuda.Event | None] = asyncio.wrap_future(
+            self._thread().submit(self._queue_write, layer, key, value, landed)
+        )
+        self._queued.append(queued)
+        return queued
 
     def _queue_write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event
@@ -263,6 +276,18 @@ class ConsumerStream:
     async def finished(self) -> torch.Tensor | None:
         """Wait for the end of the stream; its hidden states (None if the item has none)."""
         return await asyncio.shield(self._end)
+
+    async def writes_done(self, *, stream: torch.cuda.Stream | None = None) -> None:
+        """For a reader of the pools: `stream` (default: the current one) waits for every
+        write into the pools this stream queued, also of layers a failure kept from being
+        handed out. An engine that gives up a stream's pages (to recompute them) calls it
+        before it writes them itself, so that no late write of kvrt's lands over its own."""
+        if self.writer is None:
+            return
+        on = stream
+        if on is None and self.writer.placement.pools.device.type == "cuda":
+            on = torch.cuda.current_stream(self.writer.placement.pools.device)
+        await self.writer.written(on)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for index in range(self.layers):

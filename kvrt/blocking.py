@@ -297,12 +297,13 @@ class Consumer(_Blocking[_consumer.Consumer]):
         transfer_timeout_s: float | None = _consumer.DEFAULT_TRANSFER_TIMEOUT_S,
         reply_timeout_s: float = _consumer.DEFAULT_REPLY_TIMEOUT_S,
         name: str | None = None,
+        readers: int | None = None,
     ) -> None:
         async def start() -> _consumer.Consumer:
             consumer = _consumer.Consumer(
                 connect, device, group=group, transport=transport, curve=curve, heartbeat_s=heartbeat_s,
                 connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                reply_timeout_s=reply_timeout_s, name=name,
+                reply_timeout_s=reply_timeout_s, name=name, readers=readers,
             )  # fmt: skip
             return await consumer.start()
 

@@ -54,9 +54,32 @@ def pool_shape(layout: Layout, slots: int, heads: int, head_dim: int, block_size
     return (slots, head_dim)
 
 
+VLLM_ORDERS = {
+    "LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4), "BHLNC": (1, 2, 0, 3, 4),
+}  # fmt: skip
+"""vLLM's KV cache layouts (`vllm/v1/kv_cache_layout.py`): the physical order of the logical
+axes [L, B, H, N, C] (layers, blocks, heads, tokens of a block, a token's K | V content)."""
+
+
+def vllm_layer_views(
+    raw: torch.Tensor, order: tuple[int, ...], layers: int, blocks: int, heads: int, block_size: int, content: int
+) -> list[torch.Tensor]:
+    """Per layer, the [blocks, heads, block_size, content] view vLLM makes of one allocation
+    laid out in `order` (`create_kv_cache_views`): strided, and with the cross-layer orders
+    (B before L) the layers of a block side by side."""
+    logical = (layers, blocks, heads, block_size, content)
+    physical = raw.view([logical[axis] for axis in order])
+    whole = physical.permute([order.index(axis) for axis in range(5)])  # back to [L, B, H, N, C]
+    return [whole[layer] for layer in range(layers)]
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> dict[str, object]:
     layout = draw(st.sampled_from(TRITON_LAYOUTS))
+    # vLLM >= 0.32's pools (and MLA in blocks) in one of its physical orders; None: a flat MLA pool
+    blocked = layout is Layout.BHNC or (layout is Layout.MLA and draw(st.booleans()))
+    order = draw(st.sampled_from(sorted(VLLM_ORDERS))) if blocked else None
     heads = 1 if layout is Layout.MLA else draw(st.integers(1, 4))
     head_dim = draw(st.sampled_from([2, 4, 8, 12]))
     block_size = draw(st.sampled_from([2, 4]))
@@ -71,17 +94,32 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
         "layout": layout, "heads": heads, "head_dim": head_dim, "block_size": block_size, "slots": slots,
         "replicas": replicas, "copies": copies, "layers": layers, "tokens": tokens,
         "head_range": (first, end), "dtype": draw(st.sampled_from(DTYPES)), "seed": draw(st.integers(0, 2**16)),
+        "order": order,
         # short steps: a row moved in several steps, the last one partial
         "tuning": Tuning(block_words=draw(st.sampled_from([1, 2, 4, 2048]))),
     }  # fmt: skip
 
 
+def layer_pools(case: dict[str, object], generator: torch.Generator) -> list[torch.Tensor]:
+    """One replica's copy of the case's pools: one per layer."""
+    layout: Layout = case["layout"]  # type: ignore[assignment]
+    layers, slots, heads, dim, block_size = (
+        int(case[name]) for name in ("layers", "slots", "heads", "head_dim", "block_size")  # type: ignore[call-overload]
+    )
+    order = case.get("order")
+    if order is None:
+        shape = pool_shape(layout, slots, heads, dim, block_size)
+        return [random_pool(shape, case["dtype"], generator) for _ in range(layers)]  # type: ignore[arg-type]
+    content = dim if layout is Layout.MLA else 2 * dim
+    raw = random_pool((layers * slots * heads * content,), case["dtype"], generator)  # type: ignore[arg-type]
+    return vllm_layer_views(raw, VLLM_ORDERS[order], layers, slots // block_size, heads, block_size, content)  # type: ignore[index]
+
+
 def build(case: dict[str, object]) -> tuple[PoolTable, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(case["seed"])  # type: ignore[arg-type]
     layout: Layout = case["layout"]  # type: ignore[assignment]
-    shape = pool_shape(layout, case["slots"], case["heads"], case["head_dim"], case["block_size"])  # type: ignore[arg-type]
     pools = [
-        [[random_pool(shape, case["dtype"], generator) for _ in range(case["layers"])] for _ in range(case["copies"])]  # type: ignore[arg-type, call-overload]
+        [layer_pools(case, generator) for _ in range(case["copies"])]  # type: ignore[call-overload]
         for _ in range(case["replicas"])  # type: ignore[call-overload]
     ]
     table = PoolTable(pools, layout)
@@ -464,3 +502,53 @@ def test_a_layer_outside_the_pools_or_a_layer_of_the_wrong_shape_is_refused(smal
         prepare_gather_layer(small_table, index, index, 1, key, key)
     with pytest.raises(InvalidInputError, match=r"key must be a contiguous torch.float32 tensor \[>= 1, 2, 2\]"):
         scatter_layer_from(small_table, key.view(1, 4, 1), key, index, index, 0)
+
+
+# -- vLLM's own layouts (>= 0.32): [blocks, heads, block_size, K | V] in any physical order ----
+
+
+@pytest.mark.parametrize("order", sorted(VLLM_ORDERS))
+@pytest.mark.parametrize("layout", [Layout.BHNC, Layout.MLA], ids=lambda layout: layout.value)
+def test_each_of_vllms_physical_orders_moves_as_its_reference(order: str, layout: Layout) -> None:
+    mla = layout is Layout.MLA
+    case: dict[str, object] = {
+        "layout": layout, "heads": 1 if mla else 4, "head_dim": 8, "block_size": 4, "slots": 24, "replicas": 2,
+        "copies": 1, "layers": 3, "tokens": 10, "head_range": (0, 1) if mla else (1, 3), "dtype": torch.bfloat16,
+        "seed": 7, "tuning": Tuning(), "order": order,
+    }  # fmt: skip
+    table, replica, slots = build(case)
+    assert layout is Layout.MLA or order == "LBHNC" or not table.pools[0][0][0].is_contiguous()
+    key, value = poisoned_key_and_value(table, slots.numel())
+    gather_into(table, replica, slots, key, value)
+    assert gathered_as_the_reference(table, replica, slots, key, value)
+    heads = case["head_range"]
+    staging = gather(table, replica, slots, heads=heads)  # type: ignore[arg-type]
+    assert same_bits(staging, gather_reference(table, replica, slots, heads=heads))  # type: ignore[arg-type]
+    expected, _, _ = build(case)
+    scatter(table, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
+    scatter_reference(expected, staging, replica, slots, heads=heads)  # type: ignore[arg-type]
+    assert same_pools(table, expected)
+
+
+def test_a_request_moves_between_vllm_layouts_and_block_sizes_token_for_token() -> None:
+    # Prefill in NHD blocks of 4 tokens, decode in HND blocks of 8: the same K and V per token.
+    source_case: dict[str, object] = {
+        "layout": Layout.BHNC, "heads": 2, "head_dim": 8, "block_size": 4, "slots": 32, "replicas": 1, "copies": 1,
+        "layers": 2, "tokens": 0, "dtype": torch.float16, "seed": 1, "order": "LBNHC",
+    }  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    source = PoolTable([[layer_pools(source_case, generator)]], Layout.BHNC)
+    target_case = {**source_case, "block_size": 8, "order": "LBHNC", "seed": 2}
+    target = PoolTable([[layer_pools(target_case, generator)]], Layout.BHNC)
+    tokens = 13
+    from_slots = torch.randperm(32, generator=generator)[:tokens].to(DEVICE)
+    into_slots = torch.randperm(32, generator=generator)[:tokens].to(DEVICE)
+    zeros = torch.zeros(tokens, dtype=torch.int64, device=DEVICE)
+    staging = gather(source, zeros, from_slots)
+    scatter(target, staging, zeros, into_slots)
+    for layer in range(2):
+        for token in range(tokens):
+            src, dst = int(from_slots[token]), int(into_slots[token])
+            sent = source.pools[0][0][layer][src // 4, :, src % 4]  # [heads, K | V]
+            landed = target.pools[0][0][layer][dst // 8, :, dst % 8]
+            assert same_bits(landed, sent)

@@ -217,6 +217,14 @@ def test_more_readers_than_connected_consumers_are_refused() -> None:
     assert piece(producer.ask(READERS[0], [1, 2], 0, 1, readers=4))  # the item was left whole
 
 
+def test_more_readers_than_connected_consumers_wait_for_them_with_an_item_ttl() -> None:
+    # A decode group's ranks reach a producer one after the other: the first asks for its piece
+    # before the others are connected. The item waits for them, as long as its TTL at most.
+    producer = Producer(item_ttl_s=5.0)
+    producer.insert([1, 2])
+    assert piece(producer.ask(READERS[0], [1, 2], 0, 1, readers=m.MAX_READERS))
+
+
 @pytest.mark.parametrize("hidden", [True, False])
 def test_a_piece_carries_the_hidden_states_only_when_asked(hidden: bool) -> None:
     producer = Producer()

@@ -14,7 +14,7 @@ from kvrt.kernels.paged_kv import Layout, PoolTable, Tuning
 from kvrt.kernels.pool_to_pool import move_between, move_between_reference
 from tests._checks import same_bits
 from tests.conftest import TRITON_KERNEL_MARKS
-from tests.test_kernels import DEVICE, DTYPES, pool_shape, random_pool, same_pools
+from tests.test_kernels import DEVICE, DTYPES, VLLM_ORDERS, layer_pools, random_pool, same_pools
 
 pytestmark = TRITON_KERNEL_MARKS
 
@@ -23,17 +23,20 @@ pytestmark = TRITON_KERNEL_MARKS
 def pairs(draw: st.DrawFn) -> dict[str, object]:
     """A source and a destination that hold the same rows, laid out and indexed differently."""
     mla = draw(st.booleans())
-    layouts = [Layout.MLA] if mla else [Layout.TOKEN_MAJOR, Layout.BLOCK]
+    layouts = [Layout.MLA] if mla else [Layout.TOKEN_MAJOR, Layout.BLOCK, Layout.BHNC]
     width = 1 if mla else draw(st.integers(1, 3))
 
     def side() -> dict[str, object]:
         heads = width if mla else draw(st.integers(width, 4))
         first = 0 if mla else draw(st.integers(0, heads - width))
         block_size = draw(st.sampled_from([2, 4]))
+        layout = draw(st.sampled_from(layouts))
+        blocked = layout is Layout.BHNC or (layout is Layout.MLA and draw(st.booleans()))
         return {
-            "layout": draw(st.sampled_from(layouts)), "heads": heads, "head_range": (first, first + width),
+            "layout": layout, "heads": heads, "head_range": (first, first + width),
             "block_size": block_size, "slots": block_size * draw(st.integers(3, 6)),
             "replicas": draw(st.integers(1, 4)), "copies": draw(st.integers(1, 2)) if mla else 1,
+            "order": draw(st.sampled_from(sorted(VLLM_ORDERS))) if blocked else None,
         }  # fmt: skip
 
     src, dst = side(), side()
@@ -47,13 +50,12 @@ def pairs(draw: st.DrawFn) -> dict[str, object]:
 
 def table(case: dict[str, object], which: str, generator: torch.Generator) -> PoolTable:
     side: dict[str, object] = case[which]  # type: ignore[assignment]
-    layout: Layout = side["layout"]  # type: ignore[assignment]
-    shape = pool_shape(layout, side["slots"], side["heads"], case["head_dim"], side["block_size"])  # type: ignore[arg-type]
+    layers = {**side, "head_dim": case["head_dim"], "dtype": case["dtype"], "layers": case["layers"]}
     pools = [
-        [[random_pool(shape, case["dtype"], generator) for _ in range(case["layers"])] for _ in range(side["copies"])]  # type: ignore[arg-type, call-overload]
+        [layer_pools(layers, generator) for _ in range(side["copies"])]  # type: ignore[call-overload]
         for _ in range(side["replicas"])  # type: ignore[call-overload]
     ]
-    return PoolTable(pools, layout)
+    return PoolTable(pools, side["layout"])  # type: ignore[arg-type]
 
 
 def indexes(table: PoolTable, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

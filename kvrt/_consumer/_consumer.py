@@ -44,6 +44,10 @@ class Consumer(_OpeningStreams, AsyncService):
     `heads=` (a decode TP that shards KV heads unlike prefill, see `drop_select`), the ranks
     that connect to a producer are the readers of each of its items: connect each rank to the
     producers that hold its heads, and only to those.
+
+    `readers`: without a group, how many consumers take pieces of each of the producers'
+    items (every decode rank reading that producer: an engine that plans its ranks' pieces
+    itself, as the vLLM connector does); 1 by default. A group counts them at start instead.
     """
 
     async def start(self) -> Self:

@@ -90,6 +90,9 @@ class _OpeningStreams(_Pulling):
         if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
             raise InvalidInputError(f"skip must be an int >= 0 (tokens the pools hold already), got {skip!r}")
         heads = None
+        producer_heads = self._links[0].core.heads
+        if wanted is None and into.heads_said and producer_heads is not None:
+            wanted = producer_heads  # a whole item of a producer that says which heads it holds
         if wanted is not None and into.geometry.kv == 2:
             heads = (wanted.first - into.first_head, wanted.end - into.first_head)
             if heads[0] < 0 or heads[1] > into.geometry.heads:

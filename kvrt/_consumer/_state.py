@@ -25,6 +25,7 @@ from kvrt._errors import (
     InvalidInputError,
     PeerLostError,
 )
+from kvrt._messages import MAX_READERS
 from kvrt._metrics import ConsumerCounters
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
 from kvrt.transports.select import transport_preference
@@ -52,6 +53,7 @@ class ConsumerState:
         transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         name: str | None = None,
+        readers: int | None = None,
     ) -> None:
         endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
         if not endpoints:
@@ -78,9 +80,16 @@ class ConsumerState:
         self._links: list[_Link] = []
         self._group = group
         self._consensus: GroupConsensus | None = None
-        self._readers: list[int] = [1] * len(endpoints)
+        if readers is not None and (
+            group is not None or not isinstance(readers, int) or not 1 <= readers <= MAX_READERS
+        ):
+            raise InvalidInputError(
+                f"readers must be None or an int from 1 to {MAX_READERS}, and only without group= (a group counts "
+                f"them), got {readers!r}"
+            )
+        self._readers: list[int] = [readers or 1] * len(endpoints)
         """Per producer, how many consumers take pieces of its items (`heads=`): the ranks of
-        the group that connect to it, counted at start; 1 without a group."""
+        the group that connect to it, counted at start; without a group `readers` (1)."""
         self._readers_unknown: PeerLostError | None = None
         """Why the group could not count them at start (a head range then cannot be asked)."""
         self._pull_stream: torch.cuda.Stream | None = None

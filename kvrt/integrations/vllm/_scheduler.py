@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvrt.integrations.vllm._lookups import Lookups
+from kvrt.integrations.vllm._tp import publishes
 
 ENDPOINT_PARAM: Final = "kvrt_endpoint"
 """The key of a request's `kv_transfer_params` that names the producer holding its KV (the
@@ -103,10 +104,15 @@ class _Wanted:
 class DecodeScheduler:
     """The decode instance's half of the scheduler side (one thread: vLLM's scheduler)."""
 
-    def __init__(self, lookups: Lookups, *, block_size: int, default_endpoint: str | None) -> None:
+    def __init__(
+        self, lookups: Lookups, *, block_size: int, default_endpoint: str | None, total_heads: int = 1,
+        mla: bool = False,
+    ) -> None:  # fmt: skip
         self._lookups = lookups
         self._block_size = block_size
         self._default = default_endpoint
+        self._total_heads = total_heads
+        self._mla = mla
         self._wanted: dict[str, _Wanted] = {}
         self._loads: list[Load] = []
         self._awaiting: collections.OrderedDict[str, _Wanted] = collections.OrderedDict()
@@ -190,8 +196,10 @@ class DecodeScheduler:
             self._release(wanted)
 
     def _release(self, wanted: _Wanted) -> None:
-        for endpoint in wanted.endpoints:
-            self._lookups.release(endpoint, wanted.prompt)
+        tp = len(wanted.endpoints)
+        for rank, endpoint in enumerate(wanted.endpoints):
+            if publishes(rank, tp, self._total_heads, mla=self._mla):
+                self._lookups.release(endpoint, wanted.prompt)
         self.counters["releases"] += 1
 
 
@@ -208,11 +216,16 @@ class _Prefill:
 class PrefillScheduler:
     """The prefill instance's half of the scheduler side (one thread: vLLM's scheduler)."""
 
-    def __init__(self, lookups: Lookups, *, block_size: int, endpoints: tuple[str, ...]) -> None:
+    def __init__(
+        self, lookups: Lookups, *, block_size: int, endpoints: tuple[str, ...], total_heads: int = 1, mla: bool = False
+    ) -> None:
         self._lookups = lookups
         self._block_size = block_size
         self.endpoints = endpoints
         """Every rank's producer, in rank order: what a finished request names."""
+        self._publishing = [
+            endpoint for rank, endpoint in enumerate(endpoints) if publishes(rank, len(endpoints), total_heads, mla=mla)
+        ]
         self._requests: dict[str, _Prefill] = {}
 
     def new(self, request_id: str, prompt: list[int], block_ids: Sequence[int]) -> None:
@@ -242,7 +255,7 @@ class PrefillScheduler:
         if request is None or not request.published:
             return None
         if aborted:
-            for endpoint in self.endpoints:
+            for endpoint in self._publishing:
                 self._lookups.release(endpoint, prompt)
             return None
         return {ENDPOINT_PARAM: self.endpoints[0], ENDPOINTS_PARAM: list(self.endpoints)}

@@ -31,13 +31,14 @@ import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
 from kvrt.integrations.vllm._scheduler import Load, Save
+from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
 log = logging.getLogger("kvrt.integrations.vllm")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """What the worker side needs of the connector's configuration."""
+    """What the worker side needs of the connector's configuration and of its rank."""
 
     produces: bool
     consumes: bool
@@ -46,8 +47,22 @@ class WorkerSettings:
     buffer_bytes: int
     item_ttl_s: float | None
     connect_timeout_s: float
-    heads: slice | None = None
-    """This rank's share of the model's KV heads (tensor parallel), None: all of them."""
+    rank: int = 0
+    tp: int = 1
+    """This rank and the instance's tensor-parallel size."""
+    total_heads: int = 1
+    """The model's KV heads, over every rank."""
+    mla: bool = False
+
+    @property
+    def heads(self) -> slice | None:
+        """The model's KV heads this rank holds (None for a latent: every rank holds it whole)."""
+        return None if self.mla else heads_of(self.rank, self.tp, self.total_heads)
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this prefill rank publishes (where ranks hold copies, the first of them)."""
+        return self.produces and publishes(self.rank, self.tp, self.total_heads, mla=self.mla)
 
 
 @dataclass(slots=True)
@@ -58,25 +73,30 @@ class StepOutcome:
     """Every load of the step, landed or not."""
     failed: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
-    """The blocks of the failed loads: vLLM recomputes them."""
+    """The blocks of the failed loads: vLLM recomputes them (on every rank: it joins the
+    ranks' reports, so the group loads a request on all ranks or on none)."""
 
 
 @dataclass(slots=True)
 class _Reading:
+    """A load in flight: one stream per piece of this rank's heads (one, without TP)."""
+
     load: Load
-    stream: kvrt.ConsumerStream
+    streams: list[kvrt.ConsumerStream]
+    failed: bool = False
 
 
 class WorkerSide:
     """kvrt's side of one vLLM worker (see the module docstring)."""
 
     def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
         self._settings = settings
         self._loop = LoopThread("kvrt-worker", "connector's worker")
         self._pools: kvrt.PoolTable | None = None
         self._producer: kvrt.Producer | None = None
-        self._consumers: dict[tuple[str, ...], kvrt.Consumer] = {}
-        """On the loop: one consumer per set of producers a load names (kept while they answer)."""
+        self._consumers: dict[tuple[str, int], kvrt.Consumer] = {}
+        """On the loop: one consumer per producer (and its readers), kept while it answers."""
         self._reading: list[_Reading] = []
         self._writing: list[kvrt.ProducerStream] = []
         self._outcome = StepOutcome()
@@ -84,13 +104,14 @@ class WorkerSide:
 
     @property
     def endpoint(self) -> str | None:
-        """Where this rank's producer is bound (None on a decode rank)."""
+        """Where this rank's producer is bound (None on a decode rank, or a prefill rank whose
+        heads an earlier rank publishes)."""
         return None if self._producer is None else self._producer.endpoint
 
     def register(self, pools: kvrt.PoolTable) -> None:
-        """vLLM's KV cache as kvrt's pools (once, at start); a producing rank binds here."""
+        """vLLM's KV cache as kvrt's pools (once, at start); a publishing rank binds here."""
         self._pools = pools
-        if self._settings.produces:
+        if self._settings.publishes:
             self._loop.call(self._start_producer, "starting the producer")
 
     async def _start_producer(self) -> None:
@@ -117,68 +138,88 @@ class WorkerSide:
         return self._pools.device
 
     async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
-        opened = await asyncio.gather(*(self._open(load, stream) for load in loads))
-        self._reading += [reading for reading in opened if reading is not None]
+        self._reading += await asyncio.gather(*(self._open(load, stream) for load in loads))
 
-    async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading | None:
+    async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading:
+        """Every piece of a load's stream opened at once; a load with a piece that failed is
+        failed, its other streams kept until their writes are done (`end_step`)."""
         self.counters["loads"] += 1
         self._outcome.settled.add(load.request_id)
+        settings = self._settings
+        pieces = pieces_for(settings.rank, settings.tp, len(load.endpoints), settings.total_heads, mla=settings.mla)
+        opened = await asyncio.gather(*(self._open_piece(load, piece, stream) for piece in pieces))
+        # A stream that matched too few tokens is kept all the same: its layers land in the
+        # load's first slots, and end_step waits for their writes.
+        reading = _Reading(load, [result for result in opened if isinstance(result, kvrt.ConsumerStream)])
+        failures = [result for result in opened if isinstance(result, str)]
+        failures += [
+            f"only {piece.matched} of {len(load.tokens)} tokens matched"
+            for piece in reading.streams
+            if piece.matched < len(load.tokens)
+        ]
+        if failures:
+            self._fail(reading, failures[0])
+        return reading
+
+    async def _open_piece(
+        self, load: Load, piece: Piece, stream: torch.cuda.Stream | None
+    ) -> kvrt.ConsumerStream | str:
+        """One piece's stream, or why it is not there."""
         assert self._pools is not None
+        endpoint = load.endpoints[piece.prefill_rank]
         try:
-            consumer = await self._consumer(load.endpoints)
+            consumer = await self._consumer(endpoint, piece.readers)
             opened = await consumer.open_stream(
                 torch.tensor(load.tokens, dtype=torch.int64), into=self._pools,
-                slots=torch.tensor(load.slots, dtype=torch.int64), skip=load.skip, stream=stream,
-                heads=self._settings.heads,
+                slots=torch.tensor(load.slots, dtype=torch.int64), skip=load.skip, stream=stream, heads=piece.heads,
             )  # fmt: skip
         except kvrt.KVRTError as exc:
             if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError):
-                await self._drop_consumer(load.endpoints)
-            self._fail(load, exc)
-            return None
+                await self._drop_consumer((endpoint, piece.readers))
+            return f"{endpoint}: {exc}"
         if opened is None:
-            self._fail(load, "nothing matched: the KV was taken or evicted since the lookup")
-            return None
-        if opened.matched < len(load.tokens):
-            self._fail(load, f"only {opened.matched} of {len(load.tokens)} tokens matched")
-            return None
-        return _Reading(load, opened)
+            return f"nothing matched at {endpoint}: the KV was taken or evicted since the lookup"
+        return opened
 
-    async def _consumer(self, endpoints: tuple[str, ...]) -> kvrt.Consumer:
-        consumer = self._consumers.get(endpoints)
+    async def _consumer(self, endpoint: str, readers: int) -> kvrt.Consumer:
+        consumer = self._consumers.get((endpoint, readers))
         if consumer is None:
             consumer = kvrt.Consumer(
-                connect=list(endpoints), device=self._device(), connect_timeout_s=self._settings.connect_timeout_s
-            )
+                connect=endpoint, device=self._device(), connect_timeout_s=self._settings.connect_timeout_s,
+                readers=readers,
+            )  # fmt: skip
             await consumer.start()
-            self._consumers[endpoints] = consumer
+            self._consumers[endpoint, readers] = consumer
         return consumer
 
-    async def _drop_consumer(self, endpoints: tuple[str, ...]) -> None:
-        consumer = self._consumers.pop(endpoints, None)
+    async def _drop_consumer(self, key: tuple[str, int]) -> None:
+        consumer = self._consumers.pop(key, None)
         if consumer is not None:
             await consumer.aclose()
 
-    def _fail(self, load: Load, why: object) -> None:
+    def _fail(self, reading: _Reading, why: object) -> None:
+        if reading.failed and reading.load.request_id in self._outcome.failed:
+            return
+        load = reading.load
         log.warning("loading request %s from %s failed (%s): vLLM recomputes it", load.request_id, load.endpoints, why)
+        reading.failed = True
         self.counters["failed_loads"] += 1
         self._outcome.failed.add(load.request_id)
         self._outcome.failed_blocks.update(load.block_ids)
 
     def wait_layer(self, layer: int) -> None:
         """Return once layer `layer` of every load of the step is written."""
-        if self._reading:
+        if any(not reading.failed for reading in self._reading):
             self._loop.call(lambda: self._wait_layer(layer, caller_stream(None, self._device())), "wait_for_layer_load")
 
     async def _wait_layer(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         async def one(reading: _Reading) -> None:
             try:
-                await reading.stream.layer(layer, stream=stream)
+                await asyncio.gather(*(piece.layer(layer, stream=stream) for piece in reading.streams))
             except kvrt.KVRTError as exc:
-                self._reading.remove(reading)
-                self._fail(reading.load, exc)
+                self._fail(reading, exc)
 
-        await asyncio.gather(*(one(reading) for reading in list(self._reading)))
+        await asyncio.gather(*(one(reading) for reading in self._reading if not reading.failed))
 
     # -- saves (prefill) -----------------------------------------------------------------------
 
@@ -230,11 +271,16 @@ class WorkerSide:
                 log.warning("a stream did not end: %s", exc)
         reading, self._reading = self._reading, []
         for read in reading:
-            try:
-                await read.stream.finished()
-            except kvrt.KVRTError as exc:
-                # Every layer was written (wait_layer saw each); only the end was lost.
-                log.info("the stream of request %s ended with %s after its layers landed", read.load.request_id, exc)
+            for piece in read.streams:
+                if read.failed:
+                    # vLLM recomputes these pages: no late write of kvrt's may land over its own.
+                    await piece.writes_done(stream=stream)
+                    continue
+                try:
+                    await piece.finished()
+                except kvrt.KVRTError as exc:
+                    # Every layer was written (wait_layer saw each); only the end was lost.
+                    log.info("request %s's stream ended with %s after its layers landed", read.load.request_id, exc)
 
     def close(self) -> None:
         """Close the producer and the consumers, then the loop thread."""
@@ -245,8 +291,8 @@ class WorkerSide:
         self._loop.stop()
 
     async def _close(self) -> None:
-        for endpoints in list(self._consumers):
-            await self._drop_consumer(endpoints)
+        for key in list(self._consumers):
+            await self._drop_consumer(key)
         if self._producer is not None:
             await self._producer.aclose()
             self._producer = None

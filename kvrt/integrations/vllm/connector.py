@@ -77,9 +77,10 @@ class KvrtConnector(KVConnectorBase_V1):
             consumes=bool(transfer.is_kv_consumer), tensor_parallel=parallel.tensor_parallel_size,
             pipeline_parallel=parallel.pipeline_parallel_size, load_failure_policy=transfer.kv_load_failure_policy,
         )  # fmt: skip
-        if self._settings.tensor_parallel != 1:
-            raise ConnectorConfigError("KvrtConnector runs one worker per instance: tensor and pipeline parallel 1")
         self._block_size: int = vllm_config.cache_config.block_size
+        model = vllm_config.model_config
+        self._total_heads = int(model.get_total_num_kv_heads())
+        self._mla = bool(model.use_mla)
         self._decode: DecodeScheduler | None = None
         self._prefill: PrefillScheduler | None = None
         self._lookups: Lookups | None = None
@@ -88,18 +89,24 @@ class KvrtConnector(KVConnectorBase_V1):
             self._lookups = Lookups(timeout_s=self._settings.lookup_timeout_s)
             if self._settings.consumes:
                 self._decode = DecodeScheduler(
-                    self._lookups, block_size=self._block_size, default_endpoint=self._settings.connect
-                )
+                    self._lookups, block_size=self._block_size, default_endpoint=self._settings.connect,
+                    total_heads=self._total_heads, mla=self._mla,
+                )  # fmt: skip
             if self._settings.produces:
                 self._prefill = PrefillScheduler(
-                    self._lookups, block_size=self._block_size, endpoints=self._settings.endpoints()
-                )
+                    self._lookups, block_size=self._block_size, endpoints=self._settings.endpoints(),
+                    total_heads=self._total_heads, mla=self._mla,
+                )  # fmt: skip
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = int(get_tensor_model_parallel_rank())
             settings = WorkerSettings(
                 produces=self._settings.produces, consumes=self._settings.consumes,
-                bind=self._settings.bind_of(0) if self._settings.produces else None,
+                bind=self._settings.bind_of(self._rank) if self._settings.produces else None,
                 buffer_bytes=self._settings.buffer_bytes, item_ttl_s=self._settings.item_ttl_s,
-                connect_timeout_s=self._settings.lookup_timeout_s,
+                connect_timeout_s=self._settings.lookup_timeout_s, rank=self._rank,
+                tp=self._settings.tensor_parallel, total_heads=self._total_heads, mla=self._mla,
             )  # fmt: skip
             self._worker = WorkerSide(settings)
         self._layers: dict[str, int] = {}
@@ -195,9 +202,19 @@ class KvrtConnector(KVConnectorBase_V1):
         head_size = int(spec.head_size)
         head_size_v = int(getattr(spec, "head_size_v", head_size) or 0)
         cpu_kernel = _cpu_kernel(spec.dtype, spec.block_size, head_size) if first.device.type == "cpu" else None
+        quant = getattr(spec, "kv_quant_mode", None)
+        packed = (
+            getattr(spec, "num_head_slots", None) is not None
+            or getattr(spec, "state_content_bytes", None) is not None
+            or getattr(spec, "tokens_per_state", 1) != 1
+        )
+        assert self._worker is not None
+        heads = self._worker.settings.heads
         return CacheSpec(
             block_size=int(spec.block_size), kv_heads=int(spec.num_kv_heads), head_size=head_size,
             head_size_v=head_size_v, dtype=spec.dtype, cpu_kernel=cpu_kernel,
+            first_head=0 if heads is None else heads.start,
+            kv_quant_mode="NONE" if quant is None else str(quant.name), packed=packed,
         )  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

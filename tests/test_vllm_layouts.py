@@ -1,0 +1,236 @@
+"""The vLLM connector's layouts and worker side, without vLLM: every GPU KV cache layout of the
+pinned vLLM (built from `tests/data/vllm_kv_cache_layouts.json`, which vLLM's own code made) moved
+prefill -> decode through the connector's worker side, layer by layer, bit for bit: between
+layouts and block sizes, past a prefix the decode holds, and across tensor-parallel sizes.
+
+On this host the caches are CPU tensors (the torch references move them); `tests/test_gpu_vllm_layouts.py`
+runs the same moves on a GPU, through the Triton kernels, over cuda_ipc and nixl."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvrt.integrations.vllm import ConnectorConfigError
+from kvrt.integrations.vllm._tp import heads_of, pieces_for, publishes
+from kvrt.integrations.vllm._worker import WorkerSide
+from kvrt.integrations.vllm.layouts import CacheSpec, kv_cache_pools
+from tests._checks import same_bits
+from tests._vllm_layouts import (
+    CACHES,
+    build_cache,
+    cache_id,
+    cache_named,
+    endpoints_of,
+    load,
+    publish,
+    spec_of,
+    token_rows,
+    worker,
+)
+
+TOKENS = 70
+"""Two and a bit blocks of 32, four and a bit of 16."""
+
+
+@pytest.fixture
+def sides() -> Iterator[Callable[..., tuple[WorkerSide, list[torch.Tensor]]]]:
+    """`worker` on the CPU; every side closed after the test."""
+    made: list[WorkerSide] = []
+
+    def make(entry: dict[str, Any], **kwargs: Any) -> tuple[WorkerSide, list[torch.Tensor]]:
+        side, caches = worker(entry, "cpu", **kwargs)
+        made.append(side)
+        return side, caches
+
+    yield make
+    for side in made:
+        side.close()
+
+
+def blocks_for(entry: dict[str, Any], tokens: int, seed: int) -> list[int]:
+    """A request's block ids in the cache of `entry`, in shuffled order."""
+    count = -(-tokens // entry["block_size"])
+    return random.Random(seed).sample(range(entry["blocks"]), count)
+
+
+def slots(entry: dict[str, Any], blocks: list[int], tokens: range) -> list[int]:
+    size = entry["block_size"]
+    return [blocks[token // size] * size + token % size for token in tokens]
+
+
+def moved(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], source: dict[str, Any], target: dict[str, Any], *,
+    skip: int = 0,
+) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], list[torch.Tensor]]:  # fmt: skip
+    """A prompt published from a prefill cache of `source` and loaded into a decode cache of
+    `target`: the prefill's caches and blocks, the decode's caches and blocks, and the decode's
+    caches as they were before the load."""
+    prefill, prefill_caches = sides(source, produces=True, seed=1)
+    decode, decode_caches = sides(target, produces=False, seed=2)
+    before = [cache.clone() for cache in decode_caches]
+    tokens = list(range(1000, 1000 + TOKENS))
+    from_blocks, into_blocks = blocks_for(source, TOKENS, 3), blocks_for(target, TOKENS, 4)
+    publish([prefill], tokens, from_blocks, source["block_size"], source["layers"])
+    endpoints = endpoints_of([prefill])
+    failed = load([decode], endpoints, tokens, into_blocks, target["block_size"], target["layers"], skip=skip)
+    assert failed == [set()]
+    return prefill_caches, from_blocks, decode_caches, into_blocks, before
+
+
+def assert_landed(
+    source: dict[str, Any], target: dict[str, Any], moved_caches: tuple[Any, ...], tokens: range
+) -> None:
+    prefill_caches, from_blocks, decode_caches, into_blocks, _ = moved_caches
+    sent = token_rows(source, prefill_caches, slots(source, from_blocks, tokens))
+    landed = token_rows(target, decode_caches, slots(target, into_blocks, tokens))
+    assert torch.equal(landed, sent)
+
+
+@pytest.mark.parametrize("entry", CACHES, ids=cache_id)
+def test_each_of_vllms_kv_caches_moves_into_one_of_its_own_layout_bit_for_bit(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], entry: dict[str, Any]
+) -> None:
+    result = moved(sides, entry, entry)
+    assert_landed(entry, entry, result, range(TOKENS))
+    _, _, decode_caches, into_blocks, before = result
+    # Every other page of the decode's cache is as it was.
+    for cache, old in zip(decode_caches, before, strict=True):
+        untouched = [block for block in range(entry["blocks"]) if block not in into_blocks]
+        assert same_bits(cache[untouched], old[untouched])
+
+
+CONVERSIONS = [
+    (cache_named("FLASH_ATTN", "LBNHC"), cache_named("FLASH_ATTN", "LBHNC", block_size=32)),
+    (cache_named("FLASH_ATTN", "LBHNC", block_size=32), cache_named("FLASH_ATTN", "BLNHC")),
+    (cache_named("FLASH_ATTN", "BLHNC"), cache_named("FLASH_ATTN", "LHBNC")),
+    (cache_named("FLASH_ATTN", "BHLNC"), cache_named("FLASH_ATTN", "LBNHC", block_size=32)),
+    (cache_named("TRITON_MLA", "LBNHC"), cache_named("FLASHMLA", "LBNHC", block_size=64)),
+]
+
+
+@pytest.mark.parametrize(("source", "target"), CONVERSIONS, ids=lambda entry: cache_id(entry))
+def test_a_prompt_moves_between_layouts_and_block_sizes_token_for_token(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], source: dict[str, Any], target: dict[str, Any]
+) -> None:
+    assert_landed(source, target, moved(sides, source, target), range(TOKENS))
+
+
+def test_a_decode_that_holds_a_prefix_has_only_the_rest_written(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+) -> None:
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    result = moved(sides, entry, entry, skip=32)
+    assert_landed(entry, entry, result, range(32, TOKENS))
+    _, _, decode_caches, into_blocks, before = result
+    prefix_slots = slots(entry, into_blocks, range(32))
+    assert torch.equal(token_rows(entry, decode_caches, prefix_slots), token_rows(entry, before, prefix_slots))
+
+
+# -- tensor parallelism on both sides ----------------------------------------------------------
+
+TOTAL_HEADS = 8
+"""The model of the table's TP entries: 8 KV heads, 4 a rank at TP 2, 2 at TP 4."""
+
+
+def per_rank(tp: int, *, layout: str = "LBNHC", block_size: int = 16) -> dict[str, Any]:
+    return cache_named("FLASH_ATTN", layout, block_size=block_size, kv_heads=TOTAL_HEADS // tp)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_each_decode_rank_takes_its_heads_from_the_prefill_ranks_that_hold_them(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], prefill_tp: int, decode_tp: int
+) -> None:
+    source = per_rank(prefill_tp)
+    target = per_rank(decode_tp, layout="LBHNC", block_size=32) if decode_tp == 1 else per_rank(decode_tp)
+    prefills = [
+        sides(source, produces=True, rank=rank, tp=prefill_tp, total_heads=TOTAL_HEADS, seed=10 + rank)
+        for rank in range(prefill_tp)
+    ]
+    decodes = [
+        sides(target, produces=False, rank=rank, tp=decode_tp, total_heads=TOTAL_HEADS, seed=20 + rank)
+        for rank in range(decode_tp)
+    ]
+    tokens = list(range(2000, 2000 + TOKENS))
+    from_blocks, into_blocks = blocks_for(source, TOKENS, 5), blocks_for(target, TOKENS, 6)
+    publish([side for side, _ in prefills], tokens, from_blocks, source["block_size"], source["layers"])
+    failed = load(
+        [side for side, _ in decodes], endpoints_of([side for side, _ in prefills]), tokens, into_blocks,
+        target["block_size"], target["layers"],
+    )  # fmt: skip
+    assert failed == [set()] * decode_tp
+    # The model's heads side by side, as the prefill ranks hold them and as the decode ranks do.
+    sent = torch.cat(
+        [token_rows(source, caches, slots(source, from_blocks, range(TOKENS))) for _, caches in prefills], dim=2
+    )
+    landed = torch.cat(
+        [token_rows(target, caches, slots(target, into_blocks, range(TOKENS))) for _, caches in decodes], dim=2
+    )
+    assert torch.equal(landed, sent)
+    for side, _ in prefills:
+        assert side._producer is None or side._producer.stats().items == 0  # every piece was taken
+
+
+def test_a_latent_is_published_by_prefill_rank_zero_and_read_whole_by_every_decode_rank(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+) -> None:
+    entry = cache_named("TRITON_MLA", "LBNHC")
+    prefills = [sides(entry, produces=True, rank=rank, tp=2, seed=30) for rank in range(2)]  # the same latents
+    assert prefills[0][0].endpoint is not None and prefills[1][0].endpoint is None
+    decodes = [sides(entry, produces=False, rank=rank, tp=2, seed=40 + rank) for rank in range(2)]
+    tokens = list(range(3000, 3000 + TOKENS))
+    from_blocks, into_blocks = blocks_for(entry, TOKENS, 7), blocks_for(entry, TOKENS, 8)
+    publish([side for side, _ in prefills], tokens, from_blocks, 16, entry["layers"])
+    failed = load([side for side, _ in decodes], endpoints_of([s for s, _ in prefills]), tokens, into_blocks, 16, 4)
+    assert failed == [set(), set()]
+    sent = token_rows(entry, prefills[0][1], slots(entry, from_blocks, range(TOKENS)))
+    for _, caches in decodes:
+        assert torch.equal(token_rows(entry, caches, slots(entry, into_blocks, range(TOKENS))), sent)
+    assert prefills[0][0]._producer is not None and prefills[0][0]._producer.stats().items == 0
+
+
+@pytest.mark.parametrize(
+    ("total", "prefill_tp", "decode_tp"), [(8, 2, 1), (8, 1, 2), (8, 2, 4), (2, 4, 1), (2, 1, 4), (2, 4, 8)]
+)
+def test_the_pieces_of_a_decode_group_cover_every_head_once_from_publishing_ranks(
+    total: int, prefill_tp: int, decode_tp: int
+) -> None:
+    readers = [0] * prefill_tp
+    for rank in range(decode_tp):
+        pieces = pieces_for(rank, decode_tp, prefill_tp, total, mla=False)
+        covered = []
+        for piece in pieces:
+            assert publishes(piece.prefill_rank, prefill_tp, total, mla=False)
+            heads = piece.heads or heads_of(piece.prefill_rank, prefill_tp, total)
+            covered += range(heads.start, heads.stop)
+            readers[piece.prefill_rank] += 1
+        own = heads_of(rank, decode_tp, total)
+        assert covered == list(range(own.start, own.stop))
+    for rank in range(decode_tp):
+        for piece in pieces_for(rank, decode_tp, prefill_tp, total, mla=False):
+            assert piece.readers == readers[piece.prefill_rank]
+
+
+# -- what is refused ---------------------------------------------------------------------------
+
+
+def test_layouts_kvrt_cannot_move_are_refused_naming_what_they_are() -> None:
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    caches = build_cache(entry, "cpu", seed=0)
+    spec = spec_of(entry)
+    with pytest.raises(ConnectorConfigError, match="FP8_PER_TOKEN_HEAD KV cache keeps scales in its pages"):
+        kv_cache_pools(caches, CacheSpec(**{**_fields(spec), "kv_quant_mode": "FP8_PER_TOKEN_HEAD"}))
+    with pytest.raises(ConnectorConfigError, match="keys of head size 128 and values of 64"):
+        kv_cache_pools(caches, CacheSpec(**{**_fields(spec), "head_size_v": 64}))
+    with pytest.raises(ConnectorConfigError, match="packs these KV pages otherwise"):
+        kv_cache_pools(caches, CacheSpec(**{**_fields(spec), "packed": True}))
+    with pytest.raises(ConnectorConfigError, match=r"\[\*, 8, 16 \(or a divisor\), 256\]"):
+        kv_cache_pools(caches, CacheSpec(**{**_fields(spec), "kv_heads": 8}))
+
+
+def _fields(spec: CacheSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in CacheSpec.__slots__}  # type: ignore[attr-defined]
