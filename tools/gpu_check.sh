@@ -2,7 +2,7 @@
 # Every GPU test and benchmark of kvrt, then a short table (tools/gpu_summary.py). Run from
 # the repository root on a host with two GPUs; on one GPU, `all` and `bench` run the tests,
 # `kernels`, the one-GPU `ipc` and `nixl` (both processes on cuda:0), the benchmarks that fit it:
-#   bash tools/gpu_check.sh [all|tests|bench|nccl|kernels|pull|stream|ipc|nixl]
+#   bash tools/gpu_check.sh [all|tests|bench|nccl|kernels|pull|stream|ipc|nixl|vllm]
 #   bash tools/gpu_check.sh ab BENCH [ROUNDS]
 # Results and logs go to $OUT (/tmp/kvrt-gpu by default). `tests` honours PYTEST_K (a -k
 # expression) and PYTEST_ARGS. Wheels found in .whl/ are installed first, into /tmp/site (for
@@ -73,6 +73,10 @@ if [ "$only" = nixl ]; then
   timeout 330 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log" | tail -12
   exit 0
 fi
+if [ "$only" = vllm ]; then
+  timeout 300 python3 -m kvrt bench vllm --json "$OUT/vllm.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-vllm.log" | tail -12
+  exit 0
+fi
 if [ "$only" = kernels ]; then
   timeout 300 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tail -25
   exit 0
@@ -86,6 +90,7 @@ if { [ "$only" = all ] || [ "$only" = bench ]; } && [ "$gpus" -lt 2 ]; then
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"
   timeout 300 python3 -m kvrt bench ipc --json "$OUT/ipc-one-gpu.json" 2>&1 | tee "$OUT/bench-ipc.log"
   timeout 330 python3 -m kvrt bench nixl --json "$OUT/nixl.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/bench-nixl.log"
+  timeout 300 python3 -m kvrt bench vllm --json "$OUT/vllm.json" 2>&1 | tee "$OUT/bench-vllm.log"
 elif [ "$only" = all ] || [ "$only" = bench ]; then
   timeout 200 python3 -m kvrt bench nccl --json "$OUT/nccl.json" 2>&1 | tee "$OUT/bench-nccl.log"
   timeout 120 python3 -m kvrt bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log"

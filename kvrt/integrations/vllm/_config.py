@@ -8,6 +8,8 @@ config, checked, and the endpoint of each tensor-parallel rank worked out.
     buffer_bytes       producer  the bytes each rank's producer buffers (1 GiB)
     item_ttl_s         producer  how long an item nobody takes stays (120 s)
     lookup_timeout_s   consumer  how long a producer may take to answer a lookup (2 s)
+    transport          both      kvrt's data plane: tcp, cuda_ipc, nccl, nixl (default: kvrt's
+                                 choice, cuda_ipc between GPUs of one host, else nccl or tcp)
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ConnectorSettings:
     buffer_bytes: int
     item_ttl_s: float | None
     lookup_timeout_s: float
+    transport: str | None = None
 
     @staticmethod
     def read(
@@ -81,6 +84,7 @@ class ConnectorSettings:
                 connect=extra.get("connect"), buffer_bytes=int(extra.get("buffer_bytes", DEFAULT_BUFFER_BYTES)),
                 item_ttl_s=None if ttl is None else float(ttl),
                 lookup_timeout_s=float(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
+                transport=None if extra.get("transport") is None else str(extra["transport"]),
             )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None

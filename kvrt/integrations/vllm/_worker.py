@@ -53,6 +53,8 @@ class WorkerSettings:
     total_heads: int = 1
     """The model's KV heads, over every rank."""
     mla: bool = False
+    transport: str | None = None
+    """kvrt's data plane (None: chosen by kvrt, e.g. cuda_ipc between GPUs of one host)."""
 
     @property
     def heads(self) -> slice | None:
@@ -119,7 +121,7 @@ class WorkerSide:
         assert settings.bind is not None and self._pools is not None
         producer = kvrt.Producer(
             bind=settings.bind, device=self._pools.device, buffer_bytes=settings.buffer_bytes,
-            item_ttl_s=settings.item_ttl_s, heads=settings.heads,
+            item_ttl_s=settings.item_ttl_s, heads=settings.heads, transport=settings.transport,
         )  # fmt: skip
         await producer.start()
         producer.register_pools(self._pools)
@@ -186,7 +188,7 @@ class WorkerSide:
         if consumer is None:
             consumer = kvrt.Consumer(
                 connect=endpoint, device=self._device(), connect_timeout_s=self._settings.connect_timeout_s,
-                readers=readers,
+                readers=readers, transport=self._settings.transport,
             )  # fmt: skip
             await consumer.start()
             self._consumers[endpoint, readers] = consumer

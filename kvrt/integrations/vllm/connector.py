@@ -107,6 +107,7 @@ class KvrtConnector(KVConnectorBase_V1):
                 buffer_bytes=self._settings.buffer_bytes, item_ttl_s=self._settings.item_ttl_s,
                 connect_timeout_s=self._settings.lookup_timeout_s, rank=self._rank,
                 tp=self._settings.tensor_parallel, total_heads=self._total_heads, mla=self._mla,
+                transport=self._settings.transport,
             )  # fmt: skip
             self._worker = WorkerSide(settings)
         self._layers: dict[str, int] = {}
