@@ -196,6 +196,10 @@ class DropSelect(Message, frozen=True, tag="drop_select"):
     hidden: bool = True
     """With `heads`: whether the piece carries the item's hidden states (one rank of several
     needs them)."""
+    whole: bool = False
+    """With `stream`: a finished item (not a prefill still streaming) may come as a plain
+    `deliver`, in one transfer, instead of layer by layer (the consumer hands its layers out
+    itself). A producer that does not know the field streams it: the consumer reads either."""
 
 
 class Cancel(Message, frozen=True, tag="cancel"):

@@ -200,6 +200,8 @@ class _Waiter:
     stream: bool
     seq: int
     piece: PieceAsked | None = None
+    whole: bool = False
+    """A streaming request that takes a finished item as one `deliver` (`DropSelect.whole`)."""
     masked_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
     generation: int = 0
     buffered: bool = False
@@ -608,7 +610,10 @@ class ProducerCore:
         if asked is not None:
             found = self._piece_match(peer, query, asked)
             if found is not None:
-                return self._piece_out(peer, request.request_id, found, asked, stream=request.stream)[0]
+                out, _ = self._piece_out(
+                    peer, request.request_id, found, asked, stream=request.stream, whole=request.whole
+                )
+                return out
             if request.timeout_s == 0.0:
                 self.counters.misses += 1
                 return [Outgoing(peer, m.Miss(request_id=request.request_id))]
@@ -619,7 +624,7 @@ class ProducerCore:
             if opened is not None and (found is None or _better(opened, found)):
                 return self._attach(peer, request.request_id, opened.item, opened.matched)
             if found is not None:
-                return self._stream_whole(peer, request.request_id, found.item, found.matched)
+                return self._finished_out(peer, request.request_id, found.item, found.matched, whole=request.whole)
         elif found is not None:
             return [self._deliver(peer, request.request_id, found.item, found.matched)]
         if request.timeout_s == 0.0:
@@ -646,8 +651,9 @@ class ProducerCore:
             return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, f"{full}; retry with timeout=0")]
         deadline = None if request.timeout_s is None else now + request.timeout_s
         waiter = _Waiter(
-            peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq), PieceAsked.of(request)
-        )
+            peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq), PieceAsked.of(request),
+            whole=request.whole,
+        )  # fmt: skip
         self._waiters[key] = waiter
         self._waiters_of(waiter).add(waiter)
         state.waiting.add(request.request_id)
@@ -869,9 +875,11 @@ class ProducerCore:
                 continue
             self._drop_waiter(state.identity, request_id)
             if waiter.piece is not None:
-                out += self._piece_out(state.identity, request_id, found, waiter.piece, stream=waiter.stream)[0]
+                out += self._piece_out(
+                    state.identity, request_id, found, waiter.piece, stream=waiter.stream, whole=waiter.whole
+                )[0]
             elif waiter.stream:
-                out += self._stream_whole(state.identity, request_id, found.item, found.matched)
+                out += self._finished_out(state.identity, request_id, found.item, found.matched, whole=waiter.whole)
             else:
                 out.append(self._deliver(state.identity, request_id, found.item, found.matched))
         return out
@@ -927,14 +935,16 @@ class ProducerCore:
         self._drop_waiter(waiter.peer, waiter.request_id)
         if waiter.piece is not None:
             asked, stream = waiter.piece, waiter.stream
-            out, delivered = self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)
+            out, delivered = self._piece_out(
+                waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream, whole=waiter.whole
+            )
             if not delivered:
                 return out, False
             return out + (self._serve_piece_waiters(item) if item.pieces is not None else []), True
         if item.stream is not None:
             return self._attach(waiter.peer, waiter.request_id, item, matched), True
         if waiter.stream:
-            return self._stream_whole(waiter.peer, waiter.request_id, item, matched), True
+            return self._finished_out(waiter.peer, waiter.request_id, item, matched, whole=waiter.whole), True
         return [self._deliver(waiter.peer, waiter.request_id, item, matched)], True
 
     # -- pieces (head ranges) -----------------------------------------------------------
@@ -977,14 +987,15 @@ class ProducerCore:
         return piece
 
     def _piece_out(
-        self, peer: bytes, request_id: int, found: Match, asked: PieceAsked, *, stream: bool
+        self, peer: bytes, request_id: int, found: Match, asked: PieceAsked, *, stream: bool, whole: bool = False
     ) -> tuple[list[Outgoing], bool]:
-        """Deliver a piece of `found.item` to `peer` (layer by layer for a stream); or refuse
-        the request (heads the item lacks: the item stays as it was). Whether it was delivered."""
+        """Deliver a piece of `found.item` to `peer` (layer by layer for a stream, unless it
+        takes it `whole`); or refuse the request (heads the item lacks: the item stays as it
+        was). Whether it was delivered."""
         piece = self._cut_piece(peer, found.item, asked)
         if isinstance(piece, str):
             return [self._refuse(peer, request_id, ErrorCode.INVALID, piece)], False
-        if stream:
+        if stream and not whole:
             return _whole_as_stream(peer, request_id, piece, found.matched), True
         return [Outgoing(peer, _deliver_message(request_id, piece, found.matched), piece)], True
 
@@ -1104,6 +1115,15 @@ class ProducerCore:
         for layer, (key, value, ready) in enumerate(zip(stream.keys, stream.values, stream.ready, strict=True)):
             out.append(_layer_outgoing(peer, item.item_id, layer, key, value, ready))
         return out
+
+    def _finished_out(
+        self, peer: bytes, request_id: int, item: BufferedItem, matched: int, *, whole: bool
+    ) -> list[Outgoing]:
+        """A streaming request takes a finished item: in one `deliver` if it takes it `whole`,
+        else layer by layer."""
+        if whole:
+            return [self._deliver(peer, request_id, item, matched)]
+        return self._stream_whole(peer, request_id, item, matched)
 
     def _stream_whole(self, peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
         """A streaming request takes a complete item: start, every layer, end, at once."""

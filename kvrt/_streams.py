@@ -140,6 +140,59 @@ class PoolWriter:
         self._queued.append(queued)
         return queued
 
+    def write_all(
+        self, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None
+    ) -> asyncio.Future[torch.cuda.Event | None]:
+        """Write every layer of a whole item (K and V [layers, tokens, heads, head_dim], as it
+        arrived in one transfer) into the pools: one launch on a GPU, after `landed`; the
+        future gives the event after the write (GPU)."""
+        from kvrt.kernels.paged_kv import scatter_from_any
+
+        pools = self.placement.pools
+        replicas, slots = self._indexes(key[0])
+        key, value = self._rows_of_all(key, value)
+        if pools.device.type != "cuda":
+            written: asyncio.Future[torch.cuda.Event | None] = asyncio.get_running_loop().create_future()
+            try:
+                scatter_from_any(pools, key, value, replicas, slots, heads=self.heads)
+            except Exception as exc:
+                written.set_exception(exc)
+            else:
+                written.set_result(None)
+            return written
+        if landed is None:
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(pools.device))
+        queued: asyncio.Future[torch.cuda.Event | None] = asyncio.wrap_future(
+            self._thread().submit(self._queue_write_all, key, value, replicas, slots, landed)
+        )
+        self._queued.append(queued)
+        return queued
+
+    def _queue_write_all(
+        self, key: torch.Tensor, value: torch.Tensor, replicas: torch.Tensor, slots: torch.Tensor,
+        landed: torch.cuda.Event,
+    ) -> torch.cuda.Event:  # fmt: skip
+        from kvrt.kernels.paged_kv import scatter_from
+
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            if self._indexes_ready is not None:
+                stream.wait_event(self._indexes_ready)
+            stream.wait_event(landed)
+            for tensor in (key, value, replicas, slots):
+                tensor.record_stream(stream)
+            scatter_from(self.placement.pools, key, value, replicas, slots, heads=self.heads, check=False)
+            written = torch.cuda.Event()
+            written.record(stream)
+        return written
+
+    def _rows_of_all(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole item's key and value from token `skip` on (a latent's empty value as it is)."""
+        if not self.skip:
+            return key, value
+        return key[:, self.skip :], value if value.numel() == 0 else value[:, self.skip :]
+
     def _queue_write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event
     ) -> torch.cuda.Event:
@@ -276,6 +329,15 @@ class ConsumerStream:
     async def finished(self) -> torch.Tensor | None:
         """Wait for the end of the stream; its hidden states (None if the item has none)."""
         return await asyncio.shield(self._end)
+
+    def landed_layers(self) -> list[torch.cuda.Event | None] | None:
+        """Every layer's landing event (None: there, nothing to wait for), once every layer
+        arrived (a finished item read whole arrives at once); None while one is still to come
+        or failed. For a caller on another thread that then waits on the events itself, with
+        no hop to the loop per layer. Called on the loop."""
+        if not all(future.done() and not future.cancelled() and future.exception() is None for future in self._layers):
+            return None
+        return [future.result()[2] for future in self._layers]
 
     async def writes_done(self, *, stream: torch.cuda.Stream | None = None) -> None:
         """For a reader of the pools: `stream` (default: the current one) waits for every

@@ -375,10 +375,9 @@ async def test_a_stream_reader_killed_holding_what_it_read_leaves_no_producer_me
 
 
 async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves_no_producer_memory_pinned() -> None:
-    # A finished item streams too: its key and value lie apart in the item, so each layer is
-    # packed into a buffer of its own for the reader. The reader is killed holding what it
-    # opened, before it handled the stream's end (so before it confirmed the item); the item
-    # goes back to the buffer, and the packed layers' memory must come back.
+    # A finished item read as a stream comes whole, in one transfer, and is confirmed once it
+    # landed: the reader killed holding its layers took the item for good (nothing goes back),
+    # and none of the producer's memory stays pinned for it.
     heartbeat_s = 0.25
     tokens, layers, read = kv_tokens(8, 1 << 14), 4, 3
     torch.cuda.set_device(PRODUCER_DEVICE)
@@ -396,9 +395,9 @@ async def test_a_finished_items_stream_reader_killed_holding_what_it_read_leaves
         assert await heard(control) == "read"
         await killed_and_forgotten(reader, producer, heartbeat_s)
         stats = producer.stats()
-        assert (stats.items, stats.in_flight) == (1, 0)  # the item is back, whole
+        assert (stats.items, stats.in_flight) == (0, 0)  # confirmed by the reader before it died
         held = producer_memory(producer) - before
-        assert held < layer_bytes, f"{held} bytes still held; a packed layer takes {layer_bytes}"
+        assert held < layer_bytes, f"{held} bytes still held; a layer takes {layer_bytes}"
 
 
 async def test_a_producer_killed_before_its_item_is_written_fails_the_call_instead_of_handing_out_garbage() -> None:

@@ -222,12 +222,18 @@ async def test_a_reader_whose_pools_do_not_fit_the_stream_fails_clearly_and_the_
         await consumer.open_stream(tokens, into=fewer_layers, slots=INTO_SLOTS)
     one_head = [torch.zeros(SLOTS, 2, 8).to(torch.bfloat16) for _ in range(LAYERS)]
     other_heads = PoolTable([[one_head]], Layout.TOKEN_MAJOR)
-    reader = await consumer.open_stream(tokens, into=other_heads, slots=INTO_SLOTS)
-    assert reader is not None
-    with pytest.raises(kvrt.InvalidInputError, match=r"key must be a contiguous torch.bfloat16 tensor \[>= 12, 1, 8\]"):
-        await reader.finished()
+    # A finished item comes whole: it is found not to fit before the call returns.
+    with pytest.raises(kvrt.InvalidInputError, match=r"key must be a torch.bfloat16 tensor \[3, >= 12, 1, 8\]"):
+        await consumer.open_stream(tokens, into=other_heads, slots=INTO_SLOTS)
     item = await consumer.drop_select(tokens)  # nothing lost: the item went back each time
     assert item is not None and item.key.shape == (LAYERS, TOKENS, HEADS, 8)
+    # A prefill still running streams: its first layer is found not to fit.
+    running = await producer.open_stream(tokens, slots=INTO_SLOTS)
+    reader = await consumer.open_stream(tokens, into=other_heads, slots=INTO_SLOTS)
+    assert reader is not None
+    await running.put_layer()
+    with pytest.raises(kvrt.InvalidInputError, match=r"key must be a contiguous torch.bfloat16 tensor \[>= 12, 1, 8\]"):
+        await reader.finished()
 
 
 @pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda layout: layout.value)

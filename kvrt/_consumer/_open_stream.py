@@ -9,7 +9,9 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._caller_stream import on_caller_stream
+from kvrt._consumer._link import _Link
 from kvrt._consumer._pulls import _Pulling
+from kvrt._consumer._session import _Reply
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -65,19 +67,52 @@ class _OpeningStreams(_Pulling):
 
         def build(request_id: int) -> m.DropSelect:
             if plan is None:
-                return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True)
+                return m.DropSelect(request_id=request_id, tokens=query, timeout_s=timeout, stream=True, whole=True)
             return m.DropSelect(
                 request_id=request_id, tokens=query, timeout_s=timeout, stream=True,
-                heads=plan.heads, readers=plan.readers, hidden=plan.hidden,
+                heads=plan.heads, readers=plan.readers, hidden=plan.hidden, whole=True,
             )  # fmt: skip
 
-        reply = await self._links[0].call(
+        link = self._links[0]
+        reply = await link.call(
             build,
             confirm=False,
             writer=writer,
             waits_s=timeout,
         )
-        return reply.stream
+        if reply.stream is not None or reply.item is None:
+            return reply.stream
+        return await self._stream_of_item(link, reply, writer)
+
+    async def _stream_of_item(self, link: _Link, reply: _Reply, writer: PoolWriter | None) -> ConsumerStream:
+        """A finished item the producer sent whole (one transfer; `DropSelect.whole`), read as a
+        stream: every layer is there at once (for a reader of the pools, written there by one
+        launch). It is confirmed once written; one that does not fit the pools goes back."""
+        item, deliver = reply.item, reply.message
+        assert item is not None and isinstance(deliver, m.Deliver)
+        layers = item.key.shape[0]
+        landed = None
+        if self.device.type == "cuda":  # it landed on the loop thread's current stream
+            landed = torch.cuda.Event()
+            landed.record(reply.landed_on or torch.cuda.current_stream(self.device))
+        written = landed
+        try:
+            if writer is not None:
+                pools = writer.placement.pools
+                if layers != pools.layers:
+                    raise InvalidInputError(f"the stream has {layers} layers, the pools {pools.layers}")
+                written = await writer.write_all(item.key, item.value, landed)
+        except BaseException:
+            link.settle(deliver.item_id, keep=False)
+            raise
+        if not link.settle(deliver.item_id, keep=True):
+            raise link._lease_error()
+        stream = ConsumerStream(item.input_tokens, item.roi, item.matched, layers, lambda: None, writer)
+        per_layer = item.value.dim() == 4  # a latent's value is empty: there is none a layer
+        for layer in range(layers):
+            stream.deliver_layer(layer, item.key[layer], item.value[layer] if per_layer else item.value, written)
+        stream.finish(item.hidden)
+        return stream
 
     def _pool_writer(
         self, into: PoolTable | None, slots: torch.Tensor | None, replica: torch.Tensor | int, skip: int,

@@ -86,6 +86,9 @@ class _Reading:
     load: Load
     streams: list[kvrt.ConsumerStream]
     failed: bool = False
+    landed: list[list[torch.cuda.Event | None]] | None = None
+    """Per stream, every layer's landing event, once all layers are there (a finished item
+    comes whole): `wait_layer` then waits on them in the caller's thread."""
 
 
 class WorkerSide:
@@ -140,7 +143,12 @@ class WorkerSide:
         return self._pools.device
 
     async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
-        self._reading += await asyncio.gather(*(self._open(load, stream) for load in loads))
+        opened = await asyncio.gather(*(self._open(load, stream) for load in loads))
+        for reading in opened:
+            landed = [piece.landed_layers() for piece in reading.streams]
+            if not reading.failed and all(events is not None for events in landed):
+                reading.landed = [events for events in landed if events is not None]
+        self._reading += opened
 
     async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading:
         """Every piece of a load's stream opened at once; a load with a piece that failed is
@@ -210,9 +218,23 @@ class WorkerSide:
         self._outcome.failed_blocks.update(load.block_ids)
 
     def wait_layer(self, layer: int) -> None:
-        """Return once layer `layer` of every load of the step is written."""
-        if any(not reading.failed for reading in self._reading):
-            self._loop.call(lambda: self._wait_layer(layer, caller_stream(None, self._device())), "wait_for_layer_load")
+        """Return once layer `layer` of every load of the step is written (on a GPU: the
+        caller's stream waits for the writes). Loads whose layers are all there (finished
+        items) are waited for here, on the caller's thread; others on kvrt's loop."""
+        stream = caller_stream(None, self._device())
+        streaming = False
+        for reading in self._reading:
+            if reading.failed:
+                continue
+            if reading.landed is None:
+                streaming = True
+                continue
+            for events in reading.landed:
+                event = events[layer]
+                if event is not None and stream is not None:
+                    stream.wait_event(event)
+        if streaming:
+            self._loop.call(lambda: self._wait_layer(layer, stream), "wait_for_layer_load")
 
     async def _wait_layer(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         async def one(reading: _Reading) -> None:
@@ -221,7 +243,9 @@ class WorkerSide:
             except kvrt.KVRTError as exc:
                 self._fail(reading, exc)
 
-        await asyncio.gather(*(one(reading) for reading in self._reading if not reading.failed))
+        await asyncio.gather(
+            *(one(reading) for reading in self._reading if not reading.failed and reading.landed is None)
+        )
 
     # -- saves (prefill) -----------------------------------------------------------------------
 
