@@ -674,17 +674,18 @@ def gather_into_any(
 
 
 def scatter_from_any(
-    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor
-) -> None:
+    table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
+    heads: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     """`scatter_from` where Triton runs (CUDA), through its torch reference elsewhere (CPU)."""
     if table.device.type == "cuda":
-        scatter_from(table, key, value, replica, slots)
+        scatter_from(table, key, value, replica, slots, heads=heads)
         return
     check_indices(table, replica, slots)
-    _check_split(table, key, value, slots.numel(), _head_range(table, None))
+    _check_split(table, key, value, slots.numel(), _head_range(table, heads))
     tokens = slots.numel()
     parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]
-    scatter_reference(table, torch.stack(parts, dim=2), replica, slots)
+    scatter_reference(table, torch.stack(parts, dim=2), replica, slots, heads=heads)
 
 
 def gather_layer_into_any(
