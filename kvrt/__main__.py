@@ -93,13 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave every process's journal (what it inserted and took) and log in DIR/SCENARIO",
     )  # fmt: skip
     attack.set_defaults(run=_attack)
+    # Listed for `kvrt --help`; `main` hands its arguments to the router's own parser.
+    commands.add_parser("proxy", help="a router for disaggregated vLLM with KvrtConnector (needs kvrt[vllm])")
     add_commands(commands)
     return parser
 
 
+def _proxy(argv: Sequence[str]) -> int:
+    # Imported by name: the router needs aiohttp, which comes with vLLM, not with kvrt.
+    import importlib
+
+    router = importlib.import_module("kvrt.integrations.vllm.proxy")
+    code: int = router.main(argv)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["proxy"]:
+        return _proxy(arguments[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     if args.command == "bench" and args.plot is not None:
         # Refused before the benchmark runs, not after minutes of measuring.
         from kvrt._bench._plot import require_pyplot

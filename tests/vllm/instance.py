@@ -22,19 +22,28 @@ MAX_MODEL_LEN = 512
 BLOCK_SIZE = 32
 
 
-def make_model(folder: Path) -> None:
-    """A tiny OPT with random weights (head_dim 64, as vLLM's CPU attention needs), saved once
-    so that every instance loads the same weights. Its weights are large enough that the
-    greedy tokens depend on every token of the context."""
+def make_model(folder: Path, arch: str = "opt") -> None:
+    """A tiny model with random weights (head_dim 64, as vLLM's CPU attention needs), saved once
+    so that every instance loads the same weights: an OPT (2 heads, each its own KV head) or a
+    Llama with grouped KV heads (4 query heads sharing 2 KV heads). Its weights are large
+    enough that the greedy tokens depend on every token of the context."""
     import torch
     import transformers
 
+    torch.manual_seed(0)
+    if arch == "llama":
+        llama = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.2, bos_token_id=2,
+            eos_token_id=2, pad_token_id=1, tie_word_embeddings=False,
+        )  # fmt: skip
+        transformers.LlamaForCausalLM(llama).save_pretrained(folder)
+        return
     config = transformers.OPTConfig(
         vocab_size=512, hidden_size=128, num_hidden_layers=3, ffn_dim=256, num_attention_heads=2,
         max_position_embeddings=MAX_MODEL_LEN, word_embed_proj_dim=128, init_std=0.2, bos_token_id=2,
         eos_token_id=2, pad_token_id=1,
     )  # fmt: skip
-    torch.manual_seed(0)
     transformers.OPTForCausalLM(config).save_pretrained(folder)
 
 
@@ -90,6 +99,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-model")
     make.add_argument("folder", type=Path)
+    make.add_argument("--arch", choices=["opt", "llama"], default="opt")
     run_parser = sub.add_parser("run")
     run_parser.add_argument("--model", required=True)
     run_parser.add_argument("--role", choices=["single", "producer", "consumer"], required=True)
@@ -102,7 +112,7 @@ def main() -> None:
     run_parser.add_argument("--kill-before-load", help="a file with the producer's process id: kill it before loading")
     args = parser.parse_args()
     if args.command == "make-model":
-        make_model(args.folder)
+        make_model(args.folder, args.arch)
     else:
         run(args)
 

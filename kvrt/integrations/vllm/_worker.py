@@ -21,6 +21,7 @@ and written in place: nothing here copies them aside.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,7 +106,8 @@ class WorkerSide:
         self._reading: list[_Reading] = []
         self._writing: list[kvrt.ProducerStream] = []
         self._outcome = StepOutcome()
-        self.counters: dict[str, int] = {"saves": 0, "refused_saves": 0, "loads": 0, "failed_loads": 0}
+        self.counters: collections.Counter[str] = collections.Counter()
+        """Since the last `take_counters`: loads, failed_loads, loaded_tokens, saves, refused_saves."""
 
     @property
     def endpoint(self) -> str | None:
@@ -278,6 +280,11 @@ class WorkerSide:
 
     # -- the step's end ------------------------------------------------------------------------
 
+    def take_counters(self) -> dict[str, int]:
+        """What happened since the last call (vLLM's connector stats report it per interval)."""
+        counters, self.counters = self.counters, collections.Counter()
+        return dict(counters)
+
     def end_step(self) -> StepOutcome:
         """End the step's streams; what its loads came to."""
         if self._writing or self._reading:
@@ -297,6 +304,8 @@ class WorkerSide:
                 log.warning("a stream did not end: %s", exc)
         reading, self._reading = self._reading, []
         for read in reading:
+            if not read.failed:
+                self.counters["loaded_tokens"] += len(read.load.tokens) - read.load.skip
             for piece in read.streams:
                 if read.failed:
                     # vLLM recomputes these pages: no late write of kvrt's may land over its own.

