@@ -23,7 +23,7 @@ import zmq
 from kvrt import _arguments
 from kvrt import _messages as m
 from kvrt._auth import CurveKeys
-from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, _Link
+from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import query_bytes
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
@@ -44,9 +44,14 @@ class Client(AsyncService):
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         name: str | None = None,
         curve: CurveKeys | None = None,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
     ) -> None:
         self.endpoint = _arguments.endpoint(endpoint, "endpoint", binding=False)
         self._connect_timeout_s = connect_timeout_s
+        checked = _arguments.seconds(reply_timeout_s, "reply_timeout_s")
+        assert checked is not None  # not `none=True`: None is refused
+        self._reply_timeout_s = checked
+        """How long the producer may take to answer a question (`KVRTTimeoutError` past it)."""
         self._heartbeat_s = heartbeat_s
         self._curve = curve
         self._name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -68,6 +73,7 @@ class Client(AsyncService):
             transports={"tcp": TcpReceiver("cpu")},
             connect_timeout_s=self._connect_timeout_s,
             curve=self._curve,
+            reply_timeout_s=self._reply_timeout_s,
         )
         try:
             await self._link.start()

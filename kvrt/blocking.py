@@ -447,11 +447,13 @@ class Client(_Blocking[_client.Client]):
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         name: str | None = None,
         curve: CurveKeys | None = None,
+        reply_timeout_s: float = _consumer.DEFAULT_REPLY_TIMEOUT_S,
     ) -> None:
         async def start() -> _client.Client:
             client = _client.Client(
-                endpoint, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, name=name, curve=curve
-            )
+                endpoint, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, name=name, curve=curve,
+                reply_timeout_s=reply_timeout_s,
+            )  # fmt: skip
             return await client.start()
 
         super().__init__(start, "kvrt-client")

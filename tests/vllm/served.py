@@ -78,9 +78,14 @@ def _stop(server: Server) -> None:
             server.process.wait(30)
 
 
-def connector_config(role: str, *, bind: str | None = None, connect: str | None = None, **extra: Any) -> str:
+def connector_config(
+    role: str, *, bind: str | None = None, connect: str | None = None, connector: dict[str, str] | None = None,
+    **extra: Any,
+) -> str:  # fmt: skip
+    """The `--kv-transfer-config` of a prefill ("producer") or decode ("consumer") instance;
+    `connector` names another connector class (a test's subclass of KvrtConnector)."""
     config: dict[str, Any] = {
-        "kv_connector": "KvrtConnector", "kv_connector_module_path": "kvrt.integrations.vllm",
+        "kv_connector": "KvrtConnector", "kv_connector_module_path": "kvrt.integrations.vllm", **(connector or {}),
         "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
         "kv_connector_extra_config": {**({"bind": bind} if bind else {}), **({"connect": connect} if connect else {}),
                                       **extra},
@@ -165,15 +170,16 @@ def complete(url: str, prompts: Sequence[list[int]], *, in_flight: int, max_toke
     return asyncio.run(run())
 
 
-def metrics(url: str) -> dict[str, float]:
-    """The `vllm:kvrt_*` counters an instance exports (summed over its labels)."""
+def metrics(url: str, prefix: str = "vllm:kvrt_") -> dict[str, float]:
+    """The counters an instance exports whose names start with `prefix` (the connector's by
+    default), summed over their labels, by name without the prefix and `_total`."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
         text = answer.read().decode()
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:kvrt_") and "_total" in line:
-            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:kvrt_").removesuffix("_total")
+        if line.startswith(prefix) and "_total" in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(prefix).removesuffix("_total")
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return found

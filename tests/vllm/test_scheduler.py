@@ -19,7 +19,7 @@ from vllm.v1.request import RequestStatus
 
 import kvrt.blocking
 from kvrt.integrations.vllm.connector import KvrtConnectorMetadata
-from tests.vllm.relay import DelayingRelay
+from tests._relay import DelayingRelay
 from tests.vllm.scheduler import (
     ANSWER_S,
     connector,

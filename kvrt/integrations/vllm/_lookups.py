@@ -15,6 +15,7 @@ its requests are computed at once meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -69,6 +70,8 @@ class Lookups:
         """Releases on their way (a done one removes itself, on kvrt's thread)."""
         self._clients: dict[str, kvrt.Client] = {}
         """On the loop thread only: one control client per producer, kept while it answers."""
+        self._started: dict[str, asyncio.Future[kvrt.Client]] = {}
+        """On the loop thread only: the handshakes of clients not yet started."""
 
     # -- the scheduler's thread --------------------------------------------------------------
 
@@ -108,7 +111,8 @@ class Lookups:
         except Exception as exc:  # any failure of the lookup means: compute it here
             if not batch.settled:
                 batch.settled = True
-                self._failed(batch.endpoint, exc)
+                if not isinstance(exc, kvrt.ClosedError) or not self._silent.get(batch.endpoint):
+                    self._failed(batch.endpoint, exc)  # once an incident, not once a batch it ended
             return 0
         if not batch.settled:
             batch.settled = True
@@ -158,17 +162,32 @@ class Lookups:
     # -- kvrt's loop thread -------------------------------------------------------------------
 
     async def _client(self, endpoint: str) -> kvrt.Client:
+        """The producer's client: one per producer, whose handshake every batch to it waits for."""
         client = self._clients.get(endpoint)
         if client is None:
-            client = await kvrt.Client(endpoint, connect_timeout_s=self._timeout_s).start()
-            if endpoint in self._clients:  # another batch connected meanwhile: keep one
-                await client.aclose()
-                return self._clients[endpoint]
-            self._clients[endpoint] = client
+            client = self._clients[endpoint] = kvrt.Client(
+                endpoint, connect_timeout_s=self._timeout_s, reply_timeout_s=self._timeout_s
+            )
+            started = self._started[endpoint] = asyncio.ensure_future(client.start())
+            started.add_done_callback(functools.partial(self._handshake_ended, endpoint, client))
+        started = self._started.get(endpoint)
+        if started is not None:
+            await asyncio.shield(started)  # a batch that gives up leaves the handshake to the others
         return client
+
+    def _handshake_ended(self, endpoint: str, client: kvrt.Client, started: asyncio.Future[kvrt.Client]) -> None:
+        """A client's handshake ended: a failed one (its client closed itself) is forgotten, so
+        that the next batch to that producer connects afresh."""
+        if self._started.get(endpoint) is started:
+            del self._started[endpoint]
+        if (started.cancelled() or started.exception() is not None) and self._clients.get(endpoint) is client:
+            del self._clients[endpoint]
 
     async def _drop_client(self, endpoint: str) -> None:
         client = self._clients.pop(endpoint, None)
+        started = self._started.pop(endpoint, None)
+        if started is not None and not started.done():
+            started.cancel()
         if client is not None:
             await client.aclose()
 
@@ -177,7 +196,9 @@ class Lookups:
             with anyio.fail_after(self._timeout_s):
                 client = await self._client(endpoint)
                 answers = await client.probe_many([torch.tensor(prompt, dtype=torch.int64) for prompt in prompts])
-        except BaseException:
+        except (kvrt.PeerLostError, kvrt.ClosedError):
+            # The connection is gone: a new client reconnects. A producer that is only slow keeps
+            # its client (the other batches on their way to it still get their answers).
             with anyio.CancelScope(shield=True):
                 await self._drop_client(endpoint)
             raise
@@ -192,10 +213,12 @@ class Lookups:
                     await client.evict(found.item_id)
         except kvrt.NotFoundError:
             pass  # taken or evicted meanwhile
-        except (kvrt.KVRTError, TimeoutError) as exc:
+        except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
             with anyio.CancelScope(shield=True):
                 await self._drop_client(endpoint)
+        except (kvrt.KVRTError, TimeoutError) as exc:
+            log.warning("could not release KV at %s: %s", endpoint, exc)
 
     async def _close_clients(self) -> None:
         for endpoint in list(self._clients):

@@ -48,6 +48,7 @@ class WorkerSettings:
     buffer_bytes: int
     item_ttl_s: float | None
     connect_timeout_s: float
+    """How long a producer may take to connect, or to answer a load (`lookup_timeout_s`)."""
     rank: int = 0
     tp: int = 1
     """This rank and the instance's tensor-parallel size."""
@@ -198,7 +199,7 @@ class WorkerSide:
         if consumer is None:
             consumer = kvrt.Consumer(
                 connect=endpoint, device=self._device(), connect_timeout_s=self._settings.connect_timeout_s,
-                readers=readers, transport=self._settings.transport,
+                reply_timeout_s=self._settings.connect_timeout_s, readers=readers, transport=self._settings.transport,
             )  # fmt: skip
             await consumer.start()
             self._consumers[endpoint, readers] = consumer

@@ -1,0 +1,87 @@
+"""The vLLM connector's scheduler-side lookups (no vLLM needed): answered whenever the producer
+answers within the lookup timeout, never waited for by the scheduler's thread, and a producer
+that does not answer backed off once per incident."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvrt.blocking
+from kvrt.integrations.vllm._lookups import Lookups
+from tests._relay import DelayingRelay
+
+PROMPT = list(range(100, 170))
+
+
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def producer() -> Iterator[kvrt.blocking.Producer]:
+    with kvrt.blocking.Producer(bind=free_endpoint()) as started:
+        shape = (1, len(PROMPT), 2, 4)
+        started.insert(torch.tensor(PROMPT), None, torch.zeros(shape), torch.zeros(shape))
+        yield started
+
+
+@pytest.fixture
+def lookups() -> Iterator[Lookups]:
+    made = Lookups(timeout_s=5.0)
+    yield made
+    made.close()
+
+
+def test_a_producer_slower_than_a_second_is_answered_within_the_lookup_timeout(
+    producer: kvrt.blocking.Producer, lookups: Lookups
+) -> None:
+    # A producer whose loop shares its core with forward passes answers late: the lookup waits
+    # for it as long as `lookup_timeout_s`, not kvrt's default reply timeout of a second.
+    with DelayingRelay(producer.endpoint, delay_s=1.5) as relay:
+        for index in range(3):  # batches of one step after the other, on one client
+            lookups.ask(f"r{index}", relay.endpoint, PROMPT)
+            lookups.send()
+        assert lookups.answer("r0") is None  # on its way: the scheduler's thread never waits
+        assert lookups.wait_settled(15)
+        assert [lookups.answer(f"r{index}") for index in range(3)] == [len(PROMPT)] * 3
+        assert lookups.asks(relay.endpoint)
+
+
+def test_a_producer_that_is_gone_answers_nothing_and_is_backed_off_once(lookups: Lookups) -> None:
+    gone = free_endpoint()
+    quick = Lookups(timeout_s=0.3)
+    try:
+        for index in range(4):
+            quick.ask(f"r{index}", gone, PROMPT)
+        quick.send()
+        assert quick.wait_settled(10)
+        assert [quick.answer(f"r{index}") for index in range(4)] == [0] * 4
+        assert not quick.asks(gone)
+        assert quick._silent[gone][1] == 1.0  # one incident: the first backoff, not doubled per request
+    finally:
+        quick.close()
+
+
+def test_a_producer_that_comes_back_after_its_backoff_is_asked_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvrt.integrations.vllm._lookups.SILENT_BACKOFF_S", (1e-3, 1e-3))
+    endpoint = free_endpoint()
+    quick = Lookups(timeout_s=0.5)
+    try:
+        quick.ask("before", endpoint, PROMPT)
+        quick.send()
+        assert quick.wait_settled(10) and quick.answer("before") == 0
+        with kvrt.blocking.Producer(bind=endpoint) as producer:
+            shape = (1, len(PROMPT), 2, 4)
+            producer.insert(torch.tensor(PROMPT), None, torch.zeros(shape), torch.zeros(shape))
+            assert quick.asks(endpoint)  # its backoff is over
+            quick.ask("after", endpoint, PROMPT)
+            quick.send()
+            assert quick.wait_settled(10) and quick.answer("after") == len(PROMPT)
+    finally:
+        quick.close()

