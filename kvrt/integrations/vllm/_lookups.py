@@ -168,8 +168,8 @@ class Lookups:
             client = self._clients[endpoint] = kvrt.Client(
                 endpoint, connect_timeout_s=self._timeout_s, reply_timeout_s=self._timeout_s
             )
-            started = self._started[endpoint] = asyncio.ensure_future(client.start())
-            started.add_done_callback(functools.partial(self._handshake_ended, endpoint, client))
+            handshake = self._started[endpoint] = asyncio.ensure_future(client.start())
+            handshake.add_done_callback(functools.partial(self._handshake_ended, endpoint, client))
         started = self._started.get(endpoint)
         if started is not None:
             await asyncio.shield(started)  # a batch that gives up leaves the handshake to the others
