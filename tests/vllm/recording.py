@@ -39,7 +39,7 @@ class RecordingKvrtConnector(KvrtConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         victim = self._extra("kill_before_load")
-        if victim and isinstance(meta, KvrtConnectorMetadata) and meta.loads:
+        if victim and Path(victim).exists() and isinstance(meta, KvrtConnectorMetadata) and meta.loads:
             pid = int(Path(victim).read_text())
             os.kill(pid, signal.SIGKILL)
             Path(victim).unlink()  # once

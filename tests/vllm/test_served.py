@@ -4,12 +4,14 @@ across tensor-parallel sizes (real worker processes), with a buffer far smaller 
 loads and a decode cache small enough to preempt, and with the prefill killed after the lookup
 or a client gone mid-request. After every run the producers hold nothing.
 
-A 2-core host runs up to five processes of two instances here: lookups get a generous timeout
-(`LOOKUP_TIMEOUT_S`), as a producer's loop shares its core with forward passes."""
+A 2-core host runs up to five processes of two instances here, two of them pinned to a core
+each and polling: lookups get a generous timeout (`LOOKUP_TIMEOUT_S`) and peers a slow heartbeat
+(`HEARTBEAT_S`), as a producer's loop shares its core with forward passes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from tests.vllm.recording import WORKER_PID
 from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
 
 LOOKUP_TIMEOUT_S = 30.0
+HEARTBEAT_S = 5.0
 REQUESTS, IN_FLIGHT = 64, 8
 
 
@@ -73,10 +76,13 @@ def served_pair(
     """A prefill instance (its producers bound at `bind`, rank r at its port + r) and a decode
     instance, both with KvrtConnector (`producer` and `consumer`: more of their settings;
     `connector`: another class for both)."""
-    prefill_config = connector_config("producer", bind=bind, connector=connector, **(producer or {}))
-    decode_config = connector_config(
-        "consumer", connector=connector, lookup_timeout_s=LOOKUP_TIMEOUT_S, **(consumer or {})
+    prefill_config = connector_config(
+        "producer", bind=bind, connector=connector, heartbeat_s=HEARTBEAT_S, **(producer or {})
     )
+    decode_config = connector_config(
+        "consumer", connector=connector, lookup_timeout_s=LOOKUP_TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
+        **(consumer or {}),
+    )  # fmt: skip
     name = f"{model.name}-{prefill_tp}-{decode_tp}-{free_port()}"
     with (
         server(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp) as prefill,
@@ -170,7 +176,9 @@ def complete_with(url: str, asked: list[list[int]], params: list[dict[str, objec
                     "return_token_ids": True, "kv_transfer_params": kv,
                 }  # fmt: skip
                 async with session.post(url + "/v1/completions", json=body) as answer:
-                    tokens: list[int] = (await answer.json())["choices"][0]["token_ids"]
+                    text = await answer.text()
+                    assert answer.status == 200, f"{answer.status}: {text[:500]}"
+                    tokens: list[int] = json.loads(text)["choices"][0]["token_ids"]
                     return tokens
 
             return list(await asyncio.gather(*(one(prompt, kv) for prompt, kv in zip(asked, params, strict=True))))

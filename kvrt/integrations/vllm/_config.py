@@ -10,6 +10,9 @@ config, checked, and the endpoint of each tensor-parallel rank worked out.
     lookup_timeout_s   consumer  how long a producer may take to answer a lookup (2 s)
     transport          both      kvrt's data plane: tcp, cuda_ipc, nccl, nixl (default: kvrt's
                                  choice, cuda_ipc between GPUs of one host, else nccl or tcp)
+    heartbeat_s        both      how often kvrt's peers hear from each other (1 s); a peer
+                                 silent for ten is lost: raise it on a host whose cores are all
+                                 busy with forward passes
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import kvrt
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 
 DEFAULT_BUFFER_BYTES: Final = 1 << 30
 DEFAULT_ITEM_TTL_S: Final = 120.0
@@ -57,6 +61,7 @@ class ConnectorSettings:
     item_ttl_s: float | None
     lookup_timeout_s: float
     transport: str | None = None
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
 
     @staticmethod
     def read(
@@ -85,6 +90,7 @@ class ConnectorSettings:
                 item_ttl_s=None if ttl is None else float(ttl),
                 lookup_timeout_s=float(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
                 transport=None if extra.get("transport") is None else str(extra["transport"]),
+                heartbeat_s=float(extra.get("heartbeat_s", DEFAULT_HEARTBEAT_S)),
             )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None

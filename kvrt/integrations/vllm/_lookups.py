@@ -29,6 +29,7 @@ import torch
 import kvrt
 from kvrt._loop_thread import LoopThread
 from kvrt._messages import MAX_BATCH
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 
 log = logging.getLogger("kvrt.integrations.vllm")
 
@@ -38,6 +39,10 @@ failure up to the second."""
 
 MAX_SILENT_PRODUCERS: Final = 1024
 """Silent producers remembered at most (endpoints come with the requests)."""
+
+MAX_RELEASES: Final = 4096
+"""Releases on their way at most (to a producer that is gone each waits for its connect
+timeout): past it, what a release would free leaves with its item's TTL."""
 
 
 @dataclass(slots=True)
@@ -56,8 +61,9 @@ class Lookups:
     Called from one thread (vLLM's scheduler): `ask`, `send`, `answer`, `forget`, `release`,
     each returning at once; `close` once, at shutdown."""
 
-    def __init__(self, *, timeout_s: float) -> None:
+    def __init__(self, *, timeout_s: float, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
         self._loop = LoopThread("kvrt-lookups", "scheduler's lookups")
         self._queued: dict[str, dict[str, list[int]]] = {}
         """Per producer, the probes of this step not sent yet: request id -> prompt."""
@@ -66,6 +72,8 @@ class Lookups:
         self._silent: dict[str, tuple[float, float]] = {}
         """Per producer that did not answer: when it may be asked again (monotonic), and the
         backoff that led there; oldest first."""
+        self._unanswered: set[str] = set()
+        """Requests whose lookup failed (answered 0), until forgotten."""
         self._releases: set[concurrent.futures.Future[None]] = set()
         """Releases on their way (a done one removes itself, on kvrt's thread)."""
         self._clients: dict[str, kvrt.Client] = {}
@@ -109,6 +117,7 @@ class Lookups:
         try:
             matched = batch.answers.result()[index]
         except Exception as exc:  # any failure of the lookup means: compute it here
+            self._unanswered.add(request_id)
             if not batch.settled:
                 batch.settled = True
                 if not isinstance(exc, kvrt.ClosedError) or not self._silent.get(batch.endpoint):
@@ -127,19 +136,27 @@ class Lookups:
         _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
         return not pending
 
+    def unanswered(self, request_id: str) -> bool:
+        """Whether the request's lookup failed (its producer may hold its KV all the same)."""
+        return request_id in self._unanswered
+
     def forget(self, request_id: str) -> None:
         """The request is gone: its answer, if one comes, is dropped."""
         self._asked.pop(request_id, None)
+        self._unanswered.discard(request_id)
         for probes in self._queued.values():
             probes.pop(request_id, None)
 
     def release(self, endpoint: str, prompt: list[int]) -> None:
         """Evict the item of exactly `prompt` from `endpoint`, if it is there (a request that
-        will never take it); not waited for, and a producer in its backoff is not told."""
-        if self.asks(endpoint):
-            release = self._loop.submit(functools.partial(self._release, endpoint, prompt), "release")
-            self._releases.add(release)
-            release.add_done_callback(self._releases.discard)
+        will never take it); not waited for (a producer in its backoff is told too: a release
+        costs the scheduler nothing, and what it frees would otherwise wait for its TTL)."""
+        if len(self._releases) >= MAX_RELEASES:
+            log.warning("%d releases on their way already: this one is left to the item's TTL", len(self._releases))
+            return
+        release = self._loop.submit(functools.partial(self._release, endpoint, prompt), "release")
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
 
     def close(self) -> None:
         """Close the clients and stop the loop thread (what is in flight is cancelled)."""
@@ -166,7 +183,8 @@ class Lookups:
         client = self._clients.get(endpoint)
         if client is None:
             client = self._clients[endpoint] = kvrt.Client(
-                endpoint, connect_timeout_s=self._timeout_s, reply_timeout_s=self._timeout_s
+                endpoint, connect_timeout_s=self._timeout_s, reply_timeout_s=self._timeout_s,
+                heartbeat_s=self._heartbeat_s,
             )
             handshake = self._started[endpoint] = asyncio.ensure_future(client.start())
             handshake.add_done_callback(functools.partial(self._handshake_ended, endpoint, client))

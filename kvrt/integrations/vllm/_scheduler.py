@@ -13,7 +13,8 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
                                                never asked again: its item is taken (preempted
                                                and resumed, the request computes its prompt)
     outcome (update_connector_output)          the workers say the load failed
-    finished (request_finished)                KV found and not loaded: released on its
+    finished (request_finished)                KV found (or maybe there: a lookup that
+                                               failed) and not loaded: released on its
                                                producer (a failed load, a load never planned,
                                                an abort); one whose outcome is not known yet
                                                waits for it (vLLM ends a request before it
@@ -95,6 +96,8 @@ class _Wanted:
     """Tokens its producer holds (0: none), once the lookup answered."""
     local: int = 0
     """Tokens vLLM held itself (block-aligned) when it last asked."""
+    unanswered: bool = False
+    """The lookup failed (0 tokens taken): the producer may hold the KV all the same."""
     planned: bool = False
     settled: bool = False
     """The workers reported its load's outcome."""
@@ -141,6 +144,7 @@ class DecodeScheduler:
             if found is None:
                 return None
             wanted.found = found
+            wanted.unanswered = self._lookups.unanswered(request_id)
             self.counters["hits"] += found > 0
         wanted.local = local
         # The last prompt token is always computed here: its logits give the first output token.
@@ -188,7 +192,8 @@ class DecodeScheduler:
             while len(self._awaiting) > MAX_AWAITING:
                 self._awaiting.popitem(last=False)
             return
-        if (wanted.found and (not wanted.planned or wanted.failed)) or (aborted and wanted.found is None):
+        unloaded = wanted.found or wanted.unanswered or (aborted and wanted.found is None)
+        if unloaded and (not wanted.planned or wanted.failed):
             self._release(wanted)
 
     def _settle(self, wanted: _Wanted) -> None:

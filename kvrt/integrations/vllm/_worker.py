@@ -31,6 +31,7 @@ import torch
 import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
@@ -57,6 +58,8 @@ class WorkerSettings:
     mla: bool = False
     transport: str | None = None
     """kvrt's data plane (None: chosen by kvrt, e.g. cuda_ipc between GPUs of one host)."""
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    """How often kvrt's peers hear from each other (ten silent periods: lost)."""
 
     @property
     def heads(self) -> slice | None:
@@ -128,6 +131,7 @@ class WorkerSide:
         producer = kvrt.Producer(
             bind=settings.bind, device=self._pools.device, buffer_bytes=settings.buffer_bytes,
             item_ttl_s=settings.item_ttl_s, heads=settings.heads, transport=settings.transport,
+            heartbeat_s=settings.heartbeat_s,
         )  # fmt: skip
         await producer.start()
         producer.register_pools(self._pools)
@@ -200,6 +204,7 @@ class WorkerSide:
             consumer = kvrt.Consumer(
                 connect=endpoint, device=self._device(), connect_timeout_s=self._settings.connect_timeout_s,
                 reply_timeout_s=self._settings.connect_timeout_s, readers=readers, transport=self._settings.transport,
+                heartbeat_s=self._settings.heartbeat_s,
             )  # fmt: skip
             await consumer.start()
             self._consumers[endpoint, readers] = consumer

@@ -144,7 +144,7 @@ class KvrtConnector(KVConnectorBase_V1):
         self._lookups: Lookups | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._lookups = Lookups(timeout_s=self._settings.lookup_timeout_s)
+            self._lookups = Lookups(timeout_s=self._settings.lookup_timeout_s, heartbeat_s=self._settings.heartbeat_s)
             if self._settings.consumes:
                 self._decode = DecodeScheduler(
                     self._lookups, block_size=self._block_size, default_endpoint=self._settings.connect,
@@ -165,7 +165,7 @@ class KvrtConnector(KVConnectorBase_V1):
                 buffer_bytes=self._settings.buffer_bytes, item_ttl_s=self._settings.item_ttl_s,
                 connect_timeout_s=self._settings.lookup_timeout_s, rank=self._rank,
                 tp=self._settings.tensor_parallel, total_heads=self._total_heads, mla=self._mla,
-                transport=self._settings.transport,
+                transport=self._settings.transport, heartbeat_s=self._settings.heartbeat_s,
             )  # fmt: skip
             self._worker = WorkerSide(settings)
         self._layers: dict[str, int] = {}
