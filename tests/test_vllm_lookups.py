@@ -12,6 +12,7 @@ import torch
 
 import kvrt.blocking
 from kvrt.integrations.vllm._lookups import Lookups
+from kvrt.integrations.vllm._scheduler import DecodeScheduler
 from tests._relay import DelayingRelay
 
 PROMPT = list(range(100, 170))
@@ -85,3 +86,24 @@ def test_a_producer_that_comes_back_after_its_backoff_is_asked_afresh(monkeypatc
             assert quick.wait_settled(10) and quick.answer("after") == len(PROMPT)
     finally:
         quick.close()
+
+
+def test_kv_a_failed_lookup_may_have_missed_is_released_when_its_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lookup failed (the producer answered too late, or not yet): the request is computed,
+    # and the KV its producer may hold all the same is released once the request ends.
+    monkeypatch.setattr("kvrt.integrations.vllm._lookups.SILENT_BACKOFF_S", (1e-3, 1e-3))
+    endpoint = free_endpoint()
+    lookups = Lookups(timeout_s=0.5)
+    try:
+        decode = DecodeScheduler(lookups, block_size=16, default_endpoint=endpoint)
+        assert decode.matched("r", PROMPT, None, 0) is None
+        decode.step()  # the lookup leaves
+        assert lookups.wait_settled(10) and decode.matched("r", PROMPT, None, 0) == 0
+        with kvrt.blocking.Producer(bind=endpoint) as producer:
+            shape = (1, len(PROMPT), 2, 4)
+            producer.insert(torch.tensor(PROMPT), None, torch.zeros(shape), torch.zeros(shape))
+            decode.finished("r", aborted=False)
+            assert lookups.wait_settled(10)
+            assert producer.stats().items == 0
+    finally:
+        lookups.close()
