@@ -234,3 +234,31 @@ def test_layouts_kvrt_cannot_move_are_refused_naming_what_they_are() -> None:
 
 def _fields(spec: CacheSpec) -> dict[str, Any]:
     return {name: getattr(spec, name) for name in CacheSpec.__slots__}  # type: ignore[attr-defined]
+
+
+def test_a_producer_gone_fails_one_steps_loads_within_the_timeout_and_the_next_at_once() -> None:
+    import socket
+    import time
+    from dataclasses import replace
+
+    from kvrt.integrations.vllm._scheduler import Load
+
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    side, _ = worker(entry, "cpu", produces=False, seed=0)
+    try:
+        side.settings = side._settings = replace(side.settings, connect_timeout_s=0.5)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            gone = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        load = Load("r", (gone,), list(range(40)), 0, list(range(40)), [0, 1, 2])
+        started = time.monotonic()
+        side.start_loads([load])
+        first = side.end_step()
+        took = time.monotonic() - started
+        assert first.failed == {"r"} and first.lost == {gone} and took < 5
+        started = time.monotonic()
+        side.start_loads([replace(load, request_id="s")])
+        second = side.end_step()
+        assert second.failed == {"s"} and time.monotonic() - started < 0.2  # not asked again: at once
+    finally:
+        side.close()

@@ -1,6 +1,7 @@
-"""`make demo-vllm`: a prefill and a decode vLLM instance on this host, prompts through both,
-the KV through kvrt, against one instance alone; a table of what each prompt's decode
-computed and produced."""
+"""`make demo-vllm`: two `vllm serve` instances on this host, a prefill and a decode, with
+KvrtConnector in both and kvrt's router in front; prompts through the router, their KV moved
+by kvrt, against the decode instance computing them alone; a table of what each prompt's decode
+computed and produced, and the connector's counters as vLLM exports them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from tests.vllm.test_two_instances import PROMPT_LENGTHS, run_instance, start_producer, stop
+import kvrt.blocking
+from tests.vllm.served import complete, connector_config, free_port, metrics, router, server
+
+PROMPT_LENGTHS = (40, 70, 33, 100, 150, 64, 31, 200)
 
 
 def main() -> None:
@@ -20,22 +25,29 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "tests.vllm.instance", "make-model", str(model)], check=True, timeout=120)
     generator = random.Random(1)
     prompts = [[generator.randrange(3, 500) for _ in range(length)] for length in PROMPT_LENGTHS]
-    print("prefill instance: computes each prompt and publishes its KV through kvrt", flush=True)
-    prefilled, producer = start_producer(model, prompts, folder, "producer-pages")
-    try:
-        print(f"decode instance: loads each prompt's KV from {prefilled[0]['kv_transfer_params']}", flush=True)
-        requests = [{"prompt": p["prompt"], "kv_transfer_params": p["kv_transfer_params"]} for p in prefilled]
-        decoded = run_instance(model, "consumer", requests, folder)
-    finally:
-        stop(producer)
-    print("one instance alone, for comparison", flush=True)
-    single = run_instance(model, "single", [{"prompt": prompt} for prompt in prompts], folder)
-    print(f"\n{'prompt tokens':>13} {'computed by decode':>18} {'as one instance':>15}  output tokens")
-    for done, alone in zip(decoded, single, strict=True):
-        computed = len(done["prompt"]) - done["num_cached_tokens"]
-        same = "yes" if done["tokens"] == alone["tokens"] else "NO"
-        print(f"{len(done['prompt']):>13} {computed:>18} {same:>15}  {done['tokens']}")
-    print("\n(the decode instance computes each prompt's last token itself: its logits give the first output token)")
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    print("starting a prefill and a decode instance (vllm serve) and the router (about a minute)", flush=True)
+    started = time.monotonic()
+    with (
+        server(model, folder, "prefill", transfer=connector_config("producer", bind=bind)) as prefill,
+        server(model, folder, "decode", transfer=connector_config("consumer", lookup_timeout_s=30)) as decode,
+        router([prefill.url], [decode.url], folder) as routed,
+    ):
+        print(f"ready in {time.monotonic() - started:.0f} s: prefill {prefill.url}, decode {decode.url}, "
+              f"router {routed.url}", flush=True)  # fmt: skip
+        through_kvrt = complete(routed.url, prompts, in_flight=4)
+        counted = metrics(decode.url)
+        alone = complete(decode.url, prompts, in_flight=4)
+        with kvrt.blocking.Client(bind) as client:
+            held = client.stats().items
+    print(f"\n{'prompt tokens':>13} {'same as decode alone':>21}  output tokens")
+    for prompt, done, single in zip(prompts, through_kvrt, alone, strict=True):
+        print(f"{len(prompt):>13} {'yes' if done == single else 'NO':>21}  {done}")
+    print(f"\nthe decode instance loaded {counted.get('loads', 0):.0f} prompts through kvrt "
+          f"({counted.get('loaded_tokens', 0):.0f} tokens; it computes each prompt's last token itself: its logits "
+          f"give the first output token), {counted.get('failed_loads', 0):.0f} loads failed; "
+          f"the producer holds {held} items after")  # fmt: skip
+    print(f"logs in {folder}")
 
 
 if __name__ == "__main__":

@@ -355,3 +355,24 @@ def test_a_prefill_aborted_after_it_published_releases_its_kv_on_the_producer(
     assert released(scheduler, producer, 0)
     assert_empty(scheduler)
 
+
+
+def test_the_blocks_of_a_failed_load_are_never_a_prefix_cache_hit(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    # vLLM caches a load's blocks as it allocates them and, with the recompute policy, leaves
+    # them cached when the load fails: a request preempted before it recomputed them (or
+    # another with the same prefix) would read their garbage as its own prefix. The
+    # connector takes them out of the prefix cache once the workers report the failure.
+    hold(producer, PROMPT)
+    scheduler = schedulers("kv_consumer", prefix_caching=True)
+    scheduler.add_request(make_request("failed", PROMPT, producer.endpoint, max_tokens=4))
+    output = schedule_answered(scheduler)
+    (load,) = loads_of(output)
+    pool = scheduler.kv_cache_manager.block_pool
+    full = [block for block in load.block_ids[: (len(PROMPT) - 1) // 32]]
+    assert full and all(pool.blocks[block].block_hash is not None for block in full)  # cached at allocation
+    run_step(scheduler, output, failed={"failed"})
+    assert all(pool.blocks[block].block_hash is None for block in full)
+    finish(scheduler, scheduler.schedule())
+    assert_empty(scheduler)

@@ -166,6 +166,12 @@ class Lookups:
             log.debug("closing the lookups' clients: %s", exc)
         self._loop.stop()
 
+    def silence(self, endpoint: str, why: str) -> None:
+        """Ask `endpoint` nothing for a while (a load from it failed): its backoff, as after a
+        lookup it did not answer."""
+        if self.asks(endpoint):
+            self._failed(endpoint, RuntimeError(why))
+
     def _failed(self, endpoint: str, error: BaseException) -> None:
         first, longest = SILENT_BACKOFF_S
         _, backoff = self._silent.pop(endpoint, (0.0, first / 2))

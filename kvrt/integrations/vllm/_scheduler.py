@@ -28,7 +28,7 @@ released there.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -146,6 +146,8 @@ class DecodeScheduler:
             wanted.found = found
             wanted.unanswered = self._lookups.unanswered(request_id)
             self.counters["hits"] += found > 0
+        if wanted.found and not self._lookups.asks(wanted.endpoints[0]):
+            return 0  # answered, but a load from that producer failed since: computed here
         wanted.local = local
         # The last prompt token is always computed here: its logits give the first output token.
         return max(0, min(wanted.found, len(prompt) - 1) - local)
@@ -169,9 +171,12 @@ class DecodeScheduler:
         loads, self._loads = self._loads, []
         return loads
 
-    def outcome(self, failed: set[str], settled: set[str]) -> None:
+    def outcome(self, failed: set[str], settled: set[str], lost: Collection[str] = ()) -> None:
         """The workers' word on this step's loads: `failed` ones did not land; `settled` are
-        all the step's loads, failed or not."""
+        all the step's loads, failed or not; producers in `lost` were gone or too slow to load
+        from: no load is planned from them for a while (their lookups answer 0 meanwhile)."""
+        for endpoint in lost:
+            self._lookups.silence(endpoint, "a load from it failed")
         for request_id in settled:
             wanted = self._wanted.get(request_id) or self._awaiting.pop(request_id, None)
             if wanted is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
+from kvrt.integrations.vllm._lookups import SILENT_BACKOFF_S
 from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
@@ -82,6 +84,8 @@ class StepOutcome:
     failed_blocks: set[int] = field(default_factory=set)
     """The blocks of the failed loads: vLLM recomputes them (on every rank: it joins the
     ranks' reports, so the group loads a request on all ranks or on none)."""
+    lost: set[str] = field(default_factory=set)
+    """Producers a load found gone or too slow: the scheduler plans no load from them for a while."""
 
 
 @dataclass(slots=True)
@@ -107,6 +111,10 @@ class WorkerSide:
         self._producer: kvrt.Producer | None = None
         self._consumers: dict[tuple[str, int], kvrt.Consumer] = {}
         """On the loop: one consumer per producer (and its readers), kept while it answers."""
+        self._starting: dict[tuple[str, int], asyncio.Future[kvrt.Consumer]] = {}
+        """On the loop: the handshakes of consumers not yet started."""
+        self._lost: dict[str, tuple[float, float]] = {}
+        """Per producer that failed a load: until when its loads fail at once, and the backoff."""
         self._reading: list[_Reading] = []
         self._writing: list[kvrt.ProducerStream] = []
         self._outcome = StepOutcome()
@@ -184,6 +192,9 @@ class WorkerSide:
         """One piece's stream, or why it is not there."""
         assert self._pools is not None
         endpoint = load.endpoints[piece.prefill_rank]
+        lost = self._lost.get(endpoint)
+        if lost is not None and time.monotonic() < lost[0]:
+            return f"the producer at {endpoint} was unreachable moments ago: not asked again for {lost[1]:.0f} s"
         try:
             consumer = await self._consumer(endpoint, piece.readers)
             opened = await consumer.open_stream(
@@ -191,29 +202,58 @@ class WorkerSide:
                 slots=torch.tensor(load.slots, dtype=torch.int64), skip=load.skip, stream=stream, heads=piece.heads,
             )  # fmt: skip
         except kvrt.KVRTError as exc:
-            if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError):
+            if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError | kvrt.KVRTTimeoutError):
+                # Gone, or too slow to load from: its later loads fail at once for a while
+                # (each would hold the forward pass up to the timeout), and the scheduler
+                # plans none from it meanwhile.
                 await self._drop_consumer((endpoint, piece.readers))
+                self._lose(endpoint)
             return f"{endpoint}: {exc}"
+        self._lost.pop(endpoint, None)
         if opened is None:
             return f"nothing matched at {endpoint}: the KV was taken or evicted since the lookup"
         return opened
 
     async def _consumer(self, endpoint: str, readers: int) -> kvrt.Consumer:
-        consumer = self._consumers.get((endpoint, readers))
+        """The consumer of a producer (one per producer, whose handshake every load waits for)."""
+        key = (endpoint, readers)
+        consumer = self._consumers.get(key)
         if consumer is None:
-            consumer = kvrt.Consumer(
+            consumer = self._consumers[key] = kvrt.Consumer(
                 connect=endpoint, device=self._device(), connect_timeout_s=self._settings.connect_timeout_s,
                 reply_timeout_s=self._settings.connect_timeout_s, readers=readers, transport=self._settings.transport,
                 heartbeat_s=self._settings.heartbeat_s,
             )  # fmt: skip
-            await consumer.start()
-            self._consumers[endpoint, readers] = consumer
+            self._starting[key] = asyncio.ensure_future(consumer.start())
+        starting = self._starting.get(key)
+        if starting is not None:
+            try:
+                await asyncio.shield(starting)
+            except BaseException:
+                if self._consumers.get(key) is consumer:  # a failed start closed it: the next load connects afresh
+                    del self._consumers[key]
+                raise
+            finally:
+                if starting.done() and self._starting.get(key) is starting:
+                    del self._starting[key]
         return consumer
 
     async def _drop_consumer(self, key: tuple[str, int]) -> None:
         consumer = self._consumers.pop(key, None)
+        starting = self._starting.pop(key, None)
+        if starting is not None and not starting.done():
+            starting.cancel()
         if consumer is not None:
             await consumer.aclose()
+
+    def _lose(self, endpoint: str) -> None:
+        """`endpoint` failed a load: loads from it fail at once for a while (doubling while it
+        keeps failing), and the step's outcome names it for the scheduler."""
+        first, longest = SILENT_BACKOFF_S
+        _, backoff = self._lost.pop(endpoint, (0.0, first / 2))
+        backoff = min(2 * backoff, longest)
+        self._lost[endpoint] = (time.monotonic() + backoff, backoff)
+        self._outcome.lost.add(endpoint)
 
     def _fail(self, reading: _Reading, why: object) -> None:
         if reading.failed and reading.load.request_id in self._outcome.failed:

@@ -63,10 +63,12 @@ class KvrtWorkerMetadata(KVConnectorWorkerMetadata):
 
     settled: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    lost: set[str] = field(default_factory=set)
+    """Producers a load found gone or too slow."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvrtWorkerMetadata)
-        return KvrtWorkerMetadata(self.settled | other.settled, self.failed | other.failed)
+        return KvrtWorkerMetadata(self.settled | other.settled, self.failed | other.failed, self.lost | other.lost)
 
 
 _COUNTERS: Final = {
@@ -219,10 +221,15 @@ class KvrtConnector(KVConnectorBase_V1):
         return saves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' word on the step's loads."""
+        """The workers' word on the step's loads. The blocks of a failed load leave vLLM's
+        prefix cache: it cached them as it allocated them and, recomputing them, keeps them
+        there, so a request preempted before it recomputed them (or another with the same
+        prefix) would read what the failed load left as its own prefix."""
         meta = connector_output.kv_connector_worker_meta
         if self._decode is not None and isinstance(meta, KvrtWorkerMetadata):
-            self._decode.outcome(meta.failed, meta.settled)
+            self._decode.outcome(meta.failed, meta.settled, meta.lost)
+        if connector_output.invalid_block_ids and self._kv_cache_manager is not None:
+            self._kv_cache_manager.evict_blocks(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The blocks are vLLM's to free at once (kvrt gathered what it sends); the producers
@@ -330,7 +337,7 @@ class KvrtConnector(KVConnectorBase_V1):
         outcome, self._outcome = self._outcome, None
         if outcome is None or not outcome.settled:
             return None
-        return KvrtWorkerMetadata(set(outcome.settled), set(outcome.failed))
+        return KvrtWorkerMetadata(set(outcome.settled), set(outcome.failed), set(outcome.lost))
 
 
 def _cpu_kernel(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
