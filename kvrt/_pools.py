@@ -90,9 +90,18 @@ class PoolGeometry:
     block_size: int = 1
     """Slots per block where a block's slots are not all one stride apart; 1 elsewhere."""
     block_stride: int = 0
-    """From a block to the next (where `block_size` > 1)."""
+    """From a block to the next; 0 (the default) for blocks that are runs of `block_size` slots
+    `token_stride` apart."""
     head_stride: int = 0
-    """From a slot's head to the next (`head_dim` where its heads lie side by side)."""
+    """From a slot's head to the next; 0 (the default) for heads that lie side by side."""
+
+    def __post_init__(self) -> None:
+        # The defaults resolve here so that two geometries of one address compare equal however
+        # they were spelled.
+        if self.block_stride == 0:
+            object.__setattr__(self, "block_stride", self.token_stride * self.block_size)
+        if self.head_stride == 0:
+            object.__setattr__(self, "head_stride", self.head_dim)
 
     @property
     def strided(self) -> bool:
