@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> None:
     params = []
     for request in requests:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        sampling.extra_args = {"kv_transfer_params": request.get("kv_transfer_params")}
+        # A prefill's requests ask for a remote decode, as a router's do.
+        asked = request.get("kv_transfer_params") or ({"do_remote_decode": True} if args.role == "producer" else None)
+        sampling.extra_args = {"kv_transfer_params": asked}
         params.append(sampling)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     results = [

@@ -75,11 +75,18 @@ def _block_hasher() -> Any:
     return get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
 
-def make_request(request_id: str, prompt: list[int], endpoint: str | None = None, *, max_tokens: int = 2) -> Request:
-    """A greedy request, its KV at `endpoint` (its `kv_transfer_params`) when one is named."""
+def make_request(
+    request_id: str, prompt: list[int], endpoint: str | None = None, *, max_tokens: int = 2,
+    remote_decode: bool = False,
+) -> Request:  # fmt: skip
+    """A greedy request, its KV at `endpoint` (its `kv_transfer_params`) when one is named; a
+    prefill request whose KV a decode instance will take, with `remote_decode` (as a router
+    sends it)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if endpoint is not None:
         sampling.extra_args = {"kv_transfer_params": {"kvrt_endpoint": endpoint}}
+    elif remote_decode:
+        sampling.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
     return Request(request_id, prompt, sampling, None, block_hasher=_block_hasher())
 
 

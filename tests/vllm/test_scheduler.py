@@ -330,7 +330,7 @@ def test_a_finished_prefill_names_its_producer_and_keeps_the_kv_for_the_decode(
     schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
 ) -> None:
     scheduler = schedulers("kv_producer", bind=producer.endpoint)
-    scheduler.add_request(make_request("prefill", PROMPT, max_tokens=1))
+    scheduler.add_request(make_request("prefill", PROMPT, max_tokens=1, remote_decode=True))
     output = scheduler.schedule()
     meta = output.kv_connector_metadata
     assert isinstance(meta, KvrtConnectorMetadata) and [save.tokens for save in meta.saves] == [PROMPT]
@@ -343,11 +343,26 @@ def test_a_finished_prefill_names_its_producer_and_keeps_the_kv_for_the_decode(
     assert_empty(scheduler)
 
 
+def test_a_prefill_request_that_asks_for_no_remote_decode_publishes_nothing(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    # A request served by the prefill instance itself (no router, a health check): its KV
+    # would only take the producer's buffer until its TTL.
+    scheduler = schedulers("kv_producer", bind=producer.endpoint)
+    scheduler.add_request(make_request("alone", PROMPT, max_tokens=2))
+    output = scheduler.schedule()
+    meta = output.kv_connector_metadata
+    assert isinstance(meta, KvrtConnectorMetadata) and meta.saves == []
+    (done,) = finish(scheduler, output)
+    assert done.kv_transfer_params is None  # type: ignore[attr-defined]
+    assert_empty(scheduler)
+
+
 def test_a_prefill_aborted_after_it_published_releases_its_kv_on_the_producer(
     schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
 ) -> None:
     scheduler = schedulers("kv_producer", bind=producer.endpoint)
-    scheduler.add_request(make_request("prefill", PROMPT, max_tokens=4))
+    scheduler.add_request(make_request("prefill", PROMPT, max_tokens=4, remote_decode=True))
     output = scheduler.schedule()
     hold(producer, PROMPT)
     run_step(scheduler, output)

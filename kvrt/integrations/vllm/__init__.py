@@ -16,7 +16,8 @@ process, role SCHEDULER, and one in each worker, role WORKER):
 Producer (the prefill instance, `kv_producer` or `kv_both`):
     Each worker binds a kvrt producer (`bind`) and registers vLLM's own paged KV cache as its
     pools (`register_kv_caches`, once). In the step that computes the last prompt token of a
-    request (`build_connector_meta` on the scheduler says which), the worker opens a kvrt
+    request that asks for a remote decode (`do_remote_decode` in its `kv_transfer_params`, as
+    routers send it; `build_connector_meta` on the scheduler says which), the worker opens a kvrt
     stream of the pools at the request's slots on the first layer's `save_kv_layer` and
     publishes each layer from the pages as the forward pass writes it. `wait_for_save` ends
     the stream; nobody read it by then, and it stays in the producer as an item (a producer

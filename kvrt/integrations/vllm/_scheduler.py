@@ -20,9 +20,11 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
                                                waits for it (vLLM ends a request before it
                                                reads the step's connector output)
 
-A prefill request: the step that computes its last prompt token publishes it (`Save`), once;
+A prefill request whose `kv_transfer_params` ask for a remote decode (`do_remote_decode`, as
+routers send it): the step that computes its last prompt token publishes it (`Save`), once;
 when it finishes, its producers are named in its `kv_transfer_params`, or, aborted, its KV is
-released there.
+released there. A request that asks for nothing is served as by an instance without a
+connector: none of the producer's buffer goes to KV nobody will take.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from kvrt.integrations.vllm._tp import publishes
 ENDPOINT_PARAM: Final = "kvrt_endpoint"
 """The key of a request's `kv_transfer_params` that names the producer holding its KV (the
 first of several)."""
+
+REMOTE_DECODE_PARAM: Final = "do_remote_decode"
+"""The key of a prefill request's `kv_transfer_params` that asks for its KV to be kept for a
+decode instance (vLLM's name, which every router of vLLM's connectors sends)."""
 
 ENDPOINTS_PARAM: Final = "kvrt_endpoints"
 """The key that names every prefill rank's producer, in rank order (tensor parallel prefill)."""
@@ -237,9 +243,19 @@ class PrefillScheduler:
             endpoint for rank, endpoint in enumerate(endpoints) if publishes(rank, len(endpoints), total_heads, mla=mla)
         ]
         self._requests: dict[str, _Prefill] = {}
+        self._kept: set[str] = set()
+        """Requests that asked for a remote decode, until they are scheduled (`new`) or end."""
+
+    def asked(self, request_id: str, params: dict[str, Any] | None) -> None:
+        """vLLM allocated the request's blocks; its `kv_transfer_params` say whether a decode
+        instance will take its KV."""
+        if params and params.get(REMOTE_DECODE_PARAM):
+            self._kept.add(request_id)
 
     def new(self, request_id: str, prompt: list[int], block_ids: Sequence[int]) -> None:
-        self._requests[request_id] = _Prefill(prompt, list(block_ids))
+        if request_id in self._kept:
+            self._kept.discard(request_id)
+            self._requests[request_id] = _Prefill(prompt, list(block_ids))
 
     def more_blocks(self, request_id: str, block_ids: Sequence[int], *, resumed: bool) -> None:
         request = self._requests.get(request_id)
@@ -261,6 +277,7 @@ class PrefillScheduler:
 
     def finished(self, request_id: str, prompt: list[int], aborted: bool) -> dict[str, Any] | None:
         """The `kv_transfer_params` a finished request hands on (None: nothing published)."""
+        self._kept.discard(request_id)
         request = self._requests.pop(request_id, None)
         if request is None or not request.published:
             return None

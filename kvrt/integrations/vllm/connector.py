@@ -186,7 +186,10 @@ class KvrtConnector(KVConnectorBase_V1):
         return found, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Plan the load of the tokens counted above into the blocks vLLM allocated."""
+        """Plan the load of the tokens counted above into the blocks vLLM allocated; note a
+        prefill request whose KV a decode instance will take."""
+        if self._prefill is not None:
+            self._prefill.asked(request.request_id, request.kv_transfer_params)
         if self._decode is not None and num_external_tokens > 0:
             (block_ids, *_) = blocks.get_block_ids()
             self._decode.allocated(request.request_id, block_ids, num_external_tokens)
