@@ -4,6 +4,7 @@ blocks its event loop; and a few builders for items."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import os
@@ -63,6 +64,16 @@ async def loop_guard() -> AsyncIterator[None]:
     finally:
         logging.getLogger("asyncio").removeHandler(handler)
     assert not handler.messages, "the event loop was blocked: " + "; ".join(handler.messages)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What the session holds once collected (torch, vLLM's modules, every test item) leaves
+    the garbage collector's view, as vLLM's engine does with what it holds after start-up: a
+    full collection otherwise walks it every few hundred tests, a pause of up to half a second
+    on a 2-core host, long enough to stall a test's loop past its guard or a pair of peers in
+    one process past their heartbeats."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
