@@ -27,6 +27,7 @@ from kvrt._errors import (
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
+    StreamAbortedError,
     TransportUnavailableError,
     VersionMismatchError,
 )
@@ -37,7 +38,7 @@ from kvrt._metrics import register_metrics, serve_metrics
 from kvrt._pools import Layout, PoolGeometry, PoolTable
 from kvrt._producer import Producer, ProducerStats
 from kvrt._settings import consumer_settings, producer_settings
-from kvrt._streams import ConsumerStream, ProducerStream, StreamAbortedError
+from kvrt._streams import ConsumerStream, ProducerStream
 from kvrt._trace import TraceEvent, add_trace_callback, tracing
 
 __version__ = "0.1.0"

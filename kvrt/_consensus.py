@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from kvrt._errors import (
     ClosedError,
+    InvalidInputError,
     KVRTError,
     KVRTTimeoutError,
     PeerLostError,
@@ -112,7 +113,7 @@ class Outcome:
 
     def __post_init__(self) -> None:
         if not 0 <= self.matched_tokens <= MAX_MATCHED_TOKENS:
-            raise ValueError(f"matched_tokens must be in [0, {MAX_MATCHED_TOKENS}], got {self.matched_tokens}")
+            raise InvalidInputError(f"matched_tokens must be in [0, {MAX_MATCHED_TOKENS}], got {self.matched_tokens}")
 
 
 @dataclass(frozen=True, slots=True)

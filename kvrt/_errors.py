@@ -13,7 +13,10 @@ Every error kvrt raises is a `KVRTError`. Subclasses say what happened, not wher
     ├── VersionMismatchError     the peers speak different protocol versions (a ProtocolError)
     ├── CapacityError            a bound was reached: too many tokens, too many waiting requests
     ├── AuthError                the peer is not allowed to talk to this endpoint
-    └── ClosedError              the producer or consumer was closed while the call was pending
+    ├── ClosedError              the producer or consumer was closed while the call was pending
+    ├── NotFoundError            the named item or request does not exist (any more)
+    ├── TransportUnavailableError  the transport chosen cannot work between this pair
+    └── StreamAbortedError       the prefill behind a stream failed; what arrived of it is void
 
 Errors that cross the wire travel as an `ErrorCode` and a message (`kvrt._messages.ErrorReply`);
 `error_from_code` turns them back into the right class on the other side. ZeroMQ errors are
@@ -128,6 +131,10 @@ class TransportUnavailableError(KVRTError):
     same machine, no peer access between the GPUs, or IPC memory that this process cannot
     open). Where another transport was offered, the consumer falls back to it by itself;
     force one with `transport=` to skip the attempt."""
+
+
+class StreamAbortedError(KVRTError):
+    """The prefill behind a stream failed; what arrived of it is void."""
 
 
 _CLASS_FOR_CODE: dict[ErrorCode, type[KVRTError]] = {

@@ -226,10 +226,6 @@ class PoolWriter:
         return self.placement.replicas[:count], self.placement.slots[:count]
 
 
-class StreamAbortedError(KVRTError):
-    """The prefill behind a stream failed; what arrived of it is void."""
-
-
 class ConsumerStream:
     """One request's KV arriving layer by layer. Created by `Consumer.open_stream`."""
 
@@ -309,7 +305,7 @@ class ConsumerStream:
         for its landing. For a reader of the pools: once the layer is written there (GPU: once
         the write is queued, with `stream` made to wait for it)."""
         if not 0 <= index < self.layers:
-            raise IndexError(f"layer {index} of a stream of {self.layers}")
+            raise InvalidInputError(f"layer {index} of a stream of {self.layers}")
         key, value, landed = await asyncio.shield(self._layers[index])  # a cancelled waiter leaves it to others
         if landed is not None:
             (stream if stream is not None else torch.cuda.current_stream(key.device)).wait_event(landed)
@@ -322,7 +318,7 @@ class ConsumerStream:
         for work that waits on it by other means than `layer(i, stream=)` (a CUDA graph's
         stream, another library's). None when the layer is already there (CPU, TCP)."""
         if not 0 <= index < self.layers:
-            raise IndexError(f"layer {index} of a stream of {self.layers}")
+            raise InvalidInputError(f"layer {index} of a stream of {self.layers}")
         _, _, landed = await asyncio.shield(self._layers[index])
         return landed
 

@@ -21,7 +21,7 @@ from typing import Final, Literal
 import numpy as np
 import torch
 
-from kvrt._errors import RemoteProtocolError
+from kvrt._errors import InvalidInputError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, MAX_SEGMENTS, TensorMeta
 
 _WIRE_DTYPE_NAMES: Final = (
@@ -403,7 +403,7 @@ def chunk_plan(
     wire sooner) and the last (`small_last`: it leaves less to scatter once the wire is
     idle). Never more chunks than `MAX_SEGMENTS` allows."""
     if layers_per_chunk < 1:
-        raise ValueError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
+        raise InvalidInputError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
     per_chunk = max(layers_per_chunk, chunked_layers(layers))
     uniform = [(first, min(layers, first + per_chunk)) for first in range(0, layers, per_chunk)]
     edge = per_chunk // 4
@@ -436,9 +436,9 @@ def layer_segments(
     if layers:
         ends = [end for _, end in chunks]
         if not chunks or [first for first, _ in chunks] != [0, *ends[:-1]] or ends[-1] != layers:
-            raise ValueError(f"chunks {list(chunks)} do not tile {layers} layers")
+            raise InvalidInputError(f"chunks {list(chunks)} do not tile {layers} layers")
         if any(end <= first for first, end in chunks):
-            raise ValueError(f"chunks {list(chunks)} include an empty one")
+            raise InvalidInputError(f"chunks {list(chunks)} include an empty one")
     key_layer = _nbytes(key.shape[1:], _dtype_of(key)) if layers else 0
     value_layer = _nbytes(value.shape[1:], _dtype_of(value)) if value.shape and value.shape[0] == layers else 0
     # (offset, chunk), in send order; ends come from the tiling. What precedes the key (the

@@ -19,9 +19,10 @@ from kvrt._errors import (
     KVRTError,
     ProtocolError,
     RemoteProtocolError,
+    StreamAbortedError,
     translate_torch_error,
 )
-from kvrt._streams import ConsumerStream, StreamAbortedError
+from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
 from kvrt._threads import outcome_seen
 from kvrt.transports import Receiver

@@ -31,6 +31,8 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from kvrt._errors import InvalidInputError
+
 log = logging.getLogger("kvrt.integrations.vllm.proxy")
 
 TIMEOUT_S: Final = 600.0
@@ -42,7 +44,7 @@ class Router:
 
     def __init__(self, prefills: Sequence[str], decodes: Sequence[str]) -> None:
         if not prefills or not decodes:
-            raise ValueError("the router needs at least one prefill and one decode instance")
+            raise InvalidInputError("the router needs at least one prefill and one decode instance")
         self.prefills = [url.rstrip("/") for url in prefills]
         self.decodes = [url.rstrip("/") for url in decodes]
         self._next_prefill = itertools.cycle(self.prefills)
