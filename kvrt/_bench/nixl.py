@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import torch
 
-from kvrt._bench.requests import Timed, _table, _timed_pair
+from kvrt._bench._timing import Timed, markdown_table, timed_pair
 
 RATE_GOAL: Final = 0.9
 GOAL_FROM_BYTES: Final = 16 << 20
@@ -263,8 +263,8 @@ def main(args: argparse.Namespace) -> int:
     met_all = True
     for case in QUICK_CASES if args.quick else CASES:
         print(f"{case.label} on {device}: raw NIXL READs, then kvrt", file=sys.stderr, flush=True)
-        raw = _timed_pair(raw_nixl_server, (case.item_bytes, device), _raw_client, case, 1, (device,))  # type: ignore[arg-type]
-        ours = _timed_pair(_kvrt_producer, (case, device), _kvrt_consumer, case, 1, (device,))  # type: ignore[arg-type]
+        raw = timed_pair(raw_nixl_server, (case.item_bytes, device), _raw_client, case, 1, (device,))
+        ours = timed_pair(_kvrt_producer, (case, device), _kvrt_consumer, case, 1, (device,))
         raw_rate = case.item_bytes / (raw.p50_ms() / 1e3)
         ours_rate = case.item_bytes / (ours.p50_ms() / 1e3)
         ratio = ours_rate / raw_rate
@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
                        "kvrt_p50_ms": ours.p50_ms(), "kvrt_p99_ms": ours.p99_ms(), "ratio": ratio})  # fmt: skip
     print(f"kvrt over nixl on {device}, one request at a time, beside raw NIXL READs of the same bytes")
     header = ["request", "raw NIXL READ p50, rate", "kvrt p50 / p99, rate", "kvrt vs raw", "goal", "met"]
-    print(_table(header, rows))
+    print(markdown_table(header, rows))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
     return 0 if met_all or args.quick else 1

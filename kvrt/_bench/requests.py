@@ -30,7 +30,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -40,8 +39,9 @@ from typing import Any, Final
 
 import torch
 
-from kvrt._bench._processes import from_child, join
+from kvrt._bench._timing import Timed, markdown_table, timed_pair
 from kvrt._bench.buffer import run_zmq_ceiling
+from kvrt._bench.nixl import raw_nixl_client, raw_nixl_server
 
 spawn = multiprocessing.get_context("spawn")
 
@@ -62,33 +62,6 @@ class Case:
 
 CASES: Final = (Case("64 KiB", 64 << 10, 3000), Case("562 KiB", 562 << 10, 1500), Case("16 MiB", 16 << 20, 120))
 QUICK_CASES: Final = (Case("64 KiB", 64 << 10, 300), Case("562 KiB", 562 << 10, 150), Case("16 MiB", 16 << 20, 16))
-
-
-@dataclass(frozen=True)
-class Timed:
-    """One path's timed requests: their latencies, the wall time, and each side's CPU time."""
-
-    latencies_s: list[float]
-    wall_s: float
-    consumer_cpu_s: float
-    producer_cpu_s: float = 0.0
-
-    @property
-    def count(self) -> int:
-        return len(self.latencies_s)
-
-    def p50_ms(self) -> float:
-        return statistics.median(self.latencies_s) * 1e3
-
-    def p99_ms(self) -> float:
-        ordered = sorted(self.latencies_s)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
-
-    def per_s(self) -> float:
-        return self.count / self.wall_s
-
-    def cpu_us(self, side: str) -> float:
-        return (self.consumer_cpu_s if side == "consumer" else self.producer_cpu_s) / self.count * 1e6
 
 
 def _one_thread() -> None:
@@ -180,45 +153,9 @@ def _kvrt_consumer(
 
 
 def run_kvrt(case: Case, in_flight: int, transport: str | None = None) -> Timed:
-    return _timed_pair(
+    return timed_pair(
         _kvrt_producer, (case, WARMUP + case.requests, transport), _kvrt_consumer, case, in_flight, (transport,)
     )
-
-
-def _timed_pair(
-    server: Any, server_args: tuple[Any, ...], client: Any, case: Case, in_flight: int,
-    client_args: tuple[Any, ...] = (),
-) -> Timed:
-    """A server process (it sends its endpoint first) and a client process timing its requests
-    to it (see `_timed_client`)."""
-    control, child = spawn.Pipe()
-    process = spawn.Process(target=server, args=(*server_args, child), name="server")
-    process.start()
-    try:
-        endpoint = from_child(control, 600)
-        timed = _timed_client(client, (endpoint, case, in_flight, *client_args), control)
-    finally:
-        control.send("stop")
-        join(process)
-    return timed
-
-
-def _timed_client(target: Any, args: tuple[Any, ...], server: multiprocessing.connection.Connection) -> Timed:
-    """Run a client process: warmed up, then the server's CPU clock is marked and the client
-    times its requests; the server reports its CPU time over them."""
-    client_control, client_child = spawn.Pipe()
-    client = spawn.Process(target=target, args=(*args, client_child), name="client")
-    client.start()
-    try:
-        assert from_child(client_control, 600) == "ready"
-        server.send("mark")
-        client_control.send("go")
-        timed: Timed = from_child(client_control, 600)
-        server.send("done")
-        server_cpu: float = from_child(server, 60)
-    finally:
-        join(client)
-    return Timed(timed.latencies_s, timed.wall_s, timed.consumer_cpu_s, server_cpu)
 
 
 # -- raw ZeroMQ request/reply ------------------------------------------------------------------
@@ -308,23 +245,19 @@ def _raw_client(endpoint: str, case: Case, in_flight: int, control: multiprocess
 
 
 def run_raw_request_reply(case: Case, in_flight: int) -> Timed:
-    return _timed_pair(_raw_server, (case, case.requests), _raw_client, case, in_flight)
+    return timed_pair(_raw_server, (case, case.requests), _raw_client, case, in_flight)
 
 
 # -- raw NIXL READs ----------------------------------------------------------------------------
 
 
 def _raw_nixl_client(endpoint: Any, case: Case, in_flight: int, control: multiprocessing.connection.Connection) -> None:
-    from kvrt._bench.nixl import raw_nixl_client
-
     raw_nixl_client(endpoint, case.item_bytes, case.requests, "cpu", control)
 
 
 def run_raw_nixl(case: Case) -> Timed:
     """Raw NIXL READs of the case's bytes between two host agents (`kvrt._bench.nixl`)."""
-    from kvrt._bench.nixl import raw_nixl_server
-
-    return _timed_pair(raw_nixl_server, (case.item_bytes, "cpu"), _raw_nixl_client, case, 1)
+    return timed_pair(raw_nixl_server, (case.item_bytes, "cpu"), _raw_nixl_client, case, 1)
 
 
 NIXL_RATE_GOAL: Final = 0.9
@@ -344,15 +277,6 @@ def run_push_pull(case: Case) -> float:
 
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join([line(header), "| " + " | ".join("-" * width for width in widths) + " |", *map(line, rows)])
 
 
 ONE_AT_A_TIME_GOAL: Final = 1.5
@@ -421,11 +345,12 @@ def main(args: argparse.Namespace) -> int:
         "item", "in flight", "raw request/reply p50 / p99", "kvrt p50 / p99", "kvrt vs reference", "goal", "met",
         "producer CPU us/req (kvrt / raw)", "consumer CPU us/req (kvrt / raw)",
     ]  # fmt: skip
-    print(_table(header, rows))
+    print(markdown_table(header, rows))
     if nixl_rows:
         print()
-        print(_table(["item", "raw NIXL READ p50 / rate", "kvrt over nixl p50 / rate", "kvrt vs reference", "goal",
-                      "met"], nixl_rows))  # fmt: skip
+        nixl_header = ["item", "raw NIXL READ p50 / rate", "kvrt over nixl p50 / rate", "kvrt vs reference"]
+        nixl_header += ["goal", "met"]
+        print(markdown_table(nixl_header, nixl_rows))
     print("CPU: every thread of each side's process (ZeroMQ's I/O threads included), over the timed requests.")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
