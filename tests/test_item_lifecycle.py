@@ -1,0 +1,228 @@
+"""The producer's item lifecycle, driven at random: a model-based test of `ProducerCore`.
+
+Three consumers say hello, ask (at once, or waiting), confirm, give back, send receipts that
+are stale or not theirs, cancel, fall silent past their lease and leave, while items are
+inserted and time passes. After every step the core must agree with what its consumers saw on
+the wire:
+
+* no item has two holders: an item is buffered, or in flight to one consumer, or taken for
+  good by the one consumer whose receipt the producer accepted;
+* none is lost: every item inserted is in exactly one of those places, and a taken item is
+  never delivered again;
+* a receipt is accepted exactly when it names the item's current delivery (its consumer and
+  lease): a stale one (the lease ended, the item went back) or another consumer's is refused;
+* the buffer's bytes are the sum of the bytes of the items it holds, in flight or not;
+* waiting requests stay within their bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvrt import _messages as m
+from kvrt._buffer import BufferedItem
+from kvrt._item import buffered_item
+from kvrt._protocol import Outgoing, ProducerCore
+
+HEARTBEAT_S = 1.0
+MAX_WAITING = 6
+CONSUMERS = (b"consumer-0", b"consumer-1", b"consumer-2")
+PROMPTS = ([1, 2, 3], [1, 2, 4], [5, 6], [7])
+"""Few and sharing prefixes, so that lookups match and compete."""
+
+consumers = st.sampled_from(CONSUMERS)
+prompts = st.sampled_from(PROMPTS)
+
+
+class ItemLifecycle(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = ProducerCore(producer_id="producer", heartbeat_s=HEARTBEAT_S, max_waiting=MAX_WAITING)
+        self.now = 0.0
+        self.nbytes: dict[int, int] = {}
+        """Every item inserted, and its bytes."""
+        self.taken: dict[int, bytes] = {}
+        """Items whose receipt the producer accepted, and by whom."""
+        self.current: dict[int, tuple[bytes, int]] = {}
+        """Items in flight as the wire says: to whom, under which lease."""
+        self.waiting: dict[bytes, list[int]] = {consumer: [] for consumer in CONSUMERS}
+        self.request_ids = itertools.count(1)
+
+    # -- the wire -------------------------------------------------------------------------
+
+    def send(self, consumer: bytes, message: m.Message) -> list[Outgoing]:
+        outgoing = self.core.receive(consumer, m.encode(message), 0, self.now)
+        self.seen(outgoing)
+        return outgoing
+
+    def seen(self, outgoing: list[Outgoing]) -> None:
+        """What the producer sent; a consumer that left has what it held voided first."""
+        for departure in self.core.take_departed():
+            self.void(departure.peer)
+        for out in outgoing:
+            message = out.message
+            if isinstance(message, m.Deliver):
+                assert message.item_id not in self.taken, f"item {message.item_id} delivered again after it was taken"
+                holder = self.current.get(message.item_id)
+                assert holder is None, f"item {message.item_id} delivered to {out.peer!r} while {holder} holds it"
+                self.current[message.item_id] = (out.peer, message.lease)
+                self.answered(out.peer, message.request_id)
+            elif isinstance(message, m.Miss | m.ErrorReply):
+                self.answered(out.peer, message.request_id)
+
+    def answered(self, consumer: bytes, request_id: int | None) -> None:
+        if request_id is not None and request_id in self.waiting[consumer]:
+            self.waiting[consumer].remove(request_id)
+
+    def void(self, consumer: bytes) -> None:
+        for item_id, (holder, _) in list(self.current.items()):
+            if holder == consumer:
+                del self.current[item_id]
+        self.waiting[consumer].clear()
+
+    def held_by(self, consumer: bytes) -> list[tuple[int, int]]:
+        return sorted((item_id, lease) for item_id, (holder, lease) in self.current.items() if holder == consumer)
+
+    # -- what consumers and the producer do --------------------------------------------------
+
+    @initialize()
+    def all_connect(self) -> None:
+        for consumer in CONSUMERS:
+            self.hello(consumer)
+
+    def hello(self, consumer: bytes) -> None:
+        self.send(consumer, m.Hello(version=m.PROTOCOL_VERSION, name=consumer.decode(), capabilities=["tcp"]))
+
+    @rule(consumer=consumers, how=st.sampled_from(["hello", "bye"]))
+    def session_ends(self, consumer: bytes, how: str) -> None:
+        """A consumer that says hello again starts a new session (a reconnect, a restart) and
+        one that says bye leaves: either way, what its old session held goes back."""
+        if how == "hello":
+            self.hello(consumer)
+        else:
+            self.send(consumer, m.Bye(reason="closing"))
+            self.void(consumer)
+
+    @rule(prompt=prompts)
+    def insert(self, prompt: list[int]) -> None:
+        key = torch.zeros((1, len(prompt), 1, 2), dtype=torch.float16)
+        item: BufferedItem = buffered_item(
+            (torch.tensor(prompt, dtype=torch.int64), None, key, key, None), torch.device("cpu"),
+            item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
+        )  # fmt: skip
+        self.nbytes[item.item_id] = item.nbytes
+        self.seen(self.core.insert(item, self.now))
+
+    @rule(consumer=consumers, prompt=prompts)
+    def insert_then_ask(self, consumer: bytes, prompt: list[int]) -> None:
+        """The common case, made likelier: a prefill's KV, then its decode's lookup."""
+        self.insert(prompt)
+        self.drop_select(consumer, prompt, 0.0)
+
+    @rule(consumer=consumers, prompt=st.none() | prompts, timeout_s=st.sampled_from([0.0, 0.5, 5.0, None]))
+    def drop_select(self, consumer: bytes, prompt: list[int] | None, timeout_s: float | None) -> None:
+        request_id = next(self.request_ids)
+        tokens = None if prompt is None else m.tokens_to_bytes(np.array(prompt))
+        if timeout_s != 0.0:
+            self.waiting[consumer].append(request_id)
+        self.send(consumer, m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s))
+
+    @rule(consumer=consumers, data=st.data())
+    def cancel(self, consumer: bytes, data: st.DataObject) -> None:
+        if self.waiting[consumer]:
+            request_id = data.draw(st.sampled_from(self.waiting[consumer]))
+            self.send(consumer, m.Cancel(request_id=request_id))
+
+    @rule(consumer=consumers, data=st.data())
+    def confirm(self, consumer: bytes, data: st.DataObject) -> None:
+        held = self.held_by(consumer)
+        if not held:
+            return
+        item_id, lease = data.draw(st.sampled_from(held))
+        self.receipt(consumer, item_id, lease, good=True)
+
+    @rule(consumer=consumers, data=st.data())
+    def stale_or_foreign_receipt(self, consumer: bytes, data: st.DataObject) -> None:
+        """A receipt naming a delivery that is not this consumer's current one."""
+        if not self.nbytes:
+            return
+        item_id = data.draw(st.sampled_from(sorted(self.nbytes)))
+        lease = data.draw(st.integers(1, 40))
+        if self.current.get(item_id) == (consumer, lease):
+            return
+        self.receipt(consumer, item_id, lease, good=False)
+
+    def receipt(self, consumer: bytes, item_id: int, lease: int, *, good: bool) -> None:
+        self.send(consumer, m.Received(item_ids=[item_id], leases=[lease]))
+        gone = item_id not in self.buffered() and item_id not in self.in_flight()
+        if good and self.current.get(item_id) == (consumer, lease):
+            assert gone, f"a receipt of item {item_id}'s current delivery was refused"
+            del self.current[item_id]
+            self.taken[item_id] = consumer
+        elif item_id not in self.taken:
+            assert not gone, f"a receipt of item {item_id} that is not its current delivery took it"
+
+    @rule(consumer=consumers, data=st.data())
+    def give_back(self, consumer: bytes, data: st.DataObject) -> None:
+        held = self.held_by(consumer)
+        if not held:
+            return
+        item_id, lease = data.draw(st.sampled_from(held))
+        del self.current[item_id]
+        self.send(consumer, m.Release(item_id=item_id, lease=lease))
+
+    @rule(consumer=consumers)
+    def ping(self, consumer: bytes) -> None:
+        self.send(consumer, m.Ping())
+
+    @rule(seconds=st.sampled_from([0.1, 0.1, 0.1, 0.6, 0.6, 2.0, 4.5]))
+    def time_passes(self, seconds: float) -> None:
+        """Past the lease (`HEARTBEAT_MISSES` heartbeats), a silent consumer is forgotten and
+        what it held goes back; waiting requests reach their deadline."""
+        self.now += seconds
+        self.seen(self.core.expire(self.now))
+
+    # -- what must hold after every step ----------------------------------------------------
+
+    def buffered(self) -> set[int]:
+        return {item.item_id for item in self.core.buffer.items()}
+
+    def in_flight(self) -> dict[int, bytes]:
+        """The core's own record of what is in flight to whom (its peers' state)."""
+        in_flight: dict[int, bytes] = {}
+        for identity, peer in self.core._peers.items():
+            for item_id in peer.in_flight:
+                assert item_id not in in_flight, f"item {item_id} in flight to {identity!r} and {in_flight[item_id]!r}"
+                in_flight[item_id] = identity
+        return in_flight
+
+    @invariant()
+    def every_item_is_in_exactly_one_place(self) -> None:
+        buffered, in_flight = self.buffered(), self.in_flight()
+        assert not buffered & in_flight.keys(), "an item in flight is buffered too"
+        assert not (buffered | in_flight.keys()) & self.taken.keys(), "a taken item is still held"
+        lost = self.nbytes.keys() - buffered - in_flight.keys() - self.taken.keys()
+        assert not lost, f"items {sorted(lost)} are nowhere"
+        assert {item_id: holder for item_id, (holder, _) in self.current.items()} == in_flight
+        for item_id, (holder, lease) in self.current.items():
+            assert self.core._peers[holder].in_flight[item_id].lease == lease
+
+    @invariant()
+    def the_buffers_bytes_are_its_items(self) -> None:
+        held = sum(self.nbytes[item_id] for peer in self.core._peers.values() for item_id in peer.in_flight)
+        buffered = sum(item.nbytes for item in self.core.buffer.items())
+        assert self.core.buffer.nbytes == buffered + held
+
+    @invariant()
+    def waiting_requests_are_bounded(self) -> None:
+        assert self.core.waiting_count <= MAX_WAITING
+
+
+ItemLifecycle.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+test_the_item_lifecycle = ItemLifecycle.TestCase
