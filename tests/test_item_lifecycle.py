@@ -13,6 +13,10 @@ the wire:
   lease): a stale one (the lease ended, the item went back) or another consumer's is refused;
 * the buffer's bytes are the sum of the bytes of the items it holds, in flight or not;
 * waiting requests stay within their bound.
+
+Consumers also ask for pieces (a head range, two readers an item, as two decode ranks of
+another TP size): a consumer holds at most one piece of an item, an item whose pieces are
+out is never delivered whole, and it leaves once both readers confirmed theirs.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
+from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item
-from kvrt._protocol import Outgoing, ProducerCore
+from kvrt._protocol import Outgoing, PieceAsked, ProducerCore
 
 HEARTBEAT_S = 1.0
 MAX_WAITING = 6
@@ -36,14 +41,25 @@ CONSUMERS = (b"consumer-0", b"consumer-1", b"consumer-2")
 PROMPTS = ([1, 2, 3], [1, 2, 4], [5, 6], [7])
 """Few and sharing prefixes, so that lookups match and compete."""
 
+HEADS = 2
+READERS = 2
+"""Pieces: one head each, of items with two."""
+
 consumers = st.sampled_from(CONSUMERS)
 prompts = st.sampled_from(PROMPTS)
+head_ranges = st.sampled_from([(0, 1), (1, 2)])
+
+
+def cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
+    piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=None)
+    fill_piece(piece, item)
+    return piece
 
 
 class ItemLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.core = ProducerCore(producer_id="producer", heartbeat_s=HEARTBEAT_S, max_waiting=MAX_WAITING)
+        self.core = ProducerCore(producer_id="producer", heartbeat_s=HEARTBEAT_S, max_waiting=MAX_WAITING, cut=cut)
         self.now = 0.0
         self.nbytes: dict[int, int] = {}
         """Every item inserted, and its bytes."""
@@ -51,6 +67,10 @@ class ItemLifecycle(RuleBasedStateMachine):
         """Items whose receipt the producer accepted, and by whom."""
         self.current: dict[int, tuple[bytes, int]] = {}
         """Items in flight as the wire says: to whom, under which lease."""
+        self.parent: dict[int, int] = {}
+        """Pieces delivered, and the item each is a piece of."""
+        self.readers: dict[int, set[bytes]] = {}
+        """Per item, the consumers that hold or confirmed a piece of it."""
         self.waiting: dict[bytes, list[int]] = {consumer: [] for consumer in CONSUMERS}
         self.request_ids = itertools.count(1)
 
@@ -71,7 +91,16 @@ class ItemLifecycle(RuleBasedStateMachine):
                 assert message.item_id not in self.taken, f"item {message.item_id} delivered again after it was taken"
                 holder = self.current.get(message.item_id)
                 assert holder is None, f"item {message.item_id} delivered to {out.peer!r} while {holder} holds it"
+                assert not self.readers.get(message.item_id), f"item {message.item_id} delivered whole, its pieces out"
                 self.current[message.item_id] = (out.peer, message.lease)
+                assert out.item is not None
+                if out.item.parent is not None:
+                    item_id = out.item.parent.item_id
+                    readers = self.readers.setdefault(item_id, set())
+                    assert out.peer not in readers, f"{out.peer!r} got a second piece of item {item_id}"
+                    assert len(readers) < READERS, f"item {item_id} cut into more than {READERS} pieces"
+                    readers.add(out.peer)
+                    self.parent[message.item_id] = item_id
                 self.answered(out.peer, message.request_id)
             elif isinstance(message, m.Miss | m.ErrorReply):
                 self.answered(out.peer, message.request_id)
@@ -83,8 +112,14 @@ class ItemLifecycle(RuleBasedStateMachine):
     def void(self, consumer: bytes) -> None:
         for item_id, (holder, _) in list(self.current.items()):
             if holder == consumer:
-                del self.current[item_id]
+                self.back(item_id)
         self.waiting[consumer].clear()
+
+    def back(self, item_id: int) -> None:
+        """A delivery went back (given back, or its consumer left); a piece frees its reader's place."""
+        holder, _ = self.current.pop(item_id)
+        if item_id in self.parent:
+            self.readers[self.parent[item_id]].discard(holder)
 
     def held_by(self, consumer: bytes) -> list[tuple[int, int]]:
         return sorted((item_id, lease) for item_id, (holder, lease) in self.current.items() if holder == consumer)
@@ -111,7 +146,7 @@ class ItemLifecycle(RuleBasedStateMachine):
 
     @rule(prompt=prompts)
     def insert(self, prompt: list[int]) -> None:
-        key = torch.zeros((1, len(prompt), 1, 2), dtype=torch.float16)
+        key = torch.zeros((1, len(prompt), HEADS, 2), dtype=torch.float16)
         item: BufferedItem = buffered_item(
             (torch.tensor(prompt, dtype=torch.int64), None, key, key, None), torch.device("cpu"),
             item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
@@ -132,6 +167,19 @@ class ItemLifecycle(RuleBasedStateMachine):
         if timeout_s != 0.0:
             self.waiting[consumer].append(request_id)
         self.send(consumer, m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s))
+
+    @rule(consumer=consumers, prompt=st.none() | prompts, heads=head_ranges, timeout_s=st.sampled_from([0.0, 5.0]))
+    def ask_for_a_piece(
+        self, consumer: bytes, prompt: list[int] | None, heads: tuple[int, int], timeout_s: float
+    ) -> None:
+        request_id = next(self.request_ids)
+        tokens = None if prompt is None else m.tokens_to_bytes(np.array(prompt))
+        if timeout_s != 0.0:
+            self.waiting[consumer].append(request_id)
+        asked = m.DropSelect(
+            request_id=request_id, tokens=tokens, timeout_s=timeout_s, heads=m.HeadRange(*heads), readers=READERS
+        )
+        self.send(consumer, asked)
 
     @rule(consumer=consumers, data=st.data())
     def cancel(self, consumer: bytes, data: st.DataObject) -> None:
@@ -160,11 +208,14 @@ class ItemLifecycle(RuleBasedStateMachine):
 
     def receipt(self, consumer: bytes, item_id: int, lease: int, *, good: bool) -> None:
         self.send(consumer, m.Received(item_ids=[item_id], leases=[lease]))
-        gone = item_id not in self.buffered() and item_id not in self.in_flight()
+        gone = item_id not in self.buffered() | self.in_flight().keys() | self.cut_and_out()
         if good and self.current.get(item_id) == (consumer, lease):
             assert gone, f"a receipt of item {item_id}'s current delivery was refused"
             del self.current[item_id]
             self.taken[item_id] = consumer
+            whole = self.parent.get(item_id)
+            if whole is not None and sum(self.parent.get(taken) == whole for taken in self.taken) == READERS:
+                self.taken[whole] = consumer  # its last piece: the item leaves
         elif item_id not in self.taken:
             assert not gone, f"a receipt of item {item_id} that is not its current delivery took it"
 
@@ -174,7 +225,7 @@ class ItemLifecycle(RuleBasedStateMachine):
         if not held:
             return
         item_id, lease = data.draw(st.sampled_from(held))
-        del self.current[item_id]
+        self.back(item_id)
         self.send(consumer, m.Release(item_id=item_id, lease=lease))
 
     @rule(consumer=consumers)
@@ -207,17 +258,30 @@ class ItemLifecycle(RuleBasedStateMachine):
         buffered, in_flight = self.buffered(), self.in_flight()
         assert not buffered & in_flight.keys(), "an item in flight is buffered too"
         assert not (buffered | in_flight.keys()) & self.taken.keys(), "a taken item is still held"
-        lost = self.nbytes.keys() - buffered - in_flight.keys() - self.taken.keys()
+        lost = self.nbytes.keys() - buffered - in_flight.keys() - self.taken.keys() - self.cut_and_out()
         assert not lost, f"items {sorted(lost)} are nowhere"
         assert {item_id: holder for item_id, (holder, _) in self.current.items()} == in_flight
         for item_id, (holder, lease) in self.current.items():
             assert self.core._peers[holder].in_flight[item_id].lease == lease
 
+    def cut_and_out(self) -> set[int]:
+        """Items not buffered (every reader holds or confirmed a piece) but not taken: held
+        for their pieces."""
+        return {
+            item_id for item_id, readers in self.readers.items()
+            if len(readers) == READERS and item_id not in self.taken and item_id not in self.buffered()
+        }  # fmt: skip
+
     @invariant()
     def the_buffers_bytes_are_its_items(self) -> None:
-        held = sum(self.nbytes[item_id] for peer in self.core._peers.values() for item_id in peer.in_flight)
+        pieces = {item.item_id: item.nbytes for item in self.pieces_in_flight()}
+        held = sum(pieces.get(item_id) or self.nbytes[item_id] for item_id in self.in_flight())
         buffered = sum(item.nbytes for item in self.core.buffer.items())
-        assert self.core.buffer.nbytes == buffered + held
+        waiting_for_pieces = sum(self.nbytes[item_id] for item_id in self.cut_and_out())
+        assert self.core.buffer.nbytes == buffered + held + waiting_for_pieces
+
+    def pieces_in_flight(self) -> list[BufferedItem]:
+        return [item for peer in self.core._peers.values() for item in peer.in_flight.values() if item.parent]
 
     @invariant()
     def waiting_requests_are_bounded(self) -> None:
