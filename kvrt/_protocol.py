@@ -730,14 +730,19 @@ class ProducerCore:
         """Receipts: the items are delivered for good. `quiet`: receipts repeated by a hello,
         some of them read before: no refusal for those."""
         state = self._peers[peer]
-        unknown = []
+        unknown, open_streams = [], []
         for index, item_id in enumerate(item_ids):
             item = state.in_flight.get(item_id)
             if item is None or (index < len(leases) and leases[index] != item.lease):
                 unknown.append(item_id)  # a receipt whose lease ended: the item went back
                 continue
+            if item.stream is not None:
+                # A stream is confirmed after its end (then its whole item is in flight): before
+                # it, its prefill still publishes into it and would grow what was freed.
+                open_streams.append(item_id)
+                continue
             self._take_back(state, item_id)
-            (self.streams if item.stream is not None else self.buffer).forget(item)
+            self.buffer.forget(item)
             if item.parent is not None:
                 self._piece_confirmed(item.parent)
             self.counters.delivered_items += 1
@@ -746,6 +751,9 @@ class ProducerCore:
         if unknown and not quiet:
             text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
             out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
+        if open_streams and not quiet:
+            text = f"streams {open_streams} have not ended: a stream is confirmed after its stream_end"
+            out.append(self._refuse(peer, None, ErrorCode.PROTOCOL, text))
         return out
 
     def _on_release(self, peer: bytes, item_id: int, lease: int, now: float) -> list[Outgoing]:

@@ -16,7 +16,9 @@ the wire:
 
 Consumers also ask for pieces (a head range, two readers an item, as two decode ranks of
 another TP size): a consumer holds at most one piece of an item, an item whose pieces are
-out is never delivered whole, and it leaves once both readers confirmed theirs.
+out is never delivered whole, and it leaves once both readers confirmed theirs. Prefills
+stream too (a stream opened, its layers published, finished or aborted): a streaming lookup
+takes an open stream as its one reader, and a finished stream is an item like the others.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, StreamState
 from kvrt._heads import fill_piece, piece_of
-from kvrt._item import buffered_item
+from kvrt._item import buffered_item, item_from_tokens, pack
 from kvrt._protocol import Outgoing, PieceAsked, ProducerCore
 
 HEARTBEAT_S = 1.0
@@ -41,6 +43,8 @@ CONSUMERS = (b"consumer-0", b"consumer-1", b"consumer-2")
 PROMPTS = ([1, 2, 3], [1, 2, 4], [5, 6], [7])
 """Few and sharing prefixes, so that lookups match and compete."""
 
+LAYERS = 2
+"""Of a streamed prefill."""
 HEADS = 2
 READERS = 2
 """Pieces: one head each, of items with two."""
@@ -71,6 +75,10 @@ class ItemLifecycle(RuleBasedStateMachine):
         """Pieces delivered, and the item each is a piece of."""
         self.readers: dict[int, set[bytes]] = {}
         """Per item, the consumers that hold or confirmed a piece of it."""
+        self.streams: dict[int, BufferedItem] = {}
+        """Streams open (their prefill still publishing)."""
+        self.aborted: set[int] = set()
+        """Streams whose prefill failed: gone, not lost."""
         self.waiting: dict[bytes, list[int]] = {consumer: [] for consumer in CONSUMERS}
         self.request_ids = itertools.count(1)
 
@@ -102,6 +110,12 @@ class ItemLifecycle(RuleBasedStateMachine):
                     readers.add(out.peer)
                     self.parent[message.item_id] = item_id
                 self.answered(out.peer, message.request_id)
+            elif isinstance(message, m.StreamStart):
+                assert message.item_id not in self.taken and message.item_id not in self.current
+                self.current[message.item_id] = (out.peer, message.lease)
+                self.answered(out.peer, message.request_id)
+            elif isinstance(message, m.StreamAbort):
+                assert self.current.pop(message.item_id)[0] == out.peer
             elif isinstance(message, m.Miss | m.ErrorReply):
                 self.answered(out.peer, message.request_id)
 
@@ -168,6 +182,56 @@ class ItemLifecycle(RuleBasedStateMachine):
             self.waiting[consumer].append(request_id)
         self.send(consumer, m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s))
 
+    @rule(consumer=consumers, prompt=prompts, timeout_s=st.sampled_from([0.0, 5.0]))
+    def open_stream_lookup(self, consumer: bytes, prompt: list[int], timeout_s: float) -> None:
+        """A decode that takes a prefill layer by layer, while it is still running if it is."""
+        request_id = next(self.request_ids)
+        if timeout_s != 0.0:
+            self.waiting[consumer].append(request_id)
+        tokens = m.tokens_to_bytes(np.array(prompt))
+        self.send(consumer, m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s, stream=True))
+
+    @rule(prompt=prompts)
+    def open_stream(self, prompt: list[int]) -> None:
+        packed = pack((torch.tensor(prompt, dtype=torch.int64), None), torch.device("cpu"))
+        item = item_from_tokens(packed, item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq())
+        item.stream = StreamState(LAYERS)
+        self.streams[item.item_id] = item
+        self.nbytes[item.item_id] = 0  # counted once finished (see `the_buffers_bytes_are_its_items`)
+        self.seen(self.core.open_stream(item, self.now))
+
+    @rule(data=st.data())
+    def publish_a_layer(self, data: st.DataObject) -> None:
+        open_streams = [item for item in self.streams.values() if item.stream and len(item.stream.keys) < LAYERS]
+        if not open_streams:
+            return
+        item = data.draw(st.sampled_from(open_streams))
+        layer = torch.zeros((len(item.masked_tokens), HEADS, 2), dtype=torch.float16)
+        self.seen(self.core.stream_layer(item, layer, layer.clone()))
+
+    @rule(data=st.data(), how=st.sampled_from(["finish", "finish", "abort"]))
+    def stream_ends(self, data: st.DataObject, how: str) -> None:
+        """A prefill's last layer was published and it finishes, or it fails and aborts."""
+        if not self.streams:
+            return
+        item_id = data.draw(st.sampled_from(sorted(self.streams)))
+        item = self.streams[item_id]
+        assert item.stream is not None
+        if how == "abort":
+            del self.streams[item_id]
+            self.aborted.add(item_id)
+            self.seen(self.core.abort_stream(item, "the prefill failed"))
+            return
+        if len(item.stream.keys) < LAYERS:
+            return
+        del self.streams[item_id]
+        key = torch.stack(item.stream.keys)
+        whole = buffered_item(
+            (item.input_tokens, None, key, key.clone(), None), torch.device("cpu"), item_id=item_id, seq=item.seq
+        )
+        self.nbytes[item_id] = whole.nbytes
+        self.seen(self.core.finish_stream(item, whole, self.now))
+
     @rule(consumer=consumers, prompt=st.none() | prompts, heads=head_ranges, timeout_s=st.sampled_from([0.0, 5.0]))
     def ask_for_a_piece(
         self, consumer: bytes, prompt: list[int] | None, heads: tuple[int, int], timeout_s: float
@@ -209,14 +273,16 @@ class ItemLifecycle(RuleBasedStateMachine):
     def receipt(self, consumer: bytes, item_id: int, lease: int, *, good: bool) -> None:
         self.send(consumer, m.Received(item_ids=[item_id], leases=[lease]))
         gone = item_id not in self.buffered() | self.in_flight().keys() | self.cut_and_out()
-        if good and self.current.get(item_id) == (consumer, lease):
+        if item_id in self.streams:  # not ended: a stream is confirmed after its end
+            assert not gone, f"a receipt of open stream {item_id} took it"
+        elif good and self.current.get(item_id) == (consumer, lease):
             assert gone, f"a receipt of item {item_id}'s current delivery was refused"
             del self.current[item_id]
             self.taken[item_id] = consumer
             whole = self.parent.get(item_id)
             if whole is not None and sum(self.parent.get(taken) == whole for taken in self.taken) == READERS:
                 self.taken[whole] = consumer  # its last piece: the item leaves
-        elif item_id not in self.taken:
+        elif item_id not in self.taken and item_id not in self.aborted:
             assert not gone, f"a receipt of item {item_id} that is not its current delivery took it"
 
     @rule(consumer=consumers, data=st.data())
@@ -242,7 +308,8 @@ class ItemLifecycle(RuleBasedStateMachine):
     # -- what must hold after every step ----------------------------------------------------
 
     def buffered(self) -> set[int]:
-        return {item.item_id for item in self.core.buffer.items()}
+        """Items and open streams no consumer holds."""
+        return {item.item_id for item in self.core.buffer.items() + self.core.streams.items()}
 
     def in_flight(self) -> dict[int, bytes]:
         """The core's own record of what is in flight to whom (its peers' state)."""
@@ -258,7 +325,8 @@ class ItemLifecycle(RuleBasedStateMachine):
         buffered, in_flight = self.buffered(), self.in_flight()
         assert not buffered & in_flight.keys(), "an item in flight is buffered too"
         assert not (buffered | in_flight.keys()) & self.taken.keys(), "a taken item is still held"
-        lost = self.nbytes.keys() - buffered - in_flight.keys() - self.taken.keys() - self.cut_and_out()
+        assert not (buffered | in_flight.keys()) & self.aborted, "an aborted stream is still held"
+        lost = self.nbytes.keys() - buffered - in_flight.keys() - self.taken.keys() - self.cut_and_out() - self.aborted
         assert not lost, f"items {sorted(lost)} are nowhere"
         assert {item_id: holder for item_id, (holder, _) in self.current.items()} == in_flight
         for item_id, (holder, lease) in self.current.items():
@@ -275,10 +343,14 @@ class ItemLifecycle(RuleBasedStateMachine):
     @invariant()
     def the_buffers_bytes_are_its_items(self) -> None:
         pieces = {item.item_id: item.nbytes for item in self.pieces_in_flight()}
-        held = sum(pieces.get(item_id) or self.nbytes[item_id] for item_id in self.in_flight())
+        open_streams = {item_id for item_id, item in self.streams.items() if item.stream is not None}
+        held = sum(pieces.get(item_id) or self.nbytes[item_id] for item_id in self.in_flight().keys() - open_streams)
         buffered = sum(item.nbytes for item in self.core.buffer.items())
         waiting_for_pieces = sum(self.nbytes[item_id] for item_id in self.cut_and_out())
         assert self.core.buffer.nbytes == buffered + held + waiting_for_pieces
+        # An open stream's bytes are its tokens and its layers so far, held or not.
+        streamed = sum(item.nbytes for item in self.streams.values())
+        assert self.core.streams.nbytes == streamed
 
     def pieces_in_flight(self) -> list[BufferedItem]:
         return [item for peer in self.core._peers.values() for item in peer.in_flight.values() if item.parent]
@@ -288,5 +360,5 @@ class ItemLifecycle(RuleBasedStateMachine):
         assert self.core.waiting_count <= MAX_WAITING
 
 
-ItemLifecycle.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+ItemLifecycle.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 test_the_item_lifecycle = ItemLifecycle.TestCase
