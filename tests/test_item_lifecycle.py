@@ -1,8 +1,8 @@
 """The producer's item lifecycle, driven at random: a model-based test of `ProducerCore`.
 
-Three consumers say hello, ask (at once, or waiting), confirm, give back, send receipts that
-are stale or not theirs, cancel, fall silent past their lease and leave, while items are
-inserted and time passes. After every step the core must agree with what its consumers saw on
+Three consumers say hello, ask (at once, waiting, or a step's lookups in one batch), confirm,
+give back, send receipts that are stale or not theirs, cancel, fall silent past their lease
+and leave, while items are inserted and time passes. After every step the core must agree with what its consumers saw on
 the wire:
 
 * no item has two holders: an item is buffered, or in flight to one consumer, or taken for
@@ -103,13 +103,17 @@ class ItemLifecycle(RuleBasedStateMachine):
                 self.current[message.item_id] = (out.peer, message.lease)
                 assert out.item is not None
                 if out.item.parent is not None:
-                    item_id = out.item.parent.item_id
-                    readers = self.readers.setdefault(item_id, set())
-                    assert out.peer not in readers, f"{out.peer!r} got a second piece of item {item_id}"
-                    assert len(readers) < READERS, f"item {item_id} cut into more than {READERS} pieces"
-                    readers.add(out.peer)
-                    self.parent[message.item_id] = item_id
+                    self.took_a_piece(out.peer, out.item.parent.item_id, message.item_id)
                 self.answered(out.peer, message.request_id)
+            elif isinstance(message, m.DeliverMany):
+                for hit in message.hits:
+                    if hit is not None:
+                        assert hit.item_id not in self.taken, f"item {hit.item_id} delivered again after it was taken"
+                        assert hit.item_id not in self.current, f"item {hit.item_id} in a batch while it is held"
+                        self.current[hit.item_id] = (out.peer, hit.lease)
+                        for piece in out.items:
+                            if piece.item_id == hit.item_id and piece.parent is not None:
+                                self.took_a_piece(out.peer, piece.parent.item_id, hit.item_id)
             elif isinstance(message, m.StreamStart):
                 assert message.item_id not in self.taken and message.item_id not in self.current
                 self.current[message.item_id] = (out.peer, message.lease)
@@ -118,6 +122,13 @@ class ItemLifecycle(RuleBasedStateMachine):
                 assert self.current.pop(message.item_id)[0] == out.peer
             elif isinstance(message, m.Miss | m.ErrorReply):
                 self.answered(out.peer, message.request_id)
+
+    def took_a_piece(self, consumer: bytes, item_id: int, piece_id: int) -> None:
+        readers = self.readers.setdefault(item_id, set())
+        assert consumer not in readers, f"{consumer!r} got a second piece of item {item_id}"
+        assert len(readers) < READERS, f"item {item_id} cut into more than {READERS} pieces"
+        readers.add(consumer)
+        self.parent[piece_id] = item_id
 
     def answered(self, consumer: bytes, request_id: int | None) -> None:
         if request_id is not None and request_id in self.waiting[consumer]:
@@ -181,6 +192,19 @@ class ItemLifecycle(RuleBasedStateMachine):
         if timeout_s != 0.0:
             self.waiting[consumer].append(request_id)
         self.send(consumer, m.DropSelect(request_id=request_id, tokens=tokens, timeout_s=timeout_s))
+
+    @rule(
+        consumer=consumers, asked=st.lists(st.none() | prompts, min_size=1, max_size=4),
+        heads=st.none() | head_ranges,
+    )  # fmt: skip
+    def drop_select_many(self, consumer: bytes, asked: list[list[int] | None], heads: tuple[int, int] | None) -> None:
+        """A scheduler step's lookups in one request (whole items, or a piece of each)."""
+        queries = [None if prompt is None else m.tokens_to_bytes(np.array(prompt)) for prompt in asked]
+        batch = m.DropSelectMany(
+            request_id=next(self.request_ids), queries=queries,
+            heads=None if heads is None else m.HeadRange(*heads), readers=1 if heads is None else READERS,
+        )  # fmt: skip
+        self.send(consumer, batch)
 
     @rule(consumer=consumers, prompt=prompts, timeout_s=st.sampled_from([0.0, 5.0]))
     def open_stream_lookup(self, consumer: bytes, prompt: list[int], timeout_s: float) -> None:
