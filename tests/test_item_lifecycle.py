@@ -275,13 +275,18 @@ class ItemLifecycle(RuleBasedStateMachine):
             request_id = data.draw(st.sampled_from(self.waiting[consumer]))
             self.send(consumer, m.Cancel(request_id=request_id))
 
-    @rule(consumer=consumers, data=st.data())
-    def confirm(self, consumer: bytes, data: st.DataObject) -> None:
+    @rule(consumer=consumers, data=st.data(), keep=st.booleans())
+    def settle(self, consumer: bytes, data: st.DataObject, keep: bool) -> None:
+        """A consumer confirms (keeps) or gives back one of the deliveries it holds."""
         held = self.held_by(consumer)
         if not held:
             return
         item_id, lease = data.draw(st.sampled_from(held))
-        self.receipt(consumer, item_id, lease, good=True)
+        if keep:
+            self.receipt(consumer, item_id, lease, good=True)
+        else:
+            self.back(item_id)
+            self.send(consumer, m.Release(item_id=item_id, lease=lease))
 
     @rule(consumer=consumers, data=st.data())
     def stale_or_foreign_receipt(self, consumer: bytes, data: st.DataObject) -> None:
@@ -308,15 +313,6 @@ class ItemLifecycle(RuleBasedStateMachine):
                 self.taken[whole] = consumer  # its last piece: the item leaves
         elif item_id not in self.taken and item_id not in self.aborted:
             assert not gone, f"a receipt of item {item_id} that is not its current delivery took it"
-
-    @rule(consumer=consumers, data=st.data())
-    def give_back(self, consumer: bytes, data: st.DataObject) -> None:
-        held = self.held_by(consumer)
-        if not held:
-            return
-        item_id, lease = data.draw(st.sampled_from(held))
-        self.back(item_id)
-        self.send(consumer, m.Release(item_id=item_id, lease=lease))
 
     @rule(consumer=consumers)
     def ping(self, consumer: bytes) -> None:
