@@ -11,7 +11,9 @@ For each `POST /v1/completions` or `/v1/chat/completions`:
    forward pass computes the prompt and kvrt publishes the KV;
 2. the body goes to a decode instance (in turn) with the prefill's `kv_transfer_params`; its
    answer (streamed or not) is the client's. A prefill that fails or gives no params leaves
-   the decode to compute the prompt itself: the client gets its answer all the same.
+   the decode to compute the prompt itself: the client gets its answer all the same. A
+   decode that fails before it answers (gone, refusing, disconnecting) is a 502 with an
+   OpenAI-style error naming it; one that fails mid-answer closes the client's connection.
 
 `GET /v1/models` and `GET /health` are the decode instances' (the first one's). A client that
 leaves mid-request closes the decode's request too (vLLM aborts it and the connector releases
@@ -91,15 +93,22 @@ class Router:
         params = await self.prefill(request.path, body)
         decode_body = {**body, "kv_transfer_params": params} if params else dict(body)
         url = next(self._next_decode) + request.path
-        async with self.session.post(url, json=decode_body) as answer:
-            response = web.StreamResponse(
-                status=answer.status, headers={"Content-Type": answer.headers.get("Content-Type", "application/json")}
-            )
-            await response.prepare(request)
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+        response: web.StreamResponse | None = None
+        try:
+            async with self.session.post(url, json=decode_body) as answer:
+                content_type = answer.headers.get("Content-Type", "application/json")
+                response = web.StreamResponse(status=answer.status, headers={"Content-Type": content_type})
+                await response.prepare(request)
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("decode at %s failed (%s: %s)", url, type(exc).__name__, exc)
+            if response is not None:
+                raise  # its status went out already: the connection closes, the client sees the body cut short
+            message = f"the decode instance at {url} failed: {type(exc).__name__}: {exc}"
+            return web.json_response({"error": {"message": message}}, status=502)
 
     async def forward_get(self, request: web.Request) -> web.Response:
         async with self.session.get(self.decodes[0] + request.path) as answer:

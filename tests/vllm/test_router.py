@@ -1,0 +1,82 @@
+"""kvrt's router in front of instances that misbehave: an error the client can read, and the
+router goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import aiohttp
+from aiohttp import web
+
+from kvrt.integrations.vllm.proxy import application
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def instance(completions: Handler) -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def prefilled(request: web.Request) -> web.Response:
+    return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {"kvrt_endpoint": "tcp://x:1"}})
+
+
+async def answered(request: web.Request) -> web.Response:
+    body = await request.json()
+    return web.json_response({"choices": [{"text": "ok"}], "asked": body.get("kv_transfer_params")})
+
+
+async def disconnecting(request: web.Request) -> web.StreamResponse:
+    assert request.transport is not None
+    request.transport.close()  # gone mid-request (killed, or its server failed)
+    await asyncio.sleep(0)
+    return web.Response()
+
+
+async def complete(url: str) -> tuple[int, dict[str, object]]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.post(url + "/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}) as answer,
+    ):
+        return answer.status, await answer.json()
+
+
+async def test_a_decode_gone_before_it_answers_is_a_502_naming_it_and_the_next_request_is_served() -> None:
+    async with (
+        serving(instance(prefilled)) as prefill,
+        serving(instance(disconnecting)) as broken,
+        serving(instance(answered)) as decode,
+        serving(application([prefill], [broken, decode])) as router,
+    ):
+        status, body = await complete(router)
+        assert status == 502
+        error = body["error"]
+        assert isinstance(error, dict) and f"the decode instance at {broken}" in error["message"]
+        status, body = await complete(router)  # in turn: the next decode
+        assert status == 200 and body["asked"] == {"kvrt_endpoint": "tcp://x:1"}
+
+
+async def test_a_decode_that_refuses_connections_is_a_502() -> None:
+    async with serving(instance(prefilled)) as prefill:
+        async with serving(instance(answered)) as closed:
+            pass  # its port is free again: nothing listens there
+        async with serving(application([prefill], [closed])) as router:
+            status, body = await complete(router)
+    assert status == 502 and "ClientConnectorError" in str(body["error"])
