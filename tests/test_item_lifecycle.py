@@ -96,32 +96,30 @@ class ItemLifecycle(RuleBasedStateMachine):
         for out in outgoing:
             message = out.message
             if isinstance(message, m.Deliver):
-                assert message.item_id not in self.taken, f"item {message.item_id} delivered again after it was taken"
-                holder = self.current.get(message.item_id)
-                assert holder is None, f"item {message.item_id} delivered to {out.peer!r} while {holder} holds it"
-                assert not self.readers.get(message.item_id), f"item {message.item_id} delivered whole, its pieces out"
-                self.current[message.item_id] = (out.peer, message.lease)
-                assert out.item is not None
-                if out.item.parent is not None:
-                    self.took_a_piece(out.peer, out.item.parent.item_id, message.item_id)
+                self.delivered(out.peer, message.item_id, message.lease, out.item)
                 self.answered(out.peer, message.request_id)
             elif isinstance(message, m.DeliverMany):
+                hits = {item.item_id: item for item in out.items}
                 for hit in message.hits:
                     if hit is not None:
-                        assert hit.item_id not in self.taken, f"item {hit.item_id} delivered again after it was taken"
-                        assert hit.item_id not in self.current, f"item {hit.item_id} in a batch while it is held"
-                        self.current[hit.item_id] = (out.peer, hit.lease)
-                        for piece in out.items:
-                            if piece.item_id == hit.item_id and piece.parent is not None:
-                                self.took_a_piece(out.peer, piece.parent.item_id, hit.item_id)
+                        self.delivered(out.peer, hit.item_id, hit.lease, hits.get(hit.item_id))
             elif isinstance(message, m.StreamStart):
-                assert message.item_id not in self.taken and message.item_id not in self.current
-                self.current[message.item_id] = (out.peer, message.lease)
+                self.delivered(out.peer, message.item_id, message.lease, out.item)
                 self.answered(out.peer, message.request_id)
             elif isinstance(message, m.StreamAbort):
                 assert self.current.pop(message.item_id)[0] == out.peer
             elif isinstance(message, m.Miss | m.ErrorReply):
                 self.answered(out.peer, message.request_id)
+
+    def delivered(self, consumer: bytes, item_id: int, lease: int, item: BufferedItem | None) -> None:
+        """An item, a piece or a stream went out to `consumer` under `lease`."""
+        assert item_id not in self.taken, f"item {item_id} delivered again after it was taken"
+        holder = self.current.get(item_id)
+        assert holder is None, f"item {item_id} delivered to {consumer!r} while {holder} holds it"
+        assert not self.readers.get(item_id), f"item {item_id} delivered whole, its pieces out"
+        self.current[item_id] = (consumer, lease)
+        if item is not None and item.parent is not None:
+            self.took_a_piece(consumer, item.parent.item_id, item_id)
 
     def took_a_piece(self, consumer: bytes, item_id: int, piece_id: int) -> None:
         readers = self.readers.setdefault(item_id, set())
