@@ -41,6 +41,11 @@ TIMEOUT_S: Final = 600.0
 """The longest a request to an instance may take (a long decode)."""
 
 
+def _error(message: str, status: int) -> web.Response:
+    """An error as OpenAI's API (and vLLM's server) writes one, which clients know how to read."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
 class Router:
     """The instances to route to, in turn, and one HTTP session to reach them."""
 
@@ -87,9 +92,9 @@ class Router:
         try:
             body = await request.json()
         except json.JSONDecodeError:
-            return web.json_response({"error": {"message": "the body is not JSON"}}, status=400)
+            return _error("the body is not JSON", 400)
         if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "the body is not a JSON object"}}, status=400)
+            return _error("the body is not a JSON object", 400)
         params = await self.prefill(request.path, body)
         decode_body = {**body, "kv_transfer_params": params} if params else dict(body)
         url = next(self._next_decode) + request.path
@@ -107,8 +112,7 @@ class Router:
             log.warning("decode at %s failed (%s: %s)", url, type(exc).__name__, exc)
             if response is not None:
                 raise  # its status went out already: the connection closes, the client sees the body cut short
-            message = f"the decode instance at {url} failed: {type(exc).__name__}: {exc}"
-            return web.json_response({"error": {"message": message}}, status=502)
+            return _error(f"the decode instance at {url} failed: {type(exc).__name__}: {exc}", 502)
 
     async def forward_get(self, request: web.Request) -> web.Response:
         async with self.session.get(self.decodes[0] + request.path) as answer:
