@@ -18,6 +18,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 import kvrt.blocking
+from kvrt.integrations.vllm import _scheduler as decode_scheduler
+from kvrt.integrations.vllm._scheduler import IDLE_WAIT_S
 from kvrt.integrations.vllm.connector import KvrtConnectorMetadata
 from tests._relay import DelayingRelay
 from tests.vllm.scheduler import (
@@ -206,6 +208,52 @@ def test_a_lookup_never_holds_the_scheduler_whether_its_producer_answers_late_or
         assert len(planned) == 64  # every request waited for its answer, and loaded
     else:
         assert planned == []
+    assert_empty(scheduler)
+
+
+def test_an_instance_with_only_lookups_on_their_way_waits_for_an_answer_instead_of_stepping(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    # vLLM's engine steps without a pause while it has requests, even when it schedules
+    # nothing: with only lookups on their way, each empty step waits for the first answer
+    # (bounded), not a spin of the engine and its workers over the host's cores while the
+    # producer that must answer waits for one.
+    hold(producer, PROMPT)
+    with DelayingRelay(producer.endpoint, delay_s=0.5) as relay:
+        scheduler = schedulers("kv_consumer", lookup_timeout_s=5.0)
+        scheduler.add_request(make_request("slow", PROMPT, relay.endpoint))
+        empty_steps, started = 0, time.monotonic()
+        while not (output := scheduler.schedule()).num_scheduled_tokens:
+            empty_steps += 1
+            run_step(scheduler, output)
+            assert time.monotonic() - started < 10, "the answer never came"
+        waited = time.monotonic() - started
+    assert loads(output) == [("slow", len(PROMPT) - 1)]
+    assert waited >= 0.5
+    assert empty_steps <= waited / IDLE_WAIT_S + 2, f"{empty_steps} empty steps in {waited:.2f} s"
+    finish(scheduler, output)
+    assert_empty(scheduler)
+
+
+def test_an_empty_step_while_a_request_runs_waits_for_no_lookup(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With vLLM's async scheduling a step can schedule nothing while a batch runs: the engine
+    # waits for that batch's output next, not for a lookup.
+    monkeypatch.setattr(decode_scheduler, "IDLE_WAIT_S", 1.0)
+    hold(producer, PROMPT)
+    with DelayingRelay(producer.endpoint, delay_s=2.0) as relay:
+        scheduler = schedulers("kv_consumer", lookup_timeout_s=5.0)
+        scheduler.add_request(make_request("running", [token + 1000 for token in PROMPT], max_tokens=4))
+        scheduler.add_request(make_request("slow", PROMPT, relay.endpoint))
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens == {"running": len(PROMPT)}
+        decode = connector(scheduler)._decode
+        assert decode is not None
+        started = time.monotonic()
+        assert decode.step(idle=True) == []
+        assert time.monotonic() - started < 0.5
+        finish(scheduler, output)
     assert_empty(scheduler)
 
 

@@ -1,12 +1,14 @@
-"""The decode scheduler's questions to producers, asked without ever waiting for them.
+"""The decode scheduler's questions to producers, asked without ever holding its work for them.
 
 vLLM's scheduler thread runs every request of the instance: a lookup that held it for a round
 trip would hold them all. So `Lookups` queues each request's probe (`ask`), sends a step's
 probes to each producer as one `probe_many` message once the step is planned (`send`), and
 reads the answer at a later step (`answer`: None while it is on its way, vLLM's "ask again
 next step"). Releases of KV that no load will take (`release`) go the same way and are never
-waited for. All network work runs on one kvrt loop thread that this object owns; the
-scheduler's thread only queues work and looks at futures.
+waited for. Only a step that scheduled nothing, every request waiting for a lookup, waits
+briefly for the first answer (`wait_answer`): the engine has no other work then. All network
+work runs on one kvrt loop thread that this object owns; the scheduler's thread only queues
+work and looks at futures.
 
 A producer that does not answer within `timeout_s` (gone, stalled, unreachable) answers 0 for
 the requests it was asked about, and is not asked again for a while (`SILENT_BACKOFF_S`):
@@ -127,6 +129,13 @@ class Lookups:
             batch.settled = True
             self._silent.pop(batch.endpoint, None)
         return matched
+
+    def wait_answer(self, timeout_s: float) -> None:
+        """Block until an answer on its way arrives or `timeout_s` passed; at once when none
+        is on its way (the GIL is released meanwhile)."""
+        pending = {batch.answers for batch, _ in self._asked.values() if not batch.answers.done()}
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Block until every probe and release sent so far has ended (or `timeout_s` passed):

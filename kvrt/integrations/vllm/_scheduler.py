@@ -7,7 +7,10 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
     event (who calls)                          what happens
     matched (get_num_new_matched_tokens)       first call: its probe is queued; until the
                                                answer came: None ("ask again next step")
-    step end (build_connector_meta)            the step's probes leave, one message a producer
+    step end (build_connector_meta)            the step's probes leave, one message a producer;
+                                               a step that scheduled nothing, every request
+                                               waiting for a lookup, waits for the first
+                                               answer (bounded), not spinning the engine
     matched, answered                          the tokens to load past what vLLM holds itself
     allocated (update_state_after_alloc)       a `Load` of those tokens into its new blocks;
                                                never asked again: its item is taken (preempted
@@ -47,6 +50,13 @@ decode instance (vLLM's name, which every router of vLLM's connectors sends)."""
 
 ENDPOINTS_PARAM: Final = "kvrt_endpoints"
 """The key that names every prefill rank's producer, in rank order (tensor parallel prefill)."""
+
+IDLE_WAIT_S: Final = 0.02
+"""How long a step that scheduled nothing waits for a lookup's answer at most. vLLM's engine
+steps without a pause while it has requests, even empty steps, and each wakes every worker:
+with only lookups on their way that spin takes the host's cores from the producers that must
+answer them (on a small host, for tens of seconds). The wait ends at the first answer; a
+request that arrives meanwhile starts this much later at most."""
 
 MAX_AWAITING: Final = 4096
 """Finished requests whose load outcome is awaited, at most (the oldest are dropped)."""
@@ -171,11 +181,21 @@ class DecodeScheduler:
         self.counters["loads"] += 1
         self.counters["loaded_tokens"] += external
 
-    def step(self) -> list[Load]:
-        """This step's loads (once); the step's lookups leave now."""
+    def step(self, *, idle: bool = False) -> list[Load]:
+        """This step's loads (once); the step's lookups leave now. A step that scheduled
+        nothing (`idle`) while every request waits for a lookup then waits for the first
+        answer on its way (`IDLE_WAIT_S` at most)."""
         self._lookups.send()
         loads, self._loads = self._loads, []
+        if idle and not loads and self._only_lookups():
+            self._lookups.wait_answer(IDLE_WAIT_S)
         return loads
+
+    def _only_lookups(self) -> bool:
+        """Whether every request the scheduler has shown waits for its lookup's answer: none
+        runs, so the engine has nothing to do meanwhile (with vLLM's async scheduling a step
+        can be empty while a batch runs: that one does not wait)."""
+        return all(wanted.asked and wanted.found is None for wanted in self._wanted.values())
 
     def outcome(self, failed: set[str], settled: set[str], lost: Collection[str] = ()) -> None:
         """The workers' word on this step's loads: `failed` ones did not land; `settled` are

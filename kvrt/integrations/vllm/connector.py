@@ -198,7 +198,7 @@ class KvrtConnector(KVConnectorBase_V1):
         """This step's saves and loads, for the workers; the step's lookups leave now."""
         meta = KvrtConnectorMetadata()
         if self._decode is not None:
-            meta.loads = self._decode.step()
+            meta.loads = self._decode.step(idle=not scheduler_output.total_num_scheduled_tokens)
         if self._prefill is not None:
             meta.saves = self._saves(self._prefill, scheduler_output)
         return meta
