@@ -39,7 +39,7 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._arguments import seconds
-from kvrt._buffer import BufferedItem, LookupBuffer, Match, Pieces, RadixIndex, _Node
+from kvrt._buffer import BufferedItem, LookupBuffer, Match, Pieces
 from kvrt._errors import (
     ClosedError,
     ErrorCode,
@@ -51,6 +51,7 @@ from kvrt._errors import (
     error_from_code,
 )
 from kvrt._tensors import meta_end, tensor_meta
+from kvrt._waiting import MAX_WAITING_REQUESTS, PieceAsked, Waiter, WaitingRequests
 
 HEARTBEAT_MISSES: Final = 10
 """A peer is lost after this many heartbeat periods without a message from it (10 s with the
@@ -82,14 +83,6 @@ TICK_FRACTION: Final = 0.25
 STALL_GAP_FRACTION: Final = 0.5
 """A gap between two `expire` calls over this part of a heartbeat is a stall of this process."""
 
-MAX_WAITING_REQUESTS: Final = 65536
-"""Most drop-selects one producer keeps waiting for an insert, over all consumers."""
-MAX_WAITING_PER_PEER: Final = 4096
-"""Most drop-selects one consumer keeps waiting: one peer cannot lock the others out."""
-MAX_WAITING_QUERY_BYTES_PER_PEER: Final = 64 << 20
-"""Most bytes of tokens one consumer's waiting drop-selects hold in the producer."""
-MAX_WAITING_QUERY_BYTES: Final = 1 << 30
-"""Most bytes of tokens all waiting drop-selects hold in the producer."""
 MAX_ABANDONED: Final = 4096
 """Requests a consumer link remembers having abandoned, to read their late misses quietly."""
 UNCONFIRMED_SHARE: Final = 0.5
@@ -161,24 +154,6 @@ _PRODUCER_ACCEPTS: Final[dict[PeerState, tuple[type[m.Message], ...]]] = {
 }
 
 
-_NO_TOKENS: Final = np.empty(0, dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class PieceAsked:
-    """What a request for a piece of an item names (`DropSelect.heads`, `readers`, `hidden`)."""
-
-    heads: m.HeadRange
-    readers: int
-    hidden: bool
-
-    @staticmethod
-    def of(request: m.DropSelect | m.DropSelectMany) -> PieceAsked | None:
-        if request.heads is None:
-            return None
-        return PieceAsked(request.heads, request.readers, request.hidden)
-
-
 Cut = Callable[[BufferedItem, PieceAsked, int], BufferedItem]
 """The driver's: a piece of an item (its heads `heads`, with or without its hidden states) as
 a new item with this id, its storage allocated; `BufferedItem.fill` writes its bytes before it
@@ -187,64 +162,6 @@ is sent. Raises `InvalidInputError` for heads the item does not have."""
 
 def _no_cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
     raise InvalidInputError("this producer does not cut items into pieces")
-
-
-@dataclass(eq=False, slots=True, weakref_slot=True)
-class _Waiter:
-    """A drop-select waiting for an insert; indexed by its query (see `_Waiters`)."""
-
-    peer: bytes
-    request_id: int
-    query: np.ndarray | None
-    deadline: float | None
-    stream: bool
-    seq: int
-    piece: PieceAsked | None = None
-    whole: bool = False
-    """A streaming request that takes a finished item as one `deliver` (`DropSelect.whole`)."""
-    masked_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
-    generation: int = 0
-    buffered: bool = False
-    node: _Node | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.query is None else int(self.query.nbytes)
-
-
-class _Waiters:
-    """Waiting drop-selects of one kind by query, so that an insert finds the oldest one its
-    item matches by walking one path (`RadixIndex.oldest_match`), not by scanning them all."""
-
-    def __init__(self) -> None:
-        self.by_query: RadixIndex[_Waiter] = RadixIndex()
-        self.takers: dict[tuple[bytes, int], _Waiter] = {}
-        """Waiters with no query (they take any item), oldest first."""
-
-    def add(self, waiter: _Waiter) -> None:
-        if waiter.query is None:
-            self.takers[(waiter.peer, waiter.request_id)] = waiter
-        else:
-            waiter.masked_tokens = waiter.query
-            self.by_query.add(waiter)
-
-    def remove(self, waiter: _Waiter) -> None:
-        if waiter.query is None:
-            self.takers.pop((waiter.peer, waiter.request_id), None)
-        elif waiter.buffered:
-            self.by_query.remove(waiter)
-
-    def reorder_takers(self) -> None:
-        """Waiters with no query oldest first again (after some were taken out and put back)."""
-        self.takers = dict(sorted(self.takers.items(), key=lambda entry: entry[1].seq))
-
-    def oldest_match(self, tokens: np.ndarray) -> tuple[_Waiter, int] | None:
-        found = self.by_query.oldest_match(tokens)
-        if self.takers and len(tokens):
-            taker = next(iter(self.takers.values()))
-            if found is None or taker.seq < found[0].seq:
-                return taker, len(tokens)
-        return found
 
 
 @dataclass(slots=True)
@@ -326,15 +243,9 @@ class ProducerCore:
         self.lease_s = heartbeat_s * HEARTBEAT_MISSES if peer_timeout_s is None else peer_timeout_s
         """How long a consumer keeps what it was delivered after its last message (see the
         module's docstring); also how long it may stay silent before it is forgotten."""
-        self._max_waiting = max_waiting
         self._peers: dict[bytes, _Peer] = {}
-        self._waiters: dict[tuple[bytes, int], _Waiter] = {}
-        self._plain_waiters = _Waiters()
-        self._stream_waiters = _Waiters()
-        self._piece_waiters = _Waiters()
-        """Requests for a piece of an item (plain or streamed) waiting for an insert."""
-        self._waiter_seq = itertools.count()
-        self._waiting_bytes = 0
+        self._waiting = WaitingRequests(max_waiting)
+        """Drop-selects parked until an insert matches them."""
         self._lease_numbers = itertools.count(1)
         self._last_expire: float | None = None
         self._hold_leases_until = 0.0
@@ -359,7 +270,7 @@ class ProducerCore:
 
     @property
     def waiting_count(self) -> int:
-        return len(self._waiters)
+        return len(self._waiting)
 
     def peers_by_transport(self) -> dict[str, int]:
         """Connected consumers by the transport chosen at their hello."""
@@ -546,7 +457,7 @@ class ProducerCore:
                     self.counters.expired_items += 1
             else:
                 assert isinstance(key, tuple)
-                waiter = self._waiters.get(key)
+                waiter = self._waiting.get(key)
                 if waiter is not None and waiter.deadline is not None and waiter.deadline <= now:
                     self._drop_waiter(waiter.peer, waiter.request_id)
                     self.counters.misses += 1
@@ -633,34 +544,22 @@ class ProducerCore:
         return self._park(peer, request, query, now)
 
     def _park(self, peer: bytes, request: m.DropSelect, query: np.ndarray | None, now: float) -> list[Outgoing]:
-        """Keep a drop-select waiting for an insert (within the per-peer and global bounds)."""
-        key = (peer, request.request_id)
-        if key in self._waiters:
+        """Keep a drop-select waiting for an insert (within the per-peer and global bounds); out
+        of the indexes while its peer is suspended."""
+        if (peer, request.request_id) in self._waiting:
             text = f"request id {request.request_id} is already waiting"
             return [self._refuse(peer, request.request_id, ErrorCode.PROTOCOL, text)]
         state = self._peers[peer]
         query_bytes = 0 if query is None else int(query.nbytes)
-        full = None
-        if len(state.waiting) >= MAX_WAITING_PER_PEER:
-            full = f"you have {len(state.waiting)} requests waiting on this producer already"
-        elif state.waiting_bytes + query_bytes > MAX_WAITING_QUERY_BYTES_PER_PEER:
-            full = f"your waiting requests hold {state.waiting_bytes} bytes of tokens already"
-        elif len(self._waiters) >= self._max_waiting or self._waiting_bytes + query_bytes > MAX_WAITING_QUERY_BYTES:
-            full = f"{len(self._waiters)} requests already wait on this producer"
+        full = self._waiting.refusal(len(state.waiting), state.waiting_bytes, query_bytes)
         if full is not None:
             return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, f"{full}; retry with timeout=0")]
         deadline = None if request.timeout_s is None else now + request.timeout_s
-        waiter = _Waiter(
-            peer, request.request_id, query, deadline, request.stream, next(self._waiter_seq), PieceAsked.of(request),
-            whole=request.whole,
-        )  # fmt: skip
-        self._waiters[key] = waiter
-        self._waiters_of(waiter).add(waiter)
+        self._waiting.park(peer, request, query, deadline, indexed=not state.suspended)
         state.waiting.add(request.request_id)
         state.waiting_bytes += query_bytes
-        self._waiting_bytes += query_bytes
         if deadline is not None:
-            self._add_timer(deadline, _TimerKind.WAITER, key)
+            self._add_timer(deadline, _TimerKind.WAITER, (peer, request.request_id))
         return []
 
     def _while_suspended(
@@ -675,11 +574,7 @@ class ProducerCore:
                 f"{UNCONFIRMED_SHARE:.0%} of this producer's buffer: confirm (or release) items first"
             )
             return [self._refuse(peer, request.request_id, ErrorCode.CAPACITY, text)]
-        out = self._park(peer, request, query, now)
-        waiter = self._waiters.get((peer, request.request_id))
-        if waiter is not None:  # parked: out of the indexes while the peer is suspended
-            self._waiters_of(waiter).remove(waiter)
-        return out
+        return self._park(peer, request, query, now)
 
     def _on_drop_select_many(self, peer: bytes, request: m.DropSelectMany, now: float) -> list[Outgoing]:
         state = self._peers[peer]
@@ -779,7 +674,7 @@ class ProducerCore:
             buffer_bytes=buffer.nbytes,
             buffer_limit_bytes=self.buffer_limit_bytes,
             in_flight=buffer.held,
-            waiting_requests=len(self._waiters),
+            waiting_requests=len(self._waiting),
             peers=len(self._peers),
             totals=dataclasses.asdict(self.counters),
         )
@@ -852,16 +747,12 @@ class ProducerCore:
         return 0 < self.buffer_limit_bytes * UNCONFIRMED_SHARE < state.unconfirmed_bytes
 
     def _suspend(self, state: _Peer) -> None:
-        """Stop serving `state`'s waiting requests: out of the indexes, kept in `_waiters`."""
+        """Stop serving `state`'s waiting requests: out of the indexes, still waiting."""
         state.suspended = True
         for request_id in state.waiting:
-            waiter = self._waiters[(state.identity, request_id)]
-            self._waiters_of(waiter).remove(waiter)
-
-    def _waiters_of(self, waiter: _Waiter) -> _Waiters:
-        if waiter.piece is not None:
-            return self._piece_waiters
-        return self._stream_waiters if waiter.stream else self._plain_waiters
+            waiter = self._waiting.get((state.identity, request_id))
+            assert waiter is not None
+            self._waiting.unindex(waiter)
 
     def _resume_if_under(self, state: _Peer, now: float) -> list[Outgoing]:
         """A suspended peer back under its share: its waiting requests are served again (those
@@ -871,7 +762,8 @@ class ProducerCore:
         state.suspended = False
         out: list[Outgoing] = []
         for request_id in sorted(state.waiting):  # oldest first
-            waiter = self._waiters[(state.identity, request_id)]
+            waiter = self._waiting.get((state.identity, request_id))
+            assert waiter is not None
             if state.suspended:  # over its share again (`_hand_out`): the rest were taken out anew
                 break
             if waiter.piece is not None:
@@ -879,7 +771,7 @@ class ProducerCore:
             else:
                 found = self.buffer.best_match(waiter.query)
             if found is None:
-                self._waiters_of(waiter).add(waiter)
+                self._waiting.index(waiter)
                 continue
             self._drop_waiter(state.identity, request_id)
             if waiter.piece is not None:
@@ -928,15 +820,7 @@ class ProducerCore:
             return [], True
         if item.pieces is not None:
             return self._serve_piece_waiters(item), True
-        found = self._stream_waiters.oldest_match(item.masked_tokens)
-        if item.stream is None:  # pieces are cut from inserted items only
-            piece = self._piece_waiters.oldest_match(item.masked_tokens)
-            if piece is not None and (found is None or piece[0].seq < found[0].seq):
-                found = piece
-        if item.stream is None:  # an open stream goes to a streaming request only
-            plain = self._plain_waiters.oldest_match(item.masked_tokens)
-            if plain is not None and (found is None or plain[0].seq < found[0].seq):
-                found = plain
+        found = self._waiting.oldest_for(item.masked_tokens, open_stream=item.stream is not None)
         if found is None:
             return [], True
         waiter, matched = found
@@ -1038,24 +922,21 @@ class ProducerCore:
         """Give pieces of a split item to the oldest waiting requests for pieces that it
         matches, while it has readers' places free."""
         out: list[Outgoing] = []
-        passed: list[_Waiter] = []  # waiters this item is not for: out of the index meanwhile
+        passed: list[Waiter] = []  # waiters this item is not for: out of the index meanwhile
         while item.pieces is not None and item.buffered:
-            found = self._piece_waiters.oldest_match(item.masked_tokens)
+            found = self._waiting.oldest_piece_waiter(item.masked_tokens)
             if found is None:
                 break
             waiter, matched = found
             assert waiter.piece is not None
             if waiter.peer in item.pieces.takers or waiter.piece.readers != item.pieces.readers:
-                self._piece_waiters.remove(waiter)
+                self._waiting.unindex(waiter)
                 passed.append(waiter)
                 continue
             self._drop_waiter(waiter.peer, waiter.request_id)
             asked, stream = waiter.piece, waiter.stream
             out += self._piece_out(waiter.peer, waiter.request_id, Match(item, matched), asked, stream=stream)[0]
-        for waiter in passed:
-            self._piece_waiters.add(waiter)
-        if any(waiter.query is None for waiter in passed):
-            self._piece_waiters.reorder_takers()  # those taking any item stay oldest first
+        self._waiting.index(*passed)
         return out
 
     # -- streams ------------------------------------------------------------------------
@@ -1140,11 +1021,9 @@ class ProducerCore:
         return _whole_as_stream(peer, request_id, item, matched)
 
     def _drop_waiter(self, peer: bytes, request_id: int) -> None:
-        waiter = self._waiters.pop((peer, request_id), None)
+        waiter = self._waiting.drop(peer, request_id)
         if waiter is None:
             return
-        self._waiters_of(waiter).remove(waiter)
-        self._waiting_bytes -= waiter.nbytes
         state = self._peers[peer]
         state.waiting.discard(request_id)
         state.waiting_bytes -= waiter.nbytes

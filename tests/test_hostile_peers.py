@@ -21,7 +21,8 @@ import zmq.asyncio
 
 import kvrt
 from kvrt import _messages as m
-from kvrt._protocol import HEARTBEAT_MISSES, MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER, ProducerCore
+from kvrt._protocol import HEARTBEAT_MISSES, ProducerCore
+from kvrt._waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
 from tests._checks import collected
 from tests._processes import child_process, run_busy_producer, run_non_reader, run_producer, run_waiting_consumer
@@ -412,7 +413,7 @@ def _lookups_of_an_insert(waiters: int) -> int:
         for child in children.values():
             instrument(child)
 
-    instrument(core._plain_waiters.by_query._root)
+    instrument(core._waiting._plain.by_query._root)
     core.insert(make_item(core, [-5, -6, -7]), 0.0)
     return lookups
 

@@ -35,7 +35,8 @@ from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, StreamState
 from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item, item_from_tokens, pack
-from kvrt._protocol import Outgoing, PieceAsked, ProducerCore
+from kvrt._protocol import Outgoing, ProducerCore
+from kvrt._waiting import PieceAsked
 
 HEARTBEAT_S = 1.0
 MAX_WAITING = 6
