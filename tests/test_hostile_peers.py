@@ -679,6 +679,33 @@ def test_a_live_peer_that_never_confirms_cannot_hold_more_than_its_share_of_the_
     assert again.peer == b"hoarder" and isinstance(again.message, m.Deliver)
 
 
+def test_a_peer_served_again_after_its_suspension_keeps_its_lookups_place_in_the_queue() -> None:
+    # Waiting lookups are served oldest first: those of a peer that was over its share, once it
+    # confirmed, come before lookups other peers made meanwhile.
+    from tests.test_protocol import make_item
+
+    core = ProducerCore(producer_id="p", heartbeat_s=1.0, buffer_limit_bytes=10_000)
+    for peer in (b"hoarder", b"other"):
+        _hello(core, peer)
+    for request_id in range(1, 9):
+        assert (
+            core.receive(b"hoarder", m.encode(m.DropSelect(request_id=request_id, tokens=None, timeout_s=None)), 0, 0.0)
+            == []
+        )
+    sent: list[m.Deliver] = []
+    while not core._peers[b"hoarder"].suspended:
+        (out,) = core.insert(make_item(core, [len(sent) + 1] * 100), 0.0)
+        assert isinstance(out.message, m.Deliver)
+        sent.append(out.message)
+    assert (
+        core.receive(b"other", m.encode(m.DropSelect(request_id=1, tokens=None, timeout_s=None)), 0, 0.0) == []
+    )  # parked after
+    confirm = m.Received(item_ids=[d.item_id for d in sent], leases=[d.lease for d in sent])
+    assert core.receive(b"hoarder", m.encode(confirm), 0, 0.0) == []
+    (served,) = core.insert(make_item(core, [90] * 100), 0.0)
+    assert served.peer == b"hoarder" and served.message.request_id == len(sent) + 1
+
+
 def test_a_hello_that_starts_a_new_session_repeats_the_receipts_of_the_one_it_ends() -> None:
     from kvrt._protocol import ConsumerCore
     from tests.test_protocol import make_item
