@@ -22,7 +22,7 @@ import zmq.asyncio
 import kvrt
 from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES, ProducerCore
-from kvrt._waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
+from kvrt._protocol.waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
 from tests._checks import collected
 from tests._processes import child_process, run_busy_producer, run_non_reader, run_producer, run_waiting_consumer

@@ -36,7 +36,7 @@ from kvrt._buffer import BufferedItem, StreamState
 from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item, item_from_tokens, pack
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._waiting import PieceAsked
+from kvrt._protocol.waiting import PieceAsked
 
 HEARTBEAT_S = 1.0
 MAX_WAITING = 6

@@ -14,7 +14,7 @@ from kvrt._errors import ErrorCode
 from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._waiting import PieceAsked
+from kvrt._protocol.waiting import PieceAsked
 
 HEADS = 8
 READERS = [b"rank-0", b"rank-1", b"rank-2", b"rank-3"]

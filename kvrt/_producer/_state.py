@@ -25,8 +25,8 @@ from kvrt._errors import (
 from kvrt._heads import fill_piece, head_range, piece_of
 from kvrt._pools import PoolTable
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
+from kvrt._protocol.waiting import PieceAsked
 from kvrt._threads import gpu_worker
-from kvrt._waiting import PieceAsked
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import Sender
 from kvrt.transports.cuda_ipc import host_identity

@@ -1,0 +1,72 @@
+"""The control protocol as two state machines without sockets (h11's sans-io design).
+
+`ProducerCore` is the producer's side: control frames and inserts in, messages to send out.
+`ConsumerCore` is one consumer's side of one producer link: frames in, events out.
+Neither reads a clock, sleeps or touches a socket: the caller passes `now` (seconds on a
+monotonic clock), asks `next_deadline()` when it should call `expire(now)` again, and moves
+the messages. The ZeroMQ drivers (`_producer/`, `_consumer/`) do exactly that, and the
+tests wire two cores together in memory. Everything a peer may not send in its state is
+answered with an `ErrorReply`.
+
+The package, one job a module:
+
+- `heartbeats`: how long either side waits for a silent peer (the heartbeat, the lease)
+- `waiting`: the drop-selects parked until an insert matches them, and their bounds
+- `producer`: `ProducerCore`, the peers' sessions and what is delivered to whom
+- `consumer`: `ConsumerCore`, one link's calls, lease and state
+"""
+
+from kvrt._protocol.consumer import (
+    ConsumerCore,
+    ConsumerEvent,
+    Failed,
+    LinkState,
+    Lost,
+    PayloadCame,
+    Refused,
+    Replied,
+    Stray,
+    Streamed,
+    Welcomed,
+)
+from kvrt._protocol.heartbeats import DEFAULT_HEARTBEAT_S, HEARTBEAT_MISSES, MAX_HEARTBEAT_S, _heartbeat
+from kvrt._protocol.producer import (
+    BATCH_SEGMENT_BYTES,
+    Cut,
+    Departure,
+    Outgoing,
+    PeerState,
+    ProducerCore,
+    ProducerCounters,
+    _deliver_message,
+    batch_segments,
+)
+from kvrt._protocol.waiting import PieceAsked
+
+__all__ = [
+    "BATCH_SEGMENT_BYTES",
+    "DEFAULT_HEARTBEAT_S",
+    "HEARTBEAT_MISSES",
+    "MAX_HEARTBEAT_S",
+    "ConsumerCore",
+    "ConsumerEvent",
+    "Cut",
+    "Departure",
+    "Failed",
+    "LinkState",
+    "Lost",
+    "Outgoing",
+    "PayloadCame",
+    "PeerState",
+    "PieceAsked",
+    "ProducerCore",
+    "ProducerCounters",
+    "Refused",
+    "Replied",
+    "Stray",
+    "Streamed",
+    "Welcomed",
+    "_deliver_message",
+    "_heartbeat",
+    "batch_segments",
+]

@@ -1,0 +1,32 @@
+"""How long each side waits for a silent peer: the heartbeat, and the lease it sets."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvrt._arguments import seconds
+from kvrt._errors import InvalidInputError
+
+HEARTBEAT_MISSES: Final = 10
+"""A peer is lost after this many heartbeat periods without a message from it (10 s with the
+default heartbeat, as SGLang's disaggregation gives a peer): an engine that holds its loop for
+seconds does not trip it. It is also the lease: how long the producer holds what it delivered
+to a silent consumer before it may give it to another (see `ProducerCore`)."""
+
+DEFAULT_HEARTBEAT_S = 1.0
+"""Consumers ping at least this often; one silent for `HEARTBEAT_MISSES` periods is dropped."""
+
+MAX_HEARTBEAT_S = 3600.0
+"""The longest heartbeat period (libzmq counts its own heartbeats' timeout in ms, up to 6553 s
+for the one it sends its peer)."""
+
+
+def _heartbeat(value: object) -> float:
+    heartbeat_s = seconds(value, "heartbeat_s")
+    assert heartbeat_s is not None
+    if heartbeat_s * HEARTBEAT_MISSES > MAX_HEARTBEAT_S or heartbeat_s < 0.001:
+        raise InvalidInputError(
+            f"heartbeat_s must be between 0.001 and {MAX_HEARTBEAT_S / HEARTBEAT_MISSES:g} s "
+            f"(a peer is lost after {HEARTBEAT_MISSES} of them), got {value!r}"
+        )
+    return heartbeat_s
