@@ -12,10 +12,12 @@ The package, one job a module:
 
 - `heartbeats`: how long either side waits for a silent peer (the heartbeat, the lease)
 - `waiting`: the drop-selects parked until an insert matches them, and their bounds
+- `commands`: health, stats, probes, the item list and evict, answered from the buffer
 - `producer`: `ProducerCore`, the peers' sessions and what is delivered to whom
 - `consumer`: `ConsumerCore`, one link's calls, lease and state
 """
 
+from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.consumer import (
     ConsumerCore,
     ConsumerEvent,
@@ -37,7 +39,6 @@ from kvrt._protocol.producer import (
     Outgoing,
     PeerState,
     ProducerCore,
-    ProducerCounters,
     _deliver_message,
     batch_segments,
 )

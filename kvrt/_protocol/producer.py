@@ -17,7 +17,6 @@ lease drops what it was sent meanwhile instead of sharing it with the next consu
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import heapq
 import itertools
@@ -30,7 +29,9 @@ import torch
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, LookupBuffer, Match, Pieces
-from kvrt._errors import ErrorCode, InvalidInputError, ProtocolError
+from kvrt._errors import ErrorCode, InvalidInputError, NotFoundError, ProtocolError
+from kvrt._protocol import commands
+from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.heartbeats import HEARTBEAT_MISSES
 from kvrt._protocol.waiting import MAX_WAITING_REQUESTS, PieceAsked, Waiter, WaitingRequests
 from kvrt._tensors import meta_end, tensor_meta
@@ -130,21 +131,6 @@ class _Peer:
     insert serves them) until it confirms or releases enough."""
     gone: str | None = None
     """Why it was dropped (see `PeerState.GONE`); None while it is served."""
-
-
-@dataclass(slots=True)
-class ProducerCounters:
-    """Totals since start, for stats and metrics."""
-
-    inserted_items: int = 0
-    inserted_bytes: int = 0
-    delivered_items: int = 0
-    delivered_bytes: int = 0
-    returned_items: int = 0
-    evicted_items: int = 0
-    expired_items: int = 0
-    misses: int = 0
-    errors: int = 0
 
 
 class _TimerKind(enum.IntEnum):
@@ -295,20 +281,8 @@ class ProducerCore:
                 return self._on_received(peer, item_ids, leases, now)
             case m.Release(item_id=item_id, lease=lease):
                 return self._on_release(peer, item_id, lease, now)
-            case m.Health(request_id=request_id):
-                uptime = max(0.0, now - self.started_at)
-                reply = m.HealthReply(request_id, self.producer_id, uptime, list(self.transports))
-                return [Outgoing(peer, reply)]
-            case m.Stats(request_id=request_id):
-                return [Outgoing(peer, self._stats(request_id))]
-            case m.Probe():
-                return [self._on_probe(peer, message)]
-            case m.ProbeMany():
-                return [self._on_probe_many(peer, message)]
-            case m.ListItems(request_id=request_id, limit=limit):
-                return [Outgoing(peer, self._listing(request_id, limit, now))]
-            case m.Evict(request_id=request_id, item_id=item_id):
-                return [self._on_evict(peer, request_id, item_id)]
+            case m.Health() | m.Stats() | m.Probe() | m.ProbeMany() | m.ListItems() | m.Evict():
+                return [self._command(peer, message, now)]
         raise AssertionError(f"unhandled {message!r}")  # the accept table and the match disagree
 
     def insert(self, item: BufferedItem, now: float) -> list[Outgoing]:
@@ -616,56 +590,18 @@ class ProducerCore:
             return self._forget_peer(peer, now)
         return []
 
-    def _stats(self, request_id: int) -> m.StatsReply:
-        buffer = self.buffer
-        return m.StatsReply(
-            request_id=request_id,
-            items=len(buffer),
-            buffer_bytes=buffer.nbytes,
-            buffer_limit_bytes=self.buffer_limit_bytes,
-            in_flight=buffer.held,
-            waiting_requests=len(self._waiting),
-            peers=len(self._peers),
-            totals=dataclasses.asdict(self.counters),
-        )
-
-    def _on_probe(self, peer: bytes, probe: m.Probe) -> Outgoing:
+    def _command(self, peer: bytes, command: commands.Command, now: float) -> Outgoing:
+        """An operator's question or command (`kvrt._protocol.commands`), answered at once."""
         try:
-            query = None if probe.tokens is None else m.tokens_from_bytes(probe.tokens)
-        except ProtocolError as exc:
-            return self._refuse(peer, probe.request_id, exc.code, str(exc))
-        found = self.buffer.best_match(query)
-        if found is None:
-            return Outgoing(peer, m.ProbeReply(request_id=probe.request_id, matched=0))
-        return Outgoing(peer, m.ProbeReply(probe.request_id, found.matched, found.item.item_id))
+            return Outgoing(peer, commands.answer(command, now, self.buffer, self.counters, self._facts))
+        except (ProtocolError, NotFoundError) as exc:
+            return self._refuse(peer, command.request_id, exc.code, str(exc))
 
-    def _on_probe_many(self, peer: bytes, probe: m.ProbeMany) -> Outgoing:
-        try:
-            queries = [None if tokens is None else m.tokens_from_bytes(tokens) for tokens in probe.queries]
-        except ProtocolError as exc:
-            return self._refuse(peer, probe.request_id, exc.code, str(exc))
-        answers = []
-        for query in queries:
-            found = self.buffer.best_match(query)
-            answers.append(m.Probed(0) if found is None else m.Probed(found.matched, found.item.item_id))
-        return Outgoing(peer, m.ProbeManyReply(request_id=probe.request_id, answers=answers))
-
-    def _listing(self, request_id: int, limit: int, now: float) -> m.ItemList:
-        items = self.buffer.items()
-        summaries = [
-            m.ItemSummary(item.item_id, len(item.masked_tokens), item.nbytes, max(0.0, now - item.inserted_at))
-            for item in items[:limit]
-        ]
-        return m.ItemList(request_id=request_id, items=summaries, total=len(items))
-
-    def _on_evict(self, peer: bytes, request_id: int, item_id: int) -> Outgoing:
-        item = self.buffer.get(item_id)
-        if item is None:
-            text = f"item {item_id} is not buffered (taken, in flight, evicted, or never inserted)"
-            return self._refuse(peer, request_id, ErrorCode.NOT_FOUND, text)
-        self.buffer.drop(item)
-        self.counters.evicted_items += 1
-        return Outgoing(peer, m.Evicted(request_id=request_id, item_id=item_id, nbytes=item.nbytes))
+    def _facts(self) -> commands.Facts:
+        return commands.Facts(
+            self.producer_id, self.started_at, self.transports, self.buffer_limit_bytes, len(self._peers),
+            len(self._waiting),
+        )  # fmt: skip
 
     # -- helpers ------------------------------------------------------------------------
 
