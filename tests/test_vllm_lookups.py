@@ -5,6 +5,7 @@ that does not answer backed off once per incident."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -107,3 +108,20 @@ def test_kv_a_failed_lookup_may_have_missed_is_released_when_its_request_ends(mo
             assert producer.stats().items == 0
     finally:
         lookups.close()
+
+
+def test_a_wait_for_an_answer_ends_at_once_while_one_came_and_is_not_read_yet(
+    producer: kvrt.blocking.Producer, lookups: Lookups
+) -> None:
+    # An idle step waits for an answer (`wait_answer`); one that came between the step's
+    # lookups and its end is for the next step, which must not wait behind a slower producer.
+    with DelayingRelay(producer.endpoint, delay_s=2.0) as relay:
+        lookups.ask("quick", producer.endpoint, PROMPT)
+        lookups.ask("slow", relay.endpoint, PROMPT)
+        lookups.send()
+        lookups.wait_answer(5.0)  # the quick producer's answer is there, not read yet
+        started = time.monotonic()
+        lookups.wait_answer(1.0)
+        assert time.monotonic() - started < 0.5
+        assert lookups.answer("quick") == len(PROMPT) and lookups.answer("slow") is None
+        assert lookups.wait_settled(10) and lookups.answer("slow") == len(PROMPT)

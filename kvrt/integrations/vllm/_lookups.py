@@ -131,11 +131,11 @@ class Lookups:
         return matched
 
     def wait_answer(self, timeout_s: float) -> None:
-        """Block until an answer on its way arrives or `timeout_s` passed; at once when none
-        is on its way (the GIL is released meanwhile)."""
-        pending = {batch.answers for batch, _ in self._asked.values() if not batch.answers.done()}
-        if pending:
-            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        """Block until an answer not read yet is there or `timeout_s` passed: at once when one
+        is there already, or none is on its way (the GIL is released meanwhile)."""
+        answers = {batch.answers for batch, _ in self._asked.values()}
+        if answers and not any(answer.done() for answer in answers):
+            concurrent.futures.wait(answers, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Block until every probe and release sent so far has ended (or `timeout_s` passed):
