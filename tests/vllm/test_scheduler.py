@@ -357,6 +357,19 @@ def test_a_request_aborted_on_the_decode_before_it_loaded_releases_its_kv_on_the
     assert_empty(scheduler)
 
 
+def test_a_request_aborted_on_the_decode_before_the_scheduler_saw_it_releases_its_kv_on_the_producer(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    # Its client left as it arrived (vLLM aborts it from the waiting queue): no lookup was
+    # made, and nobody else will take the KV its prefill published.
+    hold(producer, PROMPT)
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("aborted", PROMPT, producer.endpoint))
+    scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    assert released(scheduler, producer, 0)
+    assert_empty(scheduler)
+
+
 def test_a_request_aborted_on_the_decode_while_it_waits_for_blocks_releases_its_kv_on_the_producer(
     schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
 ) -> None:

@@ -17,9 +17,10 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
                                                and resumed, the request computes its prompt)
     outcome (update_connector_output)          the workers say the load failed
     finished (request_finished)                KV found (or maybe there: a lookup that
-                                               failed) and not loaded: released on its
-                                               producer (a failed load, a load never planned,
-                                               an abort); one whose outcome is not known yet
+                                               failed, or an abort before any lookup) and
+                                               not loaded: released on its producer (a
+                                               failed load, a load never planned, an
+                                               abort); one whose outcome is not known yet
                                                waits for it (vLLM ends a request before it
                                                reads the step's connector output)
 
@@ -213,10 +214,18 @@ class DecodeScheduler:
             if request_id not in self._wanted:  # it finished before its outcome came
                 self._settle(wanted)
 
-    def finished(self, request_id: str, aborted: bool) -> None:
+    def finished(
+        self, request_id: str, aborted: bool, prompt: list[int] | None = None, params: dict[str, Any] | None = None
+    ) -> None:
+        """The request ended. One aborted before the scheduler ever looked it up (its client
+        left as it arrived) releases the KV its `params` name: nobody else will take it."""
         wanted = self._wanted.pop(request_id, None)
         self._lookups.forget(request_id)
         if wanted is None:
+            if aborted and prompt is not None and len(prompt) >= 2:
+                unseen = _Wanted(endpoints_of(params, self._default), prompt)
+                if unseen.endpoints:
+                    self._release(unseen)
             return
         if wanted.planned and not wanted.settled:
             self._awaiting[request_id] = wanted  # the step's outcome may still say it failed

@@ -240,7 +240,8 @@ class KvrtConnector(KVConnectorBase_V1):
         # By name: vLLM's RequestStatus is not part of the connector interface.
         aborted = request.status.name == "FINISHED_ABORTED"
         if self._decode is not None:
-            self._decode.finished(request.request_id, aborted)
+            prompt = list(request.prompt_token_ids or []) if aborted else None
+            self._decode.finished(request.request_id, aborted, prompt, request.kv_transfer_params)
         if self._prefill is None:
             return False, None
         return False, self._prefill.finished(request.request_id, list(request.prompt_token_ids or []), aborted)
