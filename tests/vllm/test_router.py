@@ -8,8 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
+import torch
 from aiohttp import web
 
+import kvrt
 from kvrt.integrations.vllm.proxy import application
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -80,3 +83,59 @@ async def test_a_decode_that_refuses_connections_is_a_502() -> None:
         async with serving(application([prefill], [closed])) as router:
             status, body = await complete(router)
     assert status == 502 and "ClientConnectorError" in str(body["error"])
+
+
+PROMPT = list(range(40, 60))
+
+
+def prefilled_at(endpoint: str) -> Handler:
+    """A prefill instance whose KV for every prompt is at `endpoint` (as vLLM answers when
+    asked for `return_token_ids`)."""
+
+    async def prefill(request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["return_token_ids"] is True
+        choice = {"text": "", "prompt_token_ids": body["prompt"]}
+        return web.json_response({"choices": [choice], "kv_transfer_params": {"kvrt_endpoint": endpoint}})
+
+    return prefill
+
+
+async def hanging(request: web.Request) -> web.Response:
+    await asyncio.sleep(60)  # a decode that has not got to the request yet
+    return web.Response()
+
+
+async def held(producer: kvrt.Producer, items: int, within_s: float = 10.0) -> bool:
+    """Whether `producer` holds `items` items within `within_s` (releases are never waited for)."""
+    async with asyncio.timeout(within_s):
+        while producer.stats().items != items:  # noqa: ASYNC110 (no event says another client evicted)
+            await asyncio.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("decode_is", ["left by its client", "gone"])
+async def test_a_hand_off_the_decode_never_finished_releases_the_prompts_kv_on_the_producer(decode_is: str) -> None:
+    # The client left as the prefill answered (the decode may never see the request), or the
+    # decode failed: nobody would take the KV the prefill published, so the router frees it.
+    async with kvrt.Producer() as producer:
+        shape = (1, len(PROMPT), 2, 4)
+        await producer.insert(torch.tensor(PROMPT), None, torch.zeros(shape), torch.zeros(shape))
+        decode = instance(hanging if decode_is == "left by its client" else disconnecting)
+        async with (
+            serving(instance(prefilled_at(producer.endpoint))) as prefill,
+            serving(decode) as decode_url,
+            serving(application([prefill], [decode_url])) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+            if decode_is == "left by its client":
+                try:
+                    async with asyncio.timeout(1.0), session.post(router + "/v1/completions", json=body):
+                        pass
+                except TimeoutError:
+                    pass  # the client is gone
+            else:
+                async with session.post(router + "/v1/completions", json=body) as answer:
+                    assert answer.status == 502
+            assert await held(producer, 0)

@@ -17,12 +17,17 @@ For each `POST /v1/completions` or `/v1/chat/completions`:
 
 `GET /v1/models` and `GET /health` are the decode instances' (the first one's). A client that
 leaves mid-request closes the decode's request too (vLLM aborts it and the connector releases
-its KV on the producer). Needs aiohttp (a dependency of vLLM).
+its KV on the producer). A hand-off that does not end in the decode's whole answer (the client
+left, the decode failed) also has the router release the prompt's KV on the producers the
+prefill named, as soon as it ends: the decode may never have seen the request (the client
+left as the prefill answered), and then nobody else would. Needs aiohttp (a dependency of
+vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -31,14 +36,22 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import aiohttp
+import torch
 from aiohttp import web
 
+import kvrt
 from kvrt._errors import InvalidInputError
 
 log = logging.getLogger("kvrt.integrations.vllm.proxy")
 
 TIMEOUT_S: Final = 600.0
 """The longest a request to an instance may take (a long decode)."""
+
+RELEASE_TIMEOUT_S: Final = 10.0
+"""The longest a release of a prompt's KV on one producer may take (it is never waited for)."""
+
+MAX_RELEASES: Final = 1024
+"""Releases on their way at most; past it, what one would free leaves with the item's TTL."""
 
 
 def _error(message: str, status: int) -> web.Response:
@@ -57,11 +70,16 @@ class Router:
         self._next_prefill = itertools.cycle(self.prefills)
         self._next_decode = itertools.cycle(self.decodes)
         self._session: aiohttp.ClientSession | None = None
+        self._releases: set[asyncio.Task[None]] = set()
+        """Releases of KV on their way (each removes itself when done; cancelled at stop)."""
 
     async def start(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 
     async def stop(self, _: web.Application) -> None:
+        for release in list(self._releases):
+            release.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -70,9 +88,13 @@ class Router:
         assert self._session is not None, "the router starts its session with the application"
         return self._session
 
-    async def prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        """Run the prompt on a prefill instance; the `kv_transfer_params` it answers with."""
-        asked = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    async def prefill(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
+        """Run the prompt on a prefill instance: the `kv_transfer_params` it answers with, and
+        the prompt's tokens (to release its KV should the decode never take it)."""
+        asked = {
+            **body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True},
+            "return_token_ids": True,
+        }  # fmt: skip
         asked.pop("stream_options", None)
         asked.pop("max_completion_tokens", None)
         url = next(self._next_prefill) + path
@@ -80,13 +102,13 @@ class Router:
             async with self.session.post(url, json=asked) as response:
                 if response.status != 200:
                     log.warning("prefill at %s answered %d: the decode computes the prompt", url, response.status)
-                    return None
+                    return None, []
                 answer = await response.json()
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
             log.warning("prefill at %s failed (%s): the decode computes the prompt", url, exc)
-            return None
+            return None, []
         params = answer.get("kv_transfer_params")
-        return params if isinstance(params, dict) else None
+        return (params if isinstance(params, dict) else None), _prompt_tokens(answer)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -95,10 +117,11 @@ class Router:
             return _error("the body is not JSON", 400)
         if not isinstance(body, dict):
             return _error("the body is not a JSON object", 400)
-        params = await self.prefill(request.path, body)
+        params, prompt = await self.prefill(request.path, body)
         decode_body = {**body, "kv_transfer_params": params} if params else dict(body)
         url = next(self._next_decode) + request.path
         response: web.StreamResponse | None = None
+        answered = False
         try:
             async with self.session.post(url, json=decode_body) as answer:
                 content_type = answer.headers.get("Content-Type", "application/json")
@@ -107,16 +130,62 @@ class Router:
                 async for chunk in answer.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
+                answered = True
                 return response
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("decode at %s failed (%s: %s)", url, type(exc).__name__, exc)
             if response is not None:
                 raise  # its status went out already: the connection closes, the client sees the body cut short
             return _error(f"the decode instance at {url} failed: {type(exc).__name__}: {exc}", 502)
+        finally:
+            if not answered and params:  # the client left, or the decode failed: its KV may wait for nobody
+                self._release(params, prompt)
+
+    def _release(self, params: dict[str, Any], prompt: list[int]) -> None:
+        """Evict the item of exactly `prompt` from every producer `params` name, in a task of
+        the router's own (never waited for; what it cannot free leaves with the item's TTL)."""
+        endpoints = params.get("kvrt_endpoints") or [params.get("kvrt_endpoint")]
+        endpoints = [endpoint for endpoint in endpoints if isinstance(endpoint, str)]
+        if len(prompt) < 2 or not endpoints:
+            return
+        if len(self._releases) >= MAX_RELEASES:
+            log.warning("%d releases on their way already: this one is left to the item's TTL", len(self._releases))
+            return
+        release = asyncio.get_running_loop().create_task(_release_on(endpoints, prompt))
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
 
     async def forward_get(self, request: web.Request) -> web.Response:
         async with self.session.get(self.decodes[0] + request.path) as answer:
             return web.Response(status=answer.status, body=await answer.read(), content_type=answer.content_type)
+
+
+def _prompt_tokens(answer: dict[str, Any]) -> list[int]:
+    """The prompt's token ids in a completion's answer (`return_token_ids`): in its choice for
+    /v1/completions, at the top for /v1/chat/completions; [] when it has none."""
+    tokens = answer.get("prompt_token_ids")
+    choices = answer.get("choices")
+    if tokens is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        tokens = choices[0].get("prompt_token_ids")
+    if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+        return []
+    return tokens
+
+
+async def _release_on(endpoints: Sequence[str], prompt: list[int]) -> None:
+    """Evict the item of exactly `prompt` on each producer, if it holds one (the decode may
+    have taken it, or released it itself: then there is nothing to do)."""
+    for endpoint in endpoints:
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                async with kvrt.Client(endpoint, connect_timeout_s=RELEASE_TIMEOUT_S) as client:
+                    (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
+                    if found.item_id is not None and found.matched == len(prompt):
+                        await client.evict(found.item_id)
+        except kvrt.NotFoundError:
+            pass  # taken or evicted meanwhile
+        except (kvrt.KVRTError, TimeoutError) as exc:
+            log.warning("could not release KV at %s: %s", endpoint, exc)
 
 
 def application(prefills: Sequence[str], decodes: Sequence[str]) -> web.Application:
