@@ -88,11 +88,12 @@ async def test_a_decode_that_refuses_connections_is_a_502() -> None:
 PROMPT = list(range(40, 60))
 
 
-def prefilled_at(endpoint: str) -> Handler:
+def prefilled_at(endpoint: str, after_s: float = 0.0) -> Handler:
     """A prefill instance whose KV for every prompt is at `endpoint` (as vLLM answers when
-    asked for `return_token_ids`)."""
+    asked for `return_token_ids`), answering `after_s` after the request came."""
 
     async def prefill(request: web.Request) -> web.Response:
+        await asyncio.sleep(after_s)  # its forward pass
         body = await request.json()
         assert body["return_token_ids"] is True
         choice = {"text": "", "prompt_token_ids": body["prompt"]}
@@ -114,22 +115,24 @@ async def held(producer: kvrt.Producer, items: int, within_s: float = 10.0) -> b
     return True
 
 
-@pytest.mark.parametrize("decode_is", ["left by its client", "gone"])
+@pytest.mark.parametrize("decode_is", ["left by its client", "left during the prefill", "gone"])
 async def test_a_hand_off_the_decode_never_finished_releases_the_prompts_kv_on_the_producer(decode_is: str) -> None:
-    # The client left as the prefill answered (the decode may never see the request), or the
-    # decode failed: nobody would take the KV the prefill published, so the router frees it.
+    # The client left as the prefill answered (the decode may never see the request), or while
+    # the prefill ran (its answer alone names the KV it published), or the decode failed:
+    # nobody would take that KV, so the router frees it.
     async with kvrt.Producer() as producer:
         shape = (1, len(PROMPT), 2, 4)
         await producer.insert(torch.tensor(PROMPT), None, torch.zeros(shape), torch.zeros(shape))
-        decode = instance(hanging if decode_is == "left by its client" else disconnecting)
+        decode = instance(disconnecting if decode_is == "gone" else hanging)
+        prefill_s = 2.0 if decode_is == "left during the prefill" else 0.0
         async with (
-            serving(instance(prefilled_at(producer.endpoint))) as prefill,
+            serving(instance(prefilled_at(producer.endpoint, prefill_s))) as prefill,
             serving(decode) as decode_url,
             serving(application([prefill], [decode_url])) as router,
             aiohttp.ClientSession() as session,
         ):
             body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
-            if decode_is == "left by its client":
+            if decode_is != "gone":
                 try:
                     async with asyncio.timeout(1.0), session.post(router + "/v1/completions", json=body):
                         pass

@@ -17,6 +17,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,16 @@ def producers_hold(bind: str, ranks: int) -> list[int]:
         with kvrt.blocking.Client(f"{base}:{int(port) + rank}", connect_timeout_s=10) as client:
             held.append(client.stats().items)
     return held
+
+
+def released_within(bind: str, bound_s: float) -> bool:
+    """Whether rank 0's producer holds nothing within `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    while producers_hold(bind, 1) != [0]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.fixture
@@ -237,4 +248,7 @@ def test_clients_gone_mid_request_leave_nothing_held(opt: Path, folder: Path, bi
             # Whatever each request reached, its KV is gone from the producer once the
             # decode let it go: the next requests flow, and nothing is held.
             assert complete(routed.url, asked[:4], in_flight=4) == complete(decode.url, asked[:4], in_flight=4)
+            # Releases are never waited for (by the decode's scheduler or the router): they land
+            # a round trip or so after each hand-off ended, far inside the items' 120 s TTL.
+            assert released_within(bind, 10.0)
         assert producers_hold(bind, 1) == [0]

@@ -20,7 +20,8 @@ leaves mid-request closes the decode's request too (vLLM aborts it and the conne
 its KV on the producer). A hand-off that does not end in the decode's whole answer (the client
 left, the decode failed) also has the router release the prompt's KV on the producers the
 prefill named, as soon as it ends: the decode may never have seen the request (the client
-left as the prefill answered), and then nobody else would. Needs aiohttp (a dependency of
+left as the prefill answered), and then nobody else would. A prefill whose client leaves runs
+to its answer for that reason. Needs aiohttp (a dependency of
 vLLM).
 """
 
@@ -72,14 +73,19 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._releases: set[asyncio.Task[None]] = set()
         """Releases of KV on their way (each removes itself when done; cancelled at stop)."""
+        self._prefills: set[asyncio.Future[tuple[dict[str, Any] | None, list[int]]]] = set()
+        """Prefills whose clients left, running to their answer (cancelled at stop)."""
+        self._stopping = False
 
     async def start(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 
     async def stop(self, _: web.Application) -> None:
-        for release in list(self._releases):
-            release.cancel()
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        self._stopping = True  # no release starts now; what is on its way is cancelled
+        pending = [*self._prefills, *self._releases]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -117,7 +123,15 @@ class Router:
             return _error("the body is not JSON", 400)
         if not isinstance(body, dict):
             return _error("the body is not a JSON object", 400)
-        params, prompt = await self.prefill(request.path, body)
+        # The prefill runs to its answer even when the client leaves meanwhile: a prefill that
+        # finished as its client left has published KV that only its answer names, and that
+        # answer is what lets the router release it.
+        prefilled = asyncio.ensure_future(self.prefill(request.path, body))
+        try:
+            params, prompt = await asyncio.shield(prefilled)
+        except asyncio.CancelledError:
+            self._release_when_answered(prefilled)
+            raise
         decode_body = {**body, "kv_transfer_params": params} if params else dict(body)
         url = next(self._next_decode) + request.path
         response: web.StreamResponse | None = None
@@ -141,12 +155,26 @@ class Router:
             if not answered and params:  # the client left, or the decode failed: its KV may wait for nobody
                 self._release(params, prompt)
 
+    def _release_when_answered(self, prefilled: asyncio.Future[tuple[dict[str, Any] | None, list[int]]]) -> None:
+        """Release what a prefill whose client left publishes, once it answered (the prefill
+        is one of the router's own tasks until then: cancelled at stop)."""
+
+        def answered(done: asyncio.Future[tuple[dict[str, Any] | None, list[int]]]) -> None:
+            self._prefills.discard(done)
+            if not done.cancelled() and done.exception() is None:
+                params, prompt = done.result()
+                if params:
+                    self._release(params, prompt)
+
+        self._prefills.add(prefilled)
+        prefilled.add_done_callback(answered)
+
     def _release(self, params: dict[str, Any], prompt: list[int]) -> None:
         """Evict the item of exactly `prompt` from every producer `params` name, in a task of
         the router's own (never waited for; what it cannot free leaves with the item's TTL)."""
         endpoints = params.get("kvrt_endpoints") or [params.get("kvrt_endpoint")]
         endpoints = [endpoint for endpoint in endpoints if isinstance(endpoint, str)]
-        if len(prompt) < 2 or not endpoints:
+        if len(prompt) < 2 or not endpoints or self._stopping:
             return
         if len(self._releases) >= MAX_RELEASES:
             log.warning("%d releases on their way already: this one is left to the item's TTL", len(self._releases))
