@@ -82,7 +82,7 @@ class Router:
 
     async def stop(self, _: web.Application) -> None:
         self._stopping = True  # no release starts now; what is on its way is cancelled
-        pending = [*self._prefills, *self._releases]
+        pending: list[asyncio.Future[Any]] = [*self._prefills, *self._releases]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
