@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -55,6 +56,15 @@ class _Batch:
     answers: concurrent.futures.Future[list[int]]
     settled: bool = False
     """Its outcome was counted (a failure backs its producer off once, not once a request)."""
+
+
+async def evict_prompt(client: kvrt.Client, prompt: list[int]) -> None:
+    """Evict the item of exactly `prompt` on `client`'s producer, if it holds one (taken or
+    evicted meanwhile: nothing to do)."""
+    (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
+    if found.item_id is not None and found.matched == len(prompt):
+        with contextlib.suppress(kvrt.NotFoundError):
+            await client.evict(found.item_id)
 
 
 class Lookups:
@@ -198,7 +208,9 @@ class Lookups:
         client = self._clients.get(endpoint)
         if client is None:
             client = self._clients[endpoint] = kvrt.Client(
-                endpoint, connect_timeout_s=self._timeout_s, reply_timeout_s=self._timeout_s,
+                endpoint,
+                connect_timeout_s=self._timeout_s,
+                reply_timeout_s=self._timeout_s,
                 heartbeat_s=self._heartbeat_s,
             )
             handshake = self._started[endpoint] = asyncio.ensure_future(client.start())
@@ -240,12 +252,7 @@ class Lookups:
     async def _release(self, endpoint: str, prompt: list[int]) -> None:
         try:
             with anyio.fail_after(self._timeout_s):
-                client = await self._client(endpoint)
-                (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
-                if found.item_id is not None and found.matched == len(prompt):
-                    await client.evict(found.item_id)
-        except kvrt.NotFoundError:
-            pass  # taken or evicted meanwhile
+                await evict_prompt(await self._client(endpoint), prompt)
         except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
             with anyio.CancelScope(shield=True):

@@ -21,8 +21,7 @@ its KV on the producer). A hand-off that does not end in the decode's whole answ
 left, the decode failed) also has the router release the prompt's KV on the producers the
 prefill named, as soon as it ends: the decode may never have seen the request (the client
 left as the prefill answered), and then nobody else would. A prefill whose client leaves runs
-to its answer for that reason. Needs aiohttp (a dependency of
-vLLM).
+to its answer for that reason. Needs aiohttp (a dependency of vLLM).
 """
 
 from __future__ import annotations
@@ -37,11 +36,11 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import aiohttp
-import torch
 from aiohttp import web
 
 import kvrt
 from kvrt._errors import InvalidInputError
+from kvrt.integrations.vllm._lookups import evict_prompt
 
 log = logging.getLogger("kvrt.integrations.vllm.proxy")
 
@@ -207,11 +206,7 @@ async def _release_on(endpoints: Sequence[str], prompt: list[int]) -> None:
         try:
             async with asyncio.timeout(RELEASE_TIMEOUT_S):
                 async with kvrt.Client(endpoint, connect_timeout_s=RELEASE_TIMEOUT_S) as client:
-                    (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
-                    if found.item_id is not None and found.matched == len(prompt):
-                        await client.evict(found.item_id)
-        except kvrt.NotFoundError:
-            pass  # taken or evicted meanwhile
+                    await evict_prompt(client, prompt)
         except (kvrt.KVRTError, TimeoutError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
 
