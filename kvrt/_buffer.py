@@ -23,6 +23,7 @@ producer's event loop is the only caller.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import heapq
 import itertools
 import weakref
@@ -60,6 +61,29 @@ class ChunkGathers(Protocol):
     @property
     def failed(self) -> bool:
         """Whether working them out or queuing them failed (the item's bytes never come)."""
+
+
+class ItemState(enum.Enum):
+    """Where an item is; `kvrt._protocol.lifecycle` holds the one table of how it moves."""
+
+    NEW = "new"
+    """Made, not yet known to the producer's core."""
+    BUFFERED = "buffered"
+    """In the lookup index: any lookup it matches may take it."""
+    OUT = "out"
+    """In flight to one consumer under a lease, its bytes still counted, until its receipt."""
+    SPLIT = "split"
+    """Some readers hold a piece of it (a head range), places are free: only pieces are taken."""
+    PIECES_OUT = "pieces out"
+    """Every reader holds a piece: it waits, held, for their receipts."""
+    PIECE = "piece"
+    """A piece in flight to its reader (its parent keeps the other heads)."""
+    OPEN = "open"
+    """An open stream (its prefill still publishing layers) that no consumer reads yet."""
+    READ = "read"
+    """An open stream its one reader takes layer by layer."""
+    DONE = "done"
+    """Delivered for good, dropped or aborted: its bytes no longer count."""
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -110,8 +134,10 @@ class BufferedItem:
     in the buffer's piece index, for pieces only, until each reader has one."""
     parent: BufferedItem | None = None
     """Set for a piece: the item it was cut from (its other heads stay there)."""
-    taker: bytes = b""
-    """A piece's consumer."""
+    holder: bytes = b""
+    """The consumer it is in flight to (`Lifecycle` writes it, with `lease` and `charged`)."""
+    state: ItemState = ItemState.NEW
+    """Where it is in its lifecycle (`kvrt._protocol.lifecycle.TRANSITIONS` moves it)."""
     first_head: int = 0
     """A piece's first head, in its item's numbering."""
     generation: int = 0

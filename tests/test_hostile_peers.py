@@ -250,7 +250,7 @@ async def test_a_delivery_read_after_the_lease_ended_is_given_back_without_readi
 def non_reader(producer: kvrt.Producer) -> bytes | None:
     """The non-reader's identity while the producer serves it."""
     return next(
-        (peer.identity for peer in producer._core._peers.values() if peer.name == "non-reader" and peer.gone is None),
+        (peer.identity for peer in producer._core.sessions.served() if peer.name == "non-reader"),
         None,
     )
 
@@ -413,7 +413,7 @@ def _lookups_of_an_insert(waiters: int) -> int:
         for child in children.values():
             instrument(child)
 
-    instrument(core._waiting._plain.by_query._root)
+    instrument(core.waiting._plain.by_query._root)
     core.insert(make_item(core, [-5, -6, -7]), 0.0)
     return lookups
 
@@ -661,11 +661,11 @@ def test_a_live_peer_that_never_confirms_cannot_hold_more_than_its_share_of_the_
         request = m.DropSelect(request_id=request_id, tokens=None, timeout_s=None)
         assert core.receive(b"hoarder", m.encode(request), 0, 0.0) == []
     sent: list[m.Deliver] = []
-    while not core._peers[b"hoarder"].suspended:
+    while not core.waiting.suspended(b"hoarder"):
         (out,) = core.insert(make_item(core, [len(sent) + 1] * 100), 0.0)
         assert out.peer == b"hoarder" and isinstance(out.message, m.Deliver)
         sent.append(out.message)
-    held = core._peers[b"hoarder"].unconfirmed_bytes
+    held = core.lifecycle.holdings[b"hoarder"].nbytes
     assert held > 5_000 and len(sent) < 8  # past half the buffer: suspended with lookups still parked
     assert core.insert(make_item(core, [77] * 100), 0.0) == []  # not served to the hoarder: buffered
     (refused,) = core.receive(b"hoarder", m.encode(m.DropSelect(request_id=99, tokens=None)), 0, 0.0)
@@ -674,7 +674,7 @@ def test_a_live_peer_that_never_confirms_cannot_hold_more_than_its_share_of_the_
     assert isinstance(taken.message, m.Deliver)  # the others are served
     confirm = m.Received(item_ids=[d.item_id for d in sent], leases=[d.lease for d in sent])
     assert core.receive(b"hoarder", m.encode(confirm), 0, 0.0) == []  # it confirms (nothing buffered now)
-    assert not core._peers[b"hoarder"].suspended
+    assert not core.waiting.suspended(b"hoarder")
     (again,) = core.insert(make_item(core, [78] * 100), 0.0)  # its parked lookups are served again
     assert again.peer == b"hoarder" and isinstance(again.message, m.Deliver)
 
@@ -693,7 +693,7 @@ def test_a_peer_served_again_after_its_suspension_keeps_its_lookups_place_in_the
             == []
         )
     sent: list[m.Deliver] = []
-    while not core._peers[b"hoarder"].suspended:
+    while not core.waiting.suspended(b"hoarder"):
         (out,) = core.insert(make_item(core, [len(sent) + 1] * 100), 0.0)
         assert isinstance(out.message, m.Deliver)
         sent.append(out.message)

@@ -333,8 +333,8 @@ class ItemLifecycle(RuleBasedStateMachine):
     def in_flight(self) -> dict[int, bytes]:
         """The core's own record of what is in flight to whom (its peers' state)."""
         in_flight: dict[int, bytes] = {}
-        for identity, peer in self.core._peers.items():
-            for item_id in peer.in_flight:
+        for identity, holding in self.core.lifecycle.holdings.items():
+            for item_id in holding.items:
                 assert item_id not in in_flight, f"item {item_id} in flight to {identity!r} and {in_flight[item_id]!r}"
                 in_flight[item_id] = identity
         return in_flight
@@ -349,7 +349,7 @@ class ItemLifecycle(RuleBasedStateMachine):
         assert not lost, f"items {sorted(lost)} are nowhere"
         assert {item_id: holder for item_id, (holder, _) in self.current.items()} == in_flight
         for item_id, (holder, lease) in self.current.items():
-            assert self.core._peers[holder].in_flight[item_id].lease == lease
+            assert self.core.lifecycle.held(holder, item_id, lease) is not None
 
     def cut_and_out(self) -> set[int]:
         """Items not buffered (every reader holds or confirmed a piece) but not taken: held
@@ -372,7 +372,8 @@ class ItemLifecycle(RuleBasedStateMachine):
         assert self.core.streams.nbytes == streamed
 
     def pieces_in_flight(self) -> list[BufferedItem]:
-        return [item for peer in self.core._peers.values() for item in peer.in_flight.values() if item.parent]
+        holdings = self.core.lifecycle.holdings.values()
+        return [item for holding in holdings for item in holding.items.values() if item.parent]
 
     @invariant()
     def waiting_requests_are_bounded(self) -> None:

@@ -123,9 +123,9 @@ async def test_a_deliver_the_consumer_refuses_fails_its_call_and_the_pair_starts
     """A Deliver whose metas do not fit its payload (a broken producer) is refused with a typed
     error; its bytes were sent all the same, so the pair is out of step: the link says hello
     again, the producer takes back what it had sent and pairs anew, and the items arrive intact."""
-    from kvrt._protocol import producer as producer_side
+    from kvrt._protocol import outgoing
 
-    deliver_message = producer_side._deliver_message
+    deliver_message = outgoing.deliver_message
     lies: list[int] = []
 
     def lying_once(request_id: int, item: Any, matched: int) -> m.Deliver:
@@ -136,7 +136,7 @@ async def test_a_deliver_the_consumer_refuses_fails_its_call_and_the_pair_starts
         beyond = m.TensorMeta(deliver.key.dtype, deliver.key.shape, deliver.payload_bytes)
         return msgspec.structs.replace(deliver, key=beyond)
 
-    monkeypatch.setattr(producer_side, "_deliver_message", lying_once)
+    monkeypatch.setattr(outgoing, "deliver_message", lying_once)
     async with (
         kvrt.Producer(transport="gloo") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="gloo", heartbeat_s=0.2) as consumer,

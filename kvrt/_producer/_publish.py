@@ -228,5 +228,5 @@ class _Publishing(_Inserting):
             try:
                 await _all_gathers_queued(item)
             except GathersFailed as failed:
-                self._core.discard(item)
+                await self._perform(self._core.discard(item))
                 raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed

@@ -192,7 +192,7 @@ class _Serving(ProducerState):
                     for item in (send.item,) if send.item is not None else send.items:
                         source = item if item.parent is None else item.parent
                         if source.gathers is not None and source.gathers.failed:
-                            self._core.discard(source)
+                            out += self._core.discard(source)
                     out += self._core.peer_unreachable(send.peer, self._now(), "an item's gathers failed")
                 except _Unencodable as exc:
                     log.error("could not build a reply: %s", exc, extra={"peer": send.peer})

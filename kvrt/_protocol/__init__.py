@@ -13,7 +13,12 @@ The package, one job a module:
 - `heartbeats`: how long either side waits for a silent peer (the heartbeat, the lease)
 - `waiting`: the drop-selects parked until an insert matches them, and their bounds
 - `commands`: health, stats, probes, the item list and evict, answered from the buffer
-- `producer`: `ProducerCore`, the peers' sessions and what is delivered to whom
+- `timers`: the producer's deadlines (leases, waiting requests' timeouts, items' time to live)
+- `outgoing`: what the producer sends, and each delivery's message built from an item
+- `lifecycle`: the table of an item's states and the one object that moves items through it
+- `sessions`: who is connected, with which transport, and what each may send
+- `pieces`, `deliveries`: which lookup gets which item (a piece of it, a stream), and when
+- `producer`: `ProducerCore`, which routes every input to the part whose job it is
 - `consumer`: `ConsumerCore`, one link's calls, lease and state
 """
 
@@ -32,16 +37,10 @@ from kvrt._protocol.consumer import (
     Welcomed,
 )
 from kvrt._protocol.heartbeats import DEFAULT_HEARTBEAT_S, HEARTBEAT_MISSES, MAX_HEARTBEAT_S, _heartbeat
-from kvrt._protocol.producer import (
-    BATCH_SEGMENT_BYTES,
-    Cut,
-    Departure,
-    Outgoing,
-    PeerState,
-    ProducerCore,
-    _deliver_message,
-    batch_segments,
-)
+from kvrt._protocol.outgoing import BATCH_SEGMENT_BYTES, Departure, Outgoing, batch_segments
+from kvrt._protocol.pieces import Cut
+from kvrt._protocol.producer import ProducerCore
+from kvrt._protocol.sessions import PeerState
 from kvrt._protocol.waiting import PieceAsked
 
 __all__ = [
@@ -67,7 +66,6 @@ __all__ = [
     "Stray",
     "Streamed",
     "Welcomed",
-    "_deliver_message",
     "_heartbeat",
     "batch_segments",
 ]

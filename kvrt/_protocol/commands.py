@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrt import _messages as m
-from kvrt._buffer import LookupBuffer
+from kvrt._buffer import BufferedItem, LookupBuffer
 from kvrt._errors import NotFoundError
 
 Command = m.Health | m.Stats | m.Probe | m.ProbeMany | m.ListItems | m.Evict
@@ -50,10 +50,11 @@ class Facts:
 
 
 def answer(
-    command: Command, now: float, buffer: LookupBuffer, counters: ProducerCounters, facts: Callable[[], Facts]
-) -> m.Message:
-    """The reply to `command` (`facts` is asked for health and stats only); raises
-    `ProtocolError` or `NotFoundError` (see the module's docstring)."""
+    command: Command, now: float, buffer: LookupBuffer, counters: ProducerCounters, facts: Callable[[], Facts],
+    evict: Callable[[BufferedItem], None],
+) -> m.Message:  # fmt: skip
+    """The reply to `command` (`facts` is asked for health and stats only; `evict` drops an
+    item for `Evict`); raises `ProtocolError` or `NotFoundError` (see the module's docstring)."""
     match command:
         case m.Health(request_id=request_id):
             about = facts()
@@ -94,6 +95,6 @@ def answer(
             item = buffer.get(item_id)
             if item is None:
                 raise NotFoundError(f"item {item_id} is not buffered (taken, in flight, evicted, or never inserted)")
-            buffer.drop(item)
+            evict(item)
             counters.evicted_items += 1
             return m.Evicted(request_id=request_id, item_id=item_id, nbytes=item.nbytes)

@@ -117,12 +117,15 @@ def _older(found: tuple[Waiter, int] | None, other: tuple[Waiter, int] | None) -
 
 
 class WaitingRequests:
-    """Every parked drop-select of a producer, by (peer, request id), and the indexes an item
-    is matched against. The per-peer counts (`_Peer.waiting`) are the caller's."""
+    """Every parked drop-select of a producer, by (peer, request id) and by peer, and the
+    indexes an item is matched against; which peers are not served for now (`suspend`)."""
 
     def __init__(self, max_waiting: int = MAX_WAITING_REQUESTS) -> None:
         self._max_waiting = max_waiting
         self._by_key: dict[tuple[bytes, int], Waiter] = {}
+        self._by_peer: dict[bytes, dict[int, Waiter]] = {}
+        self._peer_bytes: dict[bytes, int] = {}
+        self._suspended: set[bytes] = set()
         self._plain = _Index()
         self._streams = _Index()
         self._pieces = _Index()
@@ -140,9 +143,11 @@ class WaitingRequests:
     def get(self, key: tuple[bytes, int]) -> Waiter | None:
         return self._by_key.get(key)
 
-    def refusal(self, peer_waiting: int, peer_bytes: int, query_bytes: int) -> str | None:
-        """Why one more waiting request of `query_bytes`, from a peer with `peer_waiting`
-        requests of `peer_bytes` waiting already, is over a bound; None when it fits."""
+    def refusal(self, peer: bytes, query_bytes: int) -> str | None:
+        """Why one more waiting request of `query_bytes` from `peer` is over a bound; None
+        when it fits."""
+        peer_waiting = len(self._by_peer.get(peer, ()))
+        peer_bytes = self._peer_bytes.get(peer, 0)
         if peer_waiting >= MAX_WAITING_PER_PEER:
             return f"you have {peer_waiting} requests waiting on this producer already"
         if peer_bytes + query_bytes > MAX_WAITING_QUERY_BYTES_PER_PEER:
@@ -151,18 +156,18 @@ class WaitingRequests:
             return f"{len(self._by_key)} requests already wait on this producer"
         return None
 
-    def park(
-        self, peer: bytes, request: m.DropSelect, query: np.ndarray | None, deadline: float | None, *, indexed: bool
-    ) -> Waiter:
-        """Keep `request` waiting (the caller checked `refusal`); in its index unless not
-        `indexed` (its peer is not served for now: `index` it later)."""
+    def park(self, peer: bytes, request: m.DropSelect, query: np.ndarray | None, deadline: float | None) -> Waiter:
+        """Keep `request` waiting (the caller checked `refusal`); in its index unless its peer
+        is not served for now (`suspend`)."""
         waiter = Waiter(
             peer, request.request_id, query, deadline, request.stream, next(self._seq), PieceAsked.of(request),
             whole=request.whole,
         )  # fmt: skip
         self._by_key[(peer, request.request_id)] = waiter
+        self._by_peer.setdefault(peer, {})[request.request_id] = waiter
+        self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + waiter.nbytes
         self.nbytes += waiter.nbytes
-        if indexed:
+        if peer not in self._suspended:
             self._index_of(waiter).add(waiter)
         return waiter
 
@@ -172,7 +177,38 @@ class WaitingRequests:
         if waiter is not None:
             self._index_of(waiter).remove(waiter)
             self.nbytes -= waiter.nbytes
+            mine = self._by_peer[peer]
+            del mine[request_id]
+            if mine:
+                self._peer_bytes[peer] -= waiter.nbytes
+            else:
+                del self._by_peer[peer], self._peer_bytes[peer]
         return waiter
+
+    def of_peer(self, peer: bytes) -> list[Waiter]:
+        """`peer`'s waiting requests, by request id (oldest first)."""
+        return sorted(self._by_peer.get(peer, {}).values(), key=lambda waiter: waiter.request_id)
+
+    def drop_peer(self, peer: bytes) -> None:
+        """`peer` left: its waiting requests go."""
+        for waiter in self.of_peer(peer):
+            self.drop(peer, waiter.request_id)
+        self._suspended.discard(peer)
+
+    def suspended(self, peer: bytes) -> bool:
+        return peer in self._suspended
+
+    def suspend(self, peer: bytes) -> None:
+        """Serve `peer` no more for now: its waiting requests leave the indexes, still waiting."""
+        self._suspended.add(peer)
+        for waiter in self._by_peer.get(peer, {}).values():
+            self._index_of(waiter).remove(waiter)
+
+    def resume(self, peer: bytes) -> list[Waiter]:
+        """Serve `peer` again: its waiting requests, oldest first, each for the caller to serve
+        or to put back in its index (`index`); until it is suspended again."""
+        self._suspended.discard(peer)
+        return self.of_peer(peer)
 
     def unindex(self, waiter: Waiter) -> None:
         """Out of its index, still waiting: no item is matched against it until `index`."""
