@@ -11,8 +11,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
-from kvrt._protocol import batch_segments
-from kvrt._protocol import producer as producer_side
+from kvrt._protocol import batch_segments, deliveries, outgoing
 from kvrt._tensors import check_batch_segments
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 from tests.test_protocol import Pair
@@ -68,7 +67,7 @@ def test_an_item_goes_to_one_query_of_a_batch_and_returns_when_its_consumer_leav
 
 
 def test_small_hits_share_transfers_and_a_large_hit_travels_alone() -> None:
-    unit = producer_side.BATCH_SEGMENT_BYTES // 8
+    unit = outgoing.BATCH_SEGMENT_BYTES // 8
     hits = [(0, 2 * unit), (2 * unit, 3 * unit), (5 * unit, 3 * unit), (8 * unit, 10 * unit), (18 * unit, unit)]
     assert batch_segments(hits) == [(0, 8 * unit), (8 * unit, 10 * unit), (18 * unit, unit)]
     assert batch_segments([(0, 0), (256, 10)]) == [(256, 10)]  # an empty hit moves nothing
@@ -148,10 +147,10 @@ async def test_rois_apply_and_none_takes_the_oldest_items(linked: tuple[kvrt.Pro
 
 
 async def test_hits_packed_together_and_hits_sent_alone_all_arrive_intact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(producer_side, "BATCH_SEGMENT_BYTES", 4096)  # items of 4 KiB or more travel alone
+    monkeypatch.setattr(outgoing, "BATCH_SEGMENT_BYTES", 4096)  # items of 4 KiB or more travel alone
     planned: list[list[tuple[int, int]]] = []
-    plan = producer_side.batch_segments
-    monkeypatch.setattr(producer_side, "batch_segments", lambda hits: planned.append(plan(hits)) or planned[-1])
+    plan = outgoing.batch_segments
+    monkeypatch.setattr(deliveries, "batch_segments", lambda hits: planned.append(plan(hits)) or planned[-1])
     async with (
         kvrt.Producer(transport="gloo") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,

@@ -1,9 +1,10 @@
 """The producer's item lifecycle, driven at random: a model-based test of `ProducerCore`.
 
 Three consumers say hello, ask (at once, waiting, or a step's lookups in one batch), confirm,
-give back, send receipts that are stale or not theirs, cancel, fall silent past their lease
-and leave, while items are inserted and time passes. After every step the core must agree with what its consumers saw on
-the wire:
+give back, send receipts that are stale or not theirs, cancel, fall silent past their lease,
+become unreachable (their driver gave up sending to them) and leave, while items are inserted
+and time passes, now and then in a gap that is a stall of the producer itself. After every
+step the core must agree with what its consumers saw on the wire:
 
 * no item has two holders: an item is buffered, or in flight to one consumer, or taken for
   good by the one consumer whose receipt the producer accepted;
@@ -12,7 +13,9 @@ the wire:
 * a receipt is accepted exactly when it names the item's current delivery (its consumer and
   lease): a stale one (the lease ended, the item went back) or another consumer's is refused;
 * the buffer's bytes are the sum of the bytes of the items it holds, in flight or not;
-* waiting requests stay within their bound.
+* waiting requests stay within their bound;
+* every item's lifecycle state (`kvrt._protocol.lifecycle`) says where it is, and an item in
+  flight names its holder.
 
 Consumers also ask for pieces (a head range, two readers an item, as two decode ranks of
 another TP size): a consumer holds at most one piece of an item, an item whose pieces are
@@ -32,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, StreamState
+from kvrt._buffer import BufferedItem, ItemState, StreamState
 from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item, item_from_tokens, pack
 from kvrt._protocol import Outgoing, ProducerCore
@@ -80,6 +83,8 @@ class ItemLifecycle(RuleBasedStateMachine):
         """Streams open (their prefill still publishing)."""
         self.aborted: set[int] = set()
         """Streams whose prefill failed: gone, not lost."""
+        self.records: dict[int, BufferedItem] = {}
+        """Every item's record, by id: the latest (a finished stream's is its whole item)."""
         self.waiting: dict[bytes, list[int]] = {consumer: [] for consumer in CONSUMERS}
         self.request_ids = itertools.count(1)
 
@@ -93,7 +98,7 @@ class ItemLifecycle(RuleBasedStateMachine):
     def seen(self, outgoing: list[Outgoing]) -> None:
         """What the producer sent; a consumer that left has what it held voided first."""
         for departure in self.core.take_departed():
-            self.void(departure.peer)
+            self.void(departure.peer, {item.item_id for item in departure.unconfirmed})
         for out in outgoing:
             message = out.message
             if isinstance(message, m.Deliver):
@@ -133,10 +138,14 @@ class ItemLifecycle(RuleBasedStateMachine):
         if request_id is not None and request_id in self.waiting[consumer]:
             self.waiting[consumer].remove(request_id)
 
-    def void(self, consumer: bytes) -> None:
-        for item_id, (holder, _) in list(self.current.items()):
-            if holder == consumer:
-                self.back(item_id)
+    def void(self, consumer: bytes, unconfirmed: set[int]) -> None:
+        """`consumer` left; what it held and never confirmed went back. (What it holds besides
+        is the receipt that ended its session, recorded next: `every_item_is_in_exactly_one_place`
+        checks that nothing else stays.)"""
+        held = {item_id for item_id, (holder, _) in self.current.items() if holder == consumer}
+        assert unconfirmed <= held, f"{consumer!r} held {sorted(held)}, the producer took back {sorted(unconfirmed)}"
+        for item_id in unconfirmed:
+            self.back(item_id)
         self.waiting[consumer].clear()
 
     def back(self, item_id: int) -> None:
@@ -166,7 +175,6 @@ class ItemLifecycle(RuleBasedStateMachine):
             self.hello(consumer)
         else:
             self.send(consumer, m.Bye(reason="closing"))
-            self.void(consumer)
 
     @rule(prompt=prompts)
     def insert(self, prompt: list[int]) -> None:
@@ -176,6 +184,7 @@ class ItemLifecycle(RuleBasedStateMachine):
             item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
         )  # fmt: skip
         self.nbytes[item.item_id] = item.nbytes
+        self.records[item.item_id] = item
         self.seen(self.core.insert(item, self.now))
 
     @rule(consumer=consumers, prompt=prompts)
@@ -221,6 +230,7 @@ class ItemLifecycle(RuleBasedStateMachine):
         item.stream = StreamState(LAYERS)
         self.streams[item.item_id] = item
         self.nbytes[item.item_id] = 0  # counted once finished (see `the_buffers_bytes_are_its_items`)
+        self.records[item.item_id] = item
         self.seen(self.core.open_stream(item, self.now))
 
     @rule(data=st.data())
@@ -253,7 +263,9 @@ class ItemLifecycle(RuleBasedStateMachine):
             (item.input_tokens, None, key, key.clone(), None), torch.device("cpu"), item_id=item_id, seq=item.seq
         )
         self.nbytes[item_id] = whole.nbytes
+        self.records[item_id] = whole
         self.seen(self.core.finish_stream(item, whole, self.now))
+        assert item.state is ItemState.DONE, "a finished stream's record lives on after its end"
 
     @rule(consumer=consumers, prompt=st.none() | prompts, heads=head_ranges, timeout_s=st.sampled_from([0.0, 5.0]))
     def ask_for_a_piece(
@@ -312,6 +324,13 @@ class ItemLifecycle(RuleBasedStateMachine):
                 self.taken[whole] = consumer  # its last piece: the item leaves
         elif item_id not in self.taken and item_id not in self.aborted:
             assert not gone, f"a receipt of item {item_id} that is not its current delivery took it"
+
+    @rule(consumer=consumers)
+    def unreachable(self, consumer: bytes) -> None:
+        """The driver gave up sending to a consumer (disconnected, or not reading): its waiting
+        requests go at once, what it holds stays its own until its lease ends or it settles it."""
+        self.seen(self.core.peer_unreachable(consumer, self.now, "not reading"))
+        self.waiting[consumer].clear()
 
     @rule(consumer=consumers)
     def ping(self, consumer: bytes) -> None:
@@ -378,6 +397,24 @@ class ItemLifecycle(RuleBasedStateMachine):
     @invariant()
     def waiting_requests_are_bounded(self) -> None:
         assert self.core.waiting_count <= MAX_WAITING
+
+    @invariant()
+    def every_items_state_says_where_it_is(self) -> None:
+        lifecycle = self.core.lifecycle
+        for item in lifecycle.buffer.items():
+            assert item.state in (ItemState.BUFFERED, ItemState.SPLIT), f"buffered item {item.item_id} is {item.state}"
+        for item in lifecycle.streams.items():
+            assert item.state is ItemState.OPEN, f"open stream {item.item_id} is {item.state}"
+        for peer, holding in lifecycle.holdings.items():
+            for item in holding.items.values():
+                assert item.state in (ItemState.OUT, ItemState.PIECE, ItemState.READ), f"{item.item_id}: {item.state}"
+                assert item.holder == peer
+        for item_id in self.taken.keys() - self.parent.keys():
+            assert self.records[item_id].state is ItemState.DONE, f"taken item {item_id}"
+        for item_id in self.cut_and_out() - self.taken.keys():
+            assert self.records[item_id].state is ItemState.PIECES_OUT
+        for item_id in self.aborted:
+            assert self.records[item_id].state is ItemState.DONE
 
 
 ItemLifecycle.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

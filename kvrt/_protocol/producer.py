@@ -71,7 +71,6 @@ class ProducerCore:
         """How long a consumer keeps what it was delivered after its last message (see the
         module's docstring); also how long it may stay silent before it is forgotten."""
         self.counters = ProducerCounters()
-        self.sessions = Sessions(transports, host=host, same_host_only=same_host_only)
         self.waiting = WaitingRequests(max_waiting)
         """Drop-selects parked until an insert matches them."""
         self._timers = Timers()
@@ -84,10 +83,17 @@ class ProducerCore:
             peers=lambda: len(self.sessions), waits_for_readers=item_ttl_s is not None,
         )  # fmt: skip
         self.deliveries = Deliveries(self.lifecycle, self.waiting, pieces, self._timers, self._refuse, self.counters)
+        welcome = m.Welcome(
+            version=m.PROTOCOL_VERSION, producer_id=producer_id, heartbeat_s=heartbeat_s, lease_s=self.lease_s,
+            heads=heads,
+        )  # fmt: skip
+        self.sessions = Sessions(
+            self.lifecycle, self.deliveries, self.waiting, self._timers, self._refuse, welcome=welcome,
+            transports=transports, host=host, same_host_only=same_host_only,
+        )  # fmt: skip
         self._next_item_id = 0
         self._last_expire: float | None = None
         self._hold_leases_until = 0.0
-        self._departed: list[Departure] = []
 
     # -- what the driver reads ----------------------------------------------------------
 
@@ -110,7 +116,12 @@ class ProducerCore:
 
     @property
     def transports(self) -> tuple[str, ...]:
+        """What this producer can send with, preferred first."""
         return self.sessions.transports
+
+    @transports.setter
+    def transports(self, names: Sequence[str]) -> None:
+        self.sessions.transports = tuple(names)
 
     @property
     def refusals(self) -> dict[str, int]:
@@ -156,7 +167,7 @@ class ProducerCore:
 
     def take_departed(self) -> list[Departure]:
         """Peers that left since the last call: the driver releases what their transports held."""
-        departed, self._departed = self._departed, []
+        departed, self.sessions.departed = self.sessions.departed, []
         return departed
 
     # -- inputs -------------------------------------------------------------------------
@@ -182,11 +193,11 @@ class ProducerCore:
             self.sessions.peers[peer].last_seen = now
         match message:
             case m.Hello():
-                return self._on_hello(peer, message, now)
+                return self.sessions.hello(peer, message, now)
             case m.Ping(nonce=nonce):
                 return [Outgoing(peer, m.Pong(nonce=nonce))]
             case m.Bye():
-                return self._forget_peer(peer, now)
+                return self.sessions.forget(peer, now)
             case m.DropSelect():
                 return self.deliveries.drop_select(peer, message, now)
             case m.DropSelectMany():
@@ -195,9 +206,9 @@ class ProducerCore:
                 self.waiting.drop(peer, request_id)
                 return []
             case m.Received(item_ids=item_ids, leases=leases):
-                return self._on_received(peer, item_ids, leases, now)
+                return self.sessions.received(peer, item_ids, leases, now)
             case m.Release(item_id=item_id, lease=lease):
-                return self._on_release(peer, item_id, lease, now)
+                return self.sessions.release(peer, item_id, lease, now)
             case m.Health() | m.Stats() | m.Probe() | m.ProbeMany() | m.ListItems() | m.Evict():
                 return [self._command(peer, message, now)]
         raise AssertionError(f"unhandled {message!r}")  # the accept table and the match disagree
@@ -221,12 +232,7 @@ class ProducerCore:
         """The driver gave up sending to `peer` (it disconnected, or does not read): it is
         served no more, its waiting requests are dropped, and what it holds goes back once its
         lease ends, unless it confirms or releases it first."""
-        session = self.sessions.peers.get(peer)
-        if session is None or session.gone is not None:
-            return []
-        session.gone = reason
-        self.waiting.drop_peer(peer)
-        return self._forget_if_done(peer, now)
+        return self.sessions.unreachable(peer, now, reason)
 
     def refusal(self, peer: bytes, request_id: int | None, code: ErrorCode, text: str) -> Outgoing:
         """An error reply to `peer`, counted (the driver's, for a frame it could not handle)."""
@@ -267,7 +273,7 @@ class ProducerCore:
                     continue
                 expires = max(session.last_seen + self.lease_s, self._hold_leases_until)
                 if expires <= now:
-                    out += self._forget_peer(key, now)
+                    out += self.sessions.forget(key, now)
                 else:
                     self._timers.add(expires, TimerKind.PEER, key)
             elif kind is TimerKind.ITEM:
@@ -287,7 +293,7 @@ class ProducerCore:
         self.lifecycle.closed = True
         out = [Outgoing(peer, m.Bye(reason=reason)) for peer in self.sessions.peers]
         for identity in list(self.sessions.peers):
-            self._forget_peer(identity, now=0.0)
+            self.sessions.forget(identity, now=0.0)
         self._timers.clear()
         return out
 
@@ -330,93 +336,7 @@ class ProducerCore:
             return []
         return [Outgoing(reader, m.StreamAbort(item_id=item.item_id, reason=reason))]
 
-    # -- sessions -------------------------------------------------------------------------
-
-    def _on_hello(self, peer: bytes, hello: m.Hello, now: float) -> list[Outgoing]:
-        if hello.version != m.PROTOCOL_VERSION:
-            text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
-            return [self._refuse(peer, None, ErrorCode.VERSION, text)]
-        transport = self.sessions.transport_for(hello)
-        if transport is None:
-            offered = hello.capabilities or [m.Capability.TCP.value]
-            text = f"no common transport: you receive with {offered}, this producer sends with {list(self.transports)}"
-            return [self._refuse(peer, None, ErrorCode.INVALID, text)]
-        out: list[Outgoing] = []
-        if peer in self.sessions.peers:
-            # A second hello ends the peer's old session: what it confirmed counts (the receipts
-            # its hello repeats, in case one was lost with a broken connection), the rest goes back.
-            if hello.received:
-                self._on_received(peer, hello.received, hello.received_leases, now, quiet=True)
-            out += self._forget_peer(peer, now)
-        self.sessions.start(peer, hello, transport, now)
-        self.lifecycle.hold(peer)
-        self._timers.add(now + self.lease_s, TimerKind.PEER, peer)
-        welcome = m.Welcome(
-            version=m.PROTOCOL_VERSION,
-            producer_id=self.producer_id,
-            heartbeat_s=self.heartbeat_s,
-            transport=transport,
-            capabilities=[*self.transports, m.Capability.PROBE_MANY.value],
-            lease_s=self.lease_s,
-            heads=self.heads,
-        )
-        out.append(Outgoing(peer, welcome))
-        return out
-
-    def _on_received(
-        self, peer: bytes, item_ids: list[int], leases: list[int], now: float, *, quiet: bool = False
-    ) -> list[Outgoing]:
-        """Receipts: the items are delivered for good. `quiet`: receipts repeated by a hello,
-        some of them read before: no refusal for those."""
-        unknown, open_streams = [], []
-        for index, item_id in enumerate(item_ids):
-            item = self.lifecycle.held(peer, item_id)
-            if item is None or (index < len(leases) and leases[index] != item.lease):
-                unknown.append(item_id)  # a receipt whose lease ended: the item went back
-            elif item.stream is not None:
-                # A stream is confirmed after its end (then its whole item is in flight): before
-                # it, its prefill still publishes into it and would grow what was freed.
-                open_streams.append(item_id)
-            else:
-                self.lifecycle.confirm(item)
-        out = self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
-        if unknown and not quiet:
-            text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
-            out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
-        if open_streams and not quiet:
-            text = f"streams {open_streams} have not ended: a stream is confirmed after its stream_end"
-            out.append(self._refuse(peer, None, ErrorCode.PROTOCOL, text))
-        return out
-
-    def _on_release(self, peer: bytes, item_id: int, lease: int, now: float) -> list[Outgoing]:
-        item = self.lifecycle.held(peer, item_id, lease)
-        if item is None:
-            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
-        out = self.deliveries.offer(self.lifecycle.give_back(item, now), now)
-        return out + self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
-
-    def _resume_if_under(self, peer: bytes, now: float) -> list[Outgoing]:
-        if self.sessions.state(peer) is not PeerState.READY:
-            return []
-        return self.deliveries.resume_if_under(peer, now)
-
-    def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
-        """A dropped peer that holds nothing any more is forgotten now."""
-        if self.sessions.state(peer) is PeerState.GONE and not self.lifecycle.holdings[peer].items:
-            return self._forget_peer(peer, now)
-        return []
-
-    def _forget_peer(self, peer: bytes, now: float) -> list[Outgoing]:
-        session = self.sessions.peers.pop(peer, None)
-        if session is None:
-            return []
-        self.waiting.drop_peer(peer)
-        held = self.lifecycle.leave(peer)
-        self._departed.append(Departure(peer, session.transport, held))
-        out: list[Outgoing] = []
-        for item in held:
-            out += self.deliveries.offer(self.lifecycle.give_back(item, now), now)
-        return out
+    # -- operators -----------------------------------------------------------------------
 
     def _command(self, peer: bytes, command: commands.Command, now: float) -> Outgoing:
         """An operator's question or command (`kvrt._protocol.commands`), answered at once."""

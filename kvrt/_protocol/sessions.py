@@ -1,5 +1,10 @@
 """Consumers' sessions with a producer: who said hello, with which transport, when each was
-last heard from, and which messages a peer may send in its state (`ACCEPTS`)."""
+last heard from, which messages a peer may send in its state (`ACCEPTS`), and how a session
+ends (bye, a second hello, silence past its lease, unreachable) with what it held given back.
+
+Receipts and releases are a session's too: they end a delivery's lease, for good or back to
+the buffer; a consumer back under its share of unconfirmed bytes is served again.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import msgspec
+
 from kvrt import _messages as m
+from kvrt._errors import ErrorCode
+from kvrt._protocol.deliveries import Deliveries
+from kvrt._protocol.lifecycle import Lifecycle
+from kvrt._protocol.outgoing import Departure, Outgoing, Refusals
+from kvrt._protocol.timers import TimerKind, Timers
+from kvrt._protocol.waiting import WaitingRequests
 
 
 class PeerState(enum.Enum):
@@ -52,9 +65,20 @@ class Session:
 
 
 class Sessions:
-    """The producer's consumers by identity, and what a hello is answered."""
+    """The producer's consumers by identity: hellos answered, receipts and releases taken,
+    sessions ended (see the module's docstring)."""
 
-    def __init__(self, transports: Sequence[str], *, host: str, same_host_only: frozenset[str]) -> None:
+    def __init__(
+        self, lifecycle: Lifecycle, deliveries: Deliveries, waiting: WaitingRequests, timers: Timers,
+        refuse: Refusals, *, welcome: m.Welcome, transports: Sequence[str], host: str, same_host_only: frozenset[str],
+    ) -> None:  # fmt: skip
+        self._lifecycle = lifecycle
+        self._deliveries = deliveries
+        self._waiting = waiting
+        self._timers = timers
+        self._refuse = refuse
+        self._welcome = welcome
+        """What every hello is answered (its transport and capabilities set at the hello)."""
         self.transports = tuple(transports)
         """What this producer can send with, preferred first."""
         self.host = host
@@ -62,6 +86,8 @@ class Sessions:
         self.same_host_only = same_host_only
         """Transports chosen only for a consumer whose hello names this producer's machine."""
         self.peers: dict[bytes, Session] = {}
+        self.departed: list[Departure] = []
+        """Peers that left, for the driver to release what their transports held."""
 
     def __len__(self) -> int:
         """Every session, also those dropped and holding items until their lease ends."""
@@ -82,14 +108,100 @@ class Sessions:
         session = self.peers.get(peer)
         return None if session is None or session.gone is not None else session.transport
 
-    def transport_for(self, hello: m.Hello) -> str | None:
-        """The transport this producer sends to the consumer of `hello` with; None if none fits."""
+    # -- a session's messages ---------------------------------------------------------------
+
+    def hello(self, peer: bytes, hello: m.Hello, now: float) -> list[Outgoing]:
+        if hello.version != m.PROTOCOL_VERSION:
+            text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
+            return [self._refuse(peer, None, ErrorCode.VERSION, text)]
         offered = hello.capabilities or [m.Capability.TCP.value]
         same_host = bool(self.host) and hello.host == self.host
-        return next(
+        transport = next(
             (name for name in self.transports if name in offered and (same_host or name not in self.same_host_only)),
             None,
         )
-
-    def start(self, peer: bytes, hello: m.Hello, transport: str, now: float) -> None:
+        if transport is None:
+            text = f"no common transport: you receive with {offered}, this producer sends with {list(self.transports)}"
+            return [self._refuse(peer, None, ErrorCode.INVALID, text)]
+        out: list[Outgoing] = []
+        if peer in self.peers:
+            # A second hello ends the peer's old session: what it confirmed counts (the receipts
+            # its hello repeats, in case one was lost with a broken connection), the rest goes back.
+            if hello.received:
+                self.received(peer, hello.received, hello.received_leases, now, quiet=True)
+            out += self.forget(peer, now)
         self.peers[peer] = Session(identity=peer, name=hello.name, transport=transport, last_seen=now)
+        self._lifecycle.hold(peer)
+        self._timers.add(now + self._welcome.lease_s, TimerKind.PEER, peer)
+        capabilities = [*self.transports, m.Capability.PROBE_MANY.value]
+        welcome = msgspec.structs.replace(self._welcome, transport=transport, capabilities=capabilities)
+        out.append(Outgoing(peer, welcome))
+        return out
+
+    def received(
+        self, peer: bytes, item_ids: list[int], leases: list[int], now: float, *, quiet: bool = False
+    ) -> list[Outgoing]:
+        """Receipts: the items are delivered for good. `quiet`: receipts repeated by a hello,
+        some of them read before: no refusal for those."""
+        unknown, open_streams = [], []
+        for index, item_id in enumerate(item_ids):
+            item = self._lifecycle.held(peer, item_id)
+            if item is None or (index < len(leases) and leases[index] != item.lease):
+                unknown.append(item_id)  # a receipt whose lease ended: the item went back
+            elif item.stream is not None:
+                # A stream is confirmed after its end (then its whole item is in flight): before
+                # it, its prefill still publishes into it and would grow what was freed.
+                open_streams.append(item_id)
+            else:
+                self._lifecycle.confirm(item)
+        out = self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
+        if unknown and not quiet:
+            text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
+            out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
+        if open_streams and not quiet:
+            text = f"streams {open_streams} have not ended: a stream is confirmed after its stream_end"
+            out.append(self._refuse(peer, None, ErrorCode.PROTOCOL, text))
+        return out
+
+    def release(self, peer: bytes, item_id: int, lease: int, now: float) -> list[Outgoing]:
+        item = self._lifecycle.held(peer, item_id, lease)
+        if item is None:
+            return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
+        out = self._deliveries.offer(self._lifecycle.give_back(item, now), now)
+        return out + self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
+
+    # -- a session's end ----------------------------------------------------------------------
+
+    def unreachable(self, peer: bytes, now: float, reason: str) -> list[Outgoing]:
+        """Served no more, its waiting requests dropped; what it holds goes back once its lease
+        ends, unless it confirms or releases it first."""
+        session = self.peers.get(peer)
+        if session is None or session.gone is not None:
+            return []
+        session.gone = reason
+        self._waiting.drop_peer(peer)
+        return self._forget_if_done(peer, now)
+
+    def forget(self, peer: bytes, now: float) -> list[Outgoing]:
+        """The session ends: its waiting requests go, what it held goes back."""
+        session = self.peers.pop(peer, None)
+        if session is None:
+            return []
+        self._waiting.drop_peer(peer)
+        held = self._lifecycle.leave(peer)
+        self.departed.append(Departure(peer, session.transport, held))
+        out: list[Outgoing] = []
+        for item in held:
+            out += self._deliveries.offer(self._lifecycle.give_back(item, now), now)
+        return out
+
+    def _resume_if_under(self, peer: bytes, now: float) -> list[Outgoing]:
+        if self.state(peer) is not PeerState.READY:
+            return []
+        return self._deliveries.resume_if_under(peer, now)
+
+    def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
+        """A dropped peer that holds nothing any more is forgotten now."""
+        if self.state(peer) is PeerState.GONE and not self._lifecycle.holdings[peer].items:
+            return self.forget(peer, now)
+        return []
