@@ -1,4 +1,5 @@
-"""Threads kvrt owns: workers that queue GPU work off the event loop, and a waiter for transfers."""
+"""Threads kvrt owns: workers that queue GPU work off the event loop, a waiter for transfers,
+and daemon threads for set-ups that wait on a peer."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Final, Protocol, TypeVar, overload
 
 import torch
+
+from kvrt._errors import TransportUnavailableError
 
 _T = TypeVar("_T")
 
@@ -22,6 +25,42 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(device,)
     )
+
+
+MAX_DAEMON_JOBS: Final = 256
+"""Most jobs `in_daemon_thread` runs at once; past it a job fails at once (`TransportUnavailableError`)."""
+_daemon_jobs = 0
+_daemon_jobs_lock = threading.Lock()
+
+
+def in_daemon_thread(job: Callable[[], _T], name: str) -> concurrent.futures.Future[_T]:
+    """Run `job` on a thread of its own that does not hold the interpreter's exit: a set-up
+    that blocks on a peer which may never come (a pair's rendezvous waits up to its store's
+    timeout), so that one stuck job neither delays the others nor the process's end."""
+    global _daemon_jobs
+    future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+    with _daemon_jobs_lock:
+        if _daemon_jobs >= MAX_DAEMON_JOBS:
+            future.set_exception(TransportUnavailableError(f"{MAX_DAEMON_JOBS} set-ups are waiting for their peers"))
+            return future
+        _daemon_jobs += 1
+
+    def run() -> None:
+        global _daemon_jobs
+        try:
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = job()
+                except BaseException as error:  # the future's to report
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+        finally:
+            with _daemon_jobs_lock:
+                _daemon_jobs -= 1
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class PreparedLaunch(Protocol):

@@ -247,3 +247,26 @@ async def test_a_transport_that_cannot_work_and_has_no_next_fails_the_start_with
         with pytest.raises(kvrt.PeerLostError, match="simulated"):
             async with offering(kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=5), ("gloo",)):
                 pass
+
+
+async def test_pairs_whose_consumers_never_join_hold_up_neither_other_pairs_nor_the_process_exit() -> None:
+    """A producer offers a pair at each welcome; a consumer that never joins it (it fell back
+    to another transport, or died) leaves that pair's set-up waiting for the store's timeout.
+    Such set-ups wait on threads of their own: a consumer that does join pairs at once, and
+    none of those threads holds the interpreter's exit."""
+    import threading
+
+    from transports.paired import PairedReceiver, PairedSender
+
+    sender = PairedSender("gloo", torch.device("cpu"))
+    receiver = PairedReceiver("gloo", torch.device("cpu"))
+    try:
+        for index in range(6):  # more than any fixed pool of set-up threads
+            sender.offer(f"never-joins-{index}".encode())
+        rendezvous = sender.offer(b"joins")
+        await receiver.join(rendezvous, timeout_s=10.0)  # well inside the store's 60 s
+        stuck = [thread for thread in threading.enumerate() if thread.name.startswith("kvrt-pair")]
+        assert len(stuck) >= 6 and all(thread.daemon for thread in stuck)
+    finally:
+        await receiver.aclose()
+        await sender.aclose()

@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, outcome_seen
+from kvrt._threads import Waiter, in_daemon_thread, outcome_seen
 from kvrt.transports._base import (
     Arrival,
     ItemTensors,
@@ -138,7 +139,6 @@ class _Paired:
         self._store: TCPStore | None = None
         self._pairs: dict[bytes, _Pair] = {}
         self._pair: _Pair | None = None
-        self._setup = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvrt-pair")
         self._waiter = Waiter("kvrt-transfer")
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         if backend == "nccl":
@@ -152,12 +152,14 @@ class _Paired:
         if self._pair is not None:
             self._release(self._pair)
             self._pair = None
-        self._setup.shutdown(wait=False)  # queued aborts still run
         self._waiter.close()
 
-    def _establish(self, store: Store, pair_id: str, rank: int) -> Any:
-        """In a set-up thread: build the pair's group, and bring its communicator up with one
-        small exchange (NCCL creates it lazily, at the first operation of both ranks)."""
+    def _establish(self, host: str, port: int, pair_id: str, rank: int) -> Any:
+        """In a set-up thread: build the pair's group on a store connection of its own (a
+        connection's operations wait in turn: a rendezvous that waits for a peer must not hold
+        the others'), and bring its communicator up with one small exchange (NCCL creates it
+        lazily, at the first operation of both ranks)."""
+        store = TCPStore(host, port, is_master=False, timeout=_STORE_TIMEOUT)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         group = _process_group(self.backend, PrefixStore(f"kvrt/{pair_id}", store), rank, _STORE_TIMEOUT)
@@ -168,16 +170,16 @@ class _Paired:
             torch.cuda.current_stream(self.device).synchronize()
         return group
 
-    def _release(self, pair: _Pair) -> None:
-        """Abort the pair's group in a set-up thread (an abort can wait on the dead peer's
-        kernels; the loop must not), as soon as it is established."""
-        pair.established.add_done_callback(self._abort_in_setup_thread)
+    def _set_up(self, host: str, port: int, pair_id: str, rank: int) -> concurrent.futures.Future[Any]:
+        """`_establish` on a daemon thread of its own: a peer that never joins (it fell back to
+        another transport, or died) keeps that thread waiting until the store's timeout, and
+        neither the other pairs nor the process's exit wait for it."""
+        return in_daemon_thread(functools.partial(self._establish, host, port, pair_id, rank), "kvrt-pair")
 
-    def _abort_in_setup_thread(self, established: concurrent.futures.Future[Any]) -> None:
-        try:
-            self._setup.submit(_abort_if_established, established)
-        except RuntimeError:  # closing: the set-up threads are gone, abort here
-            _abort_if_established(established)
+    def _release(self, pair: _Pair) -> None:
+        """Abort the pair's group on a daemon thread (an abort can wait on the dead peer's
+        kernels; the loop must not), as soon as it is established."""
+        pair.established.add_done_callback(_abort_off_the_loop)
 
 
 class PairedSender(_Paired, Sender):
@@ -195,7 +197,7 @@ class PairedSender(_Paired, Sender):
     def offer(self, peer: bytes) -> dict[str, str]:
         store = self._host_store()
         pair_id = uuid.uuid4().hex
-        established = self._setup.submit(self._establish, store, pair_id, _PRODUCER_RANK)
+        established = self._set_up(self._store_host, store.port, pair_id, _PRODUCER_RANK)
         old = self._pairs.pop(peer, None)
         if old is not None:
             self._release(old)
@@ -312,12 +314,11 @@ class PairedReceiver(_Paired, Receiver):
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:
-            host, port = rendezvous["store"].rsplit(":", 1)
-            pair_id = rendezvous["pair"]
+            host, port_text = rendezvous["store"].rsplit(":", 1)
+            port, pair_id = int(port_text), rendezvous["pair"]
         except (KeyError, ValueError):
             raise RemoteProtocolError(f"welcome has no usable {self.backend} rendezvous: {rendezvous}") from None
-        store = TCPStore(host, int(port), is_master=False, timeout=_STORE_TIMEOUT)
-        established = self._setup.submit(self._establish, store, pair_id, _CONSUMER_RANK)
+        established = self._set_up(host, port, pair_id, _CONSUMER_RANK)
         if self._pair is not None:
             self._release(self._pair)
         self._pair = _Pair(pair_id, established)
@@ -479,6 +480,10 @@ def _drop_finished(pair: _Pair) -> None:
         if not (work.is_completed() if waited is None else waited.done()):
             return
         pair.sends.popleft()
+
+
+def _abort_off_the_loop(established: concurrent.futures.Future[Any]) -> None:
+    in_daemon_thread(functools.partial(_abort_if_established, established), "kvrt-pair-abort")
 
 
 def _abort_if_established(established: concurrent.futures.Future[Any]) -> None:
