@@ -12,10 +12,13 @@ The package, one job a module:
 - `_streams`: a link's streams: their layers arriving
 - `_link`: the link's task: frames in, dispatched to the three above
 - `_state`: the fields every part of a consumer shares
-- `_selection`: `drop_select`, among producers, agreed in a TP group
-- `_pulls`: `pull` into paged pools
-- `_open_stream`: `open_stream`, its layers landed into tensors or pools
-- `_consumer`: `Consumer`, composing them; start, close
+- `_batch`: a step's lookups cut into batch requests
+- `_across`: one lookup over several producers, or its pieces from several, not yet confirmed
+- `_agreed`: a lookup (or a batch) agreed with the other ranks of a TP group
+- `_lookups`: `Lookups`: `drop_select`, `drop_select_many`, composed of the three above
+- `_pulls`: `Pulls`: `pull` into paged pools
+- `_open_stream`: `StreamOpening`: `open_stream`, its layers landed into tensors or pools
+- `_consumer`: `Consumer`: the public calls, given to the parts it holds; start, close
 """
 
 from kvrt._consumer._consumer import Consumer

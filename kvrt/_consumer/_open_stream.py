@@ -1,4 +1,4 @@
-"""`Consumer.open_stream`: a stream asked for by its tokens, its layers landed as they come,
+"""`Consumer.open_stream` (`StreamOpening`): a stream asked for by its tokens, its layers landed as they come,
 into the caller's tensors or, through a pool writer, into its paged pools. The link's part of
 a stream (its layers arriving) is `_streams`.
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from kvrt import _messages as m
-from kvrt._caller_stream import on_caller_stream
 from kvrt._consumer._link import _Link
-from kvrt._consumer._pulls import _Pulling
+from kvrt._consumer._lookups import Lookups
 from kvrt._consumer._session import _Reply
+from kvrt._consumer._state import ConsumerState
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -21,10 +21,14 @@ from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._streams import ConsumerStream, Placement, PoolWriter
 
 
-class _OpeningStreams(_Pulling):
+class StreamOpening:
     """`open_stream`, and the pool writer that lands its layers."""
 
-    @on_caller_stream
+    def __init__(self, state: ConsumerState, lookups: Lookups) -> None:
+        self._state = state
+        self._lookups = lookups
+        self.device = state.device
+
     async def open_stream(
         self,
         input_tokens: torch.Tensor | None,
@@ -38,31 +42,15 @@ class _OpeningStreams(_Pulling):
         heads: slice | None = None,
         skip: int = 0,
     ) -> ConsumerStream | None:
-        """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
-        finished item. Matching, `timeout` and the result are as for drop_select; the stream's
-        layers are awaited with `layer(i)` or `async for`. None on a miss.
-
-        With `into` (and `slots`, `replica`, as for `pull`) each layer is written into those
-        pools as it lands, at the slots, for as many tokens as both have; `layer(i)` returns
-        once layer i is written (on a GPU: once the write is queued, with the caller's stream
-        made to wait for it). Slots out of range are refused before anything is taken. The
-        writes wait, on the GPU, for `stream` (None: the caller's current stream) as it was
-        when this was called: the work that wrote the slots there.
-
-        `skip`: the first tokens of the match, which the caller holds in its pools already (a
-        prefix of its own cache), are not written: token i >= `skip` lands at `slots[i - skip]`.
-
-        `heads`: only those KV heads of each layer, as for `drop_select`. A piece is cut from a
-        finished item: a request for one takes a prefill that is still running once it ended.
-        Into pools that hold some of the model's heads (`PoolTable(..., heads=)`), the piece
-        lands at its heads' place among them."""
-        self._check_open()
-        if len(self._links) != 1 or self._consensus is not None:
+        """See `Consumer.open_stream`."""
+        state = self._state
+        state._check_open()
+        if len(state._links) != 1 or state._consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
         query = query_bytes(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
         wanted = head_range(heads, "open_stream: heads")
-        plan = None if wanted is None else self._piece_plans(wanted)[0]
+        plan = None if wanted is None else self._lookups.piece_plans(wanted)[0]
         writer = None if into is None and slots is None else self._pool_writer(into, slots, replica, skip, wanted)
 
         def build(request_id: int) -> m.DropSelect:
@@ -73,7 +61,7 @@ class _OpeningStreams(_Pulling):
                 heads=plan.heads, readers=plan.readers, hidden=plan.hidden, whole=True,
             )  # fmt: skip
 
-        link = self._links[0]
+        link = state._links[0]
         reply = await link.call(
             build,
             confirm=False,
@@ -125,7 +113,7 @@ class _OpeningStreams(_Pulling):
         if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
             raise InvalidInputError(f"skip must be an int >= 0 (tokens the pools hold already), got {skip!r}")
         heads = None
-        producer_heads = self._links[0].core.heads
+        producer_heads = self._state._links[0].core.heads
         if wanted is None and into.heads_said and producer_heads is not None:
             wanted = producer_heads  # a whole item of a producer that says which heads it holds
         if wanted is not None and into.geometry.kv == 2:
@@ -141,6 +129,6 @@ class _OpeningStreams(_Pulling):
             indexes_ready = torch.cuda.Event()
             indexes_ready.record(torch.cuda.current_stream(self.device))
         return PoolWriter(
-            Placement(into, replicas, slots), self._scatter_thread, self._scatter_stream, indexes_ready,
+            Placement(into, replicas, slots), self._state.scatter_thread, self._state.scatter_stream, indexes_ready,
             skip=skip, heads=heads,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""`Consumer.pull`: a published request taken by its tokens and scattered into the caller's
+"""`Consumer.pull` (`Pulls`): a published request taken by its tokens and scattered into the caller's
 paged pools as its chunks land, off the loop on one scatter thread.
 """
 
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from kvrt import _messages as m
-from kvrt._caller_stream import lands_on_caller_stream
-from kvrt._consumer._selection import _Selecting
+from kvrt._consumer._lookups import Lookups
+from kvrt._consumer._state import ConsumerState
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -21,14 +21,17 @@ from kvrt._heads import head_range
 from kvrt._item import KVItem
 from kvrt._pools import PoolTable, checked_indexes, per_token
 from kvrt._tensors import layer_chunks, transfer_segments
-from kvrt._threads import gpu_worker
 from kvrt.transports._base import Arrival, PoolLanding, caller_ready
 
 
-class _Pulling(_Selecting):
+class Pulls:
     """Pulls into paged pools."""
 
-    @lands_on_caller_stream
+    def __init__(self, state: ConsumerState, lookups: Lookups) -> None:
+        self._state = state
+        self._lookups = lookups
+        self.device = state.device
+
     async def pull(
         self,
         input_tokens: torch.Tensor,
@@ -41,28 +44,7 @@ class _Pulling(_Selecting):
         stream: torch.cuda.Stream | None = None,
         heads: slice | None = None,
     ) -> KVItem | None:
-        """Take a published prefill (matched as `drop_select` matches) and write its KV into
-        the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
-        (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
-        and then nothing is written); `timeout` is as in `drop_select`.
-
-        `into` must be on this consumer's device; `slots` and `replica` are 1-D int32 or int64
-        tensors on its device or on the host. Raises `InvalidInputError` for pools on another
-        device or slots and replicas outside them (before any item is taken), and the errors of
-        `drop_select`.
-
-        Memory: the pools are the caller's; kvrt writes only the given slots. On a GPU, with one
-        producer and no group, the scatter is pipelined with the transfer: each chunk of layers
-        is scattered (on a stream of the consumer's own) as soon as it has landed. Work the
-        caller queues on `stream` (None: the calling thread's current stream) after this
-        returns sees the whole request in the pools, also after a pull that failed or was
-        cancelled midway (the slots then hold a partial request, and no defined bytes where a
-        producer died before writing them). `heads`: only those KV heads of the request, as for
-        `drop_select` (the pools hold this rank's heads).
-
-        Over `nixl` (one producer, no group) K and V are READ straight into the slots where the
-        runs of consecutive slots are long enough (pages of block pools): the returned item's
-        `key` and `value` are then meta tensors (shape and dtype, no bytes)."""
+        """See `Consumer.pull`."""
         if into.device != self.device:
             raise InvalidInputError(f"the pools are on {into.device}, this consumer is on {self.device}")
         from kvrt.kernels.paged_kv import scatter_from_any  # Triton: only when pools are used
@@ -72,7 +54,7 @@ class _Pulling(_Selecting):
         replicas, slots = checked_indexes(into, *given)
         wanted = head_range(heads, "pull: heads")
         pools = None
-        if len(self._links) == 1 and self._consensus is None and wanted is None:
+        if len(self._state._links) == 1 and self._state._consensus is None and wanted is None:
             # A transport that reads the producer's memory itself (nixl) lands K and V in the
             # slots in the same READ, with no scatter after it.
             pools = await self._pool_landing(into, *given)
@@ -80,7 +62,7 @@ class _Pulling(_Selecting):
             if self.device.type == "cuda" and pools is not None:
                 item, scattered = await self._pull_pipelined(input_tokens, roi, timeout, into, slots, replicas, pools)
             else:
-                item = await self._lookup(input_tokens, roi, timeout, what="pull", heads=wanted, pools=pools)
+                item = await self._lookups.lookup(input_tokens, roi, timeout, what="pull", heads=wanted, pools=pools)
                 scattered = pools is not None and pools.landed
         finally:
             if pools is not None:  # the caller's later work on these slots comes after the writes
@@ -108,7 +90,7 @@ class _Pulling(_Selecting):
         landed.record(caller)
 
         def queue() -> torch.cuda.Event:
-            stream = self._scatter_stream()
+            stream = self._state.scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(landed)
                 for tensor in (item.key, item.value, slots, replicas):
@@ -118,7 +100,7 @@ class _Pulling(_Selecting):
                 done.record(stream)
             return done
 
-        caller.wait_event(await asyncio.shield(asyncio.wrap_future(self._scatter_thread().submit(queue))))
+        caller.wait_event(await asyncio.shield(asyncio.wrap_future(self._state.scatter_thread().submit(queue))))
 
     async def _pull_pipelined(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
@@ -140,7 +122,7 @@ class _Pulling(_Selecting):
             wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
             count = min(key.shape[1], slots.numel())
             segments = transfer_segments(deliver.segments, deliver.payload_bytes)
-            stream = self._scatter_stream()
+            stream = self._state.scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
@@ -158,10 +140,10 @@ class _Pulling(_Selecting):
         def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
             assert arrival.early is not None
             _, _, key, value, _ = arrival.early
-            queued.append(self._scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
+            queued.append(self._state.scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
 
         try:
-            item = await self._lookup(
+            item = await self._lookups.lookup(
                 input_tokens, roi, timeout, what="pull", on_landing=scatter_as_it_lands, pools=pools
             )
         finally:
@@ -179,7 +161,7 @@ class _Pulling(_Selecting):
         ready = caller_ready(self.device)
         if replicas.device.type == "cpu" and slots.device.type == "cpu":
             return PoolLanding(ready, table=into, replicas=replicas.numpy(), slots=slots.numpy())
-        receiver = self._links[0].receiver
+        receiver = self._state._links[0].receiver
         if receiver is None or not receiver.writes_in_place:
             return PoolLanding(ready, table=into, replicas=None, slots=None)
         assert ready is not None  # indexes on a device
@@ -190,13 +172,3 @@ class _Pulling(_Selecting):
 
         host_replicas, host_slots = await asyncio.to_thread(read_back)
         return PoolLanding(ready, table=into, replicas=host_replicas, slots=host_slots)
-
-    def _scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._scatters is None:
-            self._scatters = gpu_worker(self.device, "kvrt-scatter")
-        return self._scatters
-
-    def _scatter_stream(self) -> torch.cuda.Stream:
-        if self._pull_stream is None:
-            self._pull_stream = torch.cuda.Stream(self.device)
-        return self._pull_stream

@@ -1,6 +1,6 @@
 """What every part of a consumer shares: the fields set up from the constructor's arguments,
-their checks, its counters, and `_check_open`. `Consumer` and its parts derive from
-`ConsumerState`.
+their checks, its counters, the scatter thread and stream, and `_check_open`. `Consumer` is a
+`ConsumerState`; its parts (`Lookups`, `Pulls`, `StreamOpening`) are given it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kvrt._errors import (
 from kvrt._messages import MAX_READERS
 from kvrt._metrics import ConsumerCounters
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
+from kvrt._threads import gpu_worker
 from kvrt.transports.select import transport_preference
 
 
@@ -100,6 +101,18 @@ class ConsumerState:
         self.metrics = _metrics.ConsumerMetrics()
         """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
         self._closed = False
+
+    def scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that queues pulls' and streams' scatters, in order, off the loop."""
+        if self._scatters is None:
+            self._scatters = gpu_worker(self.device, "kvrt-scatter")
+        return self._scatters
+
+    def scatter_stream(self) -> torch.cuda.Stream:
+        """Where scatters into the caller's pools run (GPU)."""
+        if self._pull_stream is None:
+            self._pull_stream = torch.cuda.Stream(self.device)
+        return self._pull_stream
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,6 +23,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Final
 
+import torch
+
 from kvrt._buffer import BufferedItem, ItemState, LookupBuffer, Pieces
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.timers import TimerKind, Timers
@@ -301,9 +303,18 @@ class Lifecycle:
         item.inserted_at = now
         self.streams.add(item)
 
-    def grew(self, item: BufferedItem, nbytes: int) -> None:
-        """An open stream has one more layer, of `nbytes`."""
-        self.streams.grow(item, nbytes)
+    def grew(
+        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> tuple[int, bytes | None]:
+        """An open stream has one more layer: its number, and the stream's reader if any."""
+        stream = item.stream
+        assert item.state in (ItemState.OPEN, ItemState.READ) and stream is not None
+        assert len(stream.keys) < stream.layers
+        stream.keys.append(key)
+        stream.values.append(value)
+        stream.ready.append(ready)
+        self.streams.grow(item, int(key.nbytes + value.nbytes))
+        return len(stream.keys) - 1, stream.reader
 
     def finish(self, item: BufferedItem, whole: BufferedItem, now: float) -> bytes | None:
         """An open stream ended; `whole` (same id) is it as one complete item: handed over to

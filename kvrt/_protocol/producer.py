@@ -18,6 +18,7 @@ lease drops what it was sent meanwhile instead of sharing it with the next consu
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Final
 
@@ -143,10 +144,7 @@ class ProducerCore:
 
     def peers_by_transport(self) -> dict[str, int]:
         """Connected consumers by the transport chosen at their hello."""
-        counts: dict[str, int] = {}
-        for session in self.sessions.served():
-            counts[session.transport] = counts.get(session.transport, 0) + 1
-        return counts
+        return dict(Counter(session.transport for session in self.sessions.served()))
 
     def next_deadline(self) -> float | None:
         """When to call `expire` next: the first timer, and with peers connected at least every
@@ -309,16 +307,8 @@ class ProducerCore:
     ) -> list[Outgoing]:
         """The next layer of an open stream (GPU: written once `ready` fired); its reader, if
         any, gets it now."""
-        stream = item.stream
-        assert stream is not None and len(stream.keys) < stream.layers
-        layer = len(stream.keys)
-        stream.keys.append(key)
-        stream.values.append(value)
-        stream.ready.append(ready)
-        self.lifecycle.grew(item, int(key.nbytes + value.nbytes))
-        if stream.reader is None:
-            return []
-        return [layer_outgoing(stream.reader, item.item_id, layer, key, value, ready)]
+        layer, reader = self.lifecycle.grew(item, key, value, ready)
+        return [] if reader is None else [layer_outgoing(reader, item.item_id, layer, key, value, ready)]
 
     def finish_stream(self, item: BufferedItem, whole: BufferedItem, now: float) -> list[Outgoing]:
         """An open stream ended; `whole` is the same request as one complete item (same id).
