@@ -164,13 +164,13 @@ async def test_a_prefill_killed_before_writing_fails_the_ipc_reader_in_time_and_
 def posts_noted(link: Any) -> asyncio.Event:
     """An event set once `link` has posted the receive of a Deliver (its copies queued)."""
     posted = asyncio.Event()
-    on_deliver = link._on_deliver
+    on_deliver = link.arrivals.on_deliver
 
     def noting_the_post(*args: Any) -> None:
         on_deliver(*args)
         posted.set()
 
-    link._on_deliver = noting_the_post
+    link.arrivals.on_deliver = noting_the_post
     return posted
 
 

@@ -133,7 +133,7 @@ async def test_a_control_round_trip_stays_fast_while_gigabytes_move(transport: s
         # control message must not wait for the bytes.
         posted = asyncio.Event()
         link = consumer.link_for_tests()
-        in_use = link._transport
+        in_use = link.receiver
         assert in_use is not None
         receive = in_use.receive
         count = 0

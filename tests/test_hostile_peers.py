@@ -221,7 +221,7 @@ async def test_a_delivery_read_after_the_lease_ended_is_given_back_without_readi
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         await producer.insert(torch.arange(8), None, torch.ones(1, 8, 1, 4), torch.ones(1, 8, 1, 4))
         link = consumer.link_for_tests()
-        transport = link._transport
+        transport = link.receiver
         core_receive = link.core.receive
         received: list[object] = []
 

@@ -53,7 +53,7 @@ def ucx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
 def nixl_of(service: kvrt.Producer | kvrt.Consumer) -> Any:
     if isinstance(service, kvrt.Producer):
         return service._transports["nixl"]  # type: ignore[attr-defined]
-    return service.link_for_tests()._transports["nixl"]
+    return service.link_for_tests().joining.transports["nixl"]
 
 
 async def test_items_of_every_shape_arrive_equal_over_nixl(ucx: str) -> None:
@@ -111,7 +111,7 @@ async def test_a_large_item_of_host_memory_is_read_in_parts_that_keep_the_loop_w
         tokens = torch.arange(1000)
         key = torch.randn(4, 1000, 8, 64)  # 16 MB of K and V
         await producer.insert(tokens, None, key, -key)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         reads = reads_made(monkeypatch)
         item = await consumer.drop_select(tokens)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
@@ -326,7 +326,7 @@ async def test_a_link_that_went_silent_joins_the_producers_agent_anew_and_reads_
         assert first_session.abandoned
         deafened.deaf = False
         await asyncio.wait_for(link.connected.wait(), 10)
-        await link._joined()
+        await link.joining.joined()
         assert receiver._session is not None and receiver._session is not first_session
         await producer.insert(torch.arange(3), None, *make_kv(torch.arange(3), seed=5))
         item = await asyncio.wait_for(consumer.drop_select(torch.arange(3), timeout=10), 20)
@@ -485,7 +485,7 @@ async def test_a_producer_killed_or_stopped_mid_read_fails_the_call_in_time_and_
             if signal_sent is signal.SIGSTOP:
                 link = consumer.link_for_tests()
                 await asyncio.wait_for(link.connected.wait(), 20)
-                await link._joined()
+                await link.joining.joined()
                 item = await asyncio.wait_for(consumer.drop_select(kv_tokens(3, tokens), timeout=20), 40)
                 assert item is not None and await asyncio.to_thread(whole, item, tokens)  # 256 MiB: not on the loop
                 assert await consumer.drop_select(kv_tokens(3, tokens)) is None
@@ -532,7 +532,7 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
         await asyncio.wait_for(released.wait(), 5)  # on the session's thread
         link = consumer.link_for_tests()
         await asyncio.wait_for(link.connected.wait(), 10)
-        await link._joined()
+        await link.joining.joined()
         item = await asyncio.wait_for(consumer.drop_select(tokens, timeout=5), 10)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.hidden, hidden)  # type: ignore[arg-type]
         assert producer.stats().totals.returned_items == 1
@@ -560,7 +560,7 @@ async def test_a_small_item_is_not_held_up_behind_a_large_read_of_the_same_produ
     ):
         await producer.insert(small_tokens, None, *small_kv)
         await producer.insert(large_tokens, None, *large_kv)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         stuck = asyncio.create_task(consumer.drop_select(large_tokens))
         await asyncio.sleep(0.2)
         item = await asyncio.wait_for(consumer.drop_select(small_tokens), 2.0)
@@ -570,7 +570,7 @@ async def test_a_small_item_is_not_held_up_behind_a_large_read_of_the_same_produ
         wedged = False
         link = consumer.link_for_tests()
         await asyncio.wait_for(link.connected.wait(), 10)
-        await link._joined()
+        await link.joining.joined()
         item = await asyncio.wait_for(consumer.drop_select(large_tokens, timeout=5), 10)
         assert item is not None and torch.equal(item.key, large_kv[0]) and torch.equal(item.value, large_kv[1])
 
@@ -668,7 +668,7 @@ async def test_a_pull_lands_in_the_slots_with_one_read_and_no_scatter(
         kvrt.Producer(transport="nixl") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         reads = reads_made(monkeypatch)
         producer.register_pools(source)
         await producer.publish(tokens, from_slots, from_replica)
@@ -764,7 +764,7 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
     ):
         producer.register_pools(source)
         await producer.publish(tokens, torch.arange(8))
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         wedge.on = True
         pull = asyncio.create_task(consumer.pull(tokens, into=target, slots=torch.arange(8, 16), timeout=5))
         await asyncio.wait_for(wedge.posted.wait(), 10)
@@ -811,7 +811,7 @@ async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         producer.register_pools(source)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         receiver = nixl_of(consumer)
         first = random_pools(1, Layout.BLOCK, seed=7)
         for request in range(2):
@@ -852,7 +852,7 @@ async def test_a_gpu_pull_reads_its_pages_in_place_after_the_callers_work_on_the
         child_process(run_gpu_publisher, publisher, "GPU publisher") as (endpoint, _, _),
         kvrt.Consumer(connect=endpoint, device="cuda:0", transport="nixl") as consumer,
     ):
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         torch.cuda._sleep(200_000_000)  # ~100 ms of the caller's GPU work, then the clearing
         for pool in target.pools[0][0]:
             pool.fill_(7.0)
@@ -902,7 +902,7 @@ async def test_an_item_taken_into_buffers_is_read_into_them_with_no_copy(
         kvrt.Producer(transport="nixl") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         reads = reads_made(monkeypatch)
         for _ in range(2):  # the second with the buffers registered already
             await producer.insert(tokens, None, key, value, hidden)
@@ -927,7 +927,7 @@ async def test_an_item_that_does_not_fit_the_buffers_writes_nothing_there_and_go
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         await producer.insert(tokens, None, key, value, hidden)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         with pytest.raises(kvrt.InvalidInputError, match="goes back to the producer"):
             await consumer.drop_select(tokens, into=small)
         assert bool((small.key == 5.0).all()) and bool((small.value == 5.0).all())
@@ -947,7 +947,7 @@ async def test_a_lookup_into_buffers_cancelled_mid_read_returns_only_once_nothin
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         await producer.insert(tokens, None, key, value, hidden)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         wedge.on = True
         lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
         await asyncio.wait_for(wedge.posted.wait(), 10)
@@ -967,7 +967,7 @@ async def test_only_the_last_few_buffers_stay_registered_and_none_past_the_close
         kvrt.Producer(transport="nixl") as producer,
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         receiver = nixl_of(consumer)
         for request in range(nixl.REGISTERED_BUFFERS + 4):
             await producer.insert(tokens + 100 * request, None, key, value, hidden)
@@ -995,7 +995,7 @@ async def test_a_lookup_into_buffers_cancelled_while_its_read_waits_its_turn_ret
     ):
         for tokens in (first, second):
             await producer.insert(tokens, None, key, value, hidden)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         wedge.on = True
         stuck = asyncio.create_task(consumer.drop_select(first, timeout=5))
         await asyncio.sleep(0.2)
@@ -1041,7 +1041,7 @@ async def test_a_read_nixl_will_not_cancel_is_waited_for_before_the_cancelled_ca
         kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
     ):
         await producer.insert(tokens, None, key, value, hidden)
-        await consumer.link_for_tests()._joined()
+        await consumer.link_for_tests().joining.joined()
         wedge.on = True
         lookup = asyncio.create_task(consumer.drop_select(tokens, into=staging, timeout=5))
         await asyncio.wait_for(wedge.posted.wait(), 10)

@@ -55,7 +55,7 @@ async def agree_one(
         raise error_for(decision, outcome, error)
     finally:
         if taken is not None and not taken.settle(keep=keep):
-            raise taken.link._lease_error()
+            raise taken.link.lease_error()
 
 
 async def agree_batch(
@@ -110,6 +110,6 @@ async def agree_batch(
             for (_, item_id), keep in zip(taken, kept, strict=True)
             if item_id is not None
         ]
-        link._send_receipts()
+        link.sends.send_receipts()
         if not all(settled):
-            raise link._lease_error()
+            raise link.lease_error()

@@ -1,13 +1,15 @@
 """The link: a ZeroMQ DEALER around a `ConsumerCore`, one per producer. One task per link,
 owned by the link, reads frames, feeds the core, and hands each event to the session
-(`_session`), the arrivals (`_arrivals`) or the streams (`_streams`); it pings and sends
-the receipts that let the producer free delivered items. Many calls may be pending on one
+(`_session`, which the link is), or to the parts it holds: the arrivals (`_arrivals`) and the
+streams' layers (`_streams`); it pings and sends the receipts that let the producer free
+delivered items. Many calls may be pending on one
 link at once; replies are matched to them by request id, in any order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -16,8 +18,9 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt._auth import handshake_failure
-from kvrt._consumer._session import _Reply
-from kvrt._consumer._streams import LinkStreams
+from kvrt._consumer._arrivals import Arrivals
+from kvrt._consumer._session import LinkSession, _Reply
+from kvrt._consumer._streams import StreamLayers
 from kvrt._errors import (
     KVRTError,
     KVRTTimeoutError,
@@ -39,18 +42,27 @@ from kvrt._protocol import (
 log = logging.getLogger("kvrt.consumer")
 
 
-class _Link(LinkStreams):
-    """One consumer's connection to one producer."""
+class _Link(LinkSession):
+    """One consumer's connection to one producer: its session, and the task that hands what
+    comes to its parts (`arrivals`, `layers`)."""
+
+    @functools.cached_property
+    def arrivals(self) -> Arrivals:
+        return Arrivals(self)
+
+    @functools.cached_property
+    def layers(self) -> StreamLayers:
+        return StreamLayers(self)
 
     async def start(self) -> None:
-        connect_timeout_s = self._connect_timeout_s
+        connect_timeout_s = self.joining.connect_timeout_s
         try:
             self._socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
             self._io.close()
             self._socket.close()
             raise translate_zmq_error(exc, endpoint=self.endpoint) from None
-        self._send_in_order(self.core.connect(self._now()))
+        self.sends.in_order(self.core.connect(self._now()))
         self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
         self._task.add_done_callback(self._run_ended)
         try:
@@ -58,7 +70,7 @@ class _Link(LinkStreams):
                 await self._welcomed.wait()
                 if self._refused is not None:
                     raise self._refused
-                await self._joined()
+                await self.joining.joined()
         except KVRTError:
             await self.aclose()
             raise
@@ -90,9 +102,9 @@ class _Link(LinkStreams):
                 self._fail_all(lost)
             for message in due:
                 if isinstance(message, m.Hello):
-                    self._send_in_order(message)
+                    self.sends.in_order(message)
                 else:
-                    self._send_nowait(message)
+                    self.sends.nowait(message)
             if first is not None and self._io.drained_a_full_batch:
                 await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
 
@@ -112,7 +124,7 @@ class _Link(LinkStreams):
             # in which the producer takes back what it had sent: nothing hangs, nothing is lost.
             self.rejected_frames += 1
             log.exception("a message from the producer could not be handled", extra={"endpoint": self.endpoint})
-            self._new_session(
+            self.new_session(
                 KVRTError(
                     f"a message from the producer at {self.endpoint} could not be handled "
                     f"({type(exc).__name__}: {exc}); the link started a new session"
@@ -130,7 +142,7 @@ class _Link(LinkStreams):
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             hello = self.core.reconnected(now)
             if hello is not None:
-                self._send_in_order(hello)
+                self.sends.in_order(hello)
         elif not self._welcomed.is_set():  # a handshake refused before any welcome: start() raises it
             self._refused = handshake_failure(event, self.endpoint)
             self._welcomed.set()
@@ -138,27 +150,27 @@ class _Link(LinkStreams):
     def _handle(self, event: ConsumerEvent, payload: Sequence[zmq.Frame]) -> None:
         match event:
             case Welcomed(welcome=welcome):
-                self._start_join(welcome)
+                self.joining.start(welcome)
                 self._welcomed.set()
                 self.connected.set()
             case Replied(request_id=request_id, message=m.Deliver() as deliver):
-                self._on_deliver(self._pending.get(request_id), deliver, payload)
+                self.arrivals.on_deliver(self._future(request_id), deliver, payload)
             case Replied(request_id=request_id, message=m.DeliverMany() as batch):
-                self._on_deliver_many(self._pending.get(request_id), batch, payload)
+                self.arrivals.on_deliver_many(self._future(request_id), batch, payload)
             case Replied(request_id=request_id, message=m.StreamStart() as start):
-                self._on_stream_start(self._pending.get(request_id), start, payload)
+                self.layers.on_stream_start(self._future(request_id), start, payload)
             case Streamed(message=message):
-                self._on_streamed(message, payload)
+                self.layers.on_streamed(message, payload)
             case PayloadCame(message=message):
-                if self._transport is not None:
-                    self._transport.payload(message, payload)
+                if self.receiver is not None:
+                    self.receiver.payload(message, payload)
             case Replied(request_id=request_id, message=message):
-                future = self._pending.get(request_id)
+                future = self._future(request_id)
                 if future is not None and not future.done():
-                    self._answered(request_id, time.perf_counter())
+                    self.answered(request_id, time.perf_counter())
                     future.set_result(_Reply(message))
             case Failed(request_id=request_id, error=error):
-                future = self._pending.get(request_id)
+                future = self._future(request_id)
                 if future is not None and not future.done():
                     future.set_exception(error)
             case Stray(message=stray):
@@ -166,11 +178,11 @@ class _Link(LinkStreams):
                 # posted): they are received all the same, then the items are given back, or
                 # the next receive on the pair would take them for other items'.
                 if isinstance(stray, m.DeliverMany):
-                    self._on_deliver_many(None, stray, payload)
+                    self.arrivals.on_deliver_many(None, stray, payload)
                 elif isinstance(stray, m.StreamStart):
-                    self._on_stream_start(None, stray, payload)  # gives it back
+                    self.layers.on_stream_start(None, stray, payload)  # gives it back
                 else:
-                    self._on_deliver(None, stray, payload)
+                    self.arrivals.on_deliver(None, stray, payload)
             case Lost():
                 self.connected.clear()
                 self._fail_all(event)
@@ -180,3 +192,7 @@ class _Link(LinkStreams):
                 else:  # the hello itself was refused: start() raises it
                     self._refused = error
                     self._welcomed.set()
+
+    def _future(self, request_id: int) -> asyncio.Future[_Reply] | None:
+        call = self.calls.get(request_id)
+        return None if call is None else call.future

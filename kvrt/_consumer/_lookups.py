@@ -168,7 +168,7 @@ class Lookups:
         if taken is None:
             return None
         if not taken.settle(keep=True):
-            raise taken.link._lease_error()
+            raise taken.link.lease_error()
         return self.land_now(taken.item, into, taken.landed_on)
 
     async def _pieces(
@@ -184,7 +184,7 @@ class Lookups:
         if taken is None:
             return None
         if not taken.settle(keep=True):
-            raise taken.link._lease_error()
+            raise taken.link.lease_error()
         return self.land_now(taken.item, into, taken.landed_on)
 
     def _buffers_per_query(

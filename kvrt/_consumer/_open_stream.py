@@ -94,7 +94,7 @@ class StreamOpening:
             link.settle(deliver.item_id, keep=False)
             raise
         if not link.settle(deliver.item_id, keep=True):
-            raise link._lease_error()
+            raise link.lease_error()
         stream = ConsumerStream(item.input_tokens, item.roi, item.matched, layers, lambda: None, writer)
         per_layer = item.value.dim() == 4  # a latent's value is empty: there is none a layer
         for layer in range(layers):

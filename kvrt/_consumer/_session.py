@@ -1,15 +1,14 @@
-"""A link's session with its producer: the pending calls and their replies, the
-handshake (join over the transport the welcome names), leases and receipts, the messages
-that must leave in order, and giving the producer up. `_Link` (in `_link`) builds on it;
-the consumer's lookups call `call` and `settle`.
+"""A link's session with its producer: the pending calls (one `PendingCall` record each) and
+their replies, the handshake (join over the transport the welcome names), leases and receipts
+(sent by `_sends`), the receives it has posted, and giving the producer up. `_Link` (in
+`_link`) is a session with its task; its arrivals (`_arrivals`) and streams (`_streams`) act
+through the methods here. The consumer's lookups call `call` and `settle`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -23,14 +22,14 @@ import zmq
 from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._auth import CurveKeys, secure_client
+from kvrt._consumer._join import TransportJoin
+from kvrt._consumer._sends import OrderedSends
 from kvrt._errors import (
     ClosedError,
     KVRTError,
     KVRTTimeoutError,
     LeaseExpiredError,
-    PeerLostError,
     RemoteProtocolError,
-    TransportUnavailableError,
     fresh_copy,
 )
 from kvrt._item import KVItem, Landing
@@ -101,19 +100,20 @@ OnLanding = Callable[[m.Deliver, Arrival], None]
 """Called by a link when a request's item starts landing (see `_Link.call`)."""
 
 
-def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
-    if into.done():
-        return
-    if task.cancelled():
-        into.cancel()
-    elif (error := task.exception()) is not None:
-        into.set_exception(error)
-    else:
-        into.set_result(None)
+@dataclass(slots=True)
+class PendingCall:
+    """One request waiting for its answer, and what its answer needs (see `LinkSession.call`)."""
 
-
-async def _raise(error: BaseException) -> None:
-    raise error
+    future: asyncio.Future[_Reply]
+    on_landing: OnLanding | None = None
+    writer: PoolWriter | None = None
+    """Writes a stream's layers into the caller's pools."""
+    into: Landing | None = None
+    """Where its items land (`into=`), checked as they arrive."""
+    in_place: InPlace | None = None
+    """The caller's memory its item lands in, where the transport writes it itself."""
+    asked_at: float = 0.0
+    """When it left (perf_counter), for the metrics' lookup waits; 0 without metrics."""
 
 
 class LinkSession:
@@ -135,23 +135,17 @@ class LinkSession:
         metrics: _metrics.ConsumerMetrics | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self._metrics = metrics
-        self._asked_at: dict[int, float] = {}
-        """When each pending request left (perf_counter), for `metrics`' lookup waits."""
+        self.metrics = metrics
         self._transfer_timeout_s = transfer_timeout_s
         self._reply_timeout_s = reply_timeout_s
-        self._device = device
+        self.device = device
         self.core = ConsumerCore(
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
         )
-        self._transports = transports
-        self._transport: Receiver | None = None
-        self._connect_timeout_s = connect_timeout_s
-        self._join_task: asyncio.Task[None] | None = None
-        self._rejoin: asyncio.Future[None] | None = None
-        """Set while a join that fell back waits for the next welcome's join."""
+        self.joining = TransportJoin(transports, self.core, endpoint, connect_timeout_s, self.new_session)
         self._arrivals: set[asyncio.Future[Any]] = set()
-        self._sessions_lost = 0
+        """Receives posted and not landed yet (`own_arrival`)."""
+        self.sessions_lost = 0
         """Counts the times the link gave its producer up: a receive posted before the last of
         them belongs to calls that failed then, whatever it lands."""
         self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
@@ -167,22 +161,11 @@ class LinkSession:
             secure_client(self._socket, curve)
         self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)
         self._io = SocketIO(self._socket, self._monitor)
-        self._receipts: list[tuple[int, int]] = []
-        """(item id, lease) of items handed over, to confirm in the next `Received`."""
-        self._leases: dict[int, int] = {}
+        self.sends = OrderedSends(self._io, self.core, endpoint)
+        self.leases: dict[int, int] = {}
         """The lease number of each item delivered and not settled yet."""
-        self._in_order: collections.deque[bytes] = collections.deque()
-        """Messages that must reach the producer in this order (receipts, releases, hello, bye)
-        and that a full send queue refused: `_in_order_sender` sends them once it has room."""
-        self._in_order_sender: asyncio.Task[None] | None = None
-        self._streams: dict[int, ConsumerStream] = {}
-        self._pending: dict[int, asyncio.Future[_Reply]] = {}
-        self._landing: dict[int, OnLanding] = {}
-        self._into: dict[int, Landing] = {}
-        """Where each pending request's items land (`into=`), checked as they arrive."""
-        self._in_place: dict[int, InPlace] = {}
-        """The caller's memory a pending call's item lands in, where the transport writes it itself."""
-        self._writers: dict[int, PoolWriter] = {}
+        self.open_streams: dict[int, ConsumerStream] = {}
+        self.calls: dict[int, PendingCall] = {}
         self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
         """Set while the producer is connected (welcomed), cleared when it is lost."""
@@ -219,21 +202,12 @@ class LinkSession:
         """
         if self._task is not None and self._task.done():
             raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
-        await self._joined()
+        await self.joining.joined()
         loop = asyncio.get_running_loop()
         request_id, message = self.core.start_request(build, loop.time())
         future: asyncio.Future[_Reply] = loop.create_future()
-        self._pending[request_id] = future
-        if on_landing is not None:
-            self._landing[request_id] = on_landing
-        if writer is not None:
-            self._writers[request_id] = writer
-        if into is not None:
-            self._into[request_id] = into
-        if in_place is not None:
-            self._in_place[request_id] = in_place
-        if self._metrics is not None:
-            self._asked_at[request_id] = time.perf_counter()
+        asked_at = time.perf_counter() if self.metrics is not None else 0.0
+        self.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at)
         overdue = None
         if waits_s is not None:
             overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
@@ -248,33 +222,28 @@ class LinkSession:
             else:
                 cancel = self.core.abandon(request_id)
                 if cancel is not None:
-                    self._send_nowait(cancel)
+                    self.sends.nowait(cancel)
             raise
         finally:
             if overdue is not None:
                 overdue.cancel()
-            self._pending.pop(request_id, None)
-            self._landing.pop(request_id, None)
-            self._writers.pop(request_id, None)
-            self._into.pop(request_id, None)
-            self._in_place.pop(request_id, None)
-            self._asked_at.pop(request_id, None)
+            del self.calls[request_id]
         if confirm:
             kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
-            self._send_receipts()
+            self.sends.send_receipts()
             if not all(kept):
-                raise self._lease_error()
+                raise self.lease_error()
         return reply
 
     def _reply_overdue(self, request_id: int, waits_s: float) -> None:
         """A request's answer did not come in time: the call fails; a late answer is a stray."""
-        future = self._pending.get(request_id)
-        if future is None or future.done() or not self.core.is_pending(request_id):
+        call = self.calls.get(request_id)
+        if call is None or call.future.done() or not self.core.is_pending(request_id):
             return  # answered (its bytes may still be landing: `transfer_timeout_s` has those)
         cancel = self.core.abandon(request_id)
         if cancel is not None:
-            self._send_nowait(cancel)
-        future.set_exception(
+            self.sends.nowait(cancel)
+        call.future.set_exception(
             KVRTTimeoutError(
                 f"the producer at {self.endpoint} did not answer within {waits_s + self._reply_timeout_s:.3g} s "
                 f"(the call let it wait {waits_s:.3g} s, plus reply_timeout_s)",
@@ -284,14 +253,13 @@ class LinkSession:
 
     @property
     def receiver(self) -> Receiver | None:
-        """The transport the producer and this link agreed on (None before the first welcome)."""
-        return self._transport
+        return self.joining.receiver  # (None before the first welcome)
 
     def lease_holds(self) -> bool:
         """Whether an item delivered by this link may be handed to a caller now."""
         return self.core.lease_holds(self._now())
 
-    def _lease_error(self) -> LeaseExpiredError:
+    def lease_error(self) -> LeaseExpiredError:
         return LeaseExpiredError(
             f"the producer at {self.endpoint} answered nothing for {self.core.lease_s:.1f} s (this process, or "
             "the producer, was stalled), so the item it delivered may be another consumer's now: it was given "
@@ -306,14 +274,14 @@ class LinkSession:
         The receipt leaves at once, before the caller has the item: a caller that holds the
         loop next (a forward pass, a GC pause) for longer than the lease would otherwise keep
         it here while the producer gives the item to another consumer. `send` False leaves it
-        to the caller's `_send_receipts` (confirmations of one batch, in one message)."""
-        lease = self._leases.pop(item_id, 0)
+        to the caller's `sends.send_receipts()` (confirmations of one batch, in one message)."""
+        lease = self.leases.pop(item_id, 0)
         if keep and self.lease_holds():
-            self._receipts.append((item_id, lease))
+            self.sends.receipt(item_id, lease)
             if send:
-                self._send_receipts()
+                self.sends.send_receipts()
             return True
-        self._send_in_order(m.Release(item_id=item_id, lease=lease))
+        self.sends.in_order(m.Release(item_id=item_id, lease=lease))
         return not keep
 
     async def aclose(self) -> None:
@@ -323,9 +291,9 @@ class LinkSession:
             if was_ready:
                 # Receipts still waiting for their flush leave before the bye: after it, the
                 # producer would put those items back in its buffer and deliver them again.
-                self._send_in_order(m.Bye(reason="consumer closed"))
-            await self._in_order_sent()
-        owned = [task for task in (self._task, self._join_task, self._in_order_sender) if task is not None]
+                self.sends.in_order(m.Bye(reason="consumer closed"))
+            await self.sends.sent(within_s=self.core.heartbeat_s)
+        owned = [task for task in (self._task, self.joining.task, self.sends.task) if task is not None]
         for task in owned:
             task.cancel()
         for arriving in list(self._arrivals):
@@ -336,7 +304,7 @@ class LinkSession:
                 continue
             with contextlib.suppress(asyncio.CancelledError, KVRTError):
                 await task
-        for transport in self._transports.values():
+        for transport in self.joining.transports.values():
             await transport.aclose()
         self._io.close()
         if self._monitor is not None:
@@ -345,22 +313,25 @@ class LinkSession:
             self._monitor = None
         self._socket.close(linger=0)
 
-    def _answered(self, request_id: int, now: float) -> None:
+    def answered(self, request_id: int, now: float) -> None:
         """The producer answered a request (an item's header, or a miss): its lookup wait."""
-        asked_at = self._asked_at.pop(request_id, None)
-        if asked_at is not None and self._metrics is not None:
-            self._metrics.lookup_wait.observe(now - asked_at)
+        call = self.calls.get(request_id)
+        if call is not None and call.asked_at and self.metrics is not None:
+            self.metrics.lookup_wait.observe(now - call.asked_at)
+            call.asked_at = 0.0
 
-    def _release(self, item_ids: Sequence[int]) -> None:
+    def release(self, item_ids: Sequence[int]) -> None:
+        """Give items back to the producer (after every receipt before)."""
         for item_id in item_ids:
-            self._send_in_order(m.Release(item_id=item_id, lease=self._leases.pop(item_id, 0)))
+            self.sends.in_order(m.Release(item_id=item_id, lease=self.leases.pop(item_id, 0)))
 
-    def _give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
-        self._release([deliver.item_id])
+    def give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
+        """A delivered item goes back; its call fails with `error`."""
+        self.release([deliver.item_id])
         if future is not None and not future.done():
             future.set_exception(error)
 
-    def _start_afresh(self, future: asyncio.Future[_Reply] | None, error: KVRTError) -> None:
+    def start_afresh(self, future: asyncio.Future[_Reply] | None, error: KVRTError) -> None:
         """A Deliver this side refused after its bytes were sent out of band: the pair is out
         of step (the next receive would take those bytes). Its call fails with `error`, every
         other pending call too, and a new hello starts a new session: the producer takes back
@@ -371,144 +342,62 @@ class LinkSession:
             f"producer at {self.endpoint} sent a transfer this consumer could not take ({error}); "
             "the link started a new session"
         )
-        self._new_session(restart)
+        self.new_session(restart)
 
-    def _new_session(self, error: KVRTError) -> None:
+    def new_session(self, error: KVRTError) -> None:
         """Give this session up: every pending call fails with `error`, and a hello starts a
         new session, in which the producer takes back what the old one held (and pairs anew)."""
         lost, hello = self.core.start_afresh(error, self._now())
         self.connected.clear()
         self._fail_all(lost)
-        self._send_in_order(hello)
+        self.sends.in_order(hello)
 
-    def _start_join(self, welcome: m.Welcome) -> None:
-        """Join the transport the producer chose, in a task the link owns (the link keeps
-        answering heartbeats meanwhile); requests wait for it in `_joined`."""
-        transport = self._transports.get(welcome.transport)
-        log.info("the producer's items travel over %s", welcome.transport,
-                 extra={"endpoint": self.endpoint, "transport": welcome.transport})  # fmt: skip
-        rejoin, self._rejoin = self._rejoin, None
-        if self._join_task is not None and rejoin is None:
-            self._join_task.cancel()
-        self._transport = transport
-        if transport is None:
-            error = RemoteProtocolError(f"producer chose transport {welcome.transport!r}, which was not offered")
-            task = asyncio.create_task(_raise(error))
-        else:
-            task = asyncio.create_task(self._join(transport, welcome.rendezvous))
-        self._join_task = task
-        if rejoin is not None:  # the join that fell back (and who waits on it) ends with this one
-            task.add_done_callback(functools.partial(_pass_outcome, rejoin))
+    def own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
+        """Call `landed` when a posted receive ends, from the future's own callback (no task,
+        no extra hop of the loop); closing the link cancels it. One that has not landed within
+        the transfer timeout gives the producer up (`_transfer_overdue`)."""
+        self._arrivals.add(arriving)
+        arriving.add_done_callback(self._arrivals.discard)
+        arriving.add_done_callback(landed)
+        if self._transfer_timeout_s is not None:
+            overdue = asyncio.get_running_loop().call_later(
+                self._transfer_timeout_s, self._transfer_overdue, arriving, self.sessions_lost
+            )
+            arriving.add_done_callback(lambda _: overdue.cancel())
 
-    async def _join(self, transport: Receiver, rendezvous: dict[str, str]) -> None:
-        """Join `transport`; where it cannot work with this producer (`cuda_ipc` between
-        processes that cannot share memory) and another was offered, say so and start a new
-        session without it, ending only once that one joined."""
-        try:
-            await transport.join(rendezvous, self._connect_timeout_s)
-        except TransportUnavailableError as exc:
-            remaining = tuple(name for name in self.core.transports if name != transport.name)
-            if not remaining:
-                raise
-            log.warning("%s; the items of the producer at %s travel over %s instead", exc, self.endpoint, remaining[0],
-                        extra={"endpoint": self.endpoint, "transport": transport.name})  # fmt: skip
-            self.core.transports = remaining
-            self._rejoin = asyncio.get_running_loop().create_future()
-            self._new_session(exc)
-            await self._rejoin
-
-    async def _joined(self) -> None:
-        task = self._join_task
-        if task is None:
+    def _transfer_overdue(self, arriving: asyncio.Future[Any], session: int) -> None:
+        """A receive has not landed within the transfer timeout: the producer's GPU never wrote
+        the bytes (its loop may still answer heartbeats). The link gives it up as it does a
+        silent one: every call fails (this one with a timeout), the transport stops waiting
+        (cuda_ipc releases its copies' waits, NCCL aborts the pair), and a new session starts,
+        in which the producer takes back what the old one held."""
+        if arriving.done() or session != self.sessions_lost or self.core.state is not LinkState.READY:
             return
-        try:
-            await asyncio.shield(task)
-        except KVRTError as exc:
-            raise PeerLostError(f"could not join the producer's {self.core.transport} transport: {exc}") from exc
+        error = KVRTTimeoutError(
+            f"the producer at {self.endpoint} did not finish a transfer within {self._transfer_timeout_s} s "
+            "(its GPU may be stuck); the link started a new session",
+            phase="transfer",
+        )
+        log.warning("%s", error, extra={"endpoint": self.endpoint})
+        self.new_session(error)
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _send_receipts(self) -> None:
-        """One Received for every item confirmed since the last one, in order with the
-        messages that must follow it. A receipt is never dropped for want of room (the
-        producer would give its item to another consumer once this one's lease ends)."""
-        while self._receipts:
-            batch = self._receipts[: m.MAX_RECEIPTS]
-            del self._receipts[: m.MAX_RECEIPTS]
-            item_ids = [item_id for item_id, _ in batch]
-            self._queue_in_order(m.Received(item_ids=item_ids, leases=[lease for _, lease in batch]))
-            self.core.receipts_sent(batch)
-
-    def _send_in_order(self, message: m.Message) -> None:
-        """Send `message` after every receipt and in-order message before it (a release, a
-        hello, a bye): a hello or bye that overtook a receipt would make the producer take
-        that item back, and give it to someone else."""
-        self._send_receipts()
-        self._queue_in_order(message)
-
-    def _queue_in_order(self, message: m.Message) -> None:
-        self._in_order.append(m.encode(message))
-        if self._in_order_sender is not None and not self._in_order_sender.done():
-            return  # it sends this one too, in order
-        try:
-            while self._in_order and self._io.send_nowait([self._in_order[0]]):
-                self._in_order.popleft()
-        except zmq.ZMQError as exc:  # the socket is closing: the link is going away
-            log.debug("could not send to %s: %s", self.endpoint, exc)
-            self._in_order.clear()
-            return
-        if self._in_order:
-            self._in_order_sender = asyncio.create_task(
-                self._send_in_order_with_room(), name=f"kvrt-in-order-{self.endpoint}"
-            )
-
-    async def _send_in_order_with_room(self) -> None:
-        """The in-order messages a full send queue refused, each sent as soon as it has room."""
-        while self._in_order:
-            await self._io.send([self._in_order[0]])
-            self._in_order.popleft()
-
-    async def _in_order_sent(self) -> None:
-        """Closing: the in-order messages left waiting, given a heartbeat to leave (else the
-        producer takes their items back once the lease ends, and may deliver them again)."""
-        sender = self._in_order_sender
-        if sender is None or sender.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(sender), self.core.heartbeat_s)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            log.warning("closing with %d messages unsent to %s (%r): their items may be delivered again",
-                        len(self._in_order), self.endpoint, exc, extra={"endpoint": self.endpoint})  # fmt: skip
-
-    def _send_nowait(self, message: m.Message) -> None:
-        """Queue a small message without awaiting (receipts, cancels, pings, bye).
-
-        If the queue is full or the socket closed, the message is dropped: the producer's
-        heartbeat timeout then returns whatever it would have released or confirmed.
-        """
-        try:
-            sent = self._io.send_nowait([m.encode(message)])
-        except zmq.ZMQError as exc:
-            sent = False
-            log.debug("could not send %s to %s: %s", type(message).__name__, self.endpoint, exc)
-        if not sent:
-            log.debug("dropped %s to %s: send queue full", type(message).__name__, self.endpoint)
 
     def _fail_all(self, lost: Lost) -> None:
         """Every call of the link fails: those waiting for their answer (`lost.request_ids`)
         and those whose item is still landing, whose bytes cannot be trusted any more (over
         cuda_ipc, `abandon` lets their copies read whatever a dead producer left). Receipts of
         items already handed over still leave, before any new hello."""
-        self._sessions_lost += 1
-        self._send_receipts()  # of items already handed over: they must reach the producer all the same
-        if self._transport is not None:
-            self._transport.abandon()
-        for stream in self._streams.values():
+        self.sessions_lost += 1
+        self.sends.send_receipts()  # of items already handed over: they must reach the producer all the same
+        if self.receiver is not None:
+            self.receiver.abandon()
+        for stream in self.open_streams.values():
             stream.fail(fresh_copy(lost.error))
-        self._streams.clear()
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(fresh_copy(lost.error))
+        self.open_streams.clear()
+        for call in self.calls.values():
+            if not call.future.done():
+                call.future.set_exception(fresh_copy(lost.error))
 
     def _run_ended(self, task: asyncio.Task[None]) -> None:
         """The link's task ended by an error it did not expect (a bug): every call and stream
@@ -518,12 +407,10 @@ class LinkSession:
         failure = task.exception()
         log.error("the link to %s stopped: %r", self.endpoint, failure, extra={"endpoint": self.endpoint})
         error = ClosedError(f"the link to {self.endpoint} stopped: {type(failure).__name__}: {failure}")
-        self._fail_all(Lost(error, tuple(self._pending)))
+        self._fail_all(Lost(error, tuple(self.calls)))
 
     def _task_failure(self) -> BaseException | None:
-        if self._task is None or self._task.cancelled():
-            return None
-        return self._task.exception()
+        return None if self._task is None or self._task.cancelled() else self._task.exception()
 
-    def _now(self) -> float:
+    def _now(self) -> float:  # the loop's clock, which the protocol core is given
         return asyncio.get_running_loop().time()

@@ -1,4 +1,4 @@
-"""A stream's layers arriving on a link: `LinkStreams`, called by `_Link._handle` for each
+"""A stream's layers arriving on a link: `StreamLayers`, called by `_Link._handle` for each
 stream message, lands each layer for the `ConsumerStream` that `Consumer.open_stream`
 (`_open_stream`) opened.
 """
@@ -12,8 +12,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._consumer._arrivals import LinkArrivals
-from kvrt._consumer._session import _Reply
+from kvrt._consumer._session import LinkSession, _Reply
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
@@ -28,53 +27,57 @@ from kvrt._threads import outcome_seen
 from kvrt.transports import Receiver
 
 
-class LinkStreams(LinkArrivals):
+class StreamLayers:
     """A link's streams: layers received as the producer sends them."""
 
-    def _on_stream_start(
+    def __init__(self, link: LinkSession) -> None:
+        self._link = link
+
+    def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
     ) -> None:
-        self._leases[start.item_id] = start.lease
+        self._link.leases[start.item_id] = start.lease
         try:
             if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:
                 raise RemoteProtocolError("stream_start needs one payload frame of payload_bytes")
             input_tokens, roi = unpack((start.input_tokens, start.roi), payload[0].buffer)
             assert input_tokens is not None
         except ProtocolError as exc:
-            self._release([start.item_id])
+            self._link.release([start.item_id])
             if future is not None and not future.done():
                 future.set_exception(exc)
             return
         if future is None or future.done():
-            self._release([start.item_id])
+            self._link.release([start.item_id])
             return
-        if not self.lease_holds():
-            self._release([start.item_id])
-            future.set_exception(self._lease_error())
+        if not self._link.lease_holds():
+            self._link.release([start.item_id])
+            future.set_exception(self._link.lease_error())
             return
-        writer = self._writers.get(start.request_id)
+        call = self._link.calls.get(start.request_id)
+        writer = None if call is None else call.writer
         if writer is not None and start.layers != writer.placement.pools.layers:
-            self._release([start.item_id])
+            self._link.release([start.item_id])
             future.set_exception(
                 InvalidInputError(f"the stream has {start.layers} layers, the pools {writer.placement.pools.layers}")
             )
             return
 
         def confirm() -> KVRTError | None:
-            self._streams.pop(start.item_id, None)
-            return None if self.settle(start.item_id, keep=True) else self._lease_error()
+            self._link.open_streams.pop(start.item_id, None)
+            return None if self._link.settle(start.item_id, keep=True) else self._link.lease_error()
 
         stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm, writer)
-        self._streams[start.item_id] = stream
+        self._link.open_streams[start.item_id] = stream
         future.set_result(_Reply(start, stream=stream))
 
-    def _on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
-        stream = self._streams.get(message.item_id)
-        transport = self._transport
+    def on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
+        stream = self._link.open_streams.get(message.item_id)
+        transport = self._link.receiver
         out_of_band = transport is not None and transport.out_of_band
         by_transport = transport is not None and transport.streams_tensors
-        if stream is not None and not self.lease_holds():  # the stream may be another reader's by now
-            self._stream_lost(message.item_id, self._lease_error())
+        if stream is not None and not self._link.lease_holds():  # the stream may be another reader's by now
+            self._stream_lost(message.item_id, self._link.lease_error())
             stream = None
         if stream is None:  # a stream this side gave back
             if out_of_band and transport is not None:
@@ -94,7 +97,8 @@ class LinkStreams(LinkArrivals):
                     (key,) = unpack([key_meta], payload[0].buffer)
                     (value,) = unpack([value_meta], payload[1].buffer)
                     assert key is not None and value is not None
-                    self._deliver_layer(stream, message.item_id, layer, key.to(self._device), value.to(self._device))
+                    device = self._link.device
+                    self._deliver_layer(stream, message.item_id, layer, key.to(device), value.to(device))
                 case m.StreamEnd(hidden=hidden_meta):
                     if by_transport:
                         assert transport is not None
@@ -103,20 +107,20 @@ class LinkStreams(LinkArrivals):
                     hidden = None
                     if hidden_meta is not None:
                         (hidden,) = unpack([hidden_meta], payload[0].buffer)
-                        hidden = None if hidden is None else hidden.to(self._device)
+                        hidden = None if hidden is None else hidden.to(self._link.device)
                     stream.finish(hidden)
                 case m.StreamAbort(reason=reason):
-                    self._streams.pop(message.item_id, None)
-                    self._leases.pop(message.item_id, None)
-                    stream.fail(StreamAbortedError(f"producer at {self.endpoint} aborted the stream: {reason}"))
+                    self._link.open_streams.pop(message.item_id, None)
+                    self._link.leases.pop(message.item_id, None)
+                    stream.fail(StreamAbortedError(f"producer at {self._link.endpoint} aborted the stream: {reason}"))
         except (ProtocolError, IndexError) as exc:
-            self._streams.pop(message.item_id, None)
+            self._link.open_streams.pop(message.item_id, None)
             error = exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc))
             stream.fail(error)
             if out_of_band:  # its bytes are on the way: the pair is out of step
-                self._start_afresh(None, error)
+                self._link.start_afresh(None, error)
             else:
-                self._release([message.item_id])
+                self._link.release([message.item_id])
 
     def _receive_layer(
         self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
@@ -140,7 +144,7 @@ class LinkStreams(LinkArrivals):
                 key, value = arriving.result()
                 self._deliver_layer(stream, item_id, layer, key, value)
 
-        self._own_arrival(arrival.complete, landed)
+        self._link.own_arrival(arrival.complete, landed)
 
     def _deliver_layer(
         self, stream: ConsumerStream, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
@@ -164,7 +168,7 @@ class LinkStreams(LinkArrivals):
             else:
                 stream.deliver_layer(layer, key, value, written.result())
 
-        self._own_arrival(written, delivered)
+        self._link.own_arrival(written, delivered)
 
     def _receive_end(
         self, stream: ConsumerStream, item_id: int, transport: Receiver,
@@ -190,7 +194,7 @@ class LinkStreams(LinkArrivals):
         if last is None or last.done():
             landed(last)
         elif hidden_meta is not None:
-            self._own_arrival(last, landed)
+            self._link.own_arrival(last, landed)
         else:
             last.add_done_callback(landed)  # owned already: it is a layer's
 
@@ -208,14 +212,14 @@ class LinkStreams(LinkArrivals):
             case _:
                 return
         try:
-            self._own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
+            self._link.own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
         except ProtocolError as exc:
-            self._start_afresh(None, exc)
+            self._link.start_afresh(None, exc)
 
     def _stream_lost(self, item_id: int, error: KVRTError) -> None:
         """A stream's receive failed: it fails, and its item goes back to the producer."""
-        stream = self._streams.pop(item_id, None)
+        stream = self._link.open_streams.pop(item_id, None)
         if stream is not None:
-            self._release([item_id])
+            self._link.release([item_id])
             stream.fail(error)
 
