@@ -45,25 +45,25 @@ from kvrt._threads import launch_on
 
 
 class StreamingProducer(Protocol):
-    """What a `ProducerStream` asks of the producer that opened it (`kvrt._producer`'s
-    `Producer`): this module names no driver, so that the drivers depend on it, not it on them."""
+    """What a `ProducerStream` asks of the producer part that opened it (`kvrt._producer`'s
+    `StreamPublisher`): this module names no driver, so that the drivers depend on it, not it on them."""
 
     @property
     def device(self) -> torch.device: ...
 
-    def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor: ...
+    def gather_thread(self) -> concurrent.futures.ThreadPoolExecutor: ...
 
-    async def _gathered_layer(
+    async def gathered_layer(
         self, placement: Placement, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]: ...
 
-    async def _stream_layer(
+    async def stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
     ) -> None: ...
 
-    async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None: ...
+    async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None: ...
 
-    async def _abort_stream(self, item: BufferedItem, reason: str) -> None: ...
+    async def abort_stream(self, item: BufferedItem, reason: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,17 +409,17 @@ class ProducerStream:
         if self.placement is not None:
             if key is not None or value is not None:
                 raise InvalidInputError("a stream of the pools gathers its layers there: put_layer() takes no tensors")
-            gathered = await self._producer._gathered_layer(self.placement, self.published)
+            gathered = await self._producer.gathered_layer(self.placement, self.published)
             self.published += 1
-            await self._producer._stream_layer(self._item, *gathered)
+            await self._producer.stream_layer(self._item, *gathered)
             return
         for name, tensor in (("key", key), ("value", value)):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
                 raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
         assert key is not None and value is not None
-        owned = await _owned(key, value, self._producer.device, self._producer._gather_thread)
+        owned = await _owned(key, value, self._producer.device, self._producer.gather_thread)
         self.published += 1
-        await self._producer._stream_layer(self._item, *owned)
+        await self._producer.stream_layer(self._item, *owned)
 
     @on_caller_stream
     async def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:
@@ -430,13 +430,13 @@ class ProducerStream:
         if hidden is not None and (hidden.dim() != 2 or hidden.shape[0] != self.tokens):
             raise InvalidInputError(f"finish: hidden must be [tokens={self.tokens}, hidden]")
         self._ended = True
-        await self._producer._finish_stream(self._item, hidden)
+        await self._producer.finish_stream(self._item, hidden)
 
     async def abort(self, reason: str = "the prefill failed") -> None:
         """Fail the stream: its reader gets `StreamAbortedError`; what it published is dropped."""
         if not self._ended:
             self._ended = True
-            await self._producer._abort_stream(self._item, reason)
+            await self._producer.abort_stream(self._item, reason)
 
 
 async def _owned(

@@ -604,13 +604,14 @@ async def test_a_delivery_whose_frames_only_name_its_bytes_travels_in_one_messag
     # cuda_ipc's frame is a share of a few hundred bytes naming an item of any size: it rides
     # with its header; only the bytes themselves (TCP) follow in a payload message.
     posted: list[list[object]] = []
-    monkeypatch.setattr(producer, "_post", lambda peer, frames, dropped: posted.append(list(frames)))
+    serving = producer._serving
+    monkeypatch.setattr(serving, "_post", lambda peer, frames, dropped: posted.append(list(frames)))
     meta = m.TensorMeta("float16", [1, 1 << 20, 1, 1])
     deliver = m.Deliver(1, 2, 1, meta, None, meta, meta, None, payload_bytes=4 << 20)
-    producer._post_delivery(b"peer", deliver, [b"a share of 300 bytes".ljust(300)], [])
+    serving._post_delivery(b"peer", deliver, [b"a share of 300 bytes".ljust(300)], [])
     assert [len(frames) for frames in posted] == [2]
     posted.clear()
-    producer._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
+    serving._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
     assert [len(frames) for frames in posted] == [1, 2]
 
 

@@ -266,7 +266,7 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
         await asyncio.sleep(0)  # the receipt leaves
         assert await consumer.drop_select(torch.tensor([-1]), timeout=0) is None  # and has arrived
         for _ in range(100):  # a finished send is let go of when the next item is made, or at once
-            producer._reclaim()
+            producer._serving.reclaim()
             await collected()
             if sum(ref() is not None for ref in published) == 0:
                 break

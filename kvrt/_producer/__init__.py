@@ -8,12 +8,12 @@ holds more than `buffer_bytes`, copies the tensors, and gives the item to the co
 The package, one job a module:
 
 - `_state`: the fields every part shares, argument checks and defaults
-- `_serve`: the serve loop: control frames in, replies and deliveries out, peers
-- `_insert`: `insert`, buffering an item for the core
+- `_serve`: `ServeLoop`: control frames in, replies and deliveries out, peers
+- `_insert`: `Inserter`: `insert`, buffering an item for the core
 - `_gathers`: a published item's gathers, queued off the loop
-- `_publish`: `register_pools`, `publish`
-- `_streams`: `open_stream`, a layer at a time
-- `_producer`: `Producer`, composing them; start, close, stats
+- `_publish`: `Publisher`: `register_pools`, `publish`
+- `_streams`: `StreamPublisher`: `open_stream`, a layer at a time
+- `_producer`: `Producer`: the public calls, given to the parts it holds; start, close, stats
 """
 
 from kvrt._errors import KVRTError

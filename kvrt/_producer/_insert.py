@@ -8,20 +8,24 @@ import torch
 
 from kvrt import _metrics
 from kvrt._buffer import BufferedItem
-from kvrt._caller_stream import on_caller_stream
 from kvrt._heads import check_heads
 from kvrt._item import (
     buffered_item,
     check_item,
     check_timeout,
 )
-from kvrt._producer._serve import _Serving
+from kvrt._producer._serve import ServeLoop
+from kvrt._producer._state import ProducerState
 
 
-class _Inserting(_Serving):
+class Inserter:
     """`insert`, and buffering an item for the core (also used by publish and streams)."""
 
-    @on_caller_stream
+    def __init__(self, state: ProducerState, serving: ServeLoop) -> None:
+        self._state = state
+        self._core = state._core
+        self._serving = serving
+
     async def insert(
         self,
         input_tokens: torch.Tensor,
@@ -33,32 +37,25 @@ class _Inserting(_Serving):
         timeout: float | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
-
-        Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
-        room appears or the producer closes). On a GPU the copy is queued on `stream` (None: the
-        caller's current stream, see `kvrt._caller_stream`), after the work that wrote the
-        tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
-        disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
-        """
-        self._check_open()
+        """See `Producer.insert`."""
+        self._state._check_open()
         timer = _metrics.Timer("insert")
         check_item(input_tokens, roi, key, value, hidden)
-        check_heads(self.heads, key, value, what="insert")
+        check_heads(self._state.heads, key, value, what="insert")
         check_timeout(timeout, what="insert")
-        await self._wait_for_room(timeout)
-        self._reclaim()
+        await self._state._wait_for_room(timeout)
+        self._serving.reclaim()
         item = buffered_item(
             (input_tokens, roi, key, value, hidden),
-            self.device,
+            self._state.device,
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
-            allocate=self._allocate,
+            allocate=self._state._allocate,
         )
-        await self._buffer(item)
+        await self.buffer(item)
         timer.done()
 
-    async def _buffer(self, item: BufferedItem) -> None:
+    async def buffer(self, item: BufferedItem) -> None:
         """Hand a built item to the transports and the core (room was waited for already)."""
-        self._prepare(item)
-        await self._perform(self._core.insert(item, self._now()))
+        self._state._prepare(item)
+        await self._serving.perform(self._core.insert(item, self._state._now()))

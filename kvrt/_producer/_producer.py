@@ -1,5 +1,6 @@
-"""The producer (prefill side): `Producer` composes its parts (`_serve`, `_insert`,
-`_publish`, `_streams`) over the shared fields of `_state`, and adds starting, closing and stats.
+"""The producer (prefill side): `Producer` holds the shared fields (`_state`) and its parts:
+the serve loop (`_serve`), the inserter (`_insert`), the publisher (`_publish`) and the stream
+publisher (`_streams`), to which its public calls go; and it starts, closes and reports.
 """
 
 from __future__ import annotations
@@ -7,23 +8,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from functools import cached_property
 from typing import Self
 
+import torch
 import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._auth import secure_server
+from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
     translate_zmq_error,
 )
 from kvrt._metrics import ProducerStats
-from kvrt._producer._publish import _Publishing
-from kvrt._producer._serve import _host_of
-from kvrt._producer._state import PRODUCER_IO_THREADS
-from kvrt._producer._streams import _Streaming
+from kvrt._pools import PoolTable
+from kvrt._producer._insert import Inserter
+from kvrt._producer._publish import Publisher
+from kvrt._producer._serve import ServeLoop, _host_of
+from kvrt._producer._state import DEFAULT_CHUNK_BYTES, PRODUCER_IO_THREADS, ProducerState
+from kvrt._producer._streams import StreamPublisher
 from kvrt._service import AsyncService
+from kvrt._streams import ProducerStream
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports._arena import SLAB_BYTES
 from kvrt.transports.select import make_senders
@@ -34,7 +41,7 @@ _BYE_LINGER_MS = 200
 """How long closing waits for its Bye messages to leave."""
 
 
-class Producer(_Publishing, _Streaming, AsyncService):
+class Producer(ProducerState, AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
     Use it as an async context manager (or `await start()` ... `await aclose()`):
@@ -54,6 +61,121 @@ class Producer(_Publishing, _Streaming, AsyncService):
     numbering, and one whose heads lie with several producers asks each for its part (see
     `Consumer.drop_select`); None: consumers number this producer's heads from 0.
     """
+
+    # -- the prefill engine's calls, each given to the part whose job it is -------------------
+
+    @on_caller_stream
+    async def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
+
+        Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
+        room appears or the producer closes). On a GPU the copy is queued on `stream` (None: the
+        caller's current stream, see `kvrt._caller_stream`), after the work that wrote the
+        tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
+        disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
+        """
+        await self._inserter.insert(input_tokens, roi, key, value, hidden, timeout=timeout, stream=stream)
+
+    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
+        """Register the engine's KV pools (every replica, copy and layer) that `publish` reads.
+
+        Called by the engine once, after it allocated its pools and before the first
+        `publish`; a later call replaces the table for later publishes. `pools` must be on this
+        producer's device. A published request travels in chunks of whole layers holding about
+        `chunk_bytes` of K and V (at least one layer): on a GPU each chunk is sent as soon as it
+        is gathered, and a pulling consumer scatters it as soon as it lands. With `taper`, the
+        last chunk is a quarter of that, which leaves less to scatter once the wire is idle.
+
+        Raises `InvalidInputError` for pools on another device or a `chunk_bytes` that is not
+        a positive int. The pools stay the engine's: kvrt keeps a reference to the table and
+        reads the pools only inside `publish` (see there), never writes them."""
+        self._publisher.register_pools(pools, chunk_bytes=chunk_bytes, taper=taper)
+
+    @on_caller_stream
+    async def publish(
+        self,
+        input_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        replica: torch.Tensor | int = 0,
+        roi: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
+        `drop_select`).
+
+        Called by the engine once per request, after its prefill wrote the KV: token i's KV is
+        at `slots[i]` of replica `replica[i]` (an int: one replica for every token). `slots` and
+        `replica` are 1-D int32 or int64 tensors on the pools' device or on the host; `roi` masks
+        the tokens that count for matching, as in `insert`. The KV is gathered into an item of
+        kvrt's own (one kernel launch per chunk, all layers) and buffered like an insert;
+        waits while the buffer is over `buffer_bytes`, `timeout` bounds that wait.
+
+        Raises `InvalidInputError` (no pools registered, tokens and slots that disagree, a
+        slot or replica outside the pools: checked before anything is read or buffered),
+        `KVRTTimeoutError` (phase "insert") and `ClosedError`. Memory: on a GPU every gather is
+        queued on `stream` (None: the calling thread's current stream, after the prefill's
+        writes) before this returns, so writes the engine queues on that stream afterwards come
+        after the gathers read the pools (writes from another stream must wait for it); on the
+        CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
+        await self._publisher.publish(input_tokens, slots, replica, roi, timeout=timeout, stream=stream)
+
+    @on_caller_stream
+    async def open_stream(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        *,
+        layers: int | None = None,
+        slots: torch.Tensor | None = None,
+        replica: torch.Tensor | int = 0,
+        timeout: float | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> ProducerStream:
+        """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
+        layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
+        A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
+        wrote it (see `kvrt._streams`); others get it as frames, over TCP.
+
+        With `slots` (and `replica`, as for `publish`) the layers are read from the registered
+        pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
+        (`layers` may be left out). Indexes on the host are checked there; on the GPU the
+        check reads a flag back, which waits for `stream` (None: the caller's current stream)
+        once.
+
+        Waits while the buffer is over `buffer_bytes`, as `insert` does; `timeout` bounds that
+        wait (0: a prefill that must not wait is refused at once with `KVRTTimeoutError`, phase
+        "insert", and publishes nothing)."""
+        return await self._stream_publisher.open_stream(
+            input_tokens, roi, layers=layers, slots=slots, replica=replica, timeout=timeout, stream=stream
+        )
+
+    @cached_property
+    def _serving(self) -> ServeLoop:
+        return ServeLoop(self)
+
+    @cached_property
+    def _inserter(self) -> Inserter:
+        return Inserter(self, self._serving)
+
+    @cached_property
+    def _publisher(self) -> Publisher:
+        return Publisher(self, self._inserter, self._serving)
+
+    @cached_property
+    def _stream_publisher(self) -> StreamPublisher:
+        return StreamPublisher(self, self._inserter, self._serving)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -102,8 +224,8 @@ class Producer(_Publishing, _Streaming, AsyncService):
             await transport.start()
         self._update_room()
         _metrics.track_producer(self)
-        self._serve_task = asyncio.create_task(self._serve(), name=f"kvrt-producer-{self._endpoint}")
-        self._serve_task.add_done_callback(self._serve_ended)
+        self._serve_task = asyncio.create_task(self._serving.run(), name=f"kvrt-producer-{self._endpoint}")
+        self._serve_task.add_done_callback(self._serving.ended)
         return self
 
     async def aclose(self) -> None:
@@ -116,7 +238,7 @@ class Producer(_Publishing, _Streaming, AsyncService):
             for out in self._core.close("producer closed"):
                 with contextlib.suppress(zmq.ZMQError):  # a consumer already gone needs no Bye
                     self._io.send_nowait([out.peer, m.encode(out.message)])
-        self._release_departed()
+        self._serving.release_departed()
         for transport in self._transports.values():
             await transport.aclose()
         if self._gathers is not None:

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from kvrt._buffer import GathersFailed
-from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
@@ -24,8 +23,9 @@ from kvrt._item import (
 )
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._producer._gathers import _all_gathers_queued, _Gathers
-from kvrt._producer._insert import _Inserting
-from kvrt._producer._state import DEFAULT_CHUNK_BYTES
+from kvrt._producer._insert import Inserter
+from kvrt._producer._serve import ServeLoop
+from kvrt._producer._state import DEFAULT_CHUNK_BYTES, ProducerState
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack_empty
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
@@ -81,31 +81,25 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
     return result
 
 
-class _Publishing(_Inserting):
+class Publisher:
     """Publishing from paged pools."""
 
+    def __init__(self, state: ProducerState, inserter: Inserter, serving: ServeLoop) -> None:
+        self._state = state
+        self._core = state._core
+        self._inserter = inserter
+        self._serving = serving
+
     def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
-        """Register the engine's KV pools (every replica, copy and layer) that `publish` reads.
-
-        Called by the engine once, after it allocated its pools and before the first
-        `publish`; a later call replaces the table for later publishes. `pools` must be on this
-        producer's device. A published request travels in chunks of whole layers holding about
-        `chunk_bytes` of K and V (at least one layer): on a GPU each chunk is sent as soon as it
-        is gathered, and a pulling consumer scatters it as soon as it lands. With `taper`, the
-        last chunk is a quarter of that, which leaves less to scatter once the wire is idle.
-
-        Raises `InvalidInputError` for pools on another device or a `chunk_bytes` that is not
-        a positive int. The pools stay the engine's: kvrt keeps a reference to the table and
-        reads the pools only inside `publish` (see there), never writes them."""
-        if pools.device != self.device:
-            raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self.device}")
+        """See `Producer.register_pools`."""
+        if pools.device != self._state.device:
+            raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self._state.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-        self._pools = pools
-        self._chunk_bytes = chunk_bytes
-        self._taper = bool(taper)
+        self._state._pools = pools
+        self._state._chunk_bytes = chunk_bytes
+        self._state._taper = bool(taper)
 
-    @on_caller_stream
     async def publish(
         self,
         input_tokens: torch.Tensor,
@@ -116,24 +110,8 @@ class _Publishing(_Inserting):
         timeout: float | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
-        `drop_select`).
-
-        Called by the engine once per request, after its prefill wrote the KV: token i's KV is
-        at `slots[i]` of replica `replica[i]` (an int: one replica for every token). `slots` and
-        `replica` are 1-D int32 or int64 tensors on the pools' device or on the host; `roi` masks
-        the tokens that count for matching, as in `insert`. The KV is gathered into an item of
-        kvrt's own (one kernel launch per chunk, all layers) and buffered like an insert;
-        waits while the buffer is over `buffer_bytes`, `timeout` bounds that wait.
-
-        Raises `InvalidInputError` (no pools registered, tokens and slots that disagree, a
-        slot or replica outside the pools: checked before anything is read or buffered),
-        `KVRTTimeoutError` (phase "insert") and `ClosedError`. Memory: on a GPU every gather is
-        queued on `stream` (None: the calling thread's current stream, after the prefill's
-        writes) before this returns, so writes the engine queues on that stream afterwards come
-        after the gathers read the pools (writes from another stream must wait for it); on the
-        CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
-        pools = self._pools
+        """See `Producer.publish`."""
+        pools = self._state._pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
@@ -142,12 +120,12 @@ class _Publishing(_Inserting):
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
-        self._check_open()
+        self._state._check_open()
         check_timeout(timeout, what="publish")
-        await self._wait_for_room(timeout)
-        self._reclaim()
+        await self._state._wait_for_room(timeout)
+        self._serving.reclaim()
         read_back = None
-        if self.device.type == "cuda":
+        if self._state.device.type == "cuda":
             ranges = None
             if slots.device.type == "cpu" and replicas.device.type == "cpu":
                 # Indexes on the host, as an engine's scheduler holds a request's pages: checked
@@ -168,8 +146,8 @@ class _Publishing(_Inserting):
         packed = pack_empty(
             [(input_tokens.shape, input_tokens.dtype), None if roi is None else (roi.shape, roi.dtype),
              (kv_shape, pools.dtype), (value_shape, pools.dtype), None],
-            self.device,
-            self._allocate,
+            self._state.device,
+            self._state._allocate,
         )  # fmt: skip
         item_tokens, item_roi, key, value, _ = packed.tensors
         _, _, key_meta, value_meta, _ = packed.metas
@@ -179,8 +157,8 @@ class _Publishing(_Inserting):
             if into is not None and source is not None:
                 copy_into(into, source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        per_chunk = max(1, self._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._taper)
+        per_chunk = max(1, self._state._chunk_bytes // max(1, layer_bytes))
+        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._state._taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if read_back is not None:
@@ -204,7 +182,7 @@ class _Publishing(_Inserting):
             # Deliver header has left (the consumer posts its receives meanwhile); a first
             # launch compiles, for about a second, in a worker thread. They are planned now
             # while index ranges travel back from the device, else after the header left.
-            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self.device), self._gather_thread)
+            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self._state.device), self._state._gather_thread)
             if ranges is not None:
                 gathers.plan()
             masked, read_ranges = read_back()
@@ -223,10 +201,10 @@ class _Publishing(_Inserting):
             item.gathers = gathers
         # Buffered before the other gathers are queued: a waiting pull gets its Deliver header
         # first and posts its receives while they are queued.
-        await self._buffer(item)
+        await self._inserter.buffer(item)
         if gathers is not None:
             try:
                 await _all_gathers_queued(item)
             except GathersFailed as failed:
-                await self._perform(self._core.discard(item))
-                raise KVRTError(f"publish: queuing the gathers on {self.device} failed: {failed}") from failed
+                await self._serving.perform(self._core.discard(item))
+                raise KVRTError(f"publish: queuing the gathers on {self._state.device} failed: {failed}") from failed

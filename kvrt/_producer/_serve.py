@@ -81,16 +81,20 @@ def _host_of(endpoint: str) -> str:
     return host
 
 
-class _Serving(ProducerState):
+class ServeLoop:
     """The serve loop and what it performs: replies, deliveries, peers leaving."""
 
-    def _reclaim(self) -> None:
+    def __init__(self, state: ProducerState) -> None:
+        self._state = state
+        self._core = state._core
+
+    def reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
         (else a GPU item allocates anew, a device allocation on the loop)."""
-        for transport in self._transports.values():
+        for transport in self._state._transports.values():
             transport.reclaim()
 
-    async def _host_frames(self, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> list[memoryview]:
+    async def host_frames(self, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> list[memoryview]:
         """A stream message's tensors as frames for an in-band transport. GPU tensors are
         copied to the host in a kvrt thread once the prefill wrote them: the loop never waits
         for the device."""
@@ -100,9 +104,9 @@ class _Serving(ProducerState):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensors[0].device))
 
-        if self._to_host is None:
-            self._to_host = torch.cuda.Stream(tensors[0].device)
-        to_host_stream = self._to_host
+        if self._state._to_host is None:
+            self._state._to_host = torch.cuda.Stream(tensors[0].device)
+        to_host_stream = self._state._to_host
 
         def to_host() -> list[memoryview]:
             ready.synchronize()
@@ -111,15 +115,15 @@ class _Serving(ProducerState):
             with torch.cuda.stream(to_host_stream):
                 return [tensor_bytes(tensor.cpu()) for tensor in tensors]
 
-        return await asyncio.wrap_future(self._gather_thread().submit(to_host))
+        return await asyncio.wrap_future(self._state._gather_thread().submit(to_host))
 
-    async def _serve(self) -> None:
-        io, outboxes = self._io, self._outboxes
+    async def run(self) -> None:
+        io, outboxes = self._state._io, self._state._outboxes
         assert io is not None and outboxes is not None
         core = self._core
         while True:
             first = await io.next(_earliest(core.next_deadline(), outboxes.next_retry()))
-            now = self._now()
+            now = self._state._now()
             batch = [] if first is None else [first, *io.drain()]
             for frames in batch:
                 if len(frames) >= 2:
@@ -127,16 +131,16 @@ class _Serving(ProducerState):
                     # starts) before the rest of the burst is looked up.
                     out = self._answer(frames[0].bytes, frames[1].buffer, len(frames) - 2, now)
                     if out:
-                        await self._perform(out)
+                        await self.perform(out)
                     if outboxes.waiting(frames[0].bytes):  # a peer that sends may have read too
-                        await self._perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
+                        await self.perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
             if outboxes.next_retry() is not None:
-                await self._perform(self._dropped(outboxes.flush(now), now))
+                await self.perform(self._dropped(outboxes.flush(now), now))
             expired = core.expire(now)
             if expired:
-                await self._perform(expired)
-            self._release_departed()
-            self._update_room()  # receipts in the batch may have made room
+                await self.perform(expired)
+            self.release_departed()
+            self._state._update_room()  # receipts in the batch may have made room
             if len(batch) > MAX_BATCH:
                 # A flood never suspends `io.next`: yield once a full batch, so that inserts
                 # and the engine's other tasks on this loop still run while one peer floods.
@@ -161,12 +165,12 @@ class _Serving(ProducerState):
 
     def _post(self, peer: bytes, frames: list[bytes | memoryview], dropped: list[Dropped]) -> None:
         """Send to one peer without waiting on it (see `RouterOutboxes`)."""
-        assert self._outboxes is not None
-        gone = self._outboxes.post(peer, frames, self._now())
+        assert self._state._outboxes is not None
+        gone = self._state._outboxes.post(peer, frames, self._state._now())
         if gone is not None:
             dropped.append(gone)
 
-    async def _perform(self, out: list[Outgoing]) -> None:
+    async def perform(self, out: list[Outgoing]) -> None:
         """Send what the core answered; a peer found unreachable, or not reading, is forgotten.
 
         No send waits for a peer: each peer's messages wait in its own outbox when its queue is
@@ -175,17 +179,17 @@ class _Serving(ProducerState):
         here. A message that cannot be built fails its own request only.
         """
         dropped: list[Dropped] = []
-        async with self._send_lock:
+        async with self._state._send_lock:
             while out:
                 send = out.pop(0)
                 try:
                     await self._send_one(send, dropped)
                 except (zmq.ZMQError, PeerLostError) as exc:
                     if isinstance(exc, zmq.ZMQError):
-                        error = translate_zmq_error(exc, endpoint=self.endpoint)
+                        error = translate_zmq_error(exc, endpoint=self._state.endpoint)
                         if not isinstance(error, PeerLostError):
                             raise error from exc
-                    out += self._core.peer_unreachable(send.peer, self._now(), "it is no longer connected")
+                    out += self._core.peer_unreachable(send.peer, self._state._now(), "it is no longer connected")
                 except GathersFailed:
                     # The consumer may hold a header whose bytes will never come: its pair
                     # cannot be trusted any more. The item is gone (`publish` raises).
@@ -193,15 +197,15 @@ class _Serving(ProducerState):
                         source = item if item.parent is None else item.parent
                         if source.gathers is not None and source.gathers.failed:
                             out += self._core.discard(source)
-                    out += self._core.peer_unreachable(send.peer, self._now(), "an item's gathers failed")
+                    out += self._core.peer_unreachable(send.peer, self._state._now(), "an item's gathers failed")
                 except _Unencodable as exc:
                     log.error("could not build a reply: %s", exc, extra={"peer": send.peer})
-                    out += self._core.unsendable(send, str(exc), self._now())
+                    out += self._core.unsendable(send, str(exc), self._state._now())
                 if dropped:
-                    out += self._dropped(dropped, self._now())
+                    out += self._dropped(dropped, self._state._now())
                     dropped = []
-            self._release_departed()
-        self._update_room()
+            self.release_departed()
+        self._state._update_room()
 
     async def _send_one(self, send: Outgoing, dropped: list[Dropped]) -> None:
         """Build and post one message the core answered, with its payload."""
@@ -211,29 +215,29 @@ class _Serving(ProducerState):
             type(message) is m.Deliver and item is not None
             and item.gathers is None and item.fill is None
             and self._core.transport_of(send.peer) == Capability.TCP
-            and (framed := self._transports[Capability.TCP].framed(item)) is not None
+            and (framed := self._state._transports[Capability.TCP].framed(item)) is not None
         ):  # fmt: skip
             # The common case on a CPU host, without a coroutine in the way: an inserted item's
             # bytes, framed once at insert, go with its header.
             self._post_delivery(send.peer, message, framed, dropped)
             return
-        if isinstance(message, m.ErrorReply) and self._refusal_log.allows(self._now()):
+        if isinstance(message, m.ErrorReply) and self._state._refusal_log.allows(self._state._now()):
             log.info(
-                "refused a message: %s%s", message.message, self._refusal_log.suppressed_note(),
+                "refused a message: %s%s", message.message, self._state._refusal_log.suppressed_note(),
                 extra={"peer": send.peer, "request_id": message.request_id, "code": message.code.value},
             )  # fmt: skip
         frames: Sequence[bytes | memoryview] = ()
         if isinstance(message, m.Welcome):
-            assert self._outboxes is not None
-            self._outboxes.unmute(send.peer)
+            assert self._state._outboxes is not None
+            self._state._outboxes.unmute(send.peer)
             # A second hello ended the peer's old session first: its pair goes now,
             # not after the new one is offered (the peer's identity is the same).
-            self._release_departed()
-            if self._peer_log.allows(self._now()):
+            self.release_departed()
+            if self._state._peer_log.allows(self._state._now()):
                 log.info("a consumer joined; its items travel over %s%s", message.transport,
-                         self._peer_log.suppressed_note(),
+                         self._state._peer_log.suppressed_note(),
                          extra={"peer": send.peer, "transport": message.transport})  # fmt: skip
-            rendezvous = self._transports[message.transport].offer(send.peer)
+            rendezvous = self._state._transports[message.transport].offer(send.peer)
             if rendezvous:
                 message = msgspec.structs.replace(message, rendezvous=rendezvous)
         for item in (send.item, *send.items):
@@ -248,12 +252,12 @@ class _Serving(ProducerState):
             # The frame: the tokens (and roi) at the head of the item's buffer, read
             # back in a kvrt thread for a GPU item (written before its ready event).
             head = send.item.storage[: message.payload_bytes]
-            frames = await self._host_frames([head], send.item.ready_event)
+            frames = await self.host_frames([head], send.item.ready_event)
         elif isinstance(message, m.StreamLayer | m.StreamEnd):
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
                 return  # the peer left meanwhile; the core took the stream back
-            transport = self._transports[transport_name]
+            transport = self._state._transports[transport_name]
             ready = send.ready if send.item is None else send.item.written
             if transport.out_of_band and send.tensors:
                 # The header first, as for a Deliver: the consumer posts the receive
@@ -264,12 +268,12 @@ class _Serving(ProducerState):
             if transport.streams_tensors and not transport.out_of_band:
                 frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
             else:
-                frames = await self._host_frames(send.tensors, ready)
+                frames = await self.host_frames(send.tensors, ready)
         elif isinstance(message, m.DeliverMany):
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
                 return  # the peer left meanwhile; the core took the items back
-            transport = self._transports[transport_name]
+            transport = self._state._transports[transport_name]
             for item in send.items:  # a published item is read whole: every gather queued
                 await _all_gathers_queued(item)
             if transport.out_of_band:
@@ -283,7 +287,7 @@ class _Serving(ProducerState):
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
                 return  # the peer left meanwhile; the core took the item back
-            transport = self._transports[transport_name]
+            transport = self._state._transports[transport_name]
             if transport.out_of_band:
                 # The header first: the consumer posts its receives while the sends
                 # are queued here (one per chunk of a publish, each chunk's gather
@@ -313,28 +317,29 @@ class _Serving(ProducerState):
         self._post(peer, [_encoded(message)], dropped)
         self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
-    def _release_departed(self) -> None:
+    def release_departed(self) -> None:
         departed = self._core.take_departed()
         for departure in departed:
-            if self._peer_log.allows(self._now()):
-                log.info("consumer left; what it held is back in the buffer%s", self._peer_log.suppressed_note(),
+            if self._state._peer_log.allows(self._state._now()):
+                log.info("consumer left; what it held is back in the buffer%s", self._state._peer_log.suppressed_note(),
                          extra={"peer": departure.peer})  # fmt: skip
-            self._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
-            self._peer_left.set()
-        self._departed_since_trim += len(departed)
-        if self._departed_since_trim >= TRIM_AFTER_DEPARTURES and self._core.peer_count < self._departed_since_trim:
+            self._state._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
+            self._state._peer_left.set()
+        state = self._state
+        state._departed_since_trim += len(departed)
+        if state._departed_since_trim >= TRIM_AFTER_DEPARTURES and self._core.peer_count < state._departed_since_trim:
             # After a storm of peers, give the memory their connections and records held back
             # to the system (glibc keeps freed memory in its arenas otherwise).
-            self._departed_since_trim = 0
+            self._state._departed_since_trim = 0
             _trim_heap()
 
-    def _serve_ended(self, task: asyncio.Task[None]) -> None:
+    def ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
         failure = task.exception()
         if failure is not None:
             # The serve loop owns the protocol; without it nothing can be served. Close,
             # so that every later call says so instead of waiting for ever.
-            self._failure = failure
-            self._closed = True
-            self._room.set()
+            self._state._failure = failure
+            self._state._closed = True
+            self._state._room.set()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from kvrt._buffer import BufferedItem, StreamState
-from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -18,7 +17,9 @@ from kvrt._item import (
     item_from_tokens,
 )
 from kvrt._pools import checked_indexes, per_token
-from kvrt._producer._insert import _Inserting
+from kvrt._producer._insert import Inserter
+from kvrt._producer._serve import ServeLoop
+from kvrt._producer._state import ProducerState
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import copy_into, pack, pack_empty
 from kvrt._threads import launch_on
@@ -32,10 +33,17 @@ def _release_layers(stream: StreamState) -> None:
     stream.ready.clear()
 
 
-class _Streaming(_Inserting):
+class StreamPublisher:
     """Streams of layers, opened by the prefill engine."""
 
-    @on_caller_stream
+    def __init__(self, state: ProducerState, inserter: Inserter, serving: ServeLoop) -> None:
+        self._state = state
+        self._core = state._core
+        self._inserter = inserter
+        self._serving = serving
+        self.device = state.device
+        self.gather_thread = state._gather_thread
+
     async def open_stream(
         self,
         input_tokens: torch.Tensor,
@@ -47,21 +55,8 @@ class _Streaming(_Inserting):
         timeout: float | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
-        """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
-        layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
-        A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
-        wrote it (see `kvrt._streams`); others get it as frames, over TCP.
-
-        With `slots` (and `replica`, as for `publish`) the layers are read from the registered
-        pools: token i's KV at `slots[i]` of replica `replica[i]`, every layer of the pools
-        (`layers` may be left out). Indexes on the host are checked there; on the GPU the
-        check reads a flag back, which waits for `stream` (None: the caller's current stream)
-        once.
-
-        Waits while the buffer is over `buffer_bytes`, as `insert` does; `timeout` bounds that
-        wait (0: a prefill that must not wait is refused at once with `KVRTTimeoutError`, phase
-        "insert", and publishes nothing)."""
-        self._check_open()
+        """See `Producer.open_stream`."""
+        self._state._check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
         placement = None
@@ -72,15 +67,15 @@ class _Streaming(_Inserting):
             layers = placement.pools.layers
         if not isinstance(layers, int) or layers <= 0:
             raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
-        await self._wait_for_room(timeout)
+        await self._state._wait_for_room(timeout)
         packed = pack((input_tokens, roi), torch.device("cpu"))
         item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
         item.stream = StreamState(layers)
-        await self._perform(self._core.open_stream(item, self._now()))
+        await self._serving.perform(self._core.open_stream(item, self._state._now()))
         return ProducerStream(self, item, layers, int(input_tokens.numel()), placement)
 
     def _placement(self, input_tokens: torch.Tensor, slots: torch.Tensor, replica: torch.Tensor | int) -> Placement:
-        pools = self._pools
+        pools = self._state._pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
         replicas = per_token(replica, slots)
@@ -88,7 +83,7 @@ class _Streaming(_Inserting):
             raise InvalidInputError(f"open_stream: {slots.numel()} slots for {input_tokens.numel()} tokens")
         return Placement(pools, *checked_indexes(pools, replicas, slots))
 
-    async def _gathered_layer(
+    async def gathered_layer(
         self, placement: Placement, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """Layer `layer` of a stream of the pools, gathered into a block of its own (key and
@@ -108,17 +103,17 @@ class _Streaming(_Inserting):
             return key, value, None
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
-        await launch_on(prepared, caller, self._gather_thread)
+        await launch_on(prepared, caller, self._state._gather_thread)
         ready = torch.cuda.Event()
         ready.record(caller)
         return key, value, ready
 
-    async def _stream_layer(
+    async def stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
     ) -> None:
-        await self._perform(self._core.stream_layer(item, key, value, ready))
+        await self._serving.perform(self._core.stream_layer(item, key, value, ready))
 
-    async def _finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
+    async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
         nobody read it): its layers stacked straight into the item's buffer, one copy."""
         stream = item.stream
@@ -152,7 +147,7 @@ class _Streaming(_Inserting):
                     tensor.record_stream(current)  # freed with this closure, maybe before the stack ran
             torch.stack(keys, out=key)
             torch.stack(values, out=value)
-            self._prepare(whole)
+            self._state._prepare(whole)
 
         if stream.reader is None:
             fill(whole)
@@ -165,11 +160,11 @@ class _Streaming(_Inserting):
             if self.device.type == "cuda":  # the end's hidden states are written on this stream
                 whole.ready_event = torch.cuda.Event()
                 whole.ready_event.record(torch.cuda.current_stream(self.device))
-        await self._perform(self._core.finish_stream(item, whole, self._now()))
+        await self._serving.perform(self._core.finish_stream(item, whole, self._state._now()))
         _release_layers(stream)
 
-    async def _abort_stream(self, item: BufferedItem, reason: str) -> None:
+    async def abort_stream(self, item: BufferedItem, reason: str) -> None:
         stream = item.stream
-        await self._perform(self._core.abort_stream(item, reason))
+        await self._serving.perform(self._core.abort_stream(item, reason))
         if stream is not None:
             _release_layers(stream)
