@@ -177,7 +177,11 @@ class ProducerCore:
         except ProtocolError as exc:
             return [self._refuse(peer, m.peek_request_id(frame), exc.code, str(exc))]
         request_id = getattr(message, "request_id", None)
-        state = self.sessions.state(peer)
+        session = self.sessions.peers.get(peer)
+        if session is None:
+            state = PeerState.UNKNOWN
+        else:
+            state = PeerState.READY if session.gone is None else PeerState.GONE
         if not isinstance(message, ACCEPTS[state]):
             if state is not PeerState.READY:
                 text = "this producer does not know you (it restarted, or you were silent too long): send hello"
@@ -187,8 +191,8 @@ class ProducerCore:
         if extra_frames:
             text = f"{type(message).__name__} carries no payload frames, got {extra_frames}"
             return [self._refuse(peer, request_id, ErrorCode.PROTOCOL, text)]
-        if state is not PeerState.UNKNOWN:
-            self.sessions.peers[peer].last_seen = now
+        if session is not None:
+            session.last_seen = now
         match message:
             case m.Hello():
                 return self.sessions.hello(peer, message, now)
