@@ -178,10 +178,7 @@ class ProducerCore:
             return [self._refuse(peer, m.peek_request_id(frame), exc.code, str(exc))]
         request_id = getattr(message, "request_id", None)
         session = self.sessions.peers.get(peer)
-        if session is None:
-            state = PeerState.UNKNOWN
-        else:
-            state = PeerState.READY if session.gone is None else PeerState.GONE
+        state = PeerState.UNKNOWN if session is None else PeerState.READY if session.gone is None else PeerState.GONE
         if not isinstance(message, ACCEPTS[state]):
             if state is not PeerState.READY:
                 text = "this producer does not know you (it restarted, or you were silent too long): send hello"
