@@ -24,8 +24,8 @@ import torch
 import kvrt
 from kvrt import Layout
 from kvrt._protocol import HEARTBEAT_MISSES
-from kvrt.transports import nixl, select
-from kvrt.transports._nixl_agent import nixl_unavailable
+from kvrt.transports import _nixl_reads, _nixl_registrations, _nixl_rendezvous, nixl, select
+from kvrt.transports._nixl_agent import Agent, Registration, Transfer, TransferState, nixl_unavailable
 from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery, same_bits
 from tests._gpu_processes import kv_item, kv_tokens, run_gpu_consumer_that_dies, run_gpu_producer
 from tests._processes import _wait_for_stop, child_process, killed_and_forgotten
@@ -86,14 +86,14 @@ class ReadMade:
 def reads_made(monkeypatch: pytest.MonkeyPatch) -> list[ReadMade]:
     """Each READ the agents make from here on: its descriptors and bytes."""
     reads: list[ReadMade] = []
-    read = nixl.Agent.read
+    read = Agent.read
 
-    def noted(agent: nixl.Agent, remote: str, ranges: Any, **where: Any) -> nixl.Transfer:
+    def noted(agent: Agent, remote: str, ranges: Any, **where: Any) -> Transfer:
         transfer = read(agent, remote, ranges, **where)
         reads.append(ReadMade(len(ranges), transfer.nbytes))
         return transfer
 
-    monkeypatch.setattr(nixl.Agent, "read", noted)
+    monkeypatch.setattr(Agent, "read", noted)
     return reads
 
 
@@ -116,8 +116,8 @@ async def test_a_large_item_of_host_memory_is_read_in_parts_that_keep_the_loop_w
         item = await consumer.drop_select(tokens)
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
     assert sum(read.nbytes for read in reads) >= 2 * key.nbytes
-    assert len(reads) >= 2 * key.nbytes // nixl.READ_PART_BYTES
-    assert max(read.nbytes for read in reads) <= nixl.READ_PART_BYTES
+    assert len(reads) >= 2 * key.nbytes // _nixl_reads.READ_PART_BYTES
+    assert max(read.nbytes for read in reads) <= _nixl_reads.READ_PART_BYTES
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ async def test_a_large_item_of_host_memory_is_read_in_parts_that_keep_the_loop_w
 def test_the_parts_of_a_read_cover_its_bytes_in_order_and_none_passes_the_limit(sizes: list[int]) -> None:
     starts = np.cumsum([0, *sizes[:-1]])
     ranges = [(1000 + start, 5000 + 2 * start, size) for start, size in zip(starts, sizes, strict=True)]
-    parts = nixl._parts(ranges, 10)
+    parts = _nixl_reads.parts(ranges, 10)
     rows = [tuple(int(value) for value in row) for part in parts for row in part]
     assert all(sum(int(row[2]) for row in part) <= 10 for part in parts)
     assert len(parts) <= 2 * -(-sum(sizes) // 10)  # two parts in a row hold more than the limit
@@ -222,12 +222,12 @@ async def test_a_frame_naming_memory_the_producer_never_registered_fails_its_cal
         lied: list[bool] = []
 
         def elsewhere_once(peer: bytes, item: Any) -> memoryview:
-            honest = nixl._read_decoder.decode(frame(peer, item))
+            honest = _nixl_rendezvous.read_decoder.decode(frame(peer, item))
             if lied:
-                return memoryview(nixl._encode_read(honest))
+                return memoryview(_nixl_rendezvous.encode_read(honest))
             lied.append(True)
             beyond = nixl.NixlRead(honest.address + (1 << 40), honest.metadata)
-            return memoryview(nixl._encode_read(beyond))
+            return memoryview(_nixl_rendezvous.encode_read(beyond))
 
         monkeypatch.setattr(sender, "_frame", elsewhere_once)
         with pytest.raises(kvrt.RemoteProtocolError, match="nixl"):
@@ -252,12 +252,12 @@ async def test_a_frame_naming_memory_the_producer_never_registered_fails_its_cal
 def test_a_rendezvous_that_does_not_parse_is_a_typed_error_of_the_producers(rendezvous: dict[str, str]) -> None:
     expected = kvrt.TransportUnavailableError if "nixl" not in rendezvous else kvrt.RemoteProtocolError
     with pytest.raises(expected):
-        nixl._parse_rendezvous(rendezvous)
+        _nixl_rendezvous.parse_rendezvous(rendezvous)
 
 
 def test_the_rendezvous_of_a_newer_layout_is_not_joined_but_fallen_back_from() -> None:
     with pytest.raises(kvrt.TransportUnavailableError, match="version"):
-        nixl._parse_rendezvous({"nixl": "2", "agent.0": "AAAA", "probe": "4096", "device": "cpu"})
+        _nixl_rendezvous.parse_rendezvous({"nixl": "2", "agent.0": "AAAA", "probe": "4096", "device": "cpu"})
 
 
 def offering(service: Any, names: tuple[str, ...]) -> Any:
@@ -459,14 +459,14 @@ async def test_a_producer_killed_or_stopped_mid_read_fails_the_call_in_time_and_
             receiver = nixl_of(consumer)
             posted = asyncio.Event()
             loop = asyncio.get_running_loop()
-            post = nixl.Transfer.post
+            post = Transfer.post
 
-            def noting_the_post(transfer: nixl.Transfer) -> nixl.TransferState:
+            def noting_the_post(transfer: Transfer) -> TransferState:
                 if transfer.nbytes > 1 << 20:
                     loop.call_soon_threadsafe(posted.set)
                 return post(transfer)
 
-            monkeypatch.setattr(nixl.Transfer, "post", noting_the_post)
+            monkeypatch.setattr(Transfer, "post", noting_the_post)
             call = asyncio.create_task(consumer.drop_select(kv_tokens(3, tokens), timeout=10))
             await asyncio.wait_for(posted.wait(), 30)
             assert producer.pid is not None
@@ -503,19 +503,19 @@ async def test_a_read_that_never_ends_fails_its_call_at_the_transfer_timeout_and
     everything else: the call fails with `KVRTTimeoutError` at `transfer_timeout_s`, the READ
     is released, and once the link is welcomed again the item is read whole."""
     wedged = False
-    post, state = nixl.Transfer.post, nixl.Transfer.state
-    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if wedged else post(t))
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if wedged else state(t))
+    post, state = Transfer.post, Transfer.state
+    monkeypatch.setattr(Transfer, "post", lambda t: TransferState.PENDING if wedged else post(t))
+    monkeypatch.setattr(Transfer, "state", lambda t: TransferState.PENDING if wedged else state(t))
     released = asyncio.Event()
     loop = asyncio.get_running_loop()
-    release = nixl.Transfer.release
+    release = Transfer.release
 
-    def noting_the_release(transfer: nixl.Transfer) -> bool:
+    def noting_the_release(transfer: Transfer) -> bool:
         done = release(transfer)
         loop.call_soon_threadsafe(released.set)
         return done
 
-    monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+    monkeypatch.setattr(Transfer, "release", noting_the_release)
     tokens = torch.arange(40)
     key, value, hidden = make_kv(tokens)
     async with (
@@ -545,13 +545,13 @@ async def test_a_small_item_is_not_held_up_behind_a_large_read_of_the_same_produ
     the same producer is READ meanwhile, not after it; the large one fails at the transfer
     timeout and its item is read whole next time."""
     wedged = True
-    post, state = nixl.Transfer.post, nixl.Transfer.state
+    post, state = Transfer.post, Transfer.state
 
-    def large(transfer: nixl.Transfer) -> bool:
-        return wedged and transfer.nbytes > nixl.POST_ON_LOOP_BYTES
+    def large(transfer: Transfer) -> bool:
+        return wedged and transfer.nbytes > _nixl_reads.POST_ON_LOOP_BYTES
 
-    monkeypatch.setattr(nixl.Transfer, "post", lambda t: nixl.TransferState.PENDING if large(t) else post(t))
-    monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if large(t) else state(t))
+    monkeypatch.setattr(Transfer, "post", lambda t: TransferState.PENDING if large(t) else post(t))
+    monkeypatch.setattr(Transfer, "state", lambda t: TransferState.PENDING if large(t) else state(t))
     small_tokens, large_tokens = torch.arange(16), torch.arange(100, 1124)
     small_kv, large_kv = make_kv(small_tokens), make_kv(large_tokens, layers=4, heads=8, head_dim=64)
     async with (
@@ -616,7 +616,7 @@ async def test_a_probe_written_over_by_a_peer_is_whole_again_for_the_next_consum
 
     async with kvrt.Producer(transport="nixl") as producer:
         await producer.insert(torch.arange(8), None, *make_kv(torch.arange(8)))
-        rendezvous = nixl._parse_rendezvous(nixl_of(producer).offer(b"hostile"))
+        rendezvous = _nixl_rendezvous.parse_rendezvous(nixl_of(producer).offer(b"hostile"))
         hostile = await asyncio.to_thread(Agent, "hostile", progress_thread=False)
         remote = hostile.load(rendezvous.metadata)
         zeros = torch.zeros(4096, dtype=torch.uint8)
@@ -728,24 +728,24 @@ class Wedge:
         self.refuse = False
         self.posted, self.released = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
-        post, state, release = nixl.Transfer.post, nixl.Transfer.state, nixl.Transfer.release
+        post, state, release = Transfer.post, Transfer.state, Transfer.release
 
-        def wedged_post(transfer: nixl.Transfer) -> nixl.TransferState:
+        def wedged_post(transfer: Transfer) -> TransferState:
             if not self.on:
                 return post(transfer)
             loop.call_soon_threadsafe(self.posted.set)
-            return nixl.TransferState.PENDING
+            return TransferState.PENDING
 
-        def noting_the_release(transfer: nixl.Transfer) -> bool:
+        def noting_the_release(transfer: Transfer) -> bool:
             if self.on:
                 loop.call_soon_threadsafe(self.released.set)
                 if self.refuse:
                     return False
             return release(transfer)
 
-        monkeypatch.setattr(nixl.Transfer, "post", wedged_post)
-        monkeypatch.setattr(nixl.Transfer, "state", lambda t: nixl.TransferState.PENDING if self.on else state(t))
-        monkeypatch.setattr(nixl.Transfer, "release", noting_the_release)
+        monkeypatch.setattr(Transfer, "post", wedged_post)
+        monkeypatch.setattr(Transfer, "state", lambda t: TransferState.PENDING if self.on else state(t))
+        monkeypatch.setattr(Transfer, "release", noting_the_release)
 
 
 async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_slots(
@@ -783,19 +783,19 @@ async def test_a_pull_cancelled_mid_read_returns_only_once_nothing_writes_its_sl
 def registered(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     """The ids of the registrations this process's agents hold, from here on."""
     held: set[int] = set()
-    register, deregister = nixl.Agent.register, nixl.Agent.deregister
+    register, deregister = Agent.register, Agent.deregister
 
-    def noting_register(agent: nixl.Agent, address: int, nbytes: int, device: torch.device) -> nixl.Registration:
+    def noting_register(agent: Agent, address: int, nbytes: int, device: torch.device) -> Registration:
         registration = register(agent, address, nbytes, device)
         held.add(registration.registration_id)
         return registration
 
-    def noting_deregister(agent: nixl.Agent, registration: nixl.Registration) -> None:
+    def noting_deregister(agent: Agent, registration: Registration) -> None:
         deregister(agent, registration)
         held.discard(registration.registration_id)
 
-    monkeypatch.setattr(nixl.Agent, "register", noting_register)
-    monkeypatch.setattr(nixl.Agent, "deregister", noting_deregister)
+    monkeypatch.setattr(Agent, "register", noting_register)
+    monkeypatch.setattr(Agent, "deregister", noting_deregister)
     return held
 
 
@@ -817,7 +817,7 @@ async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(
         for request in range(2):
             await producer.publish(torch.arange(4) + 10 * request, torch.arange(4))
             assert await consumer.pull(torch.arange(4) + 10 * request, into=first, slots=torch.arange(4)) is not None
-        held = list(receiver._pools[first])
+        held = list(receiver._registrations._pools[first])
         assert len(held) == LAYERS and {r.registration_id for r in held} <= registered
         del first
         gc.collect()
@@ -825,7 +825,7 @@ async def test_the_pools_stay_registered_while_their_table_lives_and_no_longer(
         second = random_pools(1, Layout.BLOCK, seed=8)
         assert await consumer.pull(torch.arange(4) + 100, into=second, slots=torch.arange(4)) is not None
         assert not {r.registration_id for r in held} & registered
-        assert len(receiver._pools[second]) == LAYERS
+        assert len(receiver._registrations._pools[second]) == LAYERS
     assert not registered  # every registration of both sides, pools and slabs
 
 
@@ -969,13 +969,14 @@ async def test_only_the_last_few_buffers_stay_registered_and_none_past_the_close
     ):
         await consumer.link_for_tests().joining.joined()
         receiver = nixl_of(consumer)
-        for request in range(nixl.REGISTERED_BUFFERS + 4):
+        for request in range(_nixl_registrations.REGISTERED_BUFFERS + 4):
             await producer.insert(tokens + 100 * request, None, key, value, hidden)
             staging = kvrt.KVBuffers(key=torch.zeros_like(key).flatten(), value=torch.zeros_like(value).flatten())
             item = await consumer.drop_select(tokens + 100 * request, into=staging)
             assert item is not None and item.key.data_ptr() == staging.key.data_ptr()
-        assert len(receiver._buffers) == nixl.REGISTERED_BUFFERS
-        assert {registration.registration_id for registration, _ in receiver._buffers.values()} <= registered
+        buffers = receiver._registrations.buffers
+        assert len(buffers) == _nixl_registrations.REGISTERED_BUFFERS
+        assert {registration.registration_id for registration, _ in buffers.values()} <= registered
     assert not registered
 
 

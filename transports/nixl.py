@@ -49,27 +49,27 @@ up (`abandon`) every wait of the session ends at its next ask, its READs are rel
 join loads it anew. A consumer reads nothing for a delivery outside its lease (the
 consumer's arrivals check it before `receive`), and never reads a region the producer did
 not name in that delivery's frame.
+
+This module holds the two halves, `NixlSender` and `NixlReceiver`, over the transport's other
+parts: `_nixl_agent` (the adapter over NIXL's API), `_nixl_rendezvous` (the agreement at join
+and the frame after each header), `_nixl_reads` (how a READ is posted and waited for) and
+`_nixl_registrations` (the caller's memory registered for the READs that land there).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import math
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Final, TypeVar
+from collections.abc import Sequence
+from typing import Final, TypeVar
 
-import msgspec
 import numpy as np
 import torch
 import zmq
-from msgspec import Meta
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import (
@@ -80,7 +80,7 @@ from kvrt._errors import (
     TransportUnavailableError,
 )
 from kvrt._messages import Deliver, DeliverMany, TensorMeta
-from kvrt._pools import PoolTable, landing_ranges
+from kvrt._pools import landing_ranges
 from kvrt._tensors import (
     DTYPES,
     back_to_back,
@@ -107,113 +107,34 @@ from kvrt.transports._base import (
     five,
     item_metas,
 )
-from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState, nixl_unavailable
+from kvrt.transports._nixl_agent import Agent, AgentError, Registration, TransferState, nixl_unavailable
+from kvrt.transports._nixl_reads import ReadSession, post_reads, released, translated, until_ended
+from kvrt.transports._nixl_registrations import CallerRegistrations
+from kvrt.transports._nixl_rendezvous import (
+    PROBE_BYTES,
+    RENDEZVOUS_VERSION,
+    NixlRead,
+    Rendezvous,
+    decoded_read,
+    encode_read,
+    metadata_pieces,
+    parse_rendezvous,
+    probe_pattern,
+)
 
 log = logging.getLogger("kvrt.transports")
-
 _T = TypeVar("_T")
-RENDEZVOUS_VERSION: Final = "1"
-"""What a rendezvous's `nixl` field says: the layout of the fields below, and of `NixlRead`."""
-METADATA_KEY: Final = "agent."
-"""Rendezvous keys `agent.0`, `agent.1`, ...: the producer agent's metadata, base64, in pieces
-(a rendezvous value holds at most `MAX_RENDEZVOUS_CHARS`)."""
-_METADATA_PIECE_CHARS: Final = 4000
-MAX_METADATA_PIECES: Final = 12
-"""The welcome's rendezvous holds 16 values: these, the version and the probe's two."""
-MAX_FRAME_METADATA_BYTES: Final = 64 << 10
-"""Most metadata one `NixlRead` may carry (a region's is a few hundred bytes)."""
-_PROBE_BYTES: Final = 4096
+
+
 _MAX_PAYLOAD_BYTES: Final = 1 << 40
-POST_ON_LOOP_BYTES: Final = 1 << 20
-"""READs up to this size are posted from the loop (`cma` finishes one inside the call, in a
-few microseconds a 64 KiB); larger ones from the waiter thread, so the loop never copies."""
-READ_PART_BYTES: Final = 8 << 20
-"""The most one READ between host memories moves: a larger one is made as parts of this size,
-posted one after the other. UCX's `cma` copies inside the call that posts a READ, holding the
-agent's lock (NIXL's thread-safe mode locks every call), so any call of the loop's (another
-READ made, a registration) waits for the copy under way: a part's, a few ms, not an item's
-(a 256 MiB one stalled the loop for up to 250 ms). Parts of 4 MiB cost large items a third of
-their rate on a 2-core host; 8 MiB ones, a few percent. Between GPUs a post only queues the
-copy."""
 POOL_DESCRIPTOR_BYTES: Final = 16 << 10
 """The least a pull's descriptors into the pools must move on average for the READ to land
 there: UCX pays a few microseconds a descriptor (`cma`: 8,192 of 2 KiB took 13 ms more than
 one READ of the same 16 MiB), so rows of a token each (token-major pools) are READ whole and
 scattered, and pages of 16 tokens or more (block pools) are READ in place."""
-UNCANCELLED_WAIT_S: Final = 60.0
-"""How long a READ NIXL refused to cancel is waited for before it is left to the agent."""
-REGISTERED_BUFFERS: Final = 8
-"""How many storages of `into=` buffers a consumer keeps registered (and alive) at most."""
 RECEIVE_ARENA_BYTES: Final = 4 << 30
 """The most memory a consumer keeps registered for receives (slabs of `_RECEIVE_SLAB_BYTES`)."""
 _RECEIVE_SLAB_BYTES: Final = 64 << 20
-_FIRST_PAUSE_S: Final = 20e-6
-_LONGEST_PAUSE_S: Final = 1e-3
-
-
-class NixlRead(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """The frame after a Deliver header (one per hit of a DeliverMany): where the item's
-    packed bytes lie in the producer's memory, and the metadata of that region when this
-    consumer was not sent it before (empty otherwise)."""
-
-    address: Annotated[int, Meta(ge=1, le=2**63 - 1)]
-    metadata: Annotated[bytes, Meta(max_length=MAX_FRAME_METADATA_BYTES)] = b""
-
-
-_encode_read = msgspec.msgpack.Encoder().encode
-_read_decoder = msgspec.msgpack.Decoder(NixlRead)
-
-
-def _probe_pattern() -> torch.Tensor:
-    return (torch.arange(_PROBE_BYTES, dtype=torch.int64) * 131 % 251).to(torch.uint8)
-
-
-def _pieces(metadata: bytes) -> dict[str, str]:
-    text = base64.b64encode(metadata).decode("ascii")
-    count = -(-len(text) // _METADATA_PIECE_CHARS)
-    if count > MAX_METADATA_PIECES:
-        raise InvalidInputError(f"this NIXL agent's metadata ({len(metadata)} bytes) does not fit a welcome")
-    return {
-        f"{METADATA_KEY}{index}": text[index * _METADATA_PIECE_CHARS : (index + 1) * _METADATA_PIECE_CHARS]
-        for index in range(count)
-    }
-
-
-@dataclass(frozen=True, slots=True)
-class _Rendezvous:
-    metadata: bytes
-    probe_address: int
-    probe_device: torch.device
-
-
-def _parse_rendezvous(rendezvous: dict[str, str]) -> _Rendezvous:
-    """The producer's rendezvous, checked: anything malformed is the producer's fault."""
-    if rendezvous.get("nixl") != RENDEZVOUS_VERSION:
-        raise TransportUnavailableError(
-            f"nixl: the producer's rendezvous is version {rendezvous.get('nixl')!r}, this consumer reads "
-            f"{RENDEZVOUS_VERSION!r}"
-        )
-    try:
-        pieces = []
-        for index in range(MAX_METADATA_PIECES + 1):
-            piece = rendezvous.get(f"{METADATA_KEY}{index}")
-            if piece is None:
-                break
-            pieces.append(piece)
-        metadata = base64.b64decode("".join(pieces), validate=True)
-        probe_address = int(rendezvous["probe"])
-        probe_device = torch.device(rendezvous["device"])
-    except (KeyError, ValueError, RuntimeError, binascii.Error):
-        raise RemoteProtocolError(f"welcome has no usable nixl rendezvous (keys {sorted(rendezvous)})") from None
-    if not metadata or len(pieces) > MAX_METADATA_PIECES or not 0 < probe_address < 2**64:
-        raise RemoteProtocolError("welcome has no usable nixl rendezvous: no metadata, or a probe out of range")
-    if probe_device.type not in ("cpu", "cuda"):
-        raise RemoteProtocolError(f"nixl: the producer's memory is on {probe_device}, neither cpu nor cuda")
-    return _Rendezvous(metadata, probe_address, probe_device)
-
-
-def _translated(exc: AgentError, what: str) -> RemoteProtocolError:
-    return RemoteProtocolError(f"nixl: {what}: {exc}")
 
 
 def _refuse_if_unavailable() -> None:
@@ -250,12 +171,12 @@ class NixlSender(Sender):
             agent = await asyncio.to_thread(Agent, name, progress_thread=True)
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: this producer's agent could not start: {exc}") from None
-        pattern = _probe_pattern().to(self.device)
+        pattern = probe_pattern().to(self.device)
         probe = pattern.clone()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # 4 KiB, once: read by every join
         self._agent, self._probe, self._pattern = agent, probe, pattern
-        self._probe_registration = agent.register(probe.data_ptr(), _PROBE_BYTES, self.device)
+        self._probe_registration = agent.register(probe.data_ptr(), PROBE_BYTES, self.device)
 
     def _started(self) -> Agent:
         if self._agent is None:
@@ -298,7 +219,7 @@ class NixlSender(Sender):
             "nixl": RENDEZVOUS_VERSION,
             "probe": str(self._probe.data_ptr()),
             "device": str(self.device),
-            **_pieces(metadata),
+            **metadata_pieces(metadata),
         }
 
     async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
@@ -329,7 +250,7 @@ class NixlSender(Sender):
         if registration.registration_id not in described:
             metadata = self._started().metadata(registration, connection=False)
             described.add(registration.registration_id)
-        return memoryview(_encode_read(NixlRead(item.storage.data_ptr(), metadata)))
+        return memoryview(encode_read(NixlRead(item.storage.data_ptr(), metadata)))
 
     def _registration(self, item: BufferedItem) -> Registration:
         placed = self._arena.place(item.storage)
@@ -392,23 +313,6 @@ def _deregister_quietly(sender: weakref.ref[NixlSender], registration: Registrat
             log.warning("nixl: %s", exc)
 
 
-@dataclass(eq=False)
-class _Session:
-    """The consumer's side of one welcome: the producer's agent as loaded, where its memory
-    lives, and the thread that waits for this session's READs."""
-
-    remote: str
-    remote_device: torch.device
-    waiter: Waiter
-    queued: int = 0
-    """READs handed to the waiter and not ended yet (a READ posted from the loop behind
-    them would wait for the agent's lock)."""
-    abandoned: bool = False
-    """Set by `abandon` (on the loop), read by the waiter between asks."""
-    loaded: set[bytes] = field(default_factory=set)
-    """Region metadata loaded already (a frame repeats none, but a stray one costs nothing)."""
-
-
 class NixlReceiver(Receiver):
     """The consumer's half: its agent, its registered receive arena, one READ per delivery."""
 
@@ -419,12 +323,8 @@ class NixlReceiver(Receiver):
         self.device = device
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
-        self._session: _Session | None = None
-        self._pools: weakref.WeakKeyDictionary[PoolTable, list[Registration]] = weakref.WeakKeyDictionary()
-        self._collected: list[Registration] = []
-        """Registrations of pool tables since collected, dropped at the next landing."""
-        self._buffers: dict[tuple[int, int], tuple[Registration, torch.Tensor]] = {}
-        """The storages of recent `into=` buffers, registered, by (address, bytes), oldest first."""
+        self._session: ReadSession | None = None
+        self._registrations = CallerRegistrations(device)
         self._ended: asyncio.Future[None] | None = None
         """Done once the last session's thread dropped the producer's agent (a join loads it anew)."""
 
@@ -433,7 +333,7 @@ class NixlReceiver(Receiver):
         slab.registration = self._agent.register(slab.tensor.data_ptr(), slab.tensor.numel(), self.device)
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
-        parsed = _parse_rendezvous(rendezvous)
+        parsed = parse_rendezvous(rendezvous)
         self._end_session()
         ended, self._ended = self._ended, None
         if ended is not None:
@@ -446,30 +346,31 @@ class NixlReceiver(Receiver):
             ) from None
         self._session = session
 
-    def _join_in_thread(self, rendezvous: _Rendezvous) -> _Session:
+    def _join_in_thread(self, rendezvous: Rendezvous) -> ReadSession:
         """Make this side's agent (once; ~0.4 s), load the producer's, and READ its probe."""
         try:
             if self._agent is None:
                 # No progress thread: the waiter's asks move UCX on, and on a small host a
                 # progress thread of its own took 0.05 ms of every 64 KiB READ.
                 self._agent = Agent(f"kvrt-consumer-{uuid.uuid4().hex}", progress_thread=False)
+                self._registrations.agent = self._agent
             agent = self._agent
             remote = agent.load(rendezvous.metadata)
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: the producer's agent cannot be joined from here: {exc}") from None
-        probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8, device=self.device)
+        probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self.device)
         registration = None
         try:
-            registration = agent.register(probe.data_ptr(), _PROBE_BYTES, self.device)
+            registration = agent.register(probe.data_ptr(), PROBE_BYTES, self.device)
             transfer = agent.read(
                 remote,
-                [(probe.data_ptr(), rendezvous.probe_address, _PROBE_BYTES)],
+                [(probe.data_ptr(), rendezvous.probe_address, PROBE_BYTES)],
                 local=self.device,
                 peer=rendezvous.probe_device,
             )
-            state = _until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
-            _released(transfer)
-            matches = state is TransferState.DONE and torch.equal(probe.cpu(), _probe_pattern())
+            state = until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
+            released(transfer)
+            matches = state is TransferState.DONE and torch.equal(probe.cpu(), probe_pattern())
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: the producer's probe cannot be read from here: {exc}") from None
         finally:
@@ -477,7 +378,7 @@ class NixlReceiver(Receiver):
                 agent.deregister(registration)
         if not matches:
             raise TransportUnavailableError("nixl: the producer's probe read back wrong bytes (or its READ failed)")
-        return _Session(remote, rendezvous.probe_device, Waiter("kvrt-nixl-read"))
+        return ReadSession(remote, rendezvous.probe_device, Waiter("kvrt-nixl-read"))
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         session = self._joined()
@@ -517,7 +418,7 @@ class NixlReceiver(Receiver):
         rows = _pool_rows(deliver, pools)
         if rows is None or not deliver.payload_bytes or len(rows) * POOL_DESCRIPTOR_BYTES > int(rows[:, 2].sum()):
             return self.receive(deliver, frames)
-        if self._pool_registrations(pools.table) is None:
+        if self._registrations.pools(pools.table) is None:
             return self.receive(deliver, frames)
         _, _, key, value, _ = metas
         assert key is not None and value is not None  # Deliver's types say so
@@ -543,7 +444,7 @@ class NixlReceiver(Receiver):
         if not deliver.payload_bytes:
             return self.receive(deliver, frames)
         for buffer in {id(buffer): buffer for _, buffer in wanted}.values():
-            if self._buffer_registration(buffer) is None:
+            if self._registrations.buffer(buffer) is None:
                 return self.receive(deliver, frames)
         return self._read_in_place(deliver, frames, into, np.array(rows, dtype=np.int64).reshape(-1, 3), views)
 
@@ -616,7 +517,7 @@ class NixlReceiver(Receiver):
             return
         for frame in frames:
             try:
-                self._load(session, _decoded(frame))
+                self._load(session, decoded_read(frame))
             except RemoteProtocolError:
                 continue
 
@@ -631,19 +532,14 @@ class NixlReceiver(Receiver):
         registrations = [slab.registration for slab in self._arena.slabs if slab.registration is not None]
         for slab in self._arena.slabs:
             slab.registration = None
-        registrations += [registration for held_pools in self._pools.values() for registration in held_pools]
-        registrations += self._collected
-        registrations += [registration for registration, _ in self._buffers.values()]
-        self._pools.clear()
-        self._collected.clear()
-        self._buffers.clear()
+        registrations += self._registrations.drain()
         held = [agent]
         del agent
         await asyncio.to_thread(_deregistered_and_dropped, held, registrations)
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _joined(self) -> _Session:
+    def _joined(self) -> ReadSession:
         if self._session is None:
             raise RemoteProtocolError("a nixl delivery arrived before the producer's agent was joined")
         return self._session
@@ -655,77 +551,19 @@ class NixlReceiver(Receiver):
     def _reads(frames: Sequence[zmq.Frame], count: int) -> list[NixlRead]:
         if len(frames) != count:
             raise RemoteProtocolError(f"a nixl delivery of {count} items carries as many frames, {len(frames)} came")
-        return [_decoded(frame) for frame in frames]
+        return [decoded_read(frame) for frame in frames]
 
-    def _load(self, session: _Session, read: NixlRead) -> None:
+    def _load(self, session: ReadSession, read: NixlRead) -> None:
         if not read.metadata or read.metadata in session.loaded:
             return
         assert self._agent is not None  # joined
         try:
             name = self._agent.load(read.metadata)
         except AgentError as exc:
-            raise _translated(exc, "the producer described a region this agent cannot load") from None
+            raise translated(exc, "the producer described a region this agent cannot load") from None
         if name != session.remote:
             raise RemoteProtocolError(f"nixl: a region of agent {name!r} in a delivery of {session.remote!r}")
         session.loaded.add(read.metadata)
-
-    def _pool_registrations(self, table: PoolTable) -> list[Registration] | None:
-        """The pools of `table` registered with this side's agent: once per table, for as long
-        as it lives (each pool's registration is dropped at the first landing after the table
-        was collected, or at `aclose`). None when the agent refused one (logged)."""
-        held = self._pools.get(table)
-        if held is not None:
-            return held
-        agent = self._agent
-        assert agent is not None  # joined
-        self._deregister_collected()
-        held = []
-        pools = {pool.data_ptr(): pool for replica in table.pools for copy in replica for pool in copy}
-        try:
-            for address, pool in pools.items():
-                held.append(agent.register(address, pool.numel() * pool.element_size(), self.device))
-        except AgentError as exc:
-            log.info("nixl: the pools cannot be registered (%s): pulls scatter what lands in the arena", exc)
-            for registration in held:
-                agent.deregister(registration)
-            return None
-        self._pools[table] = held
-        weakref.finalize(table, self._collected.extend, held)
-        return held
-
-    def _buffer_registration(self, buffer: torch.Tensor) -> Registration | None:
-        """The storage of an `into=` buffer registered with this side's agent, once: the last
-        `REGISTERED_BUFFERS` storages stay registered (and alive) for the calls that reuse
-        them, as an engine's staging buffers are; an older one is dropped. None when the agent
-        refused it (logged)."""
-        storage = buffer.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        held = self._buffers.pop(key, None)
-        if held is None:
-            assert self._agent is not None  # joined
-            try:
-                registration = self._agent.register(key[0], key[1], self.device)
-            except AgentError as exc:
-                log.info("nixl: into= buffers cannot be registered (%s): items are copied there", exc)
-                return None
-            held = (registration, buffer)
-            while len(self._buffers) >= REGISTERED_BUFFERS:
-                oldest = next(iter(self._buffers))
-                self._deregister_quietly(self._buffers.pop(oldest)[0])
-        self._buffers[key] = held  # the most recent last
-        return held[0]
-
-    def _deregister_quietly(self, registration: Registration) -> None:
-        assert self._agent is not None
-        try:
-            self._agent.deregister(registration)
-        except AgentError as exc:
-            log.info("nixl: %s", exc)
-
-    def _deregister_collected(self) -> None:
-        collected, self._collected[:] = list(self._collected), []
-        for registration in collected:
-            self._deregister_quietly(registration)
 
     def _payload(self, payload_bytes: int) -> tuple[torch.Tensor, Registration | None]:
         """The receive buffer: a region of the arena, else one registered for this READ alone."""
@@ -739,118 +577,15 @@ class NixlReceiver(Receiver):
             payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
             return payload, self._agent.register(payload.data_ptr(), payload_bytes, self.device)
         except AgentError as exc:
-            raise _translated(exc, f"{payload_bytes} bytes to receive into could not be registered") from None
+            raise translated(exc, f"{payload_bytes} bytes to receive into could not be registered") from None
+
 
     def _post(
-        self,
-        session: _Session,
-        ranges: list[tuple[int, int, int]] | np.ndarray,
-        payload: torch.Tensor,
-        registration: Registration | None,
-        result: _T,
-        *,
-        in_place: InPlace | None = None,
-    ) -> asyncio.Future[_T]:
-        """READ `ranges` (local, remote, bytes) into `payload` (and the caller's memory of
-        `in_place`, where they name it): a future done with `result` once they landed. Small
-        READs are posted here (most end inside the call), into kvrt's memory also while larger
-        ones are under way (into the caller's, only with none queued: a cancelled call waits
-        for a READ there that started, and one that did not end would wait behind others); the
-        rest are posted and waited for by the session's waiter, which first waits for the
-        caller's work on that memory, where that has not ended, and gives the READ up when
-        told (`in_place.stop`). Between host memories a READ past `READ_PART_BYTES` is made
-        as parts, posted in turn."""
-        agent = self._agent
-        assert agent is not None  # joined
-        host = self.device.type == "cpu" and session.remote_device.type == "cpu"
-        transfers: list[Transfer] = []
-        try:
-            for part in _parts(ranges, READ_PART_BYTES) if host else [ranges]:
-                transfers.append(agent.read(session.remote, part, local=self.device, peer=session.remote_device))
-        except AgentError as exc:
-            for transfer in transfers:
-                _released(transfer)
-            if registration is not None:
-                agent.deregister(registration)
-            raise _translated(exc, "the READ the producer described cannot be made") from None
-        loop = asyncio.get_running_loop()
-        posted = None
-        ready = None if in_place is None else in_place.ready
-        if ready is not None and ready.query():
-            ready = None
-        first = transfers[0]
-        small = len(transfers) == 1 and first.nbytes <= POST_ON_LOOP_BYTES
-        if small and ready is None and (in_place is None or session.queued == 0):
-            try:
-                posted = first.post() if in_place is None or in_place.may_write() else TransferState.FAILED
-            except AgentError as exc:
-                posted = TransferState.FAILED
-                log.info("nixl: %s", exc)
-            if posted is not TransferState.PENDING:
-                if not first.release():  # an ended READ: NIXL has nothing to cancel
-                    first.abandon()
-                if registration is not None:
-                    agent.deregister(registration)
-                done: asyncio.Future[_T] = loop.create_future()
-                if posted is TransferState.DONE:
-                    done.set_result(result)
-                else:
-                    done.set_exception(_read_failed(session))
-                return done
-
-        def give_up() -> bool:
-            return session.abandoned or (in_place is not None and in_place.stop)
-
-        def post_all() -> list[TransferState]:
-            """Post the parts in turn (the first maybe posted already), up to one that failed,
-            or until told to give up."""
-            states = [posted] if posted is not None else []
-            for transfer in transfers[len(states) :]:
-                if give_up():
-                    break
-                if states:
-                    # NIXL's lock is not fair: taken again at once, a call of the loop's
-                    # waiting on it would wait out every part. This thread steps aside.
-                    time.sleep(0)
-                states.append(transfer.post())
-                if states[-1] is TransferState.FAILED:
-                    break
-            return states
-
-        def wait() -> None:
-            state = TransferState.FAILED
-            try:
-                if ready is not None:
-                    ready.synchronize()  # the caller's work on that memory before the call
-                # Not posted when the call ended before this READ's turn came.
-                if posted is not None or in_place is None or in_place.may_write():
-                    states = post_all()
-                    if len(states) == len(transfers):
-                        state = TransferState.DONE
-                    for transfer, posted_state in zip(transfers, states, strict=False):
-                        if _until_ended(transfer, give_up, deadline=None, state=posted_state) is not TransferState.DONE:
-                            state = TransferState.FAILED
-                            break
-            except AgentError:
-                state = TransferState.FAILED
-            finally:
-                for transfer in transfers:
-                    _released(transfer)  # cancels a READ still in flight (an abandoned session's)
-                if registration is not None:
-                    agent.deregister(registration)
-                landing.clear()  # NIXL wrote into it until here: the region is reused only now
-            if state is not TransferState.DONE:
-                raise _read_failed(session)
-
-        landing = [payload]
-        session.queued += 1
-        waited = session.waiter.wait(wait, result)
-
-        def ended(_: asyncio.Future[_T]) -> None:
-            session.queued -= 1
-
-        waited.add_done_callback(ended)
-        return waited
+        self, session: ReadSession, ranges: list[tuple[int, int, int]] | np.ndarray, payload: torch.Tensor,
+        registration: Registration | None, result: _T, *, in_place: InPlace | None = None,
+    ) -> asyncio.Future[_T]:  # fmt: skip
+        assert self._agent is not None  # joined
+        return post_reads(self._agent, self.device, session, ranges, payload, registration, result, in_place=in_place)
 
     def _end_session(self) -> None:
         """Stop waiting on the producer: READs still in flight end at their next ask, then its
@@ -871,36 +606,6 @@ class NixlReceiver(Receiver):
         self._ended = session.waiter.wait(forget_remote)
         self._ended.add_done_callback(outcome_seen)
         session.waiter.close()
-
-
-_Ranges = list[tuple[int, int, int]] | np.ndarray
-
-
-def _parts(ranges: _Ranges, limit: int) -> list[_Ranges]:
-    """`ranges` (local, remote, bytes) as lists of at most `limit` bytes each, in order (a
-    range longer than that cut into pieces)."""
-    if isinstance(ranges, list) and sum(nbytes for _, _, nbytes in ranges) <= limit:
-        return [ranges]
-    rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
-    sizes = rows[:, 2]
-    if int(sizes.sum()) <= limit:
-        return [ranges]
-    pieces = -(-sizes // limit)
-    if int(pieces.max()) > 1:  # a range of `limit` bytes a row, the last one the rest
-        first_of = np.repeat(np.cumsum(pieces) - pieces, pieces)
-        offsets = (np.arange(int(pieces.sum())) - first_of) * limit
-        rows = np.repeat(rows, pieces, axis=0)
-        rows[:, 0] += offsets
-        rows[:, 1] += offsets
-        rows[:, 2] = np.minimum(limit, rows[:, 2] - offsets)
-    ends = np.cumsum(rows[:, 2])
-    cuts, start, taken = [], 0, 0
-    while start < len(rows):  # one pass a part: the rows up to the last that still fits
-        start = max(start + 1, int(np.searchsorted(ends, taken + limit, side="right")))
-        cuts.append(start)
-        taken = int(ends[start - 1])
-    parts: list[_Ranges] = list(np.split(rows, cuts[:-1]))
-    return parts
 
 
 def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
@@ -929,47 +634,6 @@ def _shaped(meta: TensorMeta) -> torch.Tensor:
     return torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device="meta")
 
 
-def _released(transfer: Transfer) -> None:
-    """On a kvrt thread: release `transfer`, cancelling it if in flight. Where NIXL refuses the
-    cancel, the READ may still be writing (into the arena, or the caller's memory): wait for
-    it to end (`UNCANCELLED_WAIT_S` at most) before the memory is reused or the call returns."""
-    if transfer.release():
-        return
-    _until_ended(transfer, lambda: False, deadline=time.monotonic() + UNCANCELLED_WAIT_S)
-    if not transfer.release():
-        log.error("nixl: a READ NIXL would not cancel still ran after %.0f s; left to the agent", UNCANCELLED_WAIT_S)
-        transfer.abandon()
-
-
-def _decoded(frame: zmq.Frame) -> NixlRead:
-    try:
-        return _read_decoder.decode(frame.buffer)
-    except msgspec.DecodeError as exc:
-        raise RemoteProtocolError(f"a nixl frame that does not decode: {exc}") from None
-
-
-def _read_failed(session: _Session) -> PeerLostError:
-    if session.abandoned:
-        return PeerLostError("the link gave the producer up before its nixl READ ended")
-    return PeerLostError(f"a nixl READ from the producer's agent {session.remote} failed (its process may have died)")
-
-
-def _until_ended(
-    transfer: Transfer, stop: Callable[[], bool], *, deadline: float | None, state: TransferState | None = None
-) -> TransferState:
-    """On a kvrt thread: ask NIXL for `transfer`'s state until it is not pending, `stop()`
-    says to give up, or `deadline` (monotonic) passed; sleeping between asks, from 20 us
-    doubling to 1 ms (NIXL has nothing to block on; see the module's docstring)."""
-    if state is None:
-        state = transfer.post()
-    pause = _FIRST_PAUSE_S
-    while state is TransferState.PENDING:
-        if stop() or (deadline is not None and time.monotonic() > deadline):
-            return TransferState.PENDING
-        time.sleep(pause)
-        pause = min(2 * pause, _LONGEST_PAUSE_S)
-        state = transfer.state()
-    return state
 
 
 __all__ = ["NixlRead", "NixlReceiver", "NixlSender", "nixl_unavailable"]
