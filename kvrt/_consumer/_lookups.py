@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._consumer._across import landing, take_best, take_pieces
+from kvrt._consumer._across import Taken, landing, take_best, take_pieces
 from kvrt._consumer._agreed import agree_batch, agree_one
 from kvrt._consumer._batch import batch_request, batches, chunks
 from kvrt._consumer._session import OnLanding
@@ -148,10 +148,7 @@ class Lookups:
         for ever)."""
         state = self._state
         links = state._links
-        if state._consensus is not None:
-            take = functools.partial(take_best, links, build, waits_s=waits_s, into=into)
-            return await agree_one(take, state._consensus, self.land_now, into=into)
-        if len(links) == 1:
+        if state._consensus is None and len(links) == 1:
             in_place: InPlace | None = pools
             if into is not None and pools is None:  # the transport may READ into them itself (nixl)
                 ready = caller_ready(state.device)
@@ -164,23 +161,22 @@ class Lookups:
                 if in_place is not None:  # nothing writes the caller's memory once this returns
                     await in_place.ended()
             return reply.item
-        taken = await take_best(links, build, waits_s=waits_s, into=into)
-        if taken is None:
-            return None
-        if not taken.settle(keep=True):
-            raise taken.link.lease_error()
-        return self.land_now(taken.item, into, taken.landed_on)
+        return await self._kept(functools.partial(take_best, links, build, waits_s=waits_s, into=into), into)
 
     async def _pieces(
         self, query: bytes | None, timeout: float | None, plans: list[PiecePlan], *, into: KVBuffers | None
     ) -> KVItem | None:
         """drop_select of a head range: a piece from each producer in `plans`, joined."""
-        state = self._state
-        links = state._links
-        if state._consensus is not None:
-            take = functools.partial(take_pieces, links, query, timeout, plans, into=into)
-            return await agree_one(take, state._consensus, self.land_now, into=into)
-        taken = await take_pieces(links, query, timeout, plans, into=into)
+        take = functools.partial(take_pieces, self._state._links, query, timeout, plans, into=into)
+        return await self._kept(take, into)
+
+    async def _kept(self, take: Callable[[], Awaitable[Taken | None]], into: KVBuffers | None) -> KVItem | None:
+        """What `take` took, not yet confirmed, kept (in a TP group, as the group agreed) and
+        landed in `into`; or given back."""
+        consensus = self._state._consensus
+        if consensus is not None:
+            return await agree_one(take, consensus, self.land_now, into=into)
+        taken = await take()
         if taken is None:
             return None
         if not taken.settle(keep=True):

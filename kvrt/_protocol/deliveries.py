@@ -105,7 +105,7 @@ class Deliveries:
                 if isinstance(piece, str):
                     out: list[Outgoing] = []
                     for taken in items:  # the batch fails whole: its pieces go back
-                        out += self.offer(self._lifecycle.give_back(taken, now, counted=False), now)
+                        out += self.offer(self._lifecycle.give_back(taken, now, counted=False))
                     return [self._refuse(peer, request.request_id, ErrorCode.INVALID, piece), *out]
                 item = piece
             offset = -(-offset // m.BATCH_ALIGNMENT) * m.BATCH_ALIGNMENT
@@ -116,7 +116,7 @@ class Deliveries:
         reply = m.DeliverMany(request_id=request.request_id, hits=hits, payload_bytes=offset, segments=segments)
         return [Outgoing(peer, reply, items=tuple(items))]
 
-    def offer(self, item: BufferedItem | None, now: float) -> list[Outgoing]:
+    def offer(self, item: BufferedItem | None) -> list[Outgoing]:
         """Give `item` (buffered, or an open stream, again or for the first time) to the oldest
         waiting request it matches, if any (an open stream only to a streaming request). A
         request for a piece the item cannot give (heads it lacks) is refused, and the next one
@@ -129,7 +129,7 @@ class Deliveries:
                 break
         return out
 
-    def resume_if_under(self, peer: bytes, now: float) -> list[Outgoing]:
+    def resume_if_under(self, peer: bytes) -> list[Outgoing]:
         """A suspended peer back under its share: its waiting requests are served again (those
         a buffered item matches at once, the others indexed for the next insert)."""
         if not self._waiting.suspended(peer) or self._lifecycle.over_share(peer):

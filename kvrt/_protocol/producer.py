@@ -215,7 +215,7 @@ class ProducerCore:
     def insert(self, item: BufferedItem, now: float) -> list[Outgoing]:
         """Buffer a new item; a waiting request it matches gets it at once."""
         self.lifecycle.insert(item, now)
-        return self.deliveries.offer(item, now)
+        return self.deliveries.offer(item)
 
     def drop(self, item: BufferedItem) -> None:
         """Evict a buffered item (operator's request or its TTL)."""
@@ -225,7 +225,7 @@ class ProducerCore:
         """Forget an item whose bytes can never be sent (its gathers failed to queue), whether
         buffered or in flight: it is not given back to the buffer when its peer leaves."""
         now = self._last_expire or 0.0
-        return self.deliveries.offer(self.lifecycle.discard(item, now), now)
+        return self.deliveries.offer(self.lifecycle.discard(item, now))
 
     def peer_unreachable(self, peer: bytes, now: float, reason: str = "unreachable") -> list[Outgoing]:
         """The driver gave up sending to `peer` (it disconnected, or does not read): it is
@@ -243,7 +243,7 @@ class ProducerCore:
         out: list[Outgoing] = []
         for item in (send.item, *send.items):
             if item is not None and self.lifecycle.held(send.peer, item.item_id) is item:
-                out += self.deliveries.offer(self.lifecycle.give_back(item, now), now)
+                out += self.deliveries.offer(self.lifecycle.give_back(item, now))
         request_id = getattr(send.message, "request_id", None)
         if request_id is not None:
             text = f"the reply could not be built: {reason}"
@@ -301,7 +301,7 @@ class ProducerCore:
     def open_stream(self, item: BufferedItem, now: float) -> list[Outgoing]:
         """A prefill starts publishing `item.stream.layers` layers: streaming lookups can take it."""
         self.lifecycle.open(item, now)
-        return self.deliveries.offer(item, now)
+        return self.deliveries.offer(item)
 
     def stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None = None
@@ -317,7 +317,7 @@ class ProducerCore:
         becomes an ordinary buffered item."""
         reader = self.lifecycle.finish(item, whole, now)
         if reader is None:
-            return self.deliveries.offer(whole, now)
+            return self.deliveries.offer(whole)
         return [end_outgoing(reader, whole)]
 
     def abort_stream(self, item: BufferedItem, reason: str) -> list[Outgoing]:

@@ -154,7 +154,7 @@ class Sessions:
                 open_streams.append(item_id)
             else:
                 self._lifecycle.confirm(item)
-        out = self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
+        out = self._resume_if_under(peer) + self._forget_if_done(peer, now)
         if unknown and not quiet:
             text = f"items {unknown} are not in flight to you (their lease ended, or they were never yours)"
             out.append(self._refuse(peer, None, ErrorCode.NOT_FOUND, text))
@@ -167,8 +167,8 @@ class Sessions:
         item = self._lifecycle.held(peer, item_id, lease)
         if item is None:
             return [self._refuse(peer, None, ErrorCode.NOT_FOUND, f"item {item_id} is not in flight to you")]
-        out = self._deliveries.offer(self._lifecycle.give_back(item, now), now)
-        return out + self._resume_if_under(peer, now) + self._forget_if_done(peer, now)
+        out = self._deliveries.offer(self._lifecycle.give_back(item, now))
+        return out + self._resume_if_under(peer) + self._forget_if_done(peer, now)
 
     # -- a session's end ----------------------------------------------------------------------
 
@@ -192,13 +192,13 @@ class Sessions:
         self.departed.append(Departure(peer, session.transport, held))
         out: list[Outgoing] = []
         for item in held:
-            out += self._deliveries.offer(self._lifecycle.give_back(item, now), now)
+            out += self._deliveries.offer(self._lifecycle.give_back(item, now))
         return out
 
-    def _resume_if_under(self, peer: bytes, now: float) -> list[Outgoing]:
+    def _resume_if_under(self, peer: bytes) -> list[Outgoing]:
         if self.state(peer) is not PeerState.READY:
             return []
-        return self._deliveries.resume_if_under(peer, now)
+        return self._deliveries.resume_if_under(peer)
 
     def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
         """A dropped peer that holds nothing any more is forgotten now."""
