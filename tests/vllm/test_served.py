@@ -150,14 +150,16 @@ def test_a_buffer_far_smaller_than_a_steps_loads_and_a_decode_that_preempts_leav
 ) -> None:
     # The producer buffers about one request (later ones are published as it empties, or
     # not at all: their decode computes them); the decode's cache holds three: it preempts.
+    # Each request decodes 32 tokens, so every one of them grows by a block while the cache
+    # is full (with 8 tokens, few do, and a run could see no preemption at all).
     asked = prompts(REQUESTS, seed=7)
     cache = 24 * 32 * 3072  # 24 blocks of 32 tokens of 3 KiB (3 layers, K and V, 2x64 float32)
     with served_pair(
         opt, folder, bind, decode_cache_bytes=cache, producer={"buffer_bytes": 64 << 10}
     ) as (prefill, decode):  # fmt: skip
         with router([prefill.url], [decode.url], folder) as routed:
-            through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
-        assert through_kvrt == complete(decode.url, asked, in_flight=IN_FLIGHT)
+            through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT, max_tokens=32)
+        assert through_kvrt == complete(decode.url, asked, in_flight=IN_FLIGHT, max_tokens=32)
         assert producers_hold(bind, 1) == [0]
         assert metrics(prefill.url)["refused_saves"] > 0, "the buffer refused nothing: not what the test says"
         assert metrics(decode.url, "vllm:")["num_preemptions"] > 0, "no preemption: not what the test says"
