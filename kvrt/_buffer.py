@@ -22,6 +22,7 @@ producer's event loop is the only caller.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import enum
 import heapq
@@ -551,3 +552,24 @@ class LookupBuffer:
     def _remove(self, item: BufferedItem) -> None:
         self._index.remove(item)
         del self._by_id[item.item_id]
+
+
+async def gathers_prepared(item: BufferedItem) -> None:
+    """A published item's gathers queued already if a worker thread queues them (at once for
+    other items). Raises `GathersFailed`."""
+    if item.gathers is None:
+        return
+    in_thread = item.gathers.prepare()
+    if in_thread is not None:
+        try:
+            await asyncio.wrap_future(in_thread)
+        except Exception as exc:
+            raise GathersFailed(str(exc)) from exc
+
+
+async def all_gathers_queued(item: BufferedItem) -> None:
+    """Every gather of a published item queued (at once for other items): before anything
+    reads the whole storage, or waits on `BufferedItem.written`. Raises `GathersFailed`."""
+    await gathers_prepared(item)
+    if item.gathers is not None:
+        item.gathers.queue_through(None)

@@ -13,6 +13,7 @@ import torch
 import kvrt
 import kvrt.transports
 from kvrt import _messages as m
+from kvrt.transports import Post, Transfer
 from tests._checks import DeafLink, caught_up
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
@@ -168,11 +169,11 @@ async def test_bytes_that_never_come_fail_their_call_in_time_and_a_new_session_d
         send = transport.send
         withheld: list[int] = []
 
-        async def withholding_once(peer: bytes, item: Any) -> list[memoryview]:
+        async def withholding_once(peer: bytes, transfer: Transfer, post: Post) -> None:
             if withheld:
-                return await send(peer, item)
-            withheld.append(item.item_id)
-            return []
+                return await send(peer, transfer, post)
+            withheld.append(transfer.items[0].item_id)
+            post([])  # the header alone: its bytes never come
 
         transport.send = withholding_once
         link = consumer.link_for_tests()

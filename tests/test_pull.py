@@ -211,8 +211,8 @@ async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None
 async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compiled: bool, planned: bool) -> None:
     import concurrent.futures
 
-    from kvrt._buffer import GathersFailed
-    from kvrt._producer import _Gathers, _gathers_prepared
+    from kvrt._buffer import GathersFailed, gathers_prepared
+    from kvrt._producer import _Gathers
 
     log: list[str] = []
     launches = [_Launch(log, "chunk 0", compiled=compiled, fails=True)]
@@ -227,7 +227,7 @@ async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compile
         item = type("Item", (), {"gathers": gathers})()
 
         async def send() -> None:  # what the producer's send path does before each chunk
-            await _gathers_prepared(item)  # type: ignore[arg-type]
+            await gathers_prepared(item)  # type: ignore[arg-type]
             gathers.queue_through(0)
 
         for _ in range(2):  # the first send and publish itself both learn of it

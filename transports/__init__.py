@@ -3,7 +3,7 @@ on the consumer): `tcp` (any host), `cuda_ipc` (GPUs of one host, read by the co
 engines), `nixl` (NIXL/UCX: RDMA, `cma` or TCP, CPU or GPU memory; the `kvrt[nixl]` extra), and
 the paired process-group transports `nccl` (GPU) and `gloo` (CPU, the same machinery for CI)."""
 
-from kvrt.transports._base import Receiver, Sender
+from kvrt.transports._base import HostCopies, Post, Receiver, Sender, Transfer
 from kvrt.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from kvrt.transports.nixl import NixlReceiver, NixlSender
 from kvrt.transports.paired import PairedReceiver, PairedSender
@@ -11,13 +11,16 @@ from kvrt.transports.tcp import TcpReceiver, TcpSender
 
 __all__ = [
     "CudaIpcReceiver",
+    "HostCopies",
     "CudaIpcSender",
     "NixlReceiver",
     "NixlSender",
     "PairedReceiver",
     "PairedSender",
+    "Post",
     "Receiver",
     "Sender",
     "TcpReceiver",
     "TcpSender",
+    "Transfer",
 ]

@@ -1,4 +1,4 @@
-"""The transport interface: how one delivered item's tensors get from producer to consumer.
+"""The transport interface: how one delivery's bytes get from producer to consumer.
 
 The control plane decides what moves (a `Deliver` message names the item and describes its
 packed tensors); a transport moves the bytes, in two halves: a `Sender` on the producer, a `Receiver` on
@@ -8,35 +8,28 @@ the consumer (each transport module provides one of each, built by `select.make_
 `Sender`, the producer side, all on the producer's event loop:
 * `start`: `Producer.start`, once, after the endpoint is bound and before any peer is
   served: set-up that blocks (NIXL's agent) runs there, off the loop.
-* `prepare`: `Producer.insert`, once per item, right after the tensors were packed, in the
-  inserting task, once the producer recorded a GPU item's `ready_event` (on the caller's
-  current CUDA stream: every GPU send waits on it). TCP keeps the frame to send.
 * `offer`: once per consumer that chose this transport in its hello; returns what the
   consumer needs to join (sent in the welcome). Transports without pairs return {}.
-* `send`: the producer's send path, once per Deliver, under the producer's send lock:
-  right before the Deliver header leaves, returning the frames that travel with it (TCP:
-  the packed bytes, zero-copy); or, for `out_of_band` transports, right after it left,
-  issuing their sends and returning none. The producer keeps the item, so its storage,
-  until the consumer answers `Received`: a transport may read it until then without
-  copying.
-* `send_many`: as `send`, once per DeliverMany, for its hits in order: TCP returns one frame
-  per hit; an out-of-band transport moves them as one payload (each at its hit's offset),
-  in one transfer.
-* `framed`: the producer's send path, once per Deliver to a TCP consumer of an item that
-  nothing gathers or fills: the frames `prepare` made, posted with the header without a
-  coroutine in the way (None: it calls `send`).
+* `send`: the producer's send path, once per delivery that moves bytes, under the producer's
+  send lock. The driver lowers every such delivery (an item, a batch of hits, a stream's
+  layer or end) into one `Transfer`; the sender moves it and posts the delivery's message
+  exactly once, through the `post` it is given: with the frames that carry the bytes (TCP)
+  or name them (cuda_ipc's shares, NIXL's descriptors), or, when the bytes travel apart
+  from the message (NCCL, gloo), first, so that the consumer posts its receives while the
+  sends are queued. The producer keeps the items, so their storage, until the consumer
+  answers `Received`: a transport may read them until then without copying. A transport
+  builds what it needs for an item (TCP's frames, NIXL's registration) when the item is
+  first sent over it, and keeps it while the item lives: nothing for items its peers never
+  take.
 * `reclaim`: before the producer allocates an item: drop references finished transfers
   still hold.
 * `allocate`: the producer's item allocations (insert, publish), asked of each transport in
   turn: memory the transport registered, that its sends move without a new share (cuda_ipc's
-  slabs); None: the producer allocates the item itself.
+  slabs); None: the producer allocates the item itself. `note_written`: once the producer
+  recorded an item's `ready_event`: memory the transport allocated is reused only after it.
 * `forget`: once per consumer that left (bye, silence, unreachable): release its pair, and
   whatever it held on the consumer's behalf for the items it never confirmed (those items
   are back in the buffer, their storage alive).
-* `send_tensors` (`out_of_band` transports): a stream's layer (its key and value) or its
-  end's hidden states, right after that message's header left, under the same lock; the
-  send waits on the GPU for `ready` (the layer written on the prefill's stream), never the
-  host. In-band transports never get it: the producer sends those bytes as frames.
 
 `Receiver`, the consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
@@ -70,9 +63,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,11 +74,12 @@ import numpy as np
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, all_gathers_queued
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
 from kvrt._pools import PoolTable
-from kvrt._tensors import check_batch_segments, check_metas
+from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes
+from kvrt._threads import gpu_worker
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """input_tokens, roi, key, value, hidden: the order they travel in."""
@@ -151,63 +146,102 @@ class TensorsArrival:
     """GPU: recorded on the receive stream after the tensors' receive."""
 
 
+Post = Callable[[Sequence[memoryview]], None]
+"""Posts a delivery's message to its consumer with the frames that travel with it (the
+producer's driver gives one to each `Sender.send`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one delivery moves to one consumer: the one value the producer lowers every
+    delivery into, and all a `Sender` is given of it.
+
+    Either the bytes of `items`: one item's storage (a Deliver), or a batch's hits in order,
+    each at its offset of one payload that travels in the batch's segments (`batch`, the
+    DeliverMany); or a stream message's `tensors` (a layer's key and value, a stream end's
+    hidden states) of the stream `stream_id`, written on the GPU once `ready` fired. An item
+    says itself when its bytes are written (`BufferedItem.written`; a published item's per
+    segment, once its gathers are queued: `written` queues them)."""
+
+    items: tuple[BufferedItem, ...] = ()
+    batch: DeliverMany | None = None
+    tensors: tuple[torch.Tensor, ...] = ()
+    ready: torch.cuda.Event | None = None
+    stream_id: int = 0
+
+    async def written(self) -> None:
+        """Every item's writes queued (a published item's gathers): before anything reads an
+        item's whole storage or waits on its `written` event. Raises `GathersFailed`."""
+        for item in self.items:
+            await all_gathers_queued(item)
+
+
+class HostCopies:
+    """Tensors as frames for the host: a CPU tensor's own bytes; GPU tensors copied to the
+    host on a thread of their own once the GPU wrote them (`ready`), so that the loop never
+    waits for the device."""
+
+    def __init__(self) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    async def frames(self, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> list[memoryview]:
+        if all(tensor.device.type == "cpu" for tensor in tensors):
+            return [tensor_bytes(tensor) for tensor in tensors]
+        device = tensors[0].device
+        if ready is None:  # written on this thread's current stream, which the copy must follow
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        if self._thread is None:
+            self._thread = gpu_worker(device, "kvrt-to-host")
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
+        written = ready
+
+        def to_host() -> list[memoryview]:
+            written.synchronize()
+            # On a stream of kvrt's own: a copy on the thread's default stream would also wait
+            # for everything queued on the legacy default stream, a whole prefill if it runs there.
+            with torch.cuda.stream(stream):
+                return [tensor_bytes(tensor.cpu()) for tensor in tensors]
+
+        return await asyncio.wrap_future(self._thread.submit(to_host))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+
+
 class Sender(abc.ABC):
-    """The producer's half of a transport: moves the bytes of the items it delivers."""
+    """The producer's half of a transport: moves the bytes of the deliveries it is given."""
 
     name: str
     """What the handshake calls it: "tcp", "nccl", "gloo"."""
-    out_of_band: bool = False
-    """True when the bytes never travel with the Deliver header (NCCL, gloo): the producer
-    then sends the header before `send`, so that the consumer posts its receives early."""
-    streams_tensors: bool = False
-    """True when this transport moves a stream message's tensors itself: out of band
-    (`send_tensors`), or in band by what its frames say (`stream_frames`, cuda_ipc); the
-    consumer then posts their receive with `receive_tensors`. Else the producer sends them
-    as host frames."""
 
     async def start(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side, once before serving: set up what blocks (nothing by default)."""
-
-    def prepare(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
-        """Producer side: get ready to send `item` (nothing by default)."""
-
-    def reclaim(self) -> None:  # noqa: B027 (an optional hook, not abstract)
-        """Producer side, before an item is allocated: drop what finished transfers still
-        hold, so that their memory can serve the new item (nothing by default)."""
 
     def allocate(self, nbytes: int) -> torch.Tensor | None:
         """Producer side: a 1-D uint8 tensor of `nbytes` on the producer's device in memory this
         transport registered (None by default: the producer allocates it)."""
         return None
 
+    def note_written(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Producer side: `item`'s bytes are written once `item.written` fires; memory this
+        transport allocated (`allocate`) is reused only after it (nothing by default)."""
+
+    def reclaim(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Producer side, before an item is allocated: drop what finished transfers still
+        hold, so that their memory can serve the new item (nothing by default)."""
+
     def offer(self, peer: bytes) -> dict[str, str]:
         """Producer side: the rendezvous a consumer needs to join (none by default)."""
         return {}
 
     @abc.abstractmethod
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        """Producer side: start moving `item`; frames to send after its Deliver header."""
-
-    @abc.abstractmethod
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
-        """Send a DeliverMany's hits (`items`, in order)."""
-
-    def framed(self, item: BufferedItem) -> list[memoryview] | None:
-        """Producer side: the frames `prepare` made for `item`, to go after its Deliver header
-        without a coroutine in the way (TCP); None by default: the send path calls `send`."""
-        return None
-
-    async def send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
-        """Out-of-band transports: move a stream message's tensors, as one transfer, once
-        `ready` fired (see `kvrt._tensors.back_to_back` for where each lies in it)."""
-        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
-
-    async def stream_frames(
-        self, peer: bytes, item_id: int, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
-    ) -> list[memoryview]:
-        """In-band transports that stream tensors: the frames that let the consumer take a
-        stream message's tensors (of the stream `item_id`), once `ready` fired."""
-        raise NotImplementedError(f"{self.name} moves a stream's tensors as host frames")
+    async def send(self, peer: bytes, transfer: Transfer, post: Post) -> None:
+        """Producer side: move `transfer` to `peer`, and post its message exactly once (see
+        the module's doc for when, and with which frames)."""
 
     def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:  # noqa: B027
         """Producer side: `peer` left without confirming `unconfirmed`; release what its pair
@@ -291,10 +325,11 @@ class Receiver(abc.ABC):
     name: str
     """What the handshake calls it, the same as its producer's `Sender`."""
     out_of_band: bool = False
-    """As `Sender.out_of_band`: the bytes come apart from the header (posted as it comes), read
-    from memory only a lease that still holds may read."""
+    """True when the bytes come apart from the header (NCCL, gloo: its sender posts the header
+    first), posted as it comes, read from memory only a lease that still holds may read."""
     streams_tensors: bool = False
-    """As `Sender.streams_tensors`: a stream message's tensors are received with `receive_tensors`."""
+    """True when a stream message's tensors are received with `receive_tensors` (its sender
+    moves them itself, out of band or by what its frames say); else they come as host frames."""
     writes_in_place: bool = False
     """True when `receive_in_place` writes an item into the caller's memory itself: a pull
     then reads indexes it holds on the device back to the host first."""

@@ -11,7 +11,7 @@ never write a buffer the consumer gave up), and the producer's GPU loses no SM a
 engine time to the transfer.
 
 How a transfer goes:
-* producer (`send`, `send_many`, `stream_frames`): a kvrt stream of the pair waits (on the
+* producer (`send`: an item, a batch's hits, a stream's layer): a kvrt stream of the pair waits (on the
   GPU) for the bytes to be written (the insert's event, each chunk's gather, a layer's
   event) and then writes the pair's next mark, a number, to the pair's word in the
   producer's memory (a stream memory operation: `_stream_words`); the storage is shared
@@ -85,9 +85,11 @@ from kvrt.transports._base import (
     Arrival,
     ItemTensors,
     OnStream,
+    Post,
     Receiver,
     Sender,
     TensorsArrival,
+    Transfer,
     batch_hits,
     checked_batch,
     five,
@@ -195,8 +197,6 @@ class _CudaIpc:
         if reason is not None:
             raise InvalidInputError(f"the cuda_ipc transport cannot run here: {reason}")
         self.name = "cuda_ipc"
-        self.out_of_band = False
-        self.streams_tensors = True
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self._pairs: dict[bytes, _Pair] = {}
         self._probe: torch.Tensor | None = None
@@ -229,7 +229,7 @@ class CudaIpcSender(_CudaIpc, Sender):
     def allocate(self, nbytes: int) -> torch.Tensor | None:
         return self._arena.allocate(nbytes)
 
-    def prepare(self, item: BufferedItem) -> None:
+    def note_written(self, item: BufferedItem) -> None:
         if item.storage.device.type == "cuda":
             self._arena.written(item.storage, item.written)
 
@@ -260,7 +260,18 @@ class CudaIpcSender(_CudaIpc, Sender):
             "slot": str(slot),
         }
 
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+    async def send(self, peer: bytes, transfer: Transfer, post: Post) -> None:
+        """The frames name the shared memory and each range's mark: they go with the header."""
+        if not transfer.items:
+            post(self._layer_frames(peer, transfer.stream_id, transfer.tensors, transfer.ready))
+            return
+        await transfer.written()
+        if transfer.batch is None:
+            post(self._item_frames(peer, transfer.items[0]))
+        else:
+            post(self._batch_frames(peer, transfer.items))
+
+    def _item_frames(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
         if item.nbytes == 0:
             return []
         segments = transfer_segments(item.segments, item.storage.numel())
@@ -272,7 +283,7 @@ class CudaIpcSender(_CudaIpc, Sender):
         self._sent(peer, item, share)
         return [memoryview(m.encode_share(share))]
 
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+    def _batch_frames(self, peer: bytes, items: Sequence[BufferedItem]) -> list[memoryview]:
         """One frame per hit: each hit is read from its own storage."""
         frames = []
         for item in items:
@@ -282,7 +293,7 @@ class CudaIpcSender(_CudaIpc, Sender):
             frames.append(memoryview(m.encode_share(share)))
         return frames
 
-    async def stream_frames(
+    def _layer_frames(
         self, peer: bytes, item_id: int, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None
     ) -> list[memoryview]:
         placed, nbytes = back_to_back([tensor_meta(tensor) for tensor in tensors])
@@ -418,6 +429,8 @@ class CudaIpcSender(_CudaIpc, Sender):
 
 class CudaIpcReceiver(_CudaIpc, Receiver):
     """The consumer's half: opens the producer's shares and copies out of them on its own streams."""
+
+    streams_tensors = True
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         if rendezvous.get("host") != host_identity():

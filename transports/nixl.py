@@ -97,11 +97,14 @@ from kvrt.transports._arena import RegisteredArena, Slab
 from kvrt.transports._base import (
     Arrival,
     BufferLanding,
+    HostCopies,
     InPlace,
     ItemTensors,
     PoolLanding,
+    Post,
     Receiver,
     Sender,
+    Transfer,
     batch_hits,
     checked_batch,
     five,
@@ -163,6 +166,7 @@ class NixlSender(Sender):
         """Items outside the arena, registered while they live (released when they go)."""
         self._waiter = Waiter("kvrt-nixl-written")
         """Waits (GPU items) for an item's bytes to be written before its frame leaves."""
+        self._host = HostCopies()
 
     async def start(self) -> None:
         """Make the agent and register the probe, on a thread (UCX's set-up takes ~0.4 s)."""
@@ -195,7 +199,7 @@ class NixlSender(Sender):
             log.warning("nixl could not register a slab of memory: %s", exc)
             return None
 
-    def prepare(self, item: BufferedItem) -> None:
+    def note_written(self, item: BufferedItem) -> None:
         if item.storage.device.type == "cuda":
             self._arena.written(item.storage, item.written)
 
@@ -222,17 +226,20 @@ class NixlSender(Sender):
             **metadata_pieces(metadata),
         }
 
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        if item.nbytes == 0:
-            return []
-        await self._written(item)
-        return [self._frame(peer, item)]
-
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
-        """One frame per hit: each is read from its own storage, all in one READ."""
+    async def send(self, peer: bytes, transfer: Transfer, post: Post) -> None:
+        """The frames describe where the consumer READs each item (a batch's hits: each from
+        its own storage, all in one READ); a stream's tensors go as host frames."""
+        if transfer.tensors:
+            post(await self._host.frames(transfer.tensors, transfer.ready))
+            return
+        await transfer.written()
+        items = transfer.items
+        if transfer.batch is None and items[0].nbytes == 0:
+            post([])
+            return
         for item in items:
             await self._written(item)
-        return [self._frame(peer, item) for item in items]
+        post([self._frame(peer, item) for item in items])
 
     async def _written(self, item: BufferedItem) -> None:
         """A GPU item's bytes are read by another process as soon as its frame arrives: the
@@ -276,6 +283,7 @@ class NixlSender(Sender):
         agent, self._agent = self._agent, None
         self._pairs.clear()
         self._waiter.close()
+        self._host.close()
         if agent is None:
             return
         registrations = [slab.registration for slab in self._arena.slabs if slab.registration is not None]
@@ -579,7 +587,6 @@ class NixlReceiver(Receiver):
         except AgentError as exc:
             raise translated(exc, f"{payload_bytes} bytes to receive into could not be registered") from None
 
-
     def _post(
         self, session: ReadSession, ranges: list[tuple[int, int, int]] | np.ndarray, payload: torch.Tensor,
         registration: Registration | None, result: _T, *, in_place: InPlace | None = None,
@@ -632,8 +639,6 @@ def _pool_rows(deliver: Deliver, pools: PoolLanding) -> np.ndarray | None:
 def _shaped(meta: TensorMeta) -> torch.Tensor:
     """A tensor of `meta`'s shape and dtype that holds no bytes (on the meta device)."""
     return torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device="meta")
-
-
 
 
 __all__ = ["NixlRead", "NixlReceiver", "NixlSender", "nixl_unavailable"]

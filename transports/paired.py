@@ -42,7 +42,7 @@ import torch.distributed as dist
 import zmq
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, gathers_prepared
 from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, TensorMeta
 from kvrt._tensors import (
@@ -62,9 +62,11 @@ from kvrt.transports._base import (
     Arrival,
     ItemTensors,
     OnStream,
+    Post,
     Receiver,
     Sender,
     TensorsArrival,
+    Transfer,
     batch_hits,
     five,
     item_metas,
@@ -131,8 +133,6 @@ class _Paired:
         if backend == "gloo" and device.type != "cpu":
             raise InvalidInputError(f"the gloo transport moves CPU tensors, got {device}")
         self.name = backend
-        self.out_of_band = True
-        self.streams_tensors = True
         self.backend = backend
         self.device = device
         self._store_host = store_host
@@ -204,10 +204,27 @@ class PairedSender(_Paired, Sender):
         self._pairs[peer] = _Pair(pair_id, established)
         return {"store": f"{self._store_host}:{store.port}", "pair": pair_id, "backend": self.backend}
 
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+    async def send(self, peer: bytes, transfer: Transfer, post: Post) -> None:
+        """The header first, then the sends (the consumer posts its receives as it comes):
+        under the producer's send lock a delivery's header and sends go before the next's."""
+        if transfer.tensors:
+            post([])
+            await self._send_tensors(peer, transfer.tensors, transfer.ready)
+        elif transfer.batch is not None:
+            await transfer.written()
+            post([])
+            await self._send_batch(peer, transfer.batch, transfer.items)
+        else:
+            (item,) = transfer.items
+            post([])
+            # Each chunk of a published item's gather is queued right before its send.
+            await gathers_prepared(item)
+            await self._send_item(peer, item)
+
+    async def _send_item(self, peer: bytes, item: BufferedItem) -> None:
         pair, group = await self._pair_of(peer)
         if item.nbytes == 0:
-            return []
+            return
         _drop_finished(pair)
         segments = transfer_segments(item.segments, item.storage.numel())
         if self._streams is not None:
@@ -228,15 +245,14 @@ class PairedSender(_Paired, Sender):
             for offset, nbytes in segments:
                 work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
                 pair.sends.append((work, self._waited_send(work), None))
-        return []
 
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
+    async def _send_batch(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> None:
         """One NCCL operation per segment of the batch: small hits are copied into one staging
         buffer per segment, each at its offset, so their fixed costs are paid once per
         segment, not per item; a large hit is sent from its own buffer."""
         pair, group = await self._pair_of(peer)
         if message.payload_bytes == 0:
-            return []
+            return
         _drop_finished(pair)
         hits = iter(zip(batch_hits(message), items, strict=True))
         hit = next(hits, None)
@@ -263,9 +279,8 @@ class PairedSender(_Paired, Sender):
                 work = group.send([buffer], _CONSUMER_RANK, _TAG)
                 waited = None if send_stream is not None else self._waited_send(work)
                 pair.sends.append((work, waited, staging))
-        return []
 
-    async def send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+    async def _send_tensors(self, peer: bytes, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> None:
         """One operation for a stream message's tensors: straight from their block when they
         lie back to back in it (a layer `put_layer` copied), else packed on the send stream
         (a finished item's layer, whose key and value lie apart)."""
@@ -311,6 +326,9 @@ class PairedSender(_Paired, Sender):
 
 class PairedReceiver(_Paired, Receiver):
     """The consumer's half: its one pair with the producer, receives on it."""
+
+    out_of_band = True
+    streams_tensors = True
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:

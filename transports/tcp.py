@@ -23,40 +23,55 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
-from kvrt.transports._base import Arrival, ItemTensors, Receiver, Sender, batch_hits, item_metas
+from kvrt.transports._base import (
+    Arrival,
+    HostCopies,
+    ItemTensors,
+    Post,
+    Receiver,
+    Sender,
+    Transfer,
+    batch_hits,
+    item_metas,
+)
 
 MAX_FOLLOWING: Final = 4096
 """Most deliveries one link keeps waiting for their `payload` message."""
 
 
 class TcpSender(Sender):
-    """The producer's half: an item's packed bytes, framed once, kept while the item lives."""
+    """The producer's half: an item's packed bytes, framed at its first send, kept while the
+    item lives; a stream message's tensors as host frames."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.name = "tcp"
         self.device = torch.device(device)
-        self._frames: weakref.WeakKeyDictionary[BufferedItem, list[memoryview]] = weakref.WeakKeyDictionary()
-        """The frames of each item prepared at insert (a CPU item) or first sent (a GPU item's
-        host copy): made once however often the item is delivered, and dropped with the item."""
+        self._frames: weakref.WeakKeyDictionary[BufferedItem, memoryview] = weakref.WeakKeyDictionary()
+        """The frame of each item sent so far (a GPU item's: of its host copy): made once
+        however often the item is delivered, and dropped with the item."""
+        self._host = HostCopies()
 
-    def prepare(self, item: BufferedItem) -> None:
-        if item.storage.device.type == "cpu":
-            self._frames[item] = [tensor_bytes(item.storage)]
+    async def send(self, peer: bytes, transfer: Transfer, post: Post) -> None:
+        if transfer.tensors:
+            post(await self._host.frames(transfer.tensors, transfer.ready))
+            return
+        await transfer.written()
+        post([self._frame(item) for item in transfer.items])
 
-    def framed(self, item: BufferedItem) -> list[memoryview] | None:
-        return self._frames.get(item)
+    def _frame(self, item: BufferedItem) -> memoryview:
+        frame = self._frames.get(item)
+        if frame is None:
+            storage = item.storage
+            if storage.device.type != "cpu":  # a GPU item for a consumer without a GPU transport
+                written = item.written  # on the inserting caller's stream, not this thread's
+                if written is not None:
+                    torch.cuda.current_stream(storage.device).wait_event(written)
+                storage = storage.cpu()
+            frame = self._frames[item] = tensor_bytes(storage)
+        return frame
 
-    async def send(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
-        frames = self._frames.get(item)
-        if frames is None:  # a GPU item for a consumer without a GPU transport
-            written = item.written  # on the inserting caller's stream, not this thread's
-            if written is not None:
-                torch.cuda.current_stream(item.storage.device).wait_event(written)
-            frames = self._frames[item] = [tensor_bytes(item.storage.cpu())]
-        return frames
-
-    async def send_many(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> list[memoryview]:
-        return [frame for item in items for frame in await self.send(peer, item)]
+    async def aclose(self) -> None:
+        self._host.close()
 
 
 class TcpReceiver(Receiver):

@@ -19,7 +19,6 @@ The package, one job a module:
 from kvrt._errors import KVRTError
 from kvrt._metrics import ProducerStats
 from kvrt._producer._gathers import _Gathers as _Gathers
-from kvrt._producer._gathers import _gathers_prepared as _gathers_prepared
 from kvrt._producer._producer import Producer
 from kvrt._producer._publish import _lookup_key_and as _lookup_key_and
 from kvrt._producer._state import DEFAULT_CHUNK_BYTES

@@ -4,14 +4,13 @@ the gather thread off the loop, awaited by the send. `_publish` creates them, `_
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvrt._buffer import BufferedItem, GathersFailed
+from kvrt._buffer import GathersFailed
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
     from kvrt.kernels.paged_kv import PreparedGather
@@ -98,24 +97,3 @@ class _Gathers:
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise GathersFailed(str(self._failure)) from self._failure
-
-
-async def _gathers_prepared(item: BufferedItem) -> None:
-    """A published item's gathers queued already if a worker thread queues them (at once for
-    other items). Raises `GathersFailed`."""
-    if item.gathers is None:
-        return
-    in_thread = item.gathers.prepare()
-    if in_thread is not None:
-        try:
-            await asyncio.wrap_future(in_thread)
-        except Exception as exc:
-            raise GathersFailed(str(exc)) from exc
-
-
-async def _all_gathers_queued(item: BufferedItem) -> None:
-    """Every gather of a published item queued (at once for other items): before anything
-    reads the whole storage. Raises `GathersFailed`."""
-    await _gathers_prepared(item)
-    if item.gathers is not None:
-        item.gathers.queue_through(None)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvrt._buffer import GathersFailed
+from kvrt._buffer import GathersFailed, all_gathers_queued
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
@@ -22,7 +22,7 @@ from kvrt._item import (
     masked_tokens,
 )
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
-from kvrt._producer._gathers import _all_gathers_queued, _Gathers
+from kvrt._producer._gathers import _Gathers
 from kvrt._producer._insert import Inserter
 from kvrt._producer._serve import ServeLoop
 from kvrt._producer._state import DEFAULT_CHUNK_BYTES, ProducerState
@@ -204,7 +204,7 @@ class Publisher:
         await self._inserter.buffer(item)
         if gathers is not None:
             try:
-                await _all_gathers_queued(item)
+                await all_gathers_queued(item)
             except GathersFailed as failed:
                 await self._serving.perform(self._core.discard(item))
                 raise KVRTError(f"publish: queuing the gathers on {self._state.device} failed: {failed}") from failed

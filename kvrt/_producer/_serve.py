@@ -13,22 +13,19 @@ from collections.abc import Sequence
 from typing import Final
 
 import msgspec
-import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, GathersFailed
+from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
 from kvrt._errors import (
     ErrorCode,
     PeerLostError,
     translate_zmq_error,
 )
-from kvrt._messages import Capability
-from kvrt._producer._gathers import _all_gathers_queued, _gathers_prepared
 from kvrt._producer._state import ProducerState
 from kvrt._protocol import Outgoing
-from kvrt._tensors import tensor_bytes
 from kvrt._zmqio import MAX_BATCH, Dropped
+from kvrt.transports import Transfer
 
 TRIM_AFTER_DEPARTURES: Final = 256
 """Peers forgotten since the last heap trim that make the next one worth it."""
@@ -73,6 +70,23 @@ def _fill(item: BufferedItem) -> None:
         fill(item)
 
 
+def _lowered(send: Outgoing) -> Transfer | None:
+    """The bytes `send` moves, as its transport is given them (None: a message alone)."""
+    message = send.message
+    if isinstance(message, m.StreamLayer | m.StreamEnd):
+        if not send.tensors:
+            return None
+        # A layer of an open stream is written once its own event fires; a whole item's
+        # layers once the item is (its gathers or its fill were queued by the stream's start).
+        ready = send.ready if send.item is None else send.item.written
+        return Transfer(tensors=send.tensors, ready=ready, stream_id=message.item_id)
+    if isinstance(message, m.DeliverMany):
+        return Transfer(items=send.items, batch=message)
+    if send.item is not None:
+        return Transfer(items=(send.item,))
+    return None
+
+
 def _host_of(endpoint: str) -> str:
     """The host part of a bound tcp:// endpoint, as peers can reach it."""
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
@@ -93,29 +107,6 @@ class ServeLoop:
         (else a GPU item allocates anew, a device allocation on the loop)."""
         for transport in self._state._transports.values():
             transport.reclaim()
-
-    async def host_frames(self, tensors: Sequence[torch.Tensor], ready: torch.cuda.Event | None) -> list[memoryview]:
-        """A stream message's tensors as frames for an in-band transport. GPU tensors are
-        copied to the host in a kvrt thread once the prefill wrote them: the loop never waits
-        for the device."""
-        if all(tensor.device.type == "cpu" for tensor in tensors):
-            return [tensor_bytes(tensor) for tensor in tensors]
-        if ready is None:  # written on this thread's current stream, which the copy must follow
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensors[0].device))
-
-        if self._state._to_host is None:
-            self._state._to_host = torch.cuda.Stream(tensors[0].device)
-        to_host_stream = self._state._to_host
-
-        def to_host() -> list[memoryview]:
-            ready.synchronize()
-            # On a stream of kvrt's own: a copy on the thread's default stream would also wait
-            # for everything queued on the legacy default stream, a whole prefill if it runs there.
-            with torch.cuda.stream(to_host_stream):
-                return [tensor_bytes(tensor.cpu()) for tensor in tensors]
-
-        return await asyncio.wrap_future(self._state._gather_thread().submit(to_host))
 
     async def run(self) -> None:
         io, outboxes = self._state._io, self._state._outboxes
@@ -208,19 +199,9 @@ class ServeLoop:
         self._state._update_room()
 
     async def _send_one(self, send: Outgoing, dropped: list[Dropped]) -> None:
-        """Build and post one message the core answered, with its payload."""
+        """Build and post one message the core answered; one that moves bytes goes to its
+        consumer's transport, lowered into a `Transfer`."""
         message = send.message
-        item = send.item
-        if (
-            type(message) is m.Deliver and item is not None
-            and item.gathers is None and item.fill is None
-            and self._core.transport_of(send.peer) == Capability.TCP
-            and (framed := self._state._transports[Capability.TCP].framed(item)) is not None
-        ):  # fmt: skip
-            # The common case on a CPU host, without a coroutine in the way: an inserted item's
-            # bytes, framed once at insert, go with its header.
-            self._post_delivery(send.peer, message, framed, dropped)
-            return
         if isinstance(message, m.ErrorReply) and self._state._refusal_log.allows(self._state._now()):
             log.info(
                 "refused a message: %s%s", message.message, self._state._refusal_log.suppressed_note(),
@@ -244,77 +225,45 @@ class ServeLoop:
             if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
                 if item.parent is not None:  # a piece: cut from its item's bytes once they are written
                     _fill(item.parent)
-                    await _all_gathers_queued(item.parent)
+                    await all_gathers_queued(item.parent)
                 _fill(item)  # a finished stream read whole after all, or a piece
         if isinstance(message, m.StreamStart):
             assert send.item is not None
-            await _all_gathers_queued(send.item)  # a published item's layers follow: gathered first
+            await all_gathers_queued(send.item)  # a published item's layers follow: gathered first
             # The frame: the tokens (and roi) at the head of the item's buffer, read
             # back in a kvrt thread for a GPU item (written before its ready event).
             head = send.item.storage[: message.payload_bytes]
-            frames = await self.host_frames([head], send.item.ready_event)
-        elif isinstance(message, m.StreamLayer | m.StreamEnd):
+            frames = await self._state._host_copies.frames([head], send.item.ready_event)
+        elif (transfer := _lowered(send)) is not None:
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
-                return  # the peer left meanwhile; the core took the stream back
-            transport = self._state._transports[transport_name]
-            ready = send.ready if send.item is None else send.item.written
-            if transport.out_of_band and send.tensors:
-                # The header first, as for a Deliver: the consumer posts the receive
-                # while the send waits (on the GPU) for the prefill to write the layer.
-                self._post(send.peer, [_encoded(message)], dropped)
-                await transport.send_tensors(send.peer, send.tensors, ready)
-                return
-            if transport.streams_tensors and not transport.out_of_band:
-                frames = await transport.stream_frames(send.peer, message.item_id, send.tensors, ready)
+                return  # the peer left meanwhile; the core took the items (or the stream) back
+            peer, header = send.peer, _encoded(message)
+            if isinstance(message, m.Deliver | m.DeliverMany):
+                delivery = message
+
+                def post(frames: Sequence[memoryview]) -> None:
+                    self._post_delivery(peer, delivery, header, frames, dropped)
             else:
-                frames = await self.host_frames(send.tensors, ready)
-        elif isinstance(message, m.DeliverMany):
-            transport_name = self._core.transport_of(send.peer)
-            if transport_name is None:
-                return  # the peer left meanwhile; the core took the items back
-            transport = self._state._transports[transport_name]
-            for item in send.items:  # a published item is read whole: every gather queued
-                await _all_gathers_queued(item)
-            if transport.out_of_band:
-                self._post(send.peer, [_encoded(message)], dropped)
-                await transport.send_many(send.peer, message, send.items)
-                return
-            frames = await transport.send_many(send.peer, message, send.items)
-            self._post_delivery(send.peer, message, frames, dropped)
+
+                def post(frames: Sequence[memoryview]) -> None:
+                    self._post(peer, [header, *frames], dropped)
+
+            await self._state._transports[transport_name].send(peer, transfer, post)
             return
-        elif send.item is not None:
-            transport_name = self._core.transport_of(send.peer)
-            if transport_name is None:
-                return  # the peer left meanwhile; the core took the item back
-            transport = self._state._transports[transport_name]
-            if transport.out_of_band:
-                # The header first: the consumer posts its receives while the sends
-                # are queued here (one per chunk of a publish, each chunk's gather
-                # queued right before). Under the send lock an item's header and sends
-                # still go before the next item's.
-                self._post(send.peer, [_encoded(message)], dropped)
-                await _gathers_prepared(send.item)
-                await transport.send(send.peer, send.item)
-                return
-            await _all_gathers_queued(send.item)
-            frames = await transport.send(send.peer, send.item)
-            if isinstance(message, m.Deliver):
-                self._post_delivery(send.peer, message, frames, dropped)
-                return
         self._post(send.peer, [_encoded(message), *frames], dropped)
 
     def _post_delivery(
-        self, peer: bytes, message: m.Deliver | m.DeliverMany, frames: Sequence[bytes | memoryview],
+        self, peer: bytes, message: m.Deliver | m.DeliverMany, header: bytes, frames: Sequence[bytes | memoryview],
         dropped: list[Dropped],
     ) -> None:  # fmt: skip
-        """An in-band delivery: with its frames, or, when they are large (the bytes themselves,
-        over TCP; not a cuda_ipc share that names them), its header first and the frames in a
-        `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
+        """A delivery's `header` (`message` encoded): with its frames, or, when they are large
+        (the bytes themselves, over TCP; not a cuda_ipc share that names them), alone and the
+        frames in a `payload` message right behind (see `SPLIT_PAYLOAD_BYTES`)."""
         if not frames or sum(_frame_bytes(frame) for frame in frames) < m.SPLIT_PAYLOAD_BYTES:
-            self._post(peer, [_encoded(message), *frames], dropped)
+            self._post(peer, [header, *frames], dropped)
             return
-        self._post(peer, [_encoded(message)], dropped)
+        self._post(peer, [header], dropped)
         self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
 
     def release_departed(self) -> None:

@@ -28,7 +28,7 @@ from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
-from kvrt.transports import Sender
+from kvrt.transports import HostCopies, Sender
 from kvrt.transports.cuda_ipc import host_identity
 from kvrt.transports.select import SAME_HOST_ONLY, transport_preference
 
@@ -114,8 +114,8 @@ class ProducerState:
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
-        self._to_host: torch.cuda.Stream | None = None
-        """Where the gather thread copies stream messages' tensors to the host (see `_host_frames`)."""
+        self._host_copies = HostCopies()
+        """A stream's head (its tokens) as host frames (see `ServeLoop._send_one`)."""
         self._peer_left = asyncio.Event()
         """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -175,7 +175,7 @@ class ProducerState:
 
     def _fill_piece(self, piece: BufferedItem) -> None:
         """Copy a piece's bytes out of its item (on a GPU, on the current stream, after the
-        item's writes), then get the transports ready to send it, as an insert does."""
+        item's writes), then note when they are written, as an insert does."""
         item = piece.parent
         assert item is not None
         if item.written is not None:
@@ -185,12 +185,13 @@ class ProducerState:
 
     def _prepare(self, item: BufferedItem) -> None:
         """A GPU item's bytes were written on the current stream: the event every GPU send of it
-        waits on (recorded once, for all transports); then each transport gets ready to send it."""
+        waits on (recorded once, for all transports), and after which the memory a transport
+        allocated for it may be reused."""
         if item.storage.device.type == "cuda":
             item.ready_event = torch.cuda.Event()
             item.ready_event.record(torch.cuda.current_stream(item.storage.device))
-        for transport in self._transports.values():
-            transport.prepare(item)
+            for transport in self._transports.values():
+                transport.note_written(item)
 
     def _allocate(self, nbytes: int) -> torch.Tensor | None:
         """An item's packed buffer in memory a transport registered (None: none does)."""
