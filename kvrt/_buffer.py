@@ -178,9 +178,13 @@ class Pieces:
 @dataclass(eq=False, slots=True)
 class StreamState:
     """The layers an open stream has published so far ([tokens, heads, head_dim] each), how many
-    it will have, and who is reading it."""
+    it will have, and who is reading it. The layers' tensors (`keys`, `values`, `ready`: the
+    store) are the producer's driver's to write; the core records their metas."""
 
     layers: int
+    metas: list[tuple[TensorMeta, TensorMeta]] = field(default_factory=list)
+    """Per layer published so far, its key's and value's metas as they travel (the record:
+    the protocol core writes it)."""
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     ready: list[torch.cuda.Event | None] = field(default_factory=list)

@@ -80,6 +80,11 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
 
 
+def meta_nbytes(meta: TensorMeta) -> int:
+    """The bytes of the tensor `meta` describes."""
+    return _nbytes(meta.shape, _dtype_of(meta))
+
+
 def meta_end(meta: TensorMeta) -> int:
     """Where the bytes of the tensor `meta` describes end in its packed buffer."""
     return meta.offset + _nbytes(meta.shape, _dtype_of(meta))

@@ -185,6 +185,7 @@ def test_a_receipt_for_a_stream_before_its_end_is_refused_and_the_stream_goes_on
     # its end handed the whole item out again to a reader that had said it was done.
     from kvrt._buffer import StreamState
     from kvrt._item import buffered_item, item_from_tokens, pack
+    from kvrt._tensors import tensor_meta
 
     core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
     core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
@@ -199,8 +200,10 @@ def test_a_receipt_for_a_stream_before_its_end_is_refused_and_the_stream_goes_on
     (refused,) = core.receive(b"a", m.encode(early), 0, 0.0)
     assert isinstance(refused.message, m.ErrorReply) and refused.message.code is kvrt.ErrorCode.PROTOCOL
     layer = torch.ones(3, 2, 4)
-    for _ in range(2):
-        (sent,) = core.stream_layer(item, layer, layer)
+    for _ in range(2):  # as the producer's driver does: the core records it, the store keeps it
+        (sent,) = core.stream_layer(item, tensor_meta(layer), tensor_meta(layer))
+        item.stream.keys.append(layer)
+        item.stream.values.append(layer)
         assert sent.peer == b"a" and isinstance(sent.message, m.StreamLayer)
     assert core.streams.nbytes == item.nbytes
     keys = torch.stack(item.stream.keys)
@@ -608,10 +611,11 @@ async def test_a_delivery_whose_frames_only_name_its_bytes_travels_in_one_messag
     monkeypatch.setattr(serving, "_post", lambda peer, frames, dropped: posted.append(list(frames)))
     meta = m.TensorMeta("float16", [1, 1 << 20, 1, 1])
     deliver = m.Deliver(1, 2, 1, meta, None, meta, meta, None, payload_bytes=4 << 20)
-    serving._post_delivery(b"peer", deliver, [b"a share of 300 bytes".ljust(300)], [])
+    header = m.encode(deliver)
+    serving._post_delivery(b"peer", deliver, header, [b"a share of 300 bytes".ljust(300)], [])
     assert [len(frames) for frames in posted] == [2]
     posted.clear()
-    serving._post_delivery(b"peer", deliver, [memoryview(bytearray(4 << 20))], [])
+    serving._post_delivery(b"peer", deliver, header, [memoryview(bytearray(4 << 20))], [])
     assert [len(frames) for frames in posted] == [1, 2]
 
 

@@ -40,6 +40,7 @@ from kvrt._heads import fill_piece, piece_of
 from kvrt._item import buffered_item, item_from_tokens, pack
 from kvrt._protocol import Outgoing, ProducerCore
 from kvrt._protocol.waiting import PieceAsked
+from kvrt._tensors import tensor_meta
 
 HEARTBEAT_S = 1.0
 MAX_WAITING = 6
@@ -240,7 +241,12 @@ class ItemLifecycle(RuleBasedStateMachine):
             return
         item = data.draw(st.sampled_from(open_streams))
         layer = torch.zeros((len(item.masked_tokens), HEADS, 2), dtype=torch.float16)
-        self.seen(self.core.stream_layer(item, layer, layer.clone()))
+        # As the producer's driver does: the core records the layer, the stream's store keeps it.
+        assert item.stream is not None
+        self.seen(self.core.stream_layer(item, tensor_meta(layer), tensor_meta(layer)))
+        item.stream.keys.append(layer)
+        item.stream.values.append(layer.clone())
+        item.stream.ready.append(None)
 
     @rule(data=st.data(), how=st.sampled_from(["finish", "finish", "abort"]))
     def stream_ends(self, data: st.DataObject, how: str) -> None:

@@ -78,7 +78,7 @@ from kvrt._buffer import BufferedItem, all_gathers_queued
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
 from kvrt._pools import PoolTable
-from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes
+from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes, unpack
 from kvrt._threads import gpu_worker
 
 ItemTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -324,12 +324,11 @@ class Receiver(abc.ABC):
 
     name: str
     """What the handshake calls it, the same as its producer's `Sender`."""
+    device: torch.device
+    """Where what it receives lands."""
     out_of_band: bool = False
     """True when the bytes come apart from the header (NCCL, gloo: its sender posts the header
     first), posted as it comes, read from memory only a lease that still holds may read."""
-    streams_tensors: bool = False
-    """True when a stream message's tensors are received with `receive_tensors` (its sender
-    moves them itself, out of band or by what its frames say); else they come as host frames."""
     writes_in_place: bool = False
     """True when `receive_in_place` writes an item into the caller's memory itself: a pull
     then reads indexes it holds on the device back to the host first."""
@@ -358,8 +357,20 @@ class Receiver(abc.ABC):
         raise RemoteProtocolError(f"a {self.name} producer sends no payload messages")
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
-        """Transports that stream tensors: post the receive of a stream message's tensors now."""
-        raise NotImplementedError(f"{self.name} moves a stream's tensors in band, as frames")
+        """Post the receive of a stream message's tensors now. By default they came as host
+        frames, one a tensor (the sender's `HostCopies`): here already, moved to `device`."""
+        if len(frames) != len(metas):
+            raise RemoteProtocolError(
+                f"a stream message of {len(metas)} tensors needs as many frames, {len(frames)} came"
+            )
+        tensors = []
+        for meta, frame in zip(metas, frames, strict=True):
+            (tensor,) = unpack([meta], frame.buffer)
+            assert tensor is not None  # a meta unpacks to a tensor
+            tensors.append(tensor.to(self.device))
+        done: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
+        done.set_result(tensors)
+        return TensorsArrival(done, tensors)
 
     def discard(self, frames: Sequence[zmq.Frame]) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Consumer side: the frames of a stream message this side will not read (nothing by

@@ -430,8 +430,6 @@ class CudaIpcSender(_CudaIpc, Sender):
 class CudaIpcReceiver(_CudaIpc, Receiver):
     """The consumer's half: opens the producer's shares and copies out of them on its own streams."""
 
-    streams_tensors = True
-
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         if rendezvous.get("host") != host_identity():
             raise TransportUnavailableError("cuda_ipc: the producer runs on another machine")

@@ -328,7 +328,6 @@ class PairedReceiver(_Paired, Receiver):
     """The consumer's half: its one pair with the producer, receives on it."""
 
     out_of_band = True
-    streams_tensors = True
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:

@@ -75,7 +75,6 @@ class StreamLayers:
         stream = self._link.open_streams.get(message.item_id)
         transport = self._link.receiver
         out_of_band = transport is not None and transport.out_of_band
-        by_transport = transport is not None and transport.streams_tensors
         if stream is not None and not self._link.lease_holds():  # the stream may be another reader's by now
             self._stream_lost(message.item_id, self._link.lease_error())
             stream = None
@@ -88,27 +87,11 @@ class StreamLayers:
         try:
             match message:
                 case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
-                    if by_transport:
-                        assert transport is not None
-                        self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
-                        return
-                    if len(payload) != 2:
-                        raise RemoteProtocolError(f"stream_layer needs 2 frames, {len(payload)} came")
-                    (key,) = unpack([key_meta], payload[0].buffer)
-                    (value,) = unpack([value_meta], payload[1].buffer)
-                    assert key is not None and value is not None
-                    device = self._link.device
-                    self._deliver_layer(stream, message.item_id, layer, key.to(device), value.to(device))
+                    assert transport is not None  # a stream was opened over it
+                    self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
                 case m.StreamEnd(hidden=hidden_meta):
-                    if by_transport:
-                        assert transport is not None
-                        self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
-                        return
-                    hidden = None
-                    if hidden_meta is not None:
-                        (hidden,) = unpack([hidden_meta], payload[0].buffer)
-                        hidden = None if hidden is None else hidden.to(self._link.device)
-                    stream.finish(hidden)
+                    assert transport is not None
+                    self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
                 case m.StreamAbort(reason=reason):
                     self._link.open_streams.pop(message.item_id, None)
                     self._link.leases.pop(message.item_id, None)
@@ -126,8 +109,9 @@ class StreamLayers:
         self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
         key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
     ) -> None:  # fmt: skip
-        """Post a streamed layer's receive (out of band). On a GPU the reader gets it at once,
-        with the event of its landing; on CPU (gloo) once it landed."""
+        """Post a streamed layer's receive. On a GPU the reader gets it at once, with the event
+        of its landing; else once it landed (host frames: here already, handed on now, so
+        that the layers and the end reach the reader in their order)."""
         if not 0 <= layer < stream.layers:
             raise RemoteProtocolError(f"stream_layer {layer} of a stream of {stream.layers}")
         arrival = transport.receive_tensors((key_meta, value_meta), payload)
@@ -135,6 +119,10 @@ class StreamLayers:
         if arrival.landed is not None:
             key, value = arrival.tensors
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
+        elif arrival.complete.done():
+            key, value = arrival.complete.result()
+            self._deliver_layer(stream, item_id, layer, key, value)
+            return
 
         def landed(arriving: asyncio.Future[list[torch.Tensor]]) -> None:
             error = None if arriving.cancelled() else arriving.exception()
@@ -174,8 +162,8 @@ class StreamLayers:
         self, stream: ConsumerStream, item_id: int, transport: Receiver,
         hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame],
     ) -> None:  # fmt: skip
-        """A stream's end (out of band): it finishes once everything posted for it landed,
-        the hidden states last."""
+        """A stream's end: it finishes once everything posted for it landed, the hidden
+        states last."""
         if hidden_meta is not None:
             stream.arriving = transport.receive_tensors((hidden_meta,), payload).complete
         elif payload:

@@ -72,18 +72,24 @@ def _fill(item: BufferedItem) -> None:
 
 def _lowered(send: Outgoing) -> Transfer | None:
     """The bytes `send` moves, as its transport is given them (None: a message alone)."""
-    message = send.message
-    if isinstance(message, m.StreamLayer | m.StreamEnd):
-        if not send.tensors:
+    message, item = send.message, send.item
+    if isinstance(message, m.StreamLayer):
+        assert item is not None
+        stream, layer = item.stream, message.layer
+        if stream is not None:  # an open stream's layer, from its store: written once its event fired
+            return Transfer(tensors=(stream.keys[layer], stream.values[layer]), ready=stream.ready[layer],
+                            stream_id=message.item_id)  # fmt: skip
+        # A whole item's layer, written once the item is (its gathers or its fill were queued
+        # by the stream's start).
+        return Transfer(tensors=(item.key[layer], item.value[layer]), ready=item.written, stream_id=message.item_id)
+    if isinstance(message, m.StreamEnd):
+        if item is None or item.hidden is None:
             return None
-        # A layer of an open stream is written once its own event fires; a whole item's
-        # layers once the item is (its gathers or its fill were queued by the stream's start).
-        ready = send.ready if send.item is None else send.item.written
-        return Transfer(tensors=send.tensors, ready=ready, stream_id=message.item_id)
+        return Transfer(tensors=(item.hidden,), ready=item.written, stream_id=message.item_id)
     if isinstance(message, m.DeliverMany):
         return Transfer(items=send.items, batch=message)
-    if send.item is not None:
-        return Transfer(items=(send.item,))
+    if item is not None and not isinstance(message, m.StreamStart):
+        return Transfer(items=(item,))
     return None
 
 

@@ -21,7 +21,7 @@ from kvrt._producer._insert import Inserter
 from kvrt._producer._serve import ServeLoop
 from kvrt._producer._state import ProducerState
 from kvrt._streams import Placement, ProducerStream
-from kvrt._tensors import copy_into, pack, pack_empty
+from kvrt._tensors import copy_into, pack, pack_empty, tensor_meta
 from kvrt._threads import launch_on
 
 
@@ -111,7 +111,15 @@ class StreamPublisher:
     async def stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
     ) -> None:
-        await self._serving.perform(self._core.stream_layer(item, key, value, ready))
+        """The core records the layer; its tensors go in the stream's store, where the send
+        path reads them (GPU: once `ready` fired)."""
+        stream = item.stream
+        assert stream is not None
+        out = self._core.stream_layer(item, tensor_meta(key), tensor_meta(value))
+        stream.keys.append(key)
+        stream.values.append(value)
+        stream.ready.append(ready)
+        await self._serving.perform(out)
 
     async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         """The stream as one whole item (what a reader confirms, or what `drop_select` takes if

@@ -221,8 +221,8 @@ class Deliveries:
         assert stream is not None
         self._lifecycle.take(peer, item)
         out = [Outgoing(peer, start_message(request_id, item, matched, stream.layers), item)]
-        for layer, (key, value, ready) in enumerate(zip(stream.keys, stream.values, stream.ready, strict=True)):
-            out.append(layer_outgoing(peer, item.item_id, layer, key, value, ready))
+        for layer, (key, value) in enumerate(stream.metas):
+            out.append(layer_outgoing(peer, item, layer, key, value))
         return out
 
 

@@ -23,12 +23,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Final
 
-import torch
-
 from kvrt._buffer import BufferedItem, ItemState, LookupBuffer, Pieces
+from kvrt._messages import TensorMeta
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.timers import TimerKind, Timers
 from kvrt._protocol.waiting import WaitingRequests
+from kvrt._tensors import meta_nbytes
 
 UNCONFIRMED_SHARE: Final = 0.5
 """Most of the buffer's limit one consumer may hold delivered and not confirmed: one that
@@ -303,18 +303,15 @@ class Lifecycle:
         item.inserted_at = now
         self.streams.add(item)
 
-    def grew(
-        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
-    ) -> tuple[int, bytes | None]:
-        """An open stream has one more layer: its number, and the stream's reader if any."""
+    def grew(self, item: BufferedItem, key: TensorMeta, value: TensorMeta) -> tuple[int, bytes | None]:
+        """An open stream has one more layer (the driver keeps its tensors in the stream's
+        store): its number, and the stream's reader if any."""
         stream = item.stream
         assert item.state in (ItemState.OPEN, ItemState.READ) and stream is not None
-        assert len(stream.keys) < stream.layers
-        stream.keys.append(key)
-        stream.values.append(value)
-        stream.ready.append(ready)
-        self.streams.grow(item, int(key.nbytes + value.nbytes))
-        return len(stream.keys) - 1, stream.reader
+        assert len(stream.metas) < stream.layers
+        stream.metas.append((key, value))
+        self.streams.grow(item, meta_nbytes(key) + meta_nbytes(value))
+        return len(stream.metas) - 1, stream.reader
 
     def finish(self, item: BufferedItem, whole: BufferedItem, now: float) -> bytes | None:
         """An open stream ended; `whole` (same id) is it as one complete item: handed over to

@@ -1,6 +1,6 @@
-"""What the producer's core gives its driver to send: `Outgoing` messages (with the items or
-tensors whose bytes follow them), `Departure`s of peers, and the builders of each delivery's
-message from an item's record."""
+"""What the producer's core gives its driver to send: `Outgoing` messages (naming the items
+whose bytes follow them), `Departure`s of peers, and the builders of each delivery's message
+from an item's record. No tensor is touched here: the driver reads the bytes."""
 
 from __future__ import annotations
 
@@ -8,26 +8,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import torch
-
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode
 from kvrt._protocol.commands import ProducerCounters
-from kvrt._tensors import meta_end, tensor_meta
+from kvrt._tensors import meta_end
 
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A message for the driver to send to `peer`; for a Deliver or a stream's start, `item`
-    holds the payload (for a DeliverMany, `items`); a stream's layers and end carry their
-    tensors in `tensors` (and, when they are a whole item's, that item in `item`)."""
+    """A message for the driver to send to `peer`, and the item whose bytes follow it: a
+    Deliver's or a stream start's (for a DeliverMany, `items`); for a stream's layer, the open
+    stream whose store holds it (`StreamState`) or the whole item it is a layer of; for a
+    stream's end with hidden states, the whole item."""
 
     peer: bytes
     message: m.Message
     item: BufferedItem | None = None
-    tensors: tuple[torch.Tensor, ...] = ()
-    ready: torch.cuda.Event | None = None
     """GPU: the event after which `tensors` hold their bytes (a send waits on it)."""
     items: tuple[BufferedItem, ...] = ()
     """A DeliverMany's hits, in order."""
@@ -88,12 +85,20 @@ def hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:
 
 def whole_as_stream(peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
     """A complete item in flight to `peer` as a stream: start, every layer, end."""
-    layers = item.key.shape[0]
+    key, value = item.metas[2], item.metas[3]
+    assert key is not None and value is not None
+    layers = key.shape[0]
     out = [Outgoing(peer, start_message(request_id, item, matched, layers), item)]
     for layer in range(layers):
-        out.append(layer_outgoing(peer, item.item_id, layer, item.key[layer], item.value[layer], whole=item))
+        out.append(layer_outgoing(peer, item, layer, _on_its_own(key, drop=1), _on_its_own(value, drop=1)))
     out.append(end_outgoing(peer, item))
     return out
+
+
+def _on_its_own(meta: m.TensorMeta, *, drop: int = 0) -> m.TensorMeta:
+    """The meta of a tensor sent on its own (offset 0 in its own frame), `drop` leading
+    dimensions of `meta` taken off (a layer of an item's keys or values)."""
+    return m.TensorMeta(dtype=meta.dtype, shape=meta.shape[drop:])
 
 
 def start_message(request_id: int, item: BufferedItem, matched: int, layers: int) -> m.StreamStart:
@@ -116,23 +121,19 @@ def _tokens_bytes(item: BufferedItem) -> int:
     return max(meta_end(meta) for meta in item.metas[:2] if meta is not None)
 
 
-def layer_outgoing(
-    peer: bytes, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
-    ready: torch.cuda.Event | None = None, *, whole: BufferedItem | None = None,
-) -> Outgoing:  # fmt: skip
-    """A stream's layer: an open stream's (GPU: written once `ready` fired), or a layer of a
-    `whole` item (then `item`: the driver waits for the item's storage, `BufferedItem.written`,
-    known once its gathers or its fill were queued)."""
-    message = m.StreamLayer(item_id=item_id, layer=layer, key=tensor_meta(key), value=tensor_meta(value))
-    return Outgoing(peer, message, whole, tensors=(key, value), ready=ready)
+def layer_outgoing(peer: bytes, item: BufferedItem, layer: int, key: m.TensorMeta, value: m.TensorMeta) -> Outgoing:
+    """A stream's layer, of an open stream (its store holds the layer's tensors and the event
+    after which they are written) or of a whole item (written once the item is:
+    `BufferedItem.written`, known once its gathers or its fill were queued)."""
+    return Outgoing(peer, m.StreamLayer(item_id=item.item_id, layer=layer, key=key, value=value), item)
 
 
 def end_outgoing(peer: bytes, whole: BufferedItem) -> Outgoing:
     """A stream's end, with the whole item's hidden states if it has them (`item` as for a layer)."""
-    if whole.hidden is None:
+    hidden = whole.metas[4]
+    if hidden is None:
         return Outgoing(peer, m.StreamEnd(item_id=whole.item_id))
-    end = m.StreamEnd(item_id=whole.item_id, hidden=tensor_meta(whole.hidden))
-    return Outgoing(peer, end, whole, tensors=(whole.hidden,))
+    return Outgoing(peer, m.StreamEnd(item_id=whole.item_id, hidden=_on_its_own(hidden)), whole)
 
 
 BATCH_SEGMENT_BYTES: Final = 256 << 20

@@ -22,8 +22,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Final
 
-import torch
-
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, LookupBuffer
 from kvrt._errors import ErrorCode, NotFoundError, ProtocolError
@@ -303,13 +301,11 @@ class ProducerCore:
         self.lifecycle.open(item, now)
         return self.deliveries.offer(item)
 
-    def stream_layer(
-        self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None = None
-    ) -> list[Outgoing]:
-        """The next layer of an open stream (GPU: written once `ready` fired); its reader, if
-        any, gets it now."""
-        layer, reader = self.lifecycle.grew(item, key, value, ready)
-        return [] if reader is None else [layer_outgoing(reader, item.item_id, layer, key, value, ready)]
+    def stream_layer(self, item: BufferedItem, key: m.TensorMeta, value: m.TensorMeta) -> list[Outgoing]:
+        """The next layer of an open stream, its key and value as they travel (the driver put
+        their tensors in the stream's store); its reader, if any, gets it now."""
+        layer, reader = self.lifecycle.grew(item, key, value)
+        return [] if reader is None else [layer_outgoing(reader, item, layer, key, value)]
 
     def finish_stream(self, item: BufferedItem, whole: BufferedItem, now: float) -> list[Outgoing]:
         """An open stream ended; `whole` is the same request as one complete item (same id).
