@@ -173,7 +173,8 @@ class Transfer:
         """Every item's writes queued (a published item's gathers): before anything reads an
         item's whole storage or waits on its `written` event. Raises `GathersFailed`."""
         for item in self.items:
-            await all_gathers_queued(item)
+            if item.gathers is not None:  # else nothing to queue (no coroutine in the way)
+                await all_gathers_queued(item)
 
 
 class HostCopies:
