@@ -179,12 +179,14 @@ class StreamLayers:
                 return
             stream.finish(None if hidden_meta is None or arriving is None else arriving.result()[0])
 
-        if last is None or last.done():
+        if last is None:
             landed(last)
         elif hidden_meta is not None:
             self._link.own_arrival(last, landed)
         else:
-            last.add_done_callback(landed)  # owned already: it is a layer's
+            # Owned already: it is a layer's. Done or not, the end follows that layer's own
+            # callback (scheduled first), so the stream never ends before its last layer.
+            last.add_done_callback(landed)
 
     def _receive_stray(
         self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
