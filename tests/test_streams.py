@@ -377,3 +377,37 @@ async def test_the_link_calls_its_transport_off_whenever_it_fails_its_calls(monk
         assert abandoned == []
         await consumer.aclose()
     assert abandoned == ["gloo"]
+
+
+async def test_over_a_pair_many_concurrent_streams_each_end_after_their_last_layer() -> None:
+    # An end whose last layer's transfer completed in the same turn must still follow that
+    # layer's own hand-over: if it ran first, the reader failed "ended without layer N" while the
+    # producer counted the item delivered, so the item was lost to everyone.
+    import random
+
+    streams, layers = 200, 4
+    pace = random.Random(7)
+    delays = [[pace.random() * 0.02 for _ in range(layers)] for _ in range(streams)]
+    async with (
+        kvrt.Producer(transport="gloo") as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+
+        async def one(index: int) -> None:
+            tokens = torch.arange(TOKENS) + 1000 * (index + 1)
+            stream = await producer.open_stream(tokens, layers=layers)
+            reader = await consumer.open_stream(tokens, timeout=10)
+            assert reader is not None
+            for layer in range(layers):
+                await asyncio.sleep(delays[index][layer])
+                await stream.put_layer(*layer_kv(layer))
+            await stream.finish()
+            keys = [(await reader.layer(layer))[0] for layer in range(layers)]
+            assert all(torch.equal(key, layer_kv(layer)[0]) for layer, key in enumerate(keys))
+            assert await reader.finished() is None
+
+        outcomes = await asyncio.gather(*(one(index) for index in range(streams)), return_exceptions=True)
+        failed = [repr(outcome) for outcome in outcomes if outcome is not None]
+        assert failed == []
+        await caught_up(consumer)
+        assert producer.stats().items == 0
