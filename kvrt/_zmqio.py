@@ -23,7 +23,7 @@ import errno
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import zmq
 
@@ -32,9 +32,39 @@ MAX_BATCH: Final = 64
 
 _POLLIN: Final = int(zmq.POLLIN)
 _POLLOUT: Final = int(zmq.POLLOUT)
-"""As plain ints: pyzmq's flags are enums, whose `&` costs twenty times an int's."""
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_MORE_NOBLOCK: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_EVENTS: Final = int(zmq.EVENTS)
+"""As plain ints: pyzmq's flags are enums, whose `&` and `|` cost twenty times an int's."""
+
+# pyzmq's compiled socket calls, one frame each. Its Python `send_multipart` and
+# `recv_multipart` wrap them with a type check, an enum `|` and an option read per frame:
+# about half of a small message's cost, on every message kvrt sends or reads.
+_send_frame = cast(Any, zmq.backend.Socket).send
+_recv_frame = cast(Any, zmq.backend.Socket).recv
+_get_option = cast(Any, zmq.backend.Socket).get
 
 Frames = Sequence[bytes | memoryview | zmq.Frame]
+
+
+def send_frames(socket: zmq.Socket[bytes], frames: Frames) -> None:
+    """`socket.send_multipart(frames, zmq.NOBLOCK, copy=False)`, one compiled call a frame:
+    `zmq.Again` if the queue has no room (then nothing was sent: libzmq takes a multipart
+    message's later frames whenever it took its first)."""
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        _send_frame(socket, frame, _MORE_NOBLOCK if index < last else _NOBLOCK, False, False)
+
+
+def recv_frames(socket: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """`socket.recv_multipart(zmq.NOBLOCK, copy=False)`, one compiled call a frame: `zmq.Again`
+    if no message waits (a message's later frames are there whenever its first is)."""
+    frame = _recv_frame(socket, _NOBLOCK, False, False)
+    frames = [frame]
+    while frame.more:
+        frame = _recv_frame(socket, _NOBLOCK, False, False)
+        frames.append(frame)
+    return frames
 
 
 class SocketIO:
@@ -63,7 +93,7 @@ class SocketIO:
         while True:
             if self._events() & _POLLIN:  # cheaper than a receive that raises `Again`
                 try:
-                    return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    return recv_frames(self.socket)
                 except zmq.Again:
                     pass
             if self._monitor_pending() or not await self._wait(_POLLIN, deadline):
@@ -74,23 +104,23 @@ class SocketIO:
         events: list[tuple[int, int]] = []
         if self.monitor is None:
             return events
-        while len(events) < MAX_BATCH:
+        while len(events) < MAX_BATCH and self._monitor_pending():  # cheaper than a receive that raises
             try:
-                first, _ = self.monitor.recv_multipart(zmq.NOBLOCK)
+                first = recv_frames(self.monitor)[0].bytes
             except zmq.Again:
                 break
             events.append((int.from_bytes(first[:2], "little"), int.from_bytes(first[2:6], "little")))
         return events
 
     def _monitor_pending(self) -> bool:
-        return self.monitor is not None and bool(cast(int, self.monitor.getsockopt(zmq.EVENTS)) & _POLLIN)
+        return self.monitor is not None and bool(_get_option(self.monitor, _EVENTS) & _POLLIN)
 
     def drain(self) -> list[list[zmq.Frame]]:
         """Messages already queued, taken without waiting."""
         batch: list[list[zmq.Frame]] = []
         while len(batch) < MAX_BATCH and self._events() & _POLLIN:
             try:
-                batch.append(self.socket.recv_multipart(zmq.NOBLOCK, copy=False))
+                batch.append(recv_frames(self.socket))
             except zmq.Again:
                 break
         self.drained_a_full_batch = len(batch) == MAX_BATCH
@@ -112,7 +142,7 @@ class SocketIO:
     def send_nowait(self, frames: Frames) -> bool:
         """Send if the queue has room; False if it has none."""
         try:
-            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(self.socket, frames)
             return True
         except zmq.Again:
             return False
@@ -138,7 +168,7 @@ class SocketIO:
         return deadline is None or loop.time() < deadline or bool(self._events() & event)
 
     def _events(self) -> int:
-        return cast(int, self.socket.getsockopt(zmq.EVENTS))
+        return cast(int, _get_option(self.socket, _EVENTS))
 
     def close(self) -> None:
         """Stop watching the FD (before the socket is closed)."""

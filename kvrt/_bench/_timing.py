@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from kvrt._bench._phases import SideClock
 from kvrt._bench._processes import from_child, join
 
 spawn = multiprocessing.get_context("spawn")
@@ -22,6 +23,10 @@ class Timed:
     wall_s: float
     consumer_cpu_s: float
     producer_cpu_s: float = 0.0
+    consumer_clock: SideClock | None = None
+    producer_clock: SideClock | None = None
+    """Each side's CPU split into its loop thread and the rest (and, in a profiled run, the
+    loop thread's phases), where the side reports it."""
 
     @property
     def count(self) -> int:
@@ -71,9 +76,12 @@ def _timed_client(target: Any, args: tuple[Any, ...], server: multiprocessing.co
         client_control.send("go")
         timed: Timed = from_child(client_control, 600)
         server.send("done")
-        server_cpu: float = from_child(server, 60)
+        server_cpu: float | SideClock = from_child(server, 60)
     finally:
         join(client)
+    if isinstance(server_cpu, SideClock):
+        return Timed(timed.latencies_s, timed.wall_s, timed.consumer_cpu_s, server_cpu.process_s,
+                     timed.consumer_clock, server_cpu)  # fmt: skip
     return Timed(timed.latencies_s, timed.wall_s, timed.consumer_cpu_s, server_cpu)
 
 
