@@ -83,6 +83,8 @@ class SocketIO:
             self._monitor_fd = cast(int, monitor.getsockopt(zmq.FD))
             self._loop.add_reader(self._monitor_fd, self._ready.set)
         self._blocked_senders = 0
+        self._reader_parked = False
+        """Whether a task waits in `next`: only then may a send have swallowed its signal."""
         self._closed = False
         self.drained_a_full_batch = False
         """Whether the last `drain` stopped at `MAX_BATCH`: more may be waiting (a flood)."""
@@ -91,13 +93,20 @@ class SocketIO:
         """The next multipart message, or None once `deadline` (loop time) has passed or the
         monitor has events to read (`monitor_events`)."""
         while True:
+            self._ready.clear()  # before the check: a signal that comes after it sets it again
             if self._events() & _POLLIN:  # cheaper than a receive that raises `Again`
                 try:
                     return recv_frames(self.socket)
                 except zmq.Again:
                     pass
-            if self._monitor_pending() or not await self._wait(_POLLIN, deadline):
+            if self._monitor_pending():
                 return None
+            self._reader_parked = True
+            try:
+                if not await self._ready_by(deadline):
+                    return None
+            finally:
+                self._reader_parked = False
 
     def monitor_events(self) -> list[tuple[int, int]]:
         """The monitor's events read so far, as (event, value), taken without waiting."""
@@ -133,7 +142,7 @@ class SocketIO:
         while not self.send_nowait(frames):
             self._blocked_senders += 1
             try:
-                if not await self._wait(_POLLOUT, deadline):
+                if not await self._wait_for_room(deadline):
                     return False
             finally:
                 self._blocked_senders -= 1
@@ -147,15 +156,21 @@ class SocketIO:
         except zmq.Again:
             return False
         finally:
-            # The send may have swallowed the FD's signal for a message that arrived.
-            if self._events() & _POLLIN:
+            # The send may have swallowed the FD's signal for a message that arrived, which a
+            # reader waits for (one that is not waiting checks before it does).
+            if self._reader_parked and self._events() & _POLLIN:
                 self._ready.set()
 
-    async def _wait(self, event: int, deadline: float | None) -> bool:
-        """Wait until the socket may have `event`; False once `deadline` has passed."""
+    async def _wait_for_room(self, deadline: float | None) -> bool:
+        """Wait until the socket may have room to send; False once `deadline` has passed."""
         self._ready.clear()
-        if self._events() & event or (event == _POLLIN and self._monitor_pending()):
+        if self._events() & _POLLOUT:
             return True
+        return await self._ready_by(deadline) or bool(self._events() & _POLLOUT)
+
+    async def _ready_by(self, deadline: float | None) -> bool:
+        """Wait for `_ready` (cleared by the caller before its last check); False once
+        `deadline` has passed first."""
         loop = self._loop
         if deadline is not None and deadline <= loop.time():
             return False
@@ -165,7 +180,7 @@ class SocketIO:
         finally:
             if timer is not None:
                 timer.cancel()
-        return deadline is None or loop.time() < deadline or bool(self._events() & event)
+        return deadline is None or loop.time() < deadline
 
     def _events(self) -> int:
         return cast(int, _get_option(self.socket, _EVENTS))
