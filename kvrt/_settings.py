@@ -25,6 +25,11 @@ empty leaves the constructor's default.
     KVRT_CURVE_ALLOWED_DIR    producer  curve (the clients' public certificates)
     KVRT_CURVE_PUBLIC_KEY, KVRT_CURVE_SECRET_KEY, KVRT_CURVE_SERVER_KEY, KVRT_CURVE_ALLOWED_KEYS
                               both      curve, as Z85 keys instead of files (`CurveKeys.from_env`)
+
+`KVRT_HEAP_TUNING=0` is read by the first producer or consumer of a process, not passed to a
+constructor: it leaves glibc's malloc as it is, for an engine that tunes it itself (see
+`kvrt._heap`: by default malloc keeps up to 64 MiB of freed memory warm for the next
+received layer).
 """
 
 from __future__ import annotations

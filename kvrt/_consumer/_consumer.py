@@ -24,6 +24,7 @@ from kvrt._errors import (
     ClosedError,
     PeerLostError,
 )
+from kvrt._heap import keep_freed_memory
 from kvrt._item import KVBuffers, KVItem
 from kvrt._pools import PoolTable
 from kvrt._service import AsyncService
@@ -225,6 +226,7 @@ class Consumer(ConsumerState, AsyncService):
         """Connect and handshake with the producer; returns once it answered."""
         if self._context is not None or self._closed:
             raise ClosedError("a consumer starts once; create a new one")
+        keep_freed_memory()
         self._context = zmq.Context()
         _metrics.track_consumer(self)
         try:

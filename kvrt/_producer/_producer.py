@@ -22,6 +22,7 @@ from kvrt._errors import (
     ClosedError,
     translate_zmq_error,
 )
+from kvrt._heap import keep_freed_memory
 from kvrt._metrics import ProducerStats
 from kvrt._pools import PoolTable
 from kvrt._producer._insert import Inserter
@@ -183,6 +184,7 @@ class Producer(ProducerState, AsyncService):
         """Bind the endpoint and start serving; returns once `endpoint` is known."""
         if self._socket is not None or self._closed:
             raise ClosedError("a producer starts once; create a new one")
+        keep_freed_memory()
         # Two I/O threads: handshakes and ZMTP heartbeats of many connections (a storm of them)
         # do not queue every consumer's bytes behind one thread.
         self._context = zmq.Context(io_threads=PRODUCER_IO_THREADS)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import socket
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from kvrt._errors import (
     PeerLostError,
     translate_zmq_error,
 )
+from kvrt._heap import trim_heap
 from kvrt._producer._state import ProducerState
 from kvrt._protocol import Outgoing
 from kvrt._zmqio import MAX_BATCH, Dropped
@@ -31,17 +31,6 @@ TRIM_AFTER_DEPARTURES: Final = 256
 """Peers forgotten since the last heap trim that make the next one worth it."""
 
 log = logging.getLogger("kvrt.producer")
-
-
-def _trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class _Unencodable(Exception):
@@ -286,7 +275,7 @@ class ServeLoop:
             # After a storm of peers, give the memory their connections and records held back
             # to the system (glibc keeps freed memory in its arenas otherwise).
             self._state._departed_since_trim = 0
-            _trim_heap()
+            trim_heap()
 
     def ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
