@@ -123,31 +123,6 @@ def lands_on_caller_stream(
     return _stepped(method, lands=True)
 
 
-class _StepOn:
-    """`torch.cuda.stream(stream)` around one step of a call, without its lookups: torch's
-    context asks whether CUDA is available and reads the environment each time it is made,
-    about ten microseconds a step on the loop's thread, several steps a request. The thread's
-    current device and its stream there are put back on leaving."""
-
-    __slots__ = ("_device", "_previous", "_stream")
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self._stream = stream
-
-    def __call__(self) -> _StepOn:
-        return self
-
-    def __enter__(self) -> None:
-        self._device = torch.cuda.current_device()
-        self._previous = torch.cuda.current_stream(self._stream.device)
-        torch.cuda.set_stream(self._stream)  # its device current too
-
-    def __exit__(self, *_: object) -> None:
-        torch.cuda.set_stream(self._previous)
-        if self._device != self._stream.device.index:
-            torch.cuda.set_device(self._device)
-
-
 def _stepped(
     method: Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]], *, lands: bool
 ) -> Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]]:
@@ -156,7 +131,7 @@ def _stepped(
         stream = caller_stream(kwargs.get("stream"), self.device)
         if stream is None:
             return await method(self, *args, **kwargs)
-        result = await steps_on(method(self, *args, **kwargs), _StepOn(stream))
+        result = await steps_on(method(self, *args, **kwargs), functools.partial(torch.cuda.stream, stream))
         if lands and self.device.type == "cuda":
             stream.wait_stream(torch.cuda.current_stream(self.device))
         return result
