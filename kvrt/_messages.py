@@ -161,7 +161,15 @@ class Ping(Message, frozen=True, tag="ping"):
 
 
 class Pong(Message, frozen=True, tag="pong"):
+    """Producer → consumer: the answer to a Ping with its nonce. One with `UNASKED_NONCE`, which
+    no Ping carries, answers nothing: a producer sends it to learn whether a silent consumer's
+    connection is still up (ZeroMQ refuses to route it once it closed), and consumers ignore it."""
+
     nonce: int = 0
+
+
+UNASKED_NONCE: Final = 0
+"""The nonce of a Pong no Ping asked for (consumers number their pings from 1)."""
 
 
 class Bye(Message, frozen=True, tag="bye"):

@@ -194,14 +194,15 @@ class SocketIO:
                 self._loop.remove_reader(self._monitor_fd)
 
 
-def zmtp_heartbeats(socket: zmq.Socket[bytes], heartbeat_s: float, timeout_s: float) -> None:
+def zmtp_heartbeats(socket: zmq.Socket[bytes], heartbeat_s: float, timeout_s: float, ttl_s: float) -> None:
     """ZeroMQ's own heartbeats on `socket` (before it connects or binds): libzmq's I/O thread
     pings every `heartbeat_s` and closes a connection silent for `timeout_s`, so a dead or
     stopped peer is found without the Python loop, and a loop busy for seconds (an engine
-    holding the GIL) does not make its peer look dead."""
+    holding the GIL) does not make its peer look dead. The peer closes its end once this side
+    is silent for `ttl_s` (this whole process stopped, or gone without closing)."""
     socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat_s * 1000)))
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout_s * 1000)))
-    socket.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, round(timeout_s * 1000))))
+    socket.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, round(ttl_s * 1000))))
 
 
 MAX_QUEUED_MESSAGES: Final = 4096
@@ -304,6 +305,18 @@ class RouterOutboxes:
                 outbox.retry_in_s = min(LAST_RETRY_S, outbox.retry_in_s * 2)
             outbox.retry_at = now + outbox.retry_in_s
         return dropped
+
+    def reaches(self, peer: bytes, frames: Frames) -> bool:
+        """Whether ZeroMQ still routes to `peer` (its connection is up), learnt by sending it
+        `frames`, a message it ignores, past its outbox and mute: only a closed connection
+        refuses it (a full queue only means the peer does not read now)."""
+        try:
+            self.io.send_nowait([peer, *frames])
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def next_retry(self) -> float | None:
         return min((outbox.retry_at for outbox in self._outboxes.values()), default=None)

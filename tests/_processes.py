@@ -134,6 +134,47 @@ def run_waiting_consumer(
     asyncio.run(main())
 
 
+def run_consumer_stopping_before_its_receipt(
+    endpoint: str, heartbeat_s: float, tokens: list[int], control: multiprocessing.connection.Connection
+) -> None:
+    """Post a waiting drop_select for `tokens`, say "asked" once the producer holds it; the moment
+    the item is handed over, before its receipt is queued, the whole process stops itself
+    (SIGSTOP: the receipt waits for a SIGCONT). Then, once the producer has read the receipt,
+    report ("item", its key's sum), ("none",) or ("error", the error's class name)."""
+
+    async def main() -> None:
+        async with kvrt.Consumer(connect=endpoint, heartbeat_s=heartbeat_s) as consumer:
+            sends = consumer.link_for_tests().sends
+            send_receipts = sends.send_receipts
+            stopped = False
+
+            def stop_before_the_receipt_leaves() -> None:
+                nonlocal stopped
+                if sends._receipts and not stopped:
+                    stopped = True
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                send_receipts()
+
+            sends.send_receipts = stop_before_the_receipt_leaves  # type: ignore[method-assign]
+            call = asyncio.create_task(consumer.drop_select(torch.tensor(tokens), None, timeout=60))
+            await asyncio.sleep(0)  # a yield: the call runs up to its wait for the answer
+            assert await consumer.drop_select(torch.tensor([-1]), None, timeout=0.0) is None  # answered in order
+            control.send("asked")
+            try:
+                item = await call
+                try:  # answered after what this link sent before it: the receipt is read
+                    assert await consumer.drop_select(torch.tensor([-1]), None, timeout=0.0) is None
+                except kvrt.PeerLostError:  # woken past its lease: it says hello again, after its receipt
+                    await asyncio.wait_for(consumer.link_for_tests().connected.wait(), 30)
+            except kvrt.KVRTError as exc:
+                control.send(("error", type(exc).__name__))
+            else:
+                control.send(("none",) if item is None else ("item", float(item.key.float().sum())))
+            await asyncio.to_thread(_wait_for_stop, control)
+
+    asyncio.run(main())
+
+
 def run_non_reader(endpoint: str, requests: int, control: multiprocessing.connection.Connection) -> None:
     """A peer that says hello, sends `requests` stats requests and never reads a reply; told
     ("more", n), it sends n more. It says how many it sent each time."""

@@ -21,11 +21,18 @@ import zmq.asyncio
 
 import kvrt
 from kvrt import _messages as m
-from kvrt._protocol import HEARTBEAT_MISSES, ProducerCore
+from kvrt._protocol import HEARTBEAT_MISSES, SILENT_HOLD_LEASES, PeerState, ProducerCore
 from kvrt._protocol.waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
 from tests._checks import collected
-from tests._processes import child_process, run_busy_producer, run_non_reader, run_producer, run_waiting_consumer
+from tests._processes import (
+    child_process,
+    run_busy_producer,
+    run_consumer_stopping_before_its_receipt,
+    run_non_reader,
+    run_producer,
+    run_waiting_consumer,
+)
 
 HEARTBEAT_S = 0.1
 LEASE_S = HEARTBEAT_S * HEARTBEAT_MISSES
@@ -134,7 +141,9 @@ async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_
             assert producer.stats().in_flight == 1  # sent to the consumer whose loop is held
             _stop(stalled)  # and now stopped for longer than its lease (a GC pause, SIGSTOP)
             try:
-                async with asyncio.timeout(LEASE_S + 5):  # its lease ends; the item comes back
+                # Its lease ends, its connection is still up: the item comes back once the
+                # producer stops holding it for a stopped process.
+                async with asyncio.timeout(LEASE_S * SILENT_HOLD_LEASES + 5):
                     await producer._peer_left.wait()
                 assert producer.stats().items == 1
                 if then == "taken-by-another":
@@ -153,6 +162,88 @@ async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_
         stats = producer.stats()
         assert stats.totals.delivered_items == (1 if then == "taken-by-another" else 0)
         assert (stats.items, stats.in_flight) == (0, 0)
+
+
+async def test_a_consumer_stopped_between_its_hand_over_and_its_receipt_keeps_the_item_no_one_else_gets_it() -> None:
+    # The hand-over happened inside the lease; the receipt had not left the process when it
+    # stopped (SIGSTOP stops libzmq's threads too). Its connection is still up, so the
+    # producer keeps the item for it instead of giving it to the next consumer.
+    tokens = torch.arange(16)
+    key = torch.randn(1, 16, 1, 64)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        args = (producer.endpoint, HEARTBEAT_S, tokens.tolist())
+        async with child_process(run_consumer_stopping_before_its_receipt, args, "a consumer") as (
+            asked, stopping, control,
+        ):  # fmt: skip
+            assert asked == "asked" and producer.stats().waiting_requests == 1 and stopping.pid is not None
+            await producer.insert(tokens, None, key, key)
+            _, status = await asyncio.wait_for(asyncio.to_thread(os.waitpid, stopping.pid, os.WUNTRACED), 30)
+            assert os.WIFSTOPPED(status)  # it stopped itself having handed the item over
+            try:
+                await asyncio.sleep(2.5 * LEASE_S)  # its lease ended long ago
+                async with kvrt.Consumer(connect=producer.endpoint, heartbeat_s=HEARTBEAT_S) as other:
+                    assert await other.drop_select(tokens, timeout=LEASE_S) is None
+                assert producer.stats().in_flight == 1
+            finally:
+                os.kill(stopping.pid, signal.SIGCONT)
+            outcome = await asyncio.wait_for(asyncio.to_thread(control.recv), 30)
+            assert outcome == ("item", float(key.sum())), outcome  # and the producer read its receipt
+        stats = producer.stats()
+        assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
+
+
+async def test_a_killed_consumer_s_items_come_back_when_its_lease_ends_not_after_the_hold() -> None:
+    tokens = torch.arange(16)
+    key = torch.randn(1, 16, 1, 64)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        args = (producer.endpoint, HEARTBEAT_S, tokens.tolist())
+        async with child_process(run_waiting_consumer, args, "a waiting consumer") as (asked, killed, control):
+            assert asked == "asked" and killed.pid is not None
+            control.send(("hold", 30.0))  # its loop never reads the item
+            assert await asyncio.to_thread(control.recv) == "holding"
+            producer._peer_left.clear()
+            await producer.insert(tokens, None, key, key)
+            assert producer.stats().in_flight == 1
+            os.kill(killed.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            async with asyncio.timeout(LEASE_S * SILENT_HOLD_LEASES):
+                await producer._peer_left.wait()
+            assert time.monotonic() - killed_at < 2 * LEASE_S  # its connection closed: no hold
+            assert producer.stats().items == 1
+
+
+def test_a_silent_consumer_still_connected_keeps_its_items_for_the_hold_and_may_still_confirm_them() -> None:
+    core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
+    from tests.test_protocol import make_item
+
+    leases = {}
+    for peer, tokens in ((b"up", [1, 2, 3]), (b"closed", [4, 5, 6]), (b"stopped", [7, 8, 9])):
+        core.receive(peer, m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
+        core.insert(make_item(core, tokens), 0.0)
+        (sent,) = core.receive(peer, m.encode(m.DropSelect(request_id=1, tokens=None)), 0, 0.0)
+        assert isinstance(sent.message, m.Deliver)
+        leases[peer] = (sent.message.item_id, sent.message.lease)
+
+    def connected(peer: bytes) -> bool:
+        return peer != b"closed"
+
+    clock = [0.0]
+
+    def run_until(until: float) -> None:  # the serve loop's ticks, a quarter heartbeat apart
+        while clock[0] < until:
+            clock[0] = min(until, clock[0] + HEARTBEAT_S / 4)
+            core.expire(clock[0], connected)
+
+    run_until(core.lease_s)  # all three silent for a lease: only the closed one's item is back
+    assert (len(core.buffer), sum(len(h.items) for h in core.lifecycle.holdings.values())) == (1, 2)
+    assert core.sessions.state(b"up") is PeerState.GONE  # served no more meanwhile
+    item_id, lease = leases[b"up"]
+    assert core.receive(b"up", m.encode(m.Received(item_ids=[item_id], leases=[lease])), 0, 2 * core.lease_s) == []
+    assert core.counters.delivered_items == 1  # its receipt, late but inside the hold, counts
+    run_until(core.lease_s * SILENT_HOLD_LEASES - HEARTBEAT_S / 2)
+    assert len(core.buffer) == 1  # the stopped one still holds its item
+    run_until(core.lease_s * SILENT_HOLD_LEASES)
+    assert len(core.buffer) == 2 and core.sessions.state(b"stopped") is PeerState.UNKNOWN
 
 
 def test_a_receipt_after_the_lease_ended_is_refused_and_the_item_stays_with_its_new_holder() -> None:

@@ -23,7 +23,7 @@ import torch
 
 import kvrt
 from kvrt import Layout
-from kvrt._protocol import HEARTBEAT_MISSES
+from kvrt._protocol import HEARTBEAT_MISSES, SILENT_HOLD_LEASES
 from kvrt.transports import _nixl_reads, _nixl_registrations, _nixl_rendezvous, nixl, select
 from kvrt.transports._nixl_agent import Agent, Registration, Transfer, TransferState, nixl_unavailable
 from tests._checks import DeafLink, caught_up, lease_ends_with_the_next_delivery, same_bits
@@ -399,7 +399,8 @@ def run_stalling_nixl_consumer(
 
 async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its_item_left() -> None:
     """A consumer whose item reaches its process while its loop is held, then is stopped
-    (SIGSTOP) past its lease: the item goes back, another consumer takes it, and the producer
+    (SIGSTOP) past its lease and the producer's hold for a stopped process: the item goes back,
+    another consumer takes it, and the producer
     puts a new item in the same registered region. Woken, the stopped consumer READs nothing
     (its lease ended) and its call fails with `LeaseExpiredError`."""
     tokens = torch.arange(16)
@@ -422,7 +423,7 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
             assert stalled.pid is not None
             os.kill(stalled.pid, signal.SIGSTOP)
             try:
-                await asyncio.wait_for(producer._peer_left.wait(), LEASE_S + 5)
+                await asyncio.wait_for(producer._peer_left.wait(), LEASE_S * SILENT_HOLD_LEASES + 5)
                 async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as other:
                     item = await other.drop_select(tokens)
                     assert item is not None and torch.equal(item.key, key)

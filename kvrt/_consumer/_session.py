@@ -34,6 +34,7 @@ from kvrt._errors import (
 )
 from kvrt._item import KVItem, Landing
 from kvrt._protocol import (
+    SILENT_HOLD_LEASES,
     ConsumerCore,
     LinkState,
     Lost,
@@ -153,7 +154,9 @@ class LinkSession:
         # One identity for the link's whole life: after a reconnect the producer still knows
         # whose receipts it reads (a new connection would otherwise get a new identity).
         self._socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        zmtp_heartbeats(self._socket, heartbeat_s, self.core.timeout_s)
+        # The producer keeps a stopped consumer's connection (and what it holds) as long as
+        # it may keep its items for it.
+        zmtp_heartbeats(self._socket, heartbeat_s, self.core.timeout_s, self.core.timeout_s * SILENT_HOLD_LEASES)
         # Replies to its own requests only: never let libzmq stop reading them (an engine whose input
         # is stopped, when its connection fails, trips libzmq's heartbeat timer into an assertion).
         self._socket.setsockopt(zmq.RCVHWM, 0)

@@ -30,6 +30,8 @@ from kvrt.transports import Transfer
 TRIM_AFTER_DEPARTURES: Final = 256
 """Peers forgotten since the last heap trim that make the next one worth it."""
 
+_UNASKED_PONG: Final = m.encode(m.Pong(nonce=m.UNASKED_NONCE))
+
 log = logging.getLogger("kvrt.producer")
 
 
@@ -122,7 +124,7 @@ class ServeLoop:
                         await self.perform(self._dropped(outboxes.flush(now, only=frames[0].bytes), now))
             if outboxes.next_retry() is not None:
                 await self.perform(self._dropped(outboxes.flush(now), now))
-            expired = core.expire(now)
+            expired = core.expire(now, self._connected)
             if expired:
                 await self.perform(expired)
             self.release_departed()
@@ -131,6 +133,11 @@ class ServeLoop:
                 # A flood never suspends `io.next`: yield once a full batch, so that inserts
                 # and the engine's other tasks on this loop still run while one peer floods.
                 await asyncio.sleep(0)
+
+    def _connected(self, peer: bytes) -> bool:
+        """Whether `peer`'s connection is still up (it is sent a Pong it ignores)."""
+        assert self._state._outboxes is not None
+        return self._state._outboxes.reaches(peer, [_UNASKED_PONG])
 
     def _answer(self, peer: bytes, frame: memoryview, extra_frames: int, now: float) -> list[Outgoing]:
         """The core's answer to one frame. A frame the core fails on (a bug, or a peer's input

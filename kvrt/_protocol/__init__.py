@@ -36,7 +36,13 @@ from kvrt._protocol.consumer import (
     Streamed,
     Welcomed,
 )
-from kvrt._protocol.heartbeats import DEFAULT_HEARTBEAT_S, HEARTBEAT_MISSES, MAX_HEARTBEAT_S, _heartbeat
+from kvrt._protocol.heartbeats import (
+    DEFAULT_HEARTBEAT_S,
+    HEARTBEAT_MISSES,
+    MAX_HEARTBEAT_S,
+    SILENT_HOLD_LEASES,
+    _heartbeat,
+)
 from kvrt._protocol.outgoing import BATCH_SEGMENT_BYTES, Departure, Outgoing, batch_segments
 from kvrt._protocol.pieces import Cut
 from kvrt._protocol.producer import ProducerCore
@@ -48,6 +54,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "HEARTBEAT_MISSES",
     "MAX_HEARTBEAT_S",
+    "SILENT_HOLD_LEASES",
     "ConsumerCore",
     "ConsumerEvent",
     "Cut",

@@ -13,6 +13,14 @@ default heartbeat, as SGLang's disaggregation gives a peer): an engine that hold
 seconds does not trip it. It is also the lease: how long the producer holds what it delivered
 to a silent consumer before it may give it to another (see `ProducerCore`)."""
 
+SILENT_HOLD_LEASES: Final = 6
+"""A silent consumer whose connection is still up keeps what was delivered to it for this many
+leases after its last message, not one. Its process may be stopped (SIGSTOP, a starved host)
+right after it handed an item over inside its lease, its receipt still queued in the process:
+a whole-process stop stops libzmq's threads too. Given to another consumer meanwhile, that item
+would be handed over twice. A consumer whose connection closed (its process died) gives its
+items back when its lease ends; one stopped for longer than this gives them back then."""
+
 DEFAULT_HEARTBEAT_S = 1.0
 """Consumers ping at least this often; one silent for `HEARTBEAT_MISSES` periods is dropped."""
 

@@ -163,6 +163,11 @@ class Lifecycle:
         item = None if holding is None else holding.items.get(item_id)
         return None if item is None or (lease and lease != item.lease) else item
 
+    def holds_items(self, peer: bytes) -> bool:
+        """Whether anything is in flight to `peer`."""
+        holding = self.holdings.get(peer)
+        return holding is not None and bool(holding.items)
+
     def over_share(self, peer: bytes) -> bool:
         holding = self.holdings.get(peer)
         return holding is not None and 0 < self.buffer_limit_bytes * UNCONFIRMED_SHARE < holding.nbytes

@@ -11,6 +11,13 @@ echoes, and a receipt that comes after the lease ended is refused. So an item is
 never freed while a peer may read it, and a consumer that wakes from a stall longer than its
 lease drops what it was sent meanwhile instead of sharing it with the next consumer.
 
+A consumer whose whole process stops right after a hand-over still has the receipt in it
+(libzmq's threads stop too). So one silent past its lease whose connection is still up keeps
+its items, served no more, for `SILENT_HOLD_LEASES` leases, unless it confirms, releases or
+says hello first; only one whose connection closed (its process died) gives them back when
+its lease ends. A stop longer than the hold, landing in that window, is the one case left
+where an item can reach two callers.
+
 `ProducerCore` routes each input to the part whose job it is: `Sessions` (who is connected),
 `Lifecycle` (every move of an item), `Deliveries` and `PieceDeliveries` (who gets what),
 `WaitingRequests` (who waits), `commands` (an operator's questions), `Timers` (what falls due).
@@ -19,7 +26,7 @@ lease drops what it was sent meanwhile instead of sharing it with the next consu
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvrt import _messages as m
@@ -28,7 +35,7 @@ from kvrt._errors import ErrorCode, NotFoundError, ProtocolError
 from kvrt._protocol import commands
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.deliveries import Deliveries
-from kvrt._protocol.heartbeats import HEARTBEAT_MISSES
+from kvrt._protocol.heartbeats import HEARTBEAT_MISSES, SILENT_HOLD_LEASES
 from kvrt._protocol.lifecycle import Lifecycle
 from kvrt._protocol.outgoing import Departure, Outgoing, Refusals, end_outgoing, layer_outgoing
 from kvrt._protocol.pieces import Cut, PieceDeliveries, no_cut
@@ -248,8 +255,12 @@ class ProducerCore:
             out.append(self._refuse(send.peer, request_id, ErrorCode.INTERNAL, text))
         return out
 
-    def expire(self, now: float) -> list[Outgoing]:
+    def expire(self, now: float, connected: Callable[[bytes], bool] = lambda peer: False) -> list[Outgoing]:
         """Answer waiting requests whose timeout passed; forget peers silent for too long.
+
+        A peer silent past its lease that holds items and is still `connected` (the driver's
+        answer: its connection is up) is served no more but keeps them for up to
+        `SILENT_HOLD_LEASES` leases, asked again each heartbeat (see the module's docstring).
 
         A lease ends only after this side has run for a while without a gap: a gap of more
         than `STALL_GAP_FRACTION` of a heartbeat between two calls means this process was
@@ -269,10 +280,15 @@ class ProducerCore:
                 if session is None:
                     continue
                 expires = max(session.last_seen + self.lease_s, self._hold_leases_until)
-                if expires <= now:
-                    out += self.sessions.forget(key, now)
-                else:
+                if expires > now:
                     self._timers.add(expires, TimerKind.PEER, key)
+                    continue
+                held_until = max(session.last_seen + self.lease_s * SILENT_HOLD_LEASES, self._hold_leases_until)
+                if held_until > now and self.lifecycle.holds_items(key) and connected(key):
+                    out += self.sessions.unreachable(key, now, "it is silent past its lease, its connection up")
+                    self._timers.add(min(held_until, now + self.heartbeat_s), TimerKind.PEER, key)
+                    continue
+                out += self.sessions.forget(key, now)
             elif kind is TimerKind.ITEM:
                 assert isinstance(key, BufferedItem)
                 self.lifecycle.expire(key)
