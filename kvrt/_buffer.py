@@ -128,6 +128,9 @@ class BufferedItem:
     the reader left before confirming it. Call it (once) before anything reads the storage."""
     lease: int = 0
     """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
+    checksum: int | None = None
+    """XXH3-64 of its packed storage, computed at insert when its producer checksums
+    (`Producer(checksum=True)`); sent with every delivery of it."""
     charged: int = 0
     """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
     pieces: Pieces | None = None

@@ -47,6 +47,7 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"
     PEER_LOST = "peer_lost"
     INTERNAL = "internal"
+    INTEGRITY = "integrity"
 
 
 class KVRTError(Exception):
@@ -80,6 +81,14 @@ class LeaseExpiredError(PeerLostError):
     consumer's lease on it ended: this process, or the producer, was stalled longer than the
     lease, and the producer may have given the item to another consumer. It was given back, not
     handed over; ask again."""
+
+
+class IntegrityError(KVRTError):
+    """An item's bytes did not match the checksum its producer computed where it wrote them
+    (`Producer(checksum=True)`): they were damaged on the way, or read from memory reused too
+    early. The caller never saw them; the item went back to its producer whole. Ask again."""
+
+    code = ErrorCode.INTEGRITY
 
 
 class ProtocolError(KVRTError):
@@ -149,6 +158,7 @@ _CLASS_FOR_CODE: dict[ErrorCode, type[KVRTError]] = {
     ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.PEER_LOST: PeerLostError,
     ErrorCode.INTERNAL: KVRTError,
+    ErrorCode.INTEGRITY: IntegrityError,
 }
 
 

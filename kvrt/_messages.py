@@ -49,6 +49,8 @@ MAX_LISTED: Final = 10_000
 RequestId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 ItemId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Lease = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Checksum = Annotated[int, Meta(ge=0)]
+"""A 64-bit checksum of a payload's bytes (see `Deliver.checksum`): MessagePack carries no wider integer."""
 TOKEN_BYTES: Final = 8
 TokenBytes = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_BYTES)]
 """Token ids as consecutive little-endian int64 (numpy's `<i8`): compact, and cheap for any language."""
@@ -246,6 +248,10 @@ class Deliver(Message, frozen=True, tag="deliver"):
     lease: Lease = 0
     """This delivery's number: the consumer's `Received` (or `Release`) names it, and the
     producer refuses one whose delivery is no longer the item's current one."""
+    checksum: Checksum | None = None
+    """XXH3-64 of the payload's bytes as the producer wrote them (`Producer(checksum=True)`):
+    the consumer checks the bytes that landed against it before anyone sees them. None: not
+    checked (a consumer that predates the field ignores it)."""
 
 
 MAX_BATCH: Final = 256

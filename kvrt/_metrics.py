@@ -88,6 +88,8 @@ class ConsumerMetrics:
     lookup_wait: Histogram = field(default_factory=lambda: Histogram(WAIT_BUCKETS_S))
     transfer_seconds: dict[str, Histogram] = field(default_factory=dict)
     transfer_bytes: dict[str, Histogram] = field(default_factory=dict)
+    integrity_failures: int = 0
+    """Deliveries whose bytes did not match their checksum (each went back, its call failed)."""
 
     def looked_up(self, outcome: LookupOutcome, count: int = 1) -> None:
         self.lookups[outcome] += count
@@ -262,6 +264,9 @@ class _Collector:
         received = CounterMetricFamily("kvrt_consumer_items", "Items received", labels=consumer_labels)
         received_bytes = CounterMetricFamily("kvrt_consumer_bytes", "Bytes received", labels=consumer_labels)
         errors = CounterMetricFamily("kvrt_consumer_errors", "Failed calls", labels=[*consumer_labels, "type"])
+        integrity = CounterMetricFamily(
+            "kvrt_integrity_failures", "Deliveries whose bytes did not match their checksum", labels=consumer_labels
+        )
         for consumer in list(_consumers):
             labels = [consumer.name, ",".join(consumer.endpoints)]
             metrics = consumer.metrics
@@ -278,7 +283,10 @@ class _Collector:
             received_bytes.add_metric(labels, counters.bytes)
             for error_type, count in list(counters.errors.items()):
                 errors.add_metric([*labels, error_type], count)
-        yield from (lookups, waits, transfer_seconds, transfer_bytes, pending, received, received_bytes, errors)
+            integrity.add_metric(labels, metrics.integrity_failures)
+        yield from (
+            lookups, waits, transfer_seconds, transfer_bytes, pending, received, received_bytes, errors, integrity
+        )  # fmt: skip
 
         operations = HistogramMetricFamily("kvrt_operation_seconds", "Latency of kvrt operations", labels=["op"])
         for op, histogram in list(_operations.items()):

@@ -169,11 +169,12 @@ class Producer(_Blocking[_producer.Producer]):
         item_ttl_s: float | None = None,
         curve: CurveKeys | None = None,
         heads: slice | None = None,
+        checksum: bool | None = None,
     ) -> None:
         async def start() -> _producer.Producer:
             producer = _producer.Producer(
                 bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
-                item_ttl_s=item_ttl_s, curve=curve, heads=heads,
+                item_ttl_s=item_ttl_s, curve=curve, heads=heads, checksum=checksum,
             )  # fmt: skip
             return await producer.start()
 

@@ -20,7 +20,8 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._errors import RemoteProtocolError
+from kvrt._checksum import payload_checksum
+from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
 from kvrt.transports._base import (
@@ -113,7 +114,7 @@ class TcpReceiver(Receiver):
                 done.set_result(self._item(delivery, frames))
             else:
                 done.set_result(self._batch(delivery, frames))
-        except RemoteProtocolError as exc:
+        except (RemoteProtocolError, IntegrityError) as exc:
             done.set_exception(exc)
 
     def abandon(self) -> None:
@@ -147,6 +148,11 @@ class TcpReceiver(Receiver):
         if buffer.nbytes != entry.payload_bytes:
             raise RemoteProtocolError(
                 f"item {entry.item_id}: {entry.payload_bytes} payload bytes announced, {buffer.nbytes} came"
+            )
+        if isinstance(entry, Deliver) and entry.checksum is not None and payload_checksum(buffer) != entry.checksum:
+            raise IntegrityError(
+                f"item {entry.item_id}: its {buffer.nbytes} bytes do not match the checksum its producer "
+                "computed where it wrote them (damaged on the way): it went back whole"
             )
         tensors = unpack(item_metas(entry), buffer)
         if self.device.type != "cpu":

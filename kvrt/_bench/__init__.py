@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("buffer", "consensus", "heads", "nccl", "ipc", "kernels", "nixl", "pull", "requests", "stream", "vllm")
+BENCHMARKS = (
+    "buffer", "checksum", "consensus", "heads", "nccl", "ipc", "kernels", "nixl", "pull", "requests", "stream", "vllm"
+)  # fmt: skip
 """Each is a module with `main(args) -> int`: of this package, but those `ELSEWHERE` says."""
 
 ELSEWHERE = {"vllm": "kvrt.integrations.vllm._bench"}

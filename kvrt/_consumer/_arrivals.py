@@ -17,6 +17,7 @@ import zmq
 from kvrt import _messages as m
 from kvrt._consumer._session import LinkSession, _item_ids, _Reply
 from kvrt._errors import (
+    IntegrityError,
     InvalidInputError,
     ProtocolError,
     translate_torch_error,
@@ -54,7 +55,7 @@ class Arrivals:
                 arrival = self._link.receiver.receive_in_place(deliver, payload, in_place)
             else:
                 arrival = self._link.receiver.receive(deliver, payload)
-        except ProtocolError as exc:
+        except (ProtocolError, IntegrityError) as exc:
             if self._link.receiver.out_of_band:
                 self._link.start_afresh(future, exc)
             else:

@@ -26,6 +26,7 @@ from kvrt._consumer._join import TransportJoin
 from kvrt._consumer._sends import OrderedSends
 from kvrt._errors import (
     ClosedError,
+    IntegrityError,
     KVRTError,
     KVRTTimeoutError,
     LeaseExpiredError,
@@ -330,6 +331,8 @@ class LinkSession:
 
     def give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
         """A delivered item goes back; its call fails with `error`."""
+        if isinstance(error, IntegrityError) and self.metrics is not None:
+            self.metrics.integrity_failures += 1
         self.release([deliver.item_id])
         if future is not None and not future.done():
             future.set_exception(error)

@@ -61,6 +61,12 @@ class Producer(ProducerState, AsyncService):
     prefill TP rank's share; inserts check it). Consumers then ask for heads in the model's
     numbering, and one whose heads lie with several producers asks each for its part (see
     `Consumer.drop_select`); None: consumers number this producer's heads from 0.
+    `checksum`: each item inserted carries an XXH3-64 checksum of its bytes, computed at
+    insert; a consumer checks what lands against it before its caller sees it, and a
+    mismatch fails the call with `IntegrityError` while the item goes back whole (None: the
+    `KVRT_CHECKSUM` environment variable, 1 for on; off by default). It covers whole items
+    inserted into host memory (`device="cpu"`), delivered one at a time; published prefills,
+    streams, pieces and `drop_select_many` batches carry none yet.
     """
 
     # -- the prefill engine's calls, each given to the part whose job it is -------------------

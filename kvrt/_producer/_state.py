@@ -17,6 +17,7 @@ import zmq
 from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys
 from kvrt._buffer import BufferedItem
+from kvrt._checksum import checksum_wanted
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -76,14 +77,22 @@ class ProducerState:
         item_ttl_s: float | None = None,
         curve: CurveKeys | None = None,
         heads: slice | None = None,
+        checksum: bool | None = None,
     ) -> None:
         buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
+        self.checksum = checksum_wanted(checksum)
+        """Whether each inserted item carries a checksum of its bytes (`KVRT_CHECKSUM` if None)."""
         heartbeat_s = _heartbeat(heartbeat_s)
         item_ttl_s = seconds(item_ttl_s, "item_ttl_s", none=True)
         bind = endpoint(bind, "bind", binding=True)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
         self.device = usable_device(device)
+        if self.checksum and self.device.type != "cpu":
+            raise InvalidInputError(
+                "checksum=True covers items kept in host memory (device='cpu'); "
+                f"this producer keeps them on {self.device}"
+            )
         self.buffer_bytes = buffer_bytes
         self._bind = bind
         self._curve = curve

@@ -74,6 +74,7 @@ def deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deli
         payload_bytes=item.nbytes,
         segments=item.segments,
         lease=item.lease,
+        checksum=item.checksum,
     )
 
 

@@ -1,0 +1,145 @@
+"""KV integrity end to end: with `Producer(checksum=True)` an item's bytes carry a checksum
+computed where they were written and checked where they land; a corrupted delivery never
+reaches the caller, the item goes back whole, and the failure is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+import kvrt
+from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, payload_checksum
+
+ITEM_BYTES = 4 << 20
+FLIP_AT = 3 << 20
+"""Where in the producer's byte stream the relay flips a byte: inside the 4 MiB item's payload."""
+
+
+class FlippingRelay:
+    """A TCP relay between consumers and a producer that flips one byte of the producer's
+    stream, `flip_at` bytes into the first connection, once (`flips` counts it)."""
+
+    def __init__(self, upstream_port: int, flip_at: int) -> None:
+        self._upstream_port = upstream_port
+        self._flip_at = flip_at
+        self.flips = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> FlippingRelay:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
+        flip = self.flips == 0 and not self._tasks
+        for task in (
+            asyncio.create_task(self._pipe(reader, up_writer, flip=False)),
+            asyncio.create_task(self._pipe(up_reader, writer, flip=flip)),
+        ):
+            self._tasks.add(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, flip: bool) -> None:
+        passed = 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(1 << 16):
+                if flip and passed <= self._flip_at < passed + len(chunk):
+                    flipped = bytearray(chunk)
+                    flipped[self._flip_at - passed] ^= 0x10
+                    chunk = bytes(flipped)
+                    self.flips += 1
+                passed += len(chunk)
+                writer.write(chunk)
+                await writer.drain()
+        writer.close()
+
+
+def _item(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.arange(64) + 1000 * seed
+    key = torch.randn(4, 64, 4, ITEM_BYTES // 2 // 4 // 64 // 4 // 4, generator=generator)
+    value = torch.randn(key.shape, generator=generator)
+    return tokens, key, value
+
+
+@contextlib.asynccontextmanager
+async def _through_relay(checksum: bool) -> AsyncIterator[tuple[kvrt.Producer, FlippingRelay, kvrt.Consumer]]:
+    async with kvrt.Producer(checksum=checksum) as producer:
+        port = int(producer.endpoint.rsplit(":", 1)[1])
+        async with FlippingRelay(port, FLIP_AT) as relay:
+            async with kvrt.Consumer(connect=f"tcp://127.0.0.1:{relay.port}") as consumer:
+                yield producer, relay, consumer
+
+
+async def test_a_byte_flipped_in_transit_fails_the_call_the_item_goes_back_whole_and_is_counted() -> None:
+    tokens, key, value = _item()
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        await producer.insert(tokens, None, key, value)
+        with pytest.raises(kvrt.IntegrityError, match="checksum"):
+            await consumer.drop_select(tokens)
+        assert relay.flips == 1
+        assert consumer.metrics.integrity_failures == 1
+        item = await consumer.drop_select(tokens)  # the producer's copy was never touched
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+        assert await consumer.drop_select(tokens) is None  # taken once
+        assert consumer.metrics.integrity_failures == 1
+    stats = producer.stats()
+    assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
+
+
+async def test_without_checksums_the_same_flip_reaches_the_caller() -> None:
+    # What the check is for: the relay does corrupt what it carries.
+    tokens, key, value = _item()
+    async with _through_relay(checksum=False) as (producer, relay, consumer):
+        await producer.insert(tokens, None, key, value)
+        item = await consumer.drop_select(tokens)
+        assert relay.flips == 1
+        assert item is not None and not (torch.equal(item.key, key) and torch.equal(item.value, value))
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])
+async def test_with_checksums_a_clean_run_hands_over_identical_bytes(hidden: bool) -> None:
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        for seed, tokens_count in enumerate((1, 7, 300)):
+            tokens = torch.arange(tokens_count) + 10_000 * seed
+            key = torch.randn(2, tokens_count, 2, 8, dtype=torch.float16)
+            value = torch.randn(2, tokens_count, 2, 8, dtype=torch.float16)
+            states = torch.randn(tokens_count, 16) if hidden else None
+            await producer.insert(tokens, None, key, value, states)
+            item = await consumer.drop_select(tokens)
+            assert item is not None
+            assert torch.equal(item.input_tokens, tokens) and torch.equal(item.key, key)
+            assert torch.equal(item.value, value)
+            assert (item.hidden is None) if states is None else torch.equal(item.hidden, states)
+        assert consumer.metrics.integrity_failures == 0
+
+
+def test_the_environment_turns_checksums_on_and_a_bad_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CHECKSUM_ENV, raising=False)
+    assert checksum_wanted(None) is False and checksum_wanted(True) is True
+    monkeypatch.setenv(CHECKSUM_ENV, "1")
+    assert checksum_wanted(None) is True and checksum_wanted(False) is False
+    monkeypatch.setenv(CHECKSUM_ENV, "yes")
+    with pytest.raises(kvrt.InvalidInputError, match=CHECKSUM_ENV):
+        checksum_wanted(None)
+    with pytest.raises(kvrt.InvalidInputError, match="checksum"):
+        kvrt.Producer(checksum="yes")  # type: ignore[arg-type]
+
+
+def test_the_checksum_is_xxh3_64_of_the_payload() -> None:
+    # A reference value of XXH3-64 (seed 0), so that any two builds agree on the wire.
+    assert payload_checksum(b"") == 0x2D06800538D394C2
+    assert payload_checksum(memoryview(b"abc")) == payload_checksum(b"abc") != payload_checksum(b"abd")
