@@ -7,6 +7,7 @@ Every error kvrt raises is a `KVRTError`. Subclasses say what happened, not wher
     ├── KVRTTimeoutError         a deadline passed (also a TimeoutError); `phase` says which wait
     ├── PeerLostError            the other side stopped answering or went away (also a ConnectionError)
     │   └── LeaseExpiredError    an item arrived after this side's lease on it ended: given back, not handed over
+    ├── IntegrityError           an item's bytes did not match their checksum: given back, not handed over
     ├── ProtocolError            a message broke the protocol; `LocalProtocolError` when this side
     │   ├── LocalProtocolError   sent or was asked to send it, `RemoteProtocolError` when the peer did
     │   └── RemoteProtocolError
