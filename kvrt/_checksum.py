@@ -1,9 +1,11 @@
 """Checksums of an item's bytes: computed where the producer wrote them, checked where the
 consumer lands them, before its caller sees them (`Producer(checksum=True)`).
 
-An item travels as one packed payload (`kvrt._item.pack`), so one 64-bit checksum of that
-payload covers its tokens, key, value and hidden states. On the CPU it is xxHash's XXH3
-(64 bits), which hashes at memory speed; the bytes are hashed where they lie, without a copy.
+An item travels as one packed payload (`kvrt._item.pack`) with the description of each
+tensor in it (dtype, shape, offset: `TensorMeta`), so one 64-bit checksum covers both: XXH3-64
+of the payload, seeded with XXH3-64 of the descriptions as MessagePack encodes them. A bit
+flipped in the bytes, or in where a tensor is said to lie, fails the check alike. On the CPU
+xxHash hashes at memory speed, and the bytes are hashed where they lie, without a copy.
 """
 
 from __future__ import annotations
@@ -11,11 +13,18 @@ from __future__ import annotations
 import os
 from typing import Final
 
+import msgspec
 import torch
 import xxhash
 
 from kvrt._errors import InvalidInputError
+from kvrt._messages import TensorMeta
 from kvrt._tensors import tensor_bytes
+
+ItemMetas = tuple[TensorMeta | None, ...]
+"""An item's tensors as its delivery describes them: tokens, roi, key, value, hidden."""
+
+_encode_metas = msgspec.msgpack.Encoder().encode
 
 CHECKSUM_ENV: Final = "KVRT_CHECKSUM"
 """`1` turns checksums on for every producer that does not say (`Producer(checksum=None)`)."""
@@ -33,15 +42,20 @@ def checksum_wanted(checksum: bool | None) -> bool:
     return value == "1"
 
 
-def payload_checksum(payload: memoryview | bytes) -> int:
+def payload_checksum(payload: memoryview | bytes, seed: int = 0) -> int:
     """XXH3-64 of a payload's bytes (a host buffer, hashed in place)."""
-    return xxhash.xxh3_64_intdigest(payload)
+    return xxhash.xxh3_64_intdigest(payload, seed)
 
 
-def storage_checksum(storage: torch.Tensor) -> int:
-    """XXH3-64 of an item's packed storage (a contiguous uint8 tensor in host memory)."""
+def item_checksum(payload: memoryview | bytes, metas: ItemMetas) -> int:
+    """An item's checksum: its payload's, seeded with that of its tensors' descriptions."""
+    return payload_checksum(payload, xxhash.xxh3_64_intdigest(_encode_metas(metas)))
+
+
+def storage_checksum(storage: torch.Tensor, metas: ItemMetas) -> int:
+    """`item_checksum` of an item's packed storage (a contiguous uint8 tensor in host memory)."""
     if storage.device.type != "cpu":
         raise InvalidInputError(
             f"checksum=True needs the item's bytes in host memory; this item is on {storage.device}"
         )
-    return payload_checksum(tensor_bytes(storage))
+    return item_checksum(tensor_bytes(storage), metas)

@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import torch
 
 import kvrt
-from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, payload_checksum
+from kvrt import _messages as m
+from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, payload_checksum
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -127,6 +129,36 @@ async def test_with_checksums_a_clean_run_hands_over_identical_bytes(hidden: boo
         assert consumer.metrics.integrity_failures == 0
 
 
+@pytest.mark.parametrize("checksum", [True, False], ids=["checked", "unchecked"])
+async def test_a_header_that_says_the_value_lies_where_the_key_does_fails_the_call_like_a_flipped_byte(
+    monkeypatch: pytest.MonkeyPatch, checksum: bool
+) -> None:
+    decode = m.decode
+    altered: list[m.Deliver] = []
+
+    def altering_the_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.Deliver) and not altered:
+            altered.append(message)  # its value now read from its key's bytes
+            return msgspec.structs.replace(message, value=msgspec.structs.replace(message.value, offset=message.key.offset))
+        return message
+
+    monkeypatch.setattr(m, "decode", altering_the_first_delivery)
+    tokens = torch.arange(8)
+    key, value = torch.ones(1, 8, 1, 4), torch.full((1, 8, 1, 4), 1.5)
+    async with kvrt.Producer(checksum=checksum) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        await producer.insert(tokens, None, key, value)
+        if checksum:
+            with pytest.raises(kvrt.IntegrityError):
+                await consumer.drop_select(tokens)
+            item = await consumer.drop_select(tokens)
+            assert item is not None and torch.equal(item.value, value)
+        else:
+            item = await consumer.drop_select(tokens)
+            assert item is not None and torch.equal(item.value, key)  # wrong, and nobody said so
+        assert altered
+
+
 def test_the_environment_turns_checksums_on_and_a_bad_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CHECKSUM_ENV, raising=False)
     assert checksum_wanted(None) is False and checksum_wanted(True) is True
@@ -143,3 +175,6 @@ def test_the_checksum_is_xxh3_64_of_the_payload() -> None:
     # A reference value of XXH3-64 (seed 0), so that any two builds agree on the wire.
     assert payload_checksum(b"") == 0x2D06800538D394C2
     assert payload_checksum(memoryview(b"abc")) == payload_checksum(b"abc") != payload_checksum(b"abd")
+    metas = (m.TensorMeta("int64", [1]), None, m.TensorMeta("float16", [1, 1, 1, 4], 8), None, None)
+    moved = (*metas[:2], m.TensorMeta("float16", [1, 1, 1, 4], 16), None, None)
+    assert item_checksum(b"x" * 24, metas) != item_checksum(b"x" * 24, moved) != payload_checksum(b"x" * 24)

@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._checksum import payload_checksum
+from kvrt._checksum import item_checksum
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
@@ -149,11 +149,12 @@ class TcpReceiver(Receiver):
             raise RemoteProtocolError(
                 f"item {entry.item_id}: {entry.payload_bytes} payload bytes announced, {buffer.nbytes} came"
             )
-        if isinstance(entry, Deliver) and entry.checksum is not None and payload_checksum(buffer) != entry.checksum:
-            raise IntegrityError(
-                f"item {entry.item_id}: its {buffer.nbytes} bytes do not match the checksum its producer "
-                "computed where it wrote them (damaged on the way): it went back whole"
-            )
+        if isinstance(entry, Deliver) and entry.checksum is not None:
+            if item_checksum(buffer, item_metas(entry)) != entry.checksum:
+                raise IntegrityError(
+                    f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not "
+                    "match the checksum its producer computed where it wrote them (damaged on the way): it went back whole"
+                )
         tensors = unpack(item_metas(entry), buffer)
         if self.device.type != "cpu":
             tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]

@@ -54,7 +54,7 @@ class Inserter:
             allocate=self._state._allocate,
         )
         if self._state.checksum:
-            item.checksum = storage_checksum(item.storage)
+            item.checksum = storage_checksum(item.storage, item.metas)
         await self.buffer(item)
         timer.done()
 
