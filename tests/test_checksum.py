@@ -140,7 +140,8 @@ async def test_a_header_that_says_the_value_lies_where_the_key_does_fails_the_ca
         message = decode(frame)
         if isinstance(message, m.Deliver) and not altered:
             altered.append(message)  # its value now read from its key's bytes
-            return msgspec.structs.replace(message, value=msgspec.structs.replace(message.value, offset=message.key.offset))
+            moved = msgspec.structs.replace(message.value, offset=message.key.offset)
+            return msgspec.structs.replace(message, value=moved)
         return message
 
     monkeypatch.setattr(m, "decode", altering_the_first_delivery)

@@ -149,12 +149,12 @@ class TcpReceiver(Receiver):
             raise RemoteProtocolError(
                 f"item {entry.item_id}: {entry.payload_bytes} payload bytes announced, {buffer.nbytes} came"
             )
-        if isinstance(entry, Deliver) and entry.checksum is not None:
-            if item_checksum(buffer, item_metas(entry)) != entry.checksum:
-                raise IntegrityError(
-                    f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not "
-                    "match the checksum its producer computed where it wrote them (damaged on the way): it went back whole"
-                )
+        checksum = entry.checksum if isinstance(entry, Deliver) else None
+        if checksum is not None and item_checksum(buffer, item_metas(entry)) != checksum:
+            raise IntegrityError(
+                f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not match "
+                "the checksum its producer computed where it wrote them (damaged on the way): it went back whole"
+            )
         tensors = unpack(item_metas(entry), buffer)
         if self.device.type != "cpu":
             tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]
