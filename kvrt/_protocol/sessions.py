@@ -202,6 +202,6 @@ class Sessions:
 
     def _forget_if_done(self, peer: bytes, now: float) -> list[Outgoing]:
         """A dropped peer that holds nothing any more is forgotten now."""
-        if self.state(peer) is PeerState.GONE and not self._lifecycle.holdings[peer].items:
+        if self.state(peer) is PeerState.GONE and not self._lifecycle.holds_items(peer):
             return self.forget(peer, now)
         return []
