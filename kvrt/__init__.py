@@ -42,7 +42,7 @@ from kvrt._settings import consumer_settings, producer_settings
 from kvrt._streams import ConsumerStream, ProducerStream
 from kvrt._trace import TraceEvent, add_trace_callback, tracing
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
