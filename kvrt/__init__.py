@@ -41,8 +41,7 @@ from kvrt._producer import Producer, ProducerStats
 from kvrt._settings import consumer_settings, producer_settings
 from kvrt._streams import ConsumerStream, ProducerStream
 from kvrt._trace import TraceEvent, add_trace_callback, tracing
-
-__version__ = "0.2.0"
+from kvrt._version import __version__
 
 __all__ = [
     "PROTOCOL_VERSION",

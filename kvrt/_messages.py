@@ -11,6 +11,10 @@ Evolution rules (msgspec's schema-evolution rules, kept here so nobody has to lo
 2. A tag is never reused, never renamed; a retired message keeps its tag reserved.
 3. An incompatible change bumps `PROTOCOL_VERSION`; peers refuse a version they do not speak.
 4. Unknown fields are ignored on decode, so an older peer reads a newer peer's messages.
+5. `error` keeps its fields in every version, and is read whatever version its envelope
+   names: a peer of another protocol version can still tell this side why it was refused.
+6. Two releases one minor version apart speak one protocol version, so that a fleet can be
+   upgraded one side at a time (`tests/test_release_skew.py` holds each change to that).
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ import numpy as np
 from msgspec import Meta
 
 from kvrt._errors import ErrorCode, RemoteProtocolError, VersionMismatchError
+from kvrt._version import __version__
 
 PROTOCOL_VERSION: Final = 2
+
+RELEASE: Final = __version__
+"""This kvrt release, named at hello and in a version refusal."""
 
 MAX_TOKENS: Final = 1 << 20
 """Most tokens a request may name (1M): bounds decode memory for a query."""
@@ -131,6 +139,8 @@ class Hello(Message, frozen=True, tag="hello"):
     """A hello that starts a new session repeats the receipts the consumer sent in the session
     it ends (the last `MAX_RECEIPTS`), as `received`: one the producer never read (its
     connection broke, a stall) counts before the old session's items go back."""
+    release: Name = ""
+    """The consumer's kvrt release (`kvrt.__version__`), which a refusal names."""
 
 
 MAX_RENDEZVOUS_CHARS: Final = 4096
@@ -154,6 +164,8 @@ class Welcome(Message, frozen=True, tag="welcome"):
     heads: HeadRange | None = None
     """Which KV heads of the model this producer's items hold (a prefill TP rank's share), if
     it was told: a consumer of several producers asks each for its part of a head range."""
+    release: Name = ""
+    """The producer's kvrt release (`kvrt.__version__`)."""
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -609,14 +621,43 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
     except _UNREADABLE as exc:
         raise RemoteProtocolError(f"unreadable control frame: {_reason(exc)}") from None
     if envelope.version != PROTOCOL_VERSION:
-        raise VersionMismatchError(
-            f"peer speaks protocol version {envelope.version}, this side speaks "
-            f"{PROTOCOL_VERSION}: run the same kvrt release on both sides"
-        )
+        refusal = _refusal_of_any_version(envelope.message)
+        if refusal is not None:
+            return refusal
+        raise VersionMismatchError(version_mismatch(envelope.version, _peek_release(envelope.message)))
     try:
         return _message_decoder.decode(envelope.message)
     except _UNREADABLE as exc:
         raise RemoteProtocolError(f"invalid control message: {_reason(exc)}") from None
+
+
+def version_mismatch(peer_version: int, peer_release: str) -> str:
+    """Why two peers cannot talk: both releases and both protocol versions."""
+    peer = f"kvrt {peer_release}" if peer_release else "a kvrt release that does not say which"
+    return (
+        f"the peer ({peer}) speaks control protocol version {peer_version}; this side (kvrt {RELEASE}) "
+        f"speaks {PROTOCOL_VERSION}: releases that changed the protocol incompatibly cannot work together, "
+        "upgrade the older side (docs/protocol.md, Versions)"
+    )
+
+
+def _refusal_of_any_version(message: msgspec.Raw) -> ErrorReply | None:
+    """The `error` in an envelope of another version (its fields never change), else None."""
+    try:
+        refusal = _message_decoder.decode(message)
+    except (*_UNREADABLE, TypeError):
+        return None
+    return refusal if isinstance(refusal, ErrorReply) else None
+
+
+def _peek_release(message: msgspec.Raw) -> str:
+    """The `release` a message of another version names, if it names one (a hello)."""
+    try:
+        fields = msgspec.msgpack.decode(message, type=dict[str, object])
+    except (*_UNREADABLE, TypeError):
+        return ""
+    release = fields.get("release")
+    return release[:MAX_NAME_CHARS] if isinstance(release, str) else ""
 
 
 def peek_request_id(frame: bytes | memoryview) -> int | None:

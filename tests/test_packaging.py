@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
+
+import kvrt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +38,17 @@ def test_the_license_file_is_the_license_the_package_declares() -> None:
 
 
 def test_the_changelog_has_a_section_for_the_released_version() -> None:
+    """A release (`0.2.0`) has its section; a development version (`0.3.0.dev0`) is what the
+    Unreleased section lists, on top of the last release, whose section is there."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    assert f"## [{version}]" in changelog and "## [Unreleased]" in changelog
+    assert "## [Unreleased]" in changelog
+    if ".dev" in version:
+        assert re.search(r"^## \[\d+\.\d+\.\d+\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    else:
+        assert f"## [{version}]" in changelog
+
+
+def test_the_package_says_the_version_its_metadata_declares() -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert kvrt.__version__ == declared

@@ -133,6 +133,8 @@ class ConsumerCore:
         self.heartbeat_s = heartbeat_s
         self.state = LinkState.CONNECTING
         self.producer_id: str | None = None
+        self.producer_release = ""
+        """The producer's kvrt release, from its welcome ("" from a release before 0.3)."""
         self.transport: str | None = None
         self.heads: m.HeadRange | None = None
         self.producer_capabilities: frozenset[str] = frozenset()
@@ -192,6 +194,7 @@ class ConsumerCore:
         return m.Hello(
             version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host,
             received=[item_id for item_id, _ in sent], received_leases=[lease for _, lease in sent],
+            release=m.RELEASE,
         )  # fmt: skip
 
     def receipts_sent(self, receipts: Sequence[tuple[int, int]]) -> None:
@@ -256,6 +259,8 @@ class ConsumerCore:
                 if request_id is not None and request_id in self._pending:
                     self._answered(self._pending.pop(request_id))
                     return Failed(request_id, error_from_code(code, f"producer at {self.endpoint}: {text}"))
+                if code is ErrorCode.VERSION:
+                    text += f" (this consumer: kvrt {m.RELEASE}, protocol version {m.PROTOCOL_VERSION})"
                 return Refused(error_from_code(code, f"producer at {self.endpoint} refused: {text}"))
             case _:
                 request_id = getattr(message, "request_id", None)
@@ -333,6 +338,7 @@ class ConsumerCore:
     def _accept_welcome(self, welcome: m.Welcome) -> None:
         self._sent_receipts.clear()  # the hello it answers settled them
         self.producer_id = welcome.producer_id
+        self.producer_release = welcome.release
         self.transport = welcome.transport
         self.heads = welcome.heads
         self.producer_capabilities = frozenset(welcome.capabilities)

@@ -91,7 +91,7 @@ class ProducerCore:
         self.deliveries = Deliveries(self.lifecycle, self.waiting, pieces, self._timers, self._refuse, self.counters)
         welcome = m.Welcome(
             version=m.PROTOCOL_VERSION, producer_id=producer_id, heartbeat_s=heartbeat_s, lease_s=self.lease_s,
-            heads=heads,
+            heads=heads, release=m.RELEASE,
         )  # fmt: skip
         self.sessions = Sessions(
             self.lifecycle, self.deliveries, self.waiting, self._timers, self._refuse, welcome=welcome,

@@ -112,7 +112,7 @@ class Sessions:
 
     def hello(self, peer: bytes, hello: m.Hello, now: float) -> list[Outgoing]:
         if hello.version != m.PROTOCOL_VERSION:
-            text = f"hello for protocol version {hello.version}; this producer speaks {m.PROTOCOL_VERSION}"
+            text = m.version_mismatch(hello.version, hello.release)
             return [self._refuse(peer, None, ErrorCode.VERSION, text)]
         offered = hello.capabilities or [m.Capability.TCP.value]
         same_host = bool(self.host) and hello.host == self.host
