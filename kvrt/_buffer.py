@@ -193,6 +193,8 @@ class StreamState:
     ready: list[torch.cuda.Event | None] = field(default_factory=list)
     """GPU: per layer, the event after which its key and value hold their bytes (recorded on
     the prefill's stream); a GPU send of the layer waits on it, the prefill never waits."""
+    checksums: list[int] = field(default_factory=list)
+    """Per layer, its checksum as `put_layer` wrote it (a producer that checksums)."""
     reader: bytes | None = None
 
     @property

@@ -11,6 +11,7 @@ xxHash hashes at memory speed, and the bytes are hashed where they lie, without 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
@@ -50,6 +51,16 @@ def payload_checksum(payload: memoryview | bytes, seed: int = 0) -> int:
 def item_checksum(payload: memoryview | bytes, metas: ItemMetas) -> int:
     """An item's checksum: its payload's, seeded with that of its tensors' descriptions."""
     return payload_checksum(payload, xxhash.xxh3_64_intdigest(_encode_metas(metas)))
+
+
+def tensors_checksum(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta | None]) -> int:
+    """The checksum of tensors that travel in frames of their own (a stream's layer: its key
+    and value; a stream's hidden states): each one's bytes in turn, seeded with the last, the
+    first with that of their descriptions. Each tensor is contiguous in host memory."""
+    seed = xxhash.xxh3_64_intdigest(_encode_metas(tuple(metas)))
+    for tensor in tensors:
+        seed = payload_checksum(tensor_bytes(tensor), seed)
+    return seed
 
 
 def storage_checksum(storage: torch.Tensor, metas: ItemMetas) -> int:

@@ -302,6 +302,8 @@ class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)]
     lease: Lease = 0
     """As `Deliver.lease`."""
+    checksum: Checksum | None = None
+    """As `Deliver.checksum`."""
 
 
 class DeliverMany(Message, frozen=True, tag="deliver_many"):
@@ -493,6 +495,9 @@ class StreamLayer(Message, frozen=True, tag="stream_layer"):
     layer: Annotated[int, Meta(ge=0, le=65535)]
     key: TensorMeta
     value: TensorMeta
+    checksum: Checksum | None = None
+    """Of the layer's key and value frames and their metas, as the prefill wrote them
+    (`Producer(checksum=True)`): checked where they land, as `Deliver.checksum`."""
 
 
 class StreamEnd(Message, frozen=True, tag="stream_end"):
@@ -501,6 +506,8 @@ class StreamEnd(Message, frozen=True, tag="stream_end"):
 
     item_id: ItemId
     hidden: TensorMeta | None = None
+    checksum: Checksum | None = None
+    """Of the hidden states' frame and its meta, if it has one."""
 
 
 class StreamAbort(Message, frozen=True, tag="stream_abort"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvrt
+from kvrt import Layout, PoolTable
 from kvrt import _messages as m
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, payload_checksum
 
@@ -78,10 +79,12 @@ def _item(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @contextlib.asynccontextmanager
-async def _through_relay(checksum: bool) -> AsyncIterator[tuple[kvrt.Producer, FlippingRelay, kvrt.Consumer]]:
+async def _through_relay(
+    checksum: bool, flip_at: int = FLIP_AT
+) -> AsyncIterator[tuple[kvrt.Producer, FlippingRelay, kvrt.Consumer]]:
     async with kvrt.Producer(checksum=checksum) as producer:
         port = int(producer.endpoint.rsplit(":", 1)[1])
-        async with FlippingRelay(port, FLIP_AT) as relay:
+        async with FlippingRelay(port, flip_at) as relay:
             async with kvrt.Consumer(connect=f"tcp://127.0.0.1:{relay.port}") as consumer:
                 yield producer, relay, consumer
 
@@ -110,6 +113,79 @@ async def test_without_checksums_the_same_flip_reaches_the_caller() -> None:
         item = await consumer.drop_select(tokens)
         assert relay.flips == 1
         assert item is not None and not (torch.equal(item.key, key) and torch.equal(item.value, value))
+
+
+async def test_a_flip_in_a_batch_fails_the_batch_and_every_item_of_it_goes_back_whole() -> None:
+    first, second = _item(1), _item(2)
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        for tokens, key, value in (first, second):
+            await producer.insert(tokens, None, key, value)
+        with pytest.raises(kvrt.IntegrityError):
+            await consumer.drop_select_many([first[0], second[0]])
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        items = await consumer.drop_select_many([first[0], second[0]])
+        for item, (_, key, value) in zip(items, (first, second), strict=True):
+            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+        assert await consumer.drop_select_many([first[0], second[0]]) == [None, None]  # taken once
+
+
+async def test_a_flip_in_a_piece_of_the_heads_fails_the_call_and_the_piece_can_be_taken_again() -> None:
+    tokens, key, value = _item(3)  # 4 heads: the piece [0, 2) is half the item, 2 MiB
+    async with _through_relay(checksum=True, flip_at=1 << 20) as (producer, relay, consumer):
+        await producer.insert(tokens, None, key, value)
+        with pytest.raises(kvrt.IntegrityError):
+            await consumer.drop_select(tokens, heads=slice(0, 2))
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        piece = await consumer.drop_select(tokens, heads=slice(0, 2))
+        assert piece is not None
+        assert torch.equal(piece.key, key[:, :, 0:2]) and torch.equal(piece.value, value[:, :, 0:2])
+
+
+async def test_a_flip_in_a_published_prefill_fails_the_pull_and_writes_nothing_then_the_retry_lands() -> None:
+    slots, heads, dim, layers = 1024, 8, 128, 4  # token-major pools: 4 KiB a token and layer, 16 MiB
+    generator = torch.Generator().manual_seed(4)
+    source = PoolTable(
+        [[[torch.randn((slots, 2 * heads, dim), generator=generator).to(torch.bfloat16) for _ in range(layers)]]],
+        Layout.TOKEN_MAJOR,
+    )
+    target = PoolTable([[[torch.zeros((slots, 2 * heads, dim), dtype=torch.bfloat16) for _ in range(layers)]]],
+                       Layout.TOKEN_MAJOR)  # fmt: skip
+    tokens, from_slots = torch.arange(512), torch.randperm(slots, generator=generator)[:512]
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        producer.register_pools(source)
+        await producer.publish(tokens, from_slots)
+        with pytest.raises(kvrt.IntegrityError):
+            await consumer.pull(tokens, into=target, slots=torch.arange(512))
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        assert all(not pool.any() for pool in target.pools[0][0])  # nothing landed in the pools
+        item = await consumer.pull(tokens, into=target, slots=torch.arange(512))
+        assert item is not None
+        for layer in range(layers):
+            assert torch.equal(target.pools[0][0][layer][:512], source.pools[0][0][layer][from_slots])
+
+
+async def test_a_flip_in_a_streamed_layer_fails_the_reader_and_the_stream_is_read_whole_again() -> None:
+    """An open stream's layers carry the checksum `put_layer` computed; each is checked as it
+    lands, before the reader sees it."""
+    tokens, key, value = _item(5)  # 4 layers of 1 MiB: the flip at 3 MiB lies in layer 2
+    hidden = torch.randn(64, 32)
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        writer = await producer.open_stream(tokens, layers=4)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        for layer in range(4):
+            await writer.put_layer(key[layer], value[layer])
+        await writer.finish(hidden)
+        with pytest.raises(kvrt.IntegrityError, match="layer 2"):
+            async for _ in reader:
+                pass
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        again = await consumer.open_stream(tokens)
+        assert again is not None
+        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
+        assert torch.equal(torch.stack([k for k, _ in layers]), key)
+        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        assert torch.equal(await again.finished(), hidden)
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])

@@ -149,8 +149,7 @@ class TcpReceiver(Receiver):
             raise RemoteProtocolError(
                 f"item {entry.item_id}: {entry.payload_bytes} payload bytes announced, {buffer.nbytes} came"
             )
-        checksum = entry.checksum if isinstance(entry, Deliver) else None
-        if checksum is not None and item_checksum(buffer, item_metas(entry)) != checksum:
+        if entry.checksum is not None and item_checksum(buffer, item_metas(entry)) != entry.checksum:
             raise IntegrityError(
                 f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not match "
                 "the checksum its producer computed where it wrote them (damaged on the way): it went back whole"

@@ -59,7 +59,7 @@ class Arrivals:
             if self._link.receiver.out_of_band:
                 self._link.start_afresh(future, exc)
             else:
-                self._link.give_back(future, deliver, exc)
+                self._link.give_back(future, [deliver.item_id], exc)
             return
         on_landing = None if call is None else call.on_landing
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
@@ -92,13 +92,13 @@ class Arrivals:
         error = arriving.exception()
         if error is not None:
             failure = translate_torch_error(error, what=f"receiving item {deliver.item_id}")
-            self._link.give_back(future, deliver, failure)
+            self._link.give_back(future, [deliver.item_id], failure)
             return
         if future is None or future.done():
             self._link.release([deliver.item_id])
             return
         if not self._link.lease_holds():
-            self._link.give_back(future, deliver, self._link.lease_error())
+            self._link.give_back(future, [deliver.item_id], self._link.lease_error())
             return
         item = KVItem(*arriving.result(), deliver.matched)
         call = self._link.calls.get(deliver.request_id)
@@ -110,13 +110,13 @@ class Arrivals:
             try:
                 check_fit(item, buffers, what="drop_select")
             except InvalidInputError as misfit:
-                self._link.give_back(future, deliver, misfit)
+                self._link.give_back(future, [deliver.item_id], misfit)
                 return
             if landing.copy:
                 try:
                     item = land_in(item, buffers)
                 except RuntimeError as failure:  # what torch refuses to write, past the checks made up front
-                    self._link.give_back(future, deliver, unwritable(failure))
+                    self._link.give_back(future, [deliver.item_id], unwritable(failure))
                     return
         if self._link.metrics is not None and header_at:
             transport = self._link.receiver.name if self._link.receiver is not None else "unknown"
@@ -138,13 +138,11 @@ class Arrivals:
             return
         try:
             arriving = self._link.receiver.receive_many(batch, payload)
-        except ProtocolError as exc:
+        except (ProtocolError, IntegrityError) as exc:
             if self._link.receiver.out_of_band:
                 self._link.start_afresh(future, exc)
             else:
-                self._link.release(_item_ids(batch))
-                if future is not None and not future.done():
-                    future.set_exception(exc)
+                self._link.give_back(future, _item_ids(batch), exc)
             return
         if arriving.done():
             self._batch_landed(future, batch, self._link.sessions_lost, arriving)  # TCP: already here
@@ -187,9 +185,7 @@ class Arrivals:
         error = arriving.exception()
         if error is not None:
             hit_ids = _item_ids(batch)
-            self._link.release(hit_ids)
-            if future is not None and not future.done():
-                future.set_exception(translate_torch_error(error, what=f"receiving a batch of {len(hit_ids)} items"))
+            self._link.give_back(future, hit_ids, translate_torch_error(error, what=f"receiving {len(hit_ids)} items"))
             return
         if future is None or future.done():
             self._link.release(_item_ids(batch))

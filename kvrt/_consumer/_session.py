@@ -329,11 +329,11 @@ class LinkSession:
         for item_id in item_ids:
             self.sends.in_order(m.Release(item_id=item_id, lease=self.leases.pop(item_id, 0)))
 
-    def give_back(self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, error: BaseException) -> None:
-        """A delivered item goes back; its call fails with `error`."""
+    def give_back(self, future: asyncio.Future[_Reply] | None, item_ids: Sequence[int], error: BaseException) -> None:
+        """Delivered items go back (one item, or a batch's hits); their call fails with `error`."""
         if isinstance(error, IntegrityError) and self.metrics is not None:
             self.metrics.integrity_failures += 1
-        self.release([deliver.item_id])
+        self.release(item_ids)
         if future is not None and not future.done():
             future.set_exception(error)
 

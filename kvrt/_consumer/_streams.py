@@ -12,8 +12,10 @@ import torch
 import zmq
 
 from kvrt import _messages as m
+from kvrt._checksum import tensors_checksum
 from kvrt._consumer._session import LinkSession, _Reply
 from kvrt._errors import (
+    IntegrityError,
     InvalidInputError,
     KVRTError,
     ProtocolError,
@@ -25,6 +27,18 @@ from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
 from kvrt._threads import outcome_seen
 from kvrt.transports import Receiver
+
+
+def _check(checksum: int | None, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], what: str) -> None:
+    """Raise `IntegrityError` if tensors that landed in host memory do not match the checksum
+    their producer computed where it wrote them (`Producer(checksum=True)`)."""
+    if checksum is None or any(tensor.device.type != "cpu" for tensor in tensors):
+        return
+    if tensors_checksum(tensors, metas) != checksum:
+        raise IntegrityError(
+            f"{what}: its bytes, or the description of its tensors, do not match the checksum its producer "
+            "computed where it wrote them (damaged on the way): the stream went back whole"
+        )
 
 
 class StreamLayers:
@@ -86,19 +100,22 @@ class StreamLayers:
             return
         try:
             match message:
-                case m.StreamLayer(layer=layer, key=key_meta, value=value_meta):
+                case m.StreamLayer(layer=layer, key=key_meta, value=value_meta, checksum=checksum):
                     assert transport is not None  # a stream was opened over it
-                    self._receive_layer(stream, message.item_id, transport, layer, key_meta, value_meta, payload)
-                case m.StreamEnd(hidden=hidden_meta):
+                    self._receive_layer(
+                        stream, message.item_id, transport, layer, key_meta, value_meta, payload, checksum
+                    )
+                case m.StreamEnd(hidden=hidden_meta, checksum=checksum):
                     assert transport is not None
-                    self._receive_end(stream, message.item_id, transport, hidden_meta, payload)
+                    self._receive_end(stream, message.item_id, transport, hidden_meta, payload, checksum)
                 case m.StreamAbort(reason=reason):
                     self._link.open_streams.pop(message.item_id, None)
                     self._link.leases.pop(message.item_id, None)
                     stream.fail(StreamAbortedError(f"producer at {self._link.endpoint} aborted the stream: {reason}"))
-        except (ProtocolError, IndexError) as exc:
+        except (ProtocolError, IntegrityError, IndexError) as exc:
             self._link.open_streams.pop(message.item_id, None)
-            error = exc if isinstance(exc, ProtocolError) else RemoteProtocolError(str(exc))
+            error = exc if isinstance(exc, ProtocolError | IntegrityError) else RemoteProtocolError(str(exc))
+            self._count(error)
             stream.fail(error)
             if out_of_band:  # its bytes are on the way: the pair is out of step
                 self._link.start_afresh(None, error)
@@ -107,7 +124,7 @@ class StreamLayers:
 
     def _receive_layer(
         self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
-        key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame],
+        key_meta: m.TensorMeta, value_meta: m.TensorMeta, payload: Sequence[zmq.Frame], checksum: int | None,
     ) -> None:  # fmt: skip
         """Post a streamed layer's receive. On a GPU the reader gets it at once, with the event
         of its landing; else once it landed (host frames: here already, handed on now, so
@@ -121,6 +138,7 @@ class StreamLayers:
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
         elif arrival.complete.done():
             key, value = arrival.complete.result()
+            _check(checksum, (key, value), (key_meta, value_meta), f"layer {layer} of stream {item_id}")
             self._deliver_layer(stream, item_id, layer, key, value)
             return
 
@@ -130,6 +148,11 @@ class StreamLayers:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"receiving layer {layer} of a stream"))
             elif not arriving.cancelled() and arrival.landed is None:
                 key, value = arriving.result()
+                try:
+                    _check(checksum, (key, value), (key_meta, value_meta), f"layer {layer} of stream {item_id}")
+                except IntegrityError as failed:
+                    self._stream_lost(item_id, failed)
+                    return
                 self._deliver_layer(stream, item_id, layer, key, value)
 
         self._link.own_arrival(arrival.complete, landed)
@@ -160,7 +183,7 @@ class StreamLayers:
 
     def _receive_end(
         self, stream: ConsumerStream, item_id: int, transport: Receiver,
-        hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame],
+        hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame], checksum: int | None,
     ) -> None:  # fmt: skip
         """A stream's end: it finishes once everything posted for it landed, the hidden
         states last."""
@@ -177,7 +200,14 @@ class StreamLayers:
             if error is not None:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
                 return
-            stream.finish(None if hidden_meta is None or arriving is None else arriving.result()[0])
+            hidden = None if hidden_meta is None or arriving is None else arriving.result()[0]
+            if hidden is not None and hidden_meta is not None:
+                try:
+                    _check(checksum, (hidden,), (hidden_meta,), f"the hidden states of stream {item_id}")
+                except IntegrityError as failed:
+                    self._stream_lost(item_id, failed)
+                    return
+            stream.finish(hidden)
 
         if last is None:
             landed(last)
@@ -206,9 +236,14 @@ class StreamLayers:
         except ProtocolError as exc:
             self._link.start_afresh(None, exc)
 
+    def _count(self, error: BaseException) -> None:
+        if isinstance(error, IntegrityError) and self._link.metrics is not None:
+            self._link.metrics.integrity_failures += 1
+
     def _stream_lost(self, item_id: int, error: KVRTError) -> None:
         """A stream's receive failed: it fails, and its item goes back to the producer."""
         stream = self._link.open_streams.pop(item_id, None)
+        self._count(error)
         if stream is not None:
             self._link.release([item_id])
             stream.fail(error)

@@ -8,7 +8,6 @@ import torch
 
 from kvrt import _metrics
 from kvrt._buffer import BufferedItem
-from kvrt._checksum import storage_checksum
 from kvrt._heads import check_heads
 from kvrt._item import (
     buffered_item,
@@ -53,8 +52,6 @@ class Inserter:
             seq=self._core.buffer.next_seq(),
             allocate=self._state._allocate,
         )
-        if self._state.checksum:
-            item.checksum = storage_checksum(item.storage, item.metas)
         await self.buffer(item)
         timer.done()
 

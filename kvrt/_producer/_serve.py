@@ -16,6 +16,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
+from kvrt._checksum import tensors_checksum
 from kvrt._errors import (
     ErrorCode,
     PeerLostError,
@@ -52,6 +53,29 @@ def _frame_bytes(frame: bytes | memoryview) -> int:
 
 def _earliest(*deadlines: float | None) -> float | None:
     return min((deadline for deadline in deadlines if deadline is not None), default=None)
+
+
+def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
+    """A message with the checksums of the bytes that follow it. A piece's, or a finished
+    stream's read whole, is known once its `fill` wrote it, after the core built the header;
+    an open stream's layer has the checksum `put_layer` computed; a layer or the hidden states
+    of a whole item read as a stream are checksummed from the item's bytes here."""
+    item = send.item
+    match message:
+        case m.Deliver() if item is not None and message.checksum != item.checksum:
+            return msgspec.structs.replace(message, checksum=item.checksum)
+        case m.DeliverMany():
+            checksums = iter([hit_item.checksum for hit_item in send.items])
+            hits = [hit and msgspec.structs.replace(hit, checksum=next(checksums)) for hit in message.hits]
+            return msgspec.structs.replace(message, hits=hits)
+        case m.StreamLayer(layer=layer) if item is not None:
+            if item.stream is not None:
+                return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
+            layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value))
+            return msgspec.structs.replace(message, checksum=layer_checksum)
+        case m.StreamEnd(hidden=hidden) if item is not None and item.hidden is not None and hidden is not None:
+            return msgspec.structs.replace(message, checksum=tensors_checksum((item.hidden,), (hidden,)))
+    return message
 
 
 def _fill(item: BufferedItem) -> None:
@@ -229,6 +253,8 @@ class ServeLoop:
                     _fill(item.parent)
                     await all_gathers_queued(item.parent)
                 _fill(item)  # a finished stream read whole after all, or a piece
+        if self._state.checksum:
+            message = _with_checksums(message, send)
         if isinstance(message, m.StreamStart):
             assert send.item is not None
             await all_gathers_queued(send.item)  # a published item's layers follow: gathered first

@@ -17,7 +17,7 @@ import zmq
 from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys
 from kvrt._buffer import BufferedItem
-from kvrt._checksum import checksum_wanted
+from kvrt._checksum import checksum_wanted, storage_checksum
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -193,9 +193,13 @@ class ProducerState:
         self._prepare(piece)
 
     def _prepare(self, item: BufferedItem) -> None:
-        """A GPU item's bytes were written on the current stream: the event every GPU send of it
-        waits on (recorded once, for all transports), and after which the memory a transport
+        """An item's bytes were written (inserted, published, cut as a piece, a finished stream
+        stacked): its checksum, if this producer checksums, from the bytes where they were
+        written. A GPU item's were written on the current stream: the event every GPU send of
+        it waits on (recorded once, for all transports), and after which the memory a transport
         allocated for it may be reused."""
+        if self.checksum:
+            item.checksum = storage_checksum(item.storage, item.metas)
         if item.storage.device.type == "cuda":
             item.ready_event = torch.cuda.Event()
             item.ready_event.record(torch.cuda.current_stream(item.storage.device))

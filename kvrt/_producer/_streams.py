@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvrt._buffer import BufferedItem, StreamState
+from kvrt._checksum import tensors_checksum
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -115,7 +116,10 @@ class StreamPublisher:
         path reads them (GPU: once `ready` fired)."""
         stream = item.stream
         assert stream is not None
-        out = self._core.stream_layer(item, tensor_meta(key), tensor_meta(value))
+        metas = tensor_meta(key), tensor_meta(value)
+        if self._state.checksum:
+            stream.checksums.append(tensors_checksum((key, value), metas))
+        out = self._core.stream_layer(item, *metas)
         stream.keys.append(key)
         stream.values.append(value)
         stream.ready.append(ready)

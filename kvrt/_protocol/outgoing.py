@@ -81,7 +81,9 @@ def deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deli
 def hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:
     input_tokens, roi, key, value, hidden = item.metas
     assert input_tokens is not None and key is not None and value is not None
-    return m.Hit(item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes, item.lease)
+    return m.Hit(
+        item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes, item.lease, item.checksum
+    )
 
 
 def whole_as_stream(peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
