@@ -129,8 +129,11 @@ class BufferedItem:
     lease: int = 0
     """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
     checksum: int | None = None
-    """XXH3-64 of its packed storage, computed at insert when its producer checksums
-    (`Producer(checksum=True)`); sent with every delivery of it."""
+    """XXH3-64 of its packed storage in host memory, computed once its bytes were written
+    when its producer checksums (`Producer(checksum=True)`); sent with every delivery of it."""
+    device_checksum: int | None = None
+    """The same for an item in GPU memory (`kvrt.kernels.checksum`), computed on the GPU
+    before its first delivery leaves."""
     charged: int = 0
     """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
     pieces: Pieces | None = None

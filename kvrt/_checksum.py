@@ -11,14 +11,14 @@ xxHash hashes at memory speed, and the bytes are hashed where they lie, without 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import msgspec
 import torch
 import xxhash
 
-from kvrt._errors import InvalidInputError
+from kvrt._errors import IntegrityError, InvalidInputError
 from kvrt._messages import TensorMeta
 from kvrt._tensors import tensor_bytes
 
@@ -48,16 +48,43 @@ def payload_checksum(payload: memoryview | bytes, seed: int = 0) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed)
 
 
+def metas_seed(metas: Sequence[TensorMeta | None]) -> int:
+    """XXH3-64 of tensors' descriptions as MessagePack encodes them: the seed of their bytes'
+    checksum (on the host, and on a GPU: `kvrt.kernels.checksum`)."""
+    return xxhash.xxh3_64_intdigest(_encode_metas(tuple(metas)))
+
+
 def item_checksum(payload: memoryview | bytes, metas: ItemMetas) -> int:
     """An item's checksum: its payload's, seeded with that of its tensors' descriptions."""
-    return payload_checksum(payload, xxhash.xxh3_64_intdigest(_encode_metas(metas)))
+    return payload_checksum(payload, metas_seed(metas))
+
+
+DeviceChecksum = Callable[[torch.Tensor, int], int]
+"""`kvrt.kernels.checksum`'s checksum of a contiguous byte tensor with a seed (a GPU's
+kernel, or its reference on the host): a consumer gives its receivers one, which is how a
+transport checks `Deliver.device_checksum` without importing the kernels."""
+
+
+def device_checksum_mismatch(
+    checksum_of: DeviceChecksum | None, payload: torch.Tensor, metas: ItemMetas, expected: int | None, what: str
+) -> IntegrityError | None:
+    """The error for an item whose landed payload does not match the GPU checksum its
+    producer computed, else None (also where there is nothing to check with)."""
+    if expected is None or checksum_of is None:
+        return None
+    if checksum_of(payload, metas_seed(metas)) == expected:
+        return None
+    return IntegrityError(
+        f"{what}: its {payload.numel()} bytes, or the description of its tensors, do not match the checksum its "
+        "producer computed on its GPU where it wrote them (damaged on the way): it went back whole"
+    )
 
 
 def tensors_checksum(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta | None]) -> int:
     """The checksum of tensors that travel in frames of their own (a stream's layer: its key
     and value; a stream's hidden states): each one's bytes in turn, seeded with the last, the
     first with that of their descriptions. Each tensor is contiguous in host memory."""
-    seed = xxhash.xxh3_64_intdigest(_encode_metas(tuple(metas)))
+    seed = metas_seed(metas)
     for tensor in tensors:
         seed = payload_checksum(tensor_bytes(tensor), seed)
     return seed

@@ -264,6 +264,10 @@ class Deliver(Message, frozen=True, tag="deliver"):
     """XXH3-64 of the payload's bytes as the producer wrote them (`Producer(checksum=True)`):
     the consumer checks the bytes that landed against it before anyone sees them. None: not
     checked (a consumer that predates the field ignores it)."""
+    device_checksum: Checksum | None = None
+    """For an item a producer on a GPU wrote (`Producer(checksum=True)`), in place of
+    `checksum`: the sum checksum of `kvrt.kernels.checksum` of the payload's bytes, computed
+    there on the GPU, seeded with the XXH3-64 of the tensors' descriptions (as `checksum`)."""
 
 
 MAX_BATCH: Final = 256
@@ -304,6 +308,8 @@ class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """As `Deliver.lease`."""
     checksum: Checksum | None = None
     """As `Deliver.checksum`."""
+    device_checksum: Checksum | None = None
+    """As `Deliver.device_checksum`."""
 
 
 class DeliverMany(Message, frozen=True, tag="deliver_many"):

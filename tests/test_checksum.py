@@ -15,7 +15,8 @@ import torch
 import kvrt
 from kvrt import Layout, PoolTable
 from kvrt import _messages as m
-from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, payload_checksum
+from kvrt._buffer import BufferedItem
+from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -103,6 +104,32 @@ async def test_a_byte_flipped_in_transit_fails_the_call_the_item_goes_back_whole
         assert consumer.metrics.integrity_failures == 1
     stats = producer.stats()
     assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
+
+
+async def test_an_item_a_gpu_checksummed_is_checked_on_a_host_consumer_with_the_kernels_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU producer's items carry `device_checksum` (`kvrt.kernels.checksum`) in place of
+    XXH3; over TCP into host memory the consumer checks it with the kernel's torch reference.
+    Here a CPU producer computes it as a GPU producer would, with that reference."""
+    from kvrt._producer._state import ProducerState
+    from kvrt.kernels.checksum import checksum_reference
+
+    prepare = ProducerState._prepare
+
+    def as_a_gpu_producer_does(self: ProducerState, item: BufferedItem) -> None:
+        prepare(self, item)
+        item.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(item.metas))
+
+    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    tokens, key, value = _item()
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        await producer.insert(tokens, None, key, value)
+        with pytest.raises(kvrt.IntegrityError, match="GPU"):
+            await consumer.drop_select(tokens)
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        item = await consumer.drop_select(tokens)
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
 
 
 async def test_without_checksums_the_same_flip_reaches_the_caller() -> None:

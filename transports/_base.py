@@ -75,7 +75,8 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem, all_gathers_queued
-from kvrt._errors import RemoteProtocolError
+from kvrt._checksum import DeviceChecksum, device_checksum_mismatch, item_checksum
+from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
 from kvrt._pools import PoolTable
 from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes, unpack
@@ -333,6 +334,9 @@ class Receiver(abc.ABC):
     writes_in_place: bool = False
     """True when `receive_in_place` writes an item into the caller's memory itself: a pull
     then reads indexes it holds on the device back to the host first."""
+    device_checksum: DeviceChecksum | None = None
+    """How to check an item a producer on a GPU checksummed (`Deliver.device_checksum`): the
+    consumer sets it (the kernel lives above the transports); None leaves it unchecked."""
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:  # noqa: B027
         """Consumer side: join the producer's rendezvous (nothing by default)."""
@@ -410,3 +414,27 @@ class OnStream:
 
     def __exit__(self, *_: object) -> None:
         torch.cuda.set_stream(self._previous)
+
+
+def landed_check(receiver: Receiver, deliver: Deliver, payload: torch.Tensor) -> Callable[[], None] | None:
+    """What checks an item's payload once all of it landed, on the thread that waited for it
+    (on a GPU, on the stream current there), before the call sees it; None when the delivery
+    carries no checksum this side can check. A mismatch raises `IntegrityError`."""
+    metas = item_metas(deliver)
+    host = payload.device.type == "cpu"
+    if not ((deliver.checksum is not None and host) or
+            (deliver.device_checksum is not None and receiver.device_checksum is not None)):  # fmt: skip
+        return None
+    what = f"item {deliver.item_id}"
+
+    def check() -> None:
+        if deliver.checksum is not None and host and item_checksum(tensor_bytes(payload), metas) != deliver.checksum:
+            raise IntegrityError(
+                f"{what}: its {payload.numel()} bytes, or the description of its tensors, do not match the checksum "
+                "its producer computed where it wrote them (damaged on the way): it went back whole"
+            )
+        error = device_checksum_mismatch(receiver.device_checksum, payload, metas, deliver.device_checksum, what)
+        if error is not None:
+            raise error
+
+    return check

@@ -52,7 +52,7 @@ import contextlib
 import os
 import socket
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -94,6 +94,7 @@ from kvrt.transports._base import (
     checked_batch,
     five,
     item_metas,
+    landed_check,
     on_device,
 )
 from kvrt.transports._stream_words import StreamWords, stream_words_unavailable
@@ -513,7 +514,7 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             [_Copy(share, offset, offset, nbytes, mark)]
             for (offset, nbytes), mark in zip(segments, share.marks, strict=True)
         ]
-        completed, landed = self._post(payload, parts, tensors)
+        completed, landed = self._post(payload, parts, tensors, landed_check(self, deliver, payload))
         return Arrival(completed, tensors, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
@@ -587,11 +588,12 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
         return torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
 
     def _post(
-        self, payload: torch.Tensor, parts: Sequence[Sequence[_Copy]], result: _T
-    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:
+        self, payload: torch.Tensor, parts: Sequence[Sequence[_Copy]], result: _T,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:  # fmt: skip
         """Queue the copies on the session's receive stream, each part after the producer
-        marked its ranges written: a future done with `result` once all landed, and an event
-        per part (in order)."""
+        marked its ranges written: a future done with `result` once all landed (and `check`,
+        run then on that stream, passed), and an event per part (in order)."""
         session = self._session
         assert session is not None  # checked by _payload
         stream = session.receive
@@ -646,6 +648,9 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             landed[-1].synchronize()
             if sources:
                 _drop(device, idle, sources)
+            if check is not None:
+                with on_device(device), OnStream(stream):
+                    check()
 
         return session.waiter.wait(wait, result), landed
 

@@ -70,6 +70,7 @@ from kvrt.transports._base import (
     batch_hits,
     five,
     item_metas,
+    landed_check,
     on_device,
 )
 
@@ -356,7 +357,7 @@ class PairedReceiver(_Paired, Receiver):
             done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return Arrival(done)
-        completed, landed = self._post(group, payload, segments, tensors)
+        completed, landed = self._post(group, payload, segments, tensors, landed_check(self, deliver, payload))
         return Arrival(completed, tensors if landed else None, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
@@ -407,8 +408,9 @@ class PairedReceiver(_Paired, Receiver):
         return torch.empty(payload_bytes, dtype=torch.uint8, device=self.device), pair.established.result()
 
     def _post(
-        self, group: Any, payload: torch.Tensor, segments: Sequence[tuple[int, int]], result: _T
-    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:
+        self, group: Any, payload: torch.Tensor, segments: Sequence[tuple[int, int]], result: _T,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[asyncio.Future[_T], list[torch.cuda.Event]]:  # fmt: skip
         """Post the receives of `payload`'s segments, in order: a future done with `result`
         when all have landed, and (GPU) an event per segment on the receive stream."""
         landed: list[torch.cuda.Event] = []
@@ -444,6 +446,9 @@ class PairedReceiver(_Paired, Receiver):
                     before_last.synchronize()
                 finished.synchronize()
                 works.clear()  # on the waiting thread: see Waiter
+                if check is not None:
+                    with on_device(payload.device), OnStream(receive_stream):
+                        check()
 
         else:  # gloo
             works += [group.recv([payload[start : start + size]], _PRODUCER_RANK, _TAG) for start, size in segments]
@@ -452,6 +457,8 @@ class PairedReceiver(_Paired, Receiver):
                 for work in works:
                     work.wait()
                 works.clear()
+                if check is not None:
+                    check()
 
         # Receives complete in the order they were posted, so one waiting thread suffices.
         return self._waiter.wait(wait, result), landed

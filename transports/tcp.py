@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._checksum import item_checksum
+from kvrt._checksum import device_checksum_mismatch, item_checksum
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
@@ -154,6 +154,13 @@ class TcpReceiver(Receiver):
                 f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not match "
                 "the checksum its producer computed where it wrote them (damaged on the way): it went back whole"
             )
+        if entry.device_checksum is not None and buffer.nbytes:
+            # A GPU producer's item, sent from a host copy: checked with the kernel's reference.
+            payload = torch.frombuffer(buffer, dtype=torch.uint8)
+            metas, what = item_metas(entry), f"item {entry.item_id}"
+            error = device_checksum_mismatch(self.device_checksum, payload, metas, entry.device_checksum, what)
+            if error is not None:
+                raise error
         tensors = unpack(item_metas(entry), buffer)
         if self.device.type != "cpu":
             tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]

@@ -29,6 +29,7 @@ from kvrt._item import KVBuffers, KVItem
 from kvrt._pools import PoolTable
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream
+from kvrt.transports import Receiver
 from kvrt.transports.select import make_receivers
 
 
@@ -240,7 +241,7 @@ class Consumer(ConsumerState, AsyncService):
                     context=self._context,
                     name=self._name,
                     heartbeat_s=self._heartbeat_s,
-                    transports=make_receivers(self._transport_names, self.device),
+                    transports=_checking(make_receivers(self._transport_names, self.device)),
                     connect_timeout_s=self._connect_timeout_s,
                     curve=self._curve,
                     transfer_timeout_s=self._transfer_timeout_s,
@@ -301,3 +302,18 @@ class Consumer(ConsumerState, AsyncService):
         for tests that watch or steer one link's protocol core, socket or transport. Not part
         of the serving API, and what a link holds may change between versions."""
         return self._links[index]
+
+
+def device_checksum(data: torch.Tensor, seed: int) -> int:
+    """`kvrt.kernels.checksum`'s checksum of bytes that landed: the kernel on a GPU, its
+    reference on the host (an item a GPU producer sent over TCP)."""
+    from kvrt.kernels.checksum import checksum, checksum_reference  # Triton: only for GPU producers' items
+
+    return checksum(data, seed) if data.device.type == "cuda" else checksum_reference(data, seed)
+
+
+def _checking(receivers: dict[str, Receiver]) -> dict[str, Receiver]:
+    """Receivers that check GPU producers' checksums (the kernel lives above the transports)."""
+    for receiver in receivers.values():
+        receiver.device_checksum = device_checksum
+    return receivers

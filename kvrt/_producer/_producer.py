@@ -251,6 +251,8 @@ class Producer(ProducerState, AsyncService):
             await transport.aclose()
         if self._gathers is not None:
             self._gathers.shutdown(wait=False)
+        if self._checksums is not None:
+            self._checksums.shutdown(wait=False)
         self._host_copies.close()
         if self._serve_task is not None:
             self._serve_task.cancel()

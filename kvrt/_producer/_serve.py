@@ -62,11 +62,16 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
     of a whole item read as a stream are checksummed from the item's bytes here."""
     item = send.item
     match message:
-        case m.Deliver() if item is not None and message.checksum != item.checksum:
-            return msgspec.structs.replace(message, checksum=item.checksum)
+        case m.Deliver() if item is not None:
+            return msgspec.structs.replace(message, checksum=item.checksum, device_checksum=item.device_checksum)
         case m.DeliverMany():
-            checksums = iter([hit_item.checksum for hit_item in send.items])
-            hits = [hit and msgspec.structs.replace(hit, checksum=next(checksums)) for hit in message.hits]
+            items = iter(send.items)
+            hits = [
+                None if hit is None else msgspec.structs.replace(
+                    hit, checksum=(hit_item := next(items)).checksum, device_checksum=hit_item.device_checksum
+                )
+                for hit in message.hits
+            ]  # fmt: skip
             return msgspec.structs.replace(message, hits=hits)
         case m.StreamLayer(layer=layer) if item is not None:
             if item.stream is not None:
@@ -254,6 +259,10 @@ class ServeLoop:
                     await all_gathers_queued(item.parent)
                 _fill(item)  # a finished stream read whole after all, or a piece
         if self._state.checksum:
+            if isinstance(message, m.Deliver | m.DeliverMany):
+                for item in (send.item, *send.items):
+                    if item is not None and item.device_checksum is None and item.storage.device.type == "cuda":
+                        await self._state.device_checksum(item)  # its header leaves with it
             message = _with_checksums(message, send)
         if isinstance(message, m.StreamStart):
             assert send.item is not None

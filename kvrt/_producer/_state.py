@@ -16,8 +16,8 @@ import zmq
 
 from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys
-from kvrt._buffer import BufferedItem
-from kvrt._checksum import checksum_wanted, storage_checksum
+from kvrt._buffer import BufferedItem, all_gathers_queued
+from kvrt._checksum import checksum_wanted, metas_seed, storage_checksum
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -88,11 +88,6 @@ class ProducerState:
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
         self.device = usable_device(device)
-        if self.checksum and self.device.type != "cpu":
-            raise InvalidInputError(
-                "checksum=True covers items kept in host memory (device='cpu'); "
-                f"this producer keeps them on {self.device}"
-            )
         self.buffer_bytes = buffer_bytes
         self._bind = bind
         self._curve = curve
@@ -123,6 +118,9 @@ class ProducerState:
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
         """Queues a publish's gathers off the loop (see `publish`)."""
+        self._checksums: concurrent.futures.ThreadPoolExecutor | None = None
+        """Computes GPU items' checksums off the loop, on a stream of its own (see `device_checksum`)."""
+        self._checksum_stream: torch.cuda.Stream | None = None
         self._host_copies = HostCopies()
         """A stream's head (its tokens) as host frames (see `ServeLoop._send_one`)."""
         self._peer_left = asyncio.Event()
@@ -198,7 +196,7 @@ class ProducerState:
         written. A GPU item's were written on the current stream: the event every GPU send of
         it waits on (recorded once, for all transports), and after which the memory a transport
         allocated for it may be reused."""
-        if self.checksum:
+        if self.checksum and item.storage.device.type == "cpu":  # a GPU item's: `device_checksum`
             item.checksum = storage_checksum(item.storage, item.metas)
         if item.storage.device.type == "cuda":
             item.ready_event = torch.cuda.Event()
@@ -213,6 +211,28 @@ class ProducerState:
             if storage is not None:
                 return storage
         return None
+
+    async def device_checksum(self, item: BufferedItem) -> None:
+        """A GPU item's checksum (`kvrt.kernels.checksum`), once its bytes are written: in a
+        kvrt thread, on a stream of its own that waits for the writes; the loop waits for
+        neither the kernel (a first launch compiles) nor its result."""
+        from kvrt.kernels.checksum import queue_checksum
+
+        await all_gathers_queued(item)
+        written, storage, seed = item.written, item.storage, metas_seed(item.metas)
+
+        def compute() -> int:
+            if self._checksum_stream is None:
+                self._checksum_stream = torch.cuda.Stream(storage.device)
+            stream = self._checksum_stream
+            with torch.cuda.stream(stream):
+                if written is not None:
+                    stream.wait_event(written)
+                return queue_checksum(storage, seed).result()
+
+        if self._checksums is None:
+            self._checksums = gpu_worker(self.device, "kvrt-checksum")
+        item.device_checksum = await asyncio.get_running_loop().run_in_executor(self._checksums, compute)
 
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._gathers is None:
