@@ -107,14 +107,15 @@ def _byte_words(raw, words, byte_count):  # type: ignore[no-untyped-def]  # a Tr
 
 
 # `first_key` carries the seed. Annotated int64, Triton neither types it int32 when it fits nor
-# specializes on its value (1, multiples of 16): one compiled variant serves every seed.
+# specializes on its value (1, multiples of 16): one compiled variant serves every seed, and
+# likewise every length (`word_count`, `byte_count`).
 @triton.jit  # type: ignore[untyped-decorator]
 def _sum_words(  # type: ignore[no-untyped-def]  # Triton reads its own annotations (constexpr)
     words,  # int64 words of the input (its uint8 bytes when BYTES)
     raw,  # uint8: the input's bytes
     sums,  # int64 [SLOTS]: sums of terms, added to atomically
-    word_count,  # ceil(byte_count / 8)
-    byte_count,
+    word_count: tl.int64,  # ceil(byte_count / 8)
+    byte_count: tl.int64,
     first_key: tl.int64,  # seed + GOLDEN mod 2**64 (the key of word 0), as a signed 64-bit value
     BLOCK: tl.constexpr,  # words per tile: a power of two
     TILES: tl.constexpr,  # tiles per program
@@ -289,18 +290,27 @@ def queue_checksum_blocks(
 
 def _chunk_shape(words: int, streams: int, device: torch.device, tuning: Tuning) -> tuple[int, int]:
     """Words per tile and tiles per program for `streams` runs of `words` words each: the
-    tuning's, or fewer tiles where a run is short or where the programs would not fill the GPU."""
-    block = min(tuning.block_words, triton.next_power_of_2(words))
+    tuning's, or one tile per program where that many would not fill the GPU. Two shapes
+    only, so that a process compiles each kernel twice at most (`warm_up` does it ahead of the
+    first item: a compilation takes about a second)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETED_SMS
-    wanted_programs = sms * tuning.programs_per_sm
-    tiles = 1
-    while (
-        2 * tiles <= tuning.tiles_per_program
-        and 2 * tiles * block <= words
-        and streams * -(-words // (2 * tiles * block)) >= wanted_programs
-    ):
-        tiles *= 2
-    return block, tiles
+    programs = streams * -(-words // (tuning.block_words * tuning.tiles_per_program))
+    return tuning.block_words, tuning.tiles_per_program if programs >= sms * tuning.programs_per_sm else 1
+
+
+def warm_up(device: torch.device, *, tuning: Tuning = DEFAULT_TUNING) -> None:
+    """Compile `checksum`'s kernel for both of its launch shapes on `device` (a CUDA device),
+    and wait for it: a producer that checksums does this before it serves, so that no
+    delivery's header waits for a compilation."""
+    raw = torch.zeros(_WORD_BYTES, dtype=torch.uint8, device=device)
+    sums = torch.zeros(_SUM_SLOTS, dtype=torch.int64, device=device)
+    for tiles in {1, tuning.tiles_per_program}:
+        launch: Any = _sum_words[(1,)]  # Triton's launcher is untyped
+        launch(
+            raw.view(torch.int64), raw, sums, 1, _WORD_BYTES, 0,
+            BLOCK=tuning.block_words, TILES=tiles, BYTES=False, SLOTS=_SUM_SLOTS, num_warps=tuning.warps,
+        )  # fmt: skip
+    torch.cuda.synchronize(device)
 
 
 def checksum_reference(data: torch.Tensor, seed: int = 0) -> int:

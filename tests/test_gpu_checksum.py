@@ -10,6 +10,7 @@ copies and before the check (the producer's memory is never touched), once.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +87,7 @@ async def test_a_byte_flipped_in_a_pull_over_cuda_ipc_fails_the_pull_and_the_ret
     torch.cuda.set_device(CONSUMER_DEVICE)
     publisher = (PRODUCER_DEVICE, 5, 16 << 20, False, True, None)  # chunks of layers, indexes on the host
     async with child_process(run_gpu_publisher, publisher, "GPU publisher") as (endpoint, _, _):
-        pools, tokens, replica, slots = pull_request(5)
+        pools, tokens, replica, slots = await asyncio.to_thread(pull_request, 5)  # 1 GiB: no work for the loop
         target = PoolTable(
             [[[torch.zeros(pools[0][0][0].shape, dtype=torch.bfloat16, device=CONSUMER_DEVICE)
                for _ in range(PULL_LAYERS)]]],
@@ -101,13 +102,20 @@ async def test_a_byte_flipped_in_a_pull_over_cuda_ipc_fails_the_pull_and_the_ret
             assert flipped and consumer.metrics.integrity_failures == 1
             item = await consumer.pull(tokens, into=target, slots=into_slots, timeout=30)
             assert item is not None and item.matched == tokens.numel()
-        torch.cuda.synchronize(CONSUMER_DEVICE)
-        for layer in range(PULL_LAYERS):
-            want = torch.empty_like(pools[0][0][layer][: tokens.numel()])
-            for r in range(len(pools)):
-                chosen = (replica == r).nonzero().flatten()
-                want[chosen] = pools[r][0][layer][slots[chosen]]
-            assert same_bits(target.pools[0][0][layer][: tokens.numel()].cpu(), want)
+
+        def landed_bit_for_bit() -> bool:  # in a thread: reading back and comparing is no work for the loop
+            torch.cuda.set_device(CONSUMER_DEVICE)
+            torch.cuda.synchronize(CONSUMER_DEVICE)
+            for layer in range(PULL_LAYERS):
+                want = torch.empty_like(pools[0][0][layer][: tokens.numel()])
+                for r in range(len(pools)):
+                    chosen = (replica == r).nonzero().flatten()
+                    want[chosen] = pools[r][0][layer][slots[chosen]]
+                if not same_bits(target.pools[0][0][layer][: tokens.numel()].cpu(), want):
+                    return False
+            return True
+
+        assert await asyncio.to_thread(landed_bit_for_bit)
 
 
 async def test_a_gpu_producers_items_are_checked_on_a_host_consumer_over_tcp() -> None:

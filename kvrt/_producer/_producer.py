@@ -191,6 +191,7 @@ class Producer(ProducerState, AsyncService):
         if self._socket is not None or self._closed:
             raise ClosedError("a producer starts once; create a new one")
         keep_freed_memory()
+        await self.warm_device_checksums()
         # Two I/O threads: handshakes and ZMTP heartbeats of many connections (a storm of them)
         # do not queue every consumer's bytes behind one thread.
         self._context = zmq.Context(io_threads=PRODUCER_IO_THREADS)

@@ -230,9 +230,20 @@ class ProducerState:
                     stream.wait_event(written)
                 return queue_checksum(storage, seed).result()
 
+        item.device_checksum = await asyncio.get_running_loop().run_in_executor(self._checksum_thread(), compute)
+
+    async def warm_device_checksums(self) -> None:
+        """On a GPU, with checksums on: compile the checksum kernel (about a second) before
+        serving, so that no delivery's header waits for that."""
+        if self.checksum and self.device.type == "cuda":
+            from kvrt.kernels.checksum import warm_up
+
+            await asyncio.get_running_loop().run_in_executor(self._checksum_thread(), warm_up, self.device)
+
+    def _checksum_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._checksums is None:
             self._checksums = gpu_worker(self.device, "kvrt-checksum")
-        item.device_checksum = await asyncio.get_running_loop().run_in_executor(self._checksums, compute)
+        return self._checksums
 
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._gathers is None:
