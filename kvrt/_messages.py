@@ -78,6 +78,9 @@ class Capability(enum.StrEnum):
     STATS = "stats"
     PROBE_MANY = "probe_many"
     """The producer answers `probe_many` (an older one answers each `probe` alone)."""
+    CHECKSUM = "checksum"
+    """The producer checksums its items (`Producer(checksum=True)`): a consumer on a GPU
+    readies its check (compiles the kernel) as it joins, not inside a request."""
 
 
 # Messages are plain data decoded from the wire and never refer back to themselves, so the

@@ -282,3 +282,16 @@ def test_the_checksum_is_xxh3_64_of_the_payload() -> None:
     metas = (m.TensorMeta("int64", [1]), None, m.TensorMeta("float16", [1, 1, 1, 4], 8), None, None)
     moved = (*metas[:2], m.TensorMeta("float16", [1, 1, 1, 4], 16), None, None)
     assert item_checksum(b"x" * 24, metas) != item_checksum(b"x" * 24, moved) != payload_checksum(b"x" * 24)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_producer_that_checksums_says_so_in_its_welcome(checksum: bool) -> None:
+    # A consumer on a GPU compiles its check as it joins such a producer, not inside a request.
+    from kvrt._protocol import ProducerCore
+
+    core = ProducerCore(producer_id="prefill-0", heartbeat_s=1.0, checksum=checksum)
+    hello = m.encode(m.Hello(version=m.PROTOCOL_VERSION))
+    (welcome,) = [out.message for out in core.receive(b"decode-0", hello, 0, 0.0)]
+    assert isinstance(welcome, m.Welcome)
+    assert (m.Capability.CHECKSUM in welcome.capabilities) is checksum
+    assert m.Capability.PROBE_MANY in welcome.capabilities

@@ -9,6 +9,8 @@ import functools
 import logging
 from collections.abc import Callable
 
+import torch
+
 from kvrt import _messages as m
 from kvrt._errors import KVRTError, PeerLostError, RemoteProtocolError, TransportUnavailableError
 from kvrt._protocol import ConsumerCore
@@ -60,6 +62,8 @@ class TransportJoin:
         session without it, ending only once that one joined."""
         try:
             await transport.join(rendezvous, self.connect_timeout_s)
+            if m.Capability.CHECKSUM in self._core.producer_capabilities and transport.device.type == "cuda":
+                await asyncio.to_thread(_ready_to_check, transport.device)
         except TransportUnavailableError as exc:
             remaining = tuple(name for name in self._core.transports if name != transport.name)
             if not remaining:
@@ -95,3 +99,12 @@ def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
 
 async def _raise(error: BaseException) -> None:
     raise error
+
+
+def _ready_to_check(device: torch.device) -> None:
+    """Compile the checksum kernel on `device` (about a second, mostly holding the GIL): at the
+    join, where no call waits, rather than at the first item's check, where every call in
+    flight would wait past its reply timeout."""
+    from kvrt.kernels.checksum import warm_up  # Triton: only for producers that checksum
+
+    warm_up(device)

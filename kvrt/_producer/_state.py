@@ -106,6 +106,7 @@ class ProducerState:
             same_host_only=SAME_HOST_ONLY,
             cut=self._cut_piece,
             heads=self.heads,
+            checksum=self.checksum,
         )
         self._send_lock = asyncio.Lock()
         self._refusal_log = _RateLimit(per_s=1.0)

@@ -67,6 +67,7 @@ class ProducerCore:
         same_host_only: frozenset[str] = frozenset(),
         cut: Cut = no_cut,
         heads: m.HeadRange | None = None,
+        checksum: bool = False,
     ) -> None:
         self.producer_id = producer_id
         self.heads = heads
@@ -92,6 +93,7 @@ class ProducerCore:
         welcome = m.Welcome(
             version=m.PROTOCOL_VERSION, producer_id=producer_id, heartbeat_s=heartbeat_s, lease_s=self.lease_s,
             heads=heads, release=m.RELEASE,
+            capabilities=[m.Capability.PROBE_MANY.value, *([m.Capability.CHECKSUM.value] if checksum else [])],
         )  # fmt: skip
         self.sessions = Sessions(
             self.lifecycle, self.deliveries, self.waiting, self._timers, self._refuse, welcome=welcome,

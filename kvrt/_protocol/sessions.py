@@ -133,7 +133,7 @@ class Sessions:
         self.peers[peer] = Session(identity=peer, name=hello.name, transport=transport, last_seen=now)
         self._lifecycle.hold(peer)
         self._timers.add(now + self._welcome.lease_s, TimerKind.PEER, peer)
-        capabilities = [*self.transports, m.Capability.PROBE_MANY.value]
+        capabilities = [*self.transports, *self._welcome.capabilities]
         welcome = msgspec.structs.replace(self._welcome, transport=transport, capabilities=capabilities)
         out.append(Outgoing(peer, welcome))
         return out
