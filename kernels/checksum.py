@@ -302,15 +302,16 @@ def warm_up(device: torch.device, *, tuning: Tuning = DEFAULT_TUNING) -> None:
     """Compile `checksum`'s kernel for both of its launch shapes on `device` (a CUDA device),
     and wait for it: a producer that checksums does this before it serves, so that no
     delivery's header waits for a compilation."""
-    raw = torch.zeros(_WORD_BYTES, dtype=torch.uint8, device=device)
-    sums = torch.zeros(_SUM_SLOTS, dtype=torch.int64, device=device)
-    for tiles in {1, tuning.tiles_per_program}:
-        launch: Any = _sum_words[(1,)]  # Triton's launcher is untyped
-        launch(
-            raw.view(torch.int64), raw, sums, 1, _WORD_BYTES, 0,
-            BLOCK=tuning.block_words, TILES=tiles, BYTES=False, SLOTS=_SUM_SLOTS, num_warps=tuning.warps,
-        )  # fmt: skip
-    torch.cuda.synchronize(device)
+    with torch.cuda.device(device):  # Triton launches on the current device, whichever thread this is
+        raw = torch.zeros(_WORD_BYTES, dtype=torch.uint8, device=device)
+        sums = torch.zeros(_SUM_SLOTS, dtype=torch.int64, device=device)
+        for tiles in {1, tuning.tiles_per_program}:
+            launch: Any = _sum_words[(1,)]  # Triton's launcher is untyped
+            launch(
+                raw.view(torch.int64), raw, sums, 1, _WORD_BYTES, 0,
+                BLOCK=tuning.block_words, TILES=tiles, BYTES=False, SLOTS=_SUM_SLOTS, num_warps=tuning.warps,
+            )  # fmt: skip
+        torch.cuda.synchronize(device)
 
 
 def checksum_reference(data: torch.Tensor, seed: int = 0) -> int:
