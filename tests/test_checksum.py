@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -295,3 +296,52 @@ def test_a_producer_that_checksums_says_so_in_its_welcome(checksum: bool) -> Non
     assert isinstance(welcome, m.Welcome)
     assert (m.Capability.CHECKSUM in welcome.capabilities) is checksum
     assert m.Capability.PROBE_MANY in welcome.capabilities
+
+
+def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the next receive of the paired transport (gloo here, NCCL on GPUs) flip a byte in
+    the middle of what it landed, after the receive and before the check (the producer's bytes
+    are never touched); the list returned gets an entry when it did."""
+    from kvrt.transports.paired import PairedReceiver
+
+    flipped: list[int] = []
+    post = PairedReceiver._post
+
+    def flipping(self: PairedReceiver, group: Any, payload: torch.Tensor, segments: Any, result: Any,
+                 check: Callable[[], None] | None = None) -> Any:  # fmt: skip
+        def flip_then_check() -> None:
+            if not flipped and payload.numel():
+                payload.view(torch.uint8)[payload.numel() // 2] ^= 0x10
+                flipped.append(payload.numel() // 2)
+            if check is not None:
+                check()
+
+        return post(self, group, payload, segments, result, flip_then_check)
+
+    monkeypatch.setattr(PairedReceiver, "_post", flipping)
+    return flipped
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["drop_select", "drop_select_many"])
+async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_the_items_come_whole_next(
+    monkeypatch: pytest.MonkeyPatch, batch: bool
+) -> None:
+    items = [_item(6), _item(7)] if batch else [_item(6)]
+    async with (
+        kvrt.Producer(transport="gloo", checksum=True) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+    ):
+        for tokens, key, value in items:
+            await producer.insert(tokens, None, key, value)
+        queries = [tokens for tokens, _, _ in items]
+
+        async def take() -> list[kvrt.KVItem | None]:
+            return await consumer.drop_select_many(queries) if batch else [await consumer.drop_select(queries[0])]
+
+        flipped = flip_one_landed_byte(monkeypatch)
+        with pytest.raises(kvrt.IntegrityError):
+            await take()
+        assert flipped and consumer.metrics.integrity_failures == 1
+        for item, (_, key, value) in zip(await take(), items, strict=True):
+            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+        assert await take() == [None] * len(items)  # taken once

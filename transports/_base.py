@@ -416,25 +416,34 @@ class OnStream:
         torch.cuda.set_stream(self._previous)
 
 
-def landed_check(receiver: Receiver, deliver: Deliver, payload: torch.Tensor) -> Callable[[], None] | None:
-    """What checks an item's payload once all of it landed, on the thread that waited for it
-    (on a GPU, on the stream current there), before the call sees it; None when the delivery
-    carries no checksum this side can check. A mismatch raises `IntegrityError`."""
-    metas = item_metas(deliver)
+def landed_check(
+    receiver: Receiver, payload: torch.Tensor, entries: Sequence[tuple[Deliver | Hit, int]]
+) -> Callable[[], None] | None:
+    """What checks the items of a payload once all of it landed, on the thread that waited for
+    it (on a GPU, on the stream current there), before the call sees them: each entry is a
+    delivered item (a `deliver`, or a hit of a batch) and where its bytes start in `payload`.
+    None when none carries a checksum this side can check. A mismatch raises `IntegrityError`
+    (a batch's call fails whole)."""
     host = payload.device.type == "cpu"
-    if not ((deliver.checksum is not None and host) or
-            (deliver.device_checksum is not None and receiver.device_checksum is not None)):  # fmt: skip
+    checked = [
+        (entry, start) for entry, start in entries
+        if (entry.checksum is not None and host)
+        or (entry.device_checksum is not None and receiver.device_checksum is not None)
+    ]  # fmt: skip
+    if not checked:
         return None
-    what = f"item {deliver.item_id}"
 
     def check() -> None:
-        if deliver.checksum is not None and host and item_checksum(tensor_bytes(payload), metas) != deliver.checksum:
-            raise IntegrityError(
-                f"{what}: its {payload.numel()} bytes, or the description of its tensors, do not match the checksum "
-                "its producer computed where it wrote them (damaged on the way): it went back whole"
-            )
-        error = device_checksum_mismatch(receiver.device_checksum, payload, metas, deliver.device_checksum, what)
-        if error is not None:
-            raise error
+        for entry, start in checked:
+            metas, what = item_metas(entry), f"item {entry.item_id}"
+            landed = payload[start : start + entry.payload_bytes]
+            if entry.checksum is not None and host and item_checksum(tensor_bytes(landed), metas) != entry.checksum:
+                raise IntegrityError(
+                    f"{what}: its {landed.numel()} bytes, or the description of its tensors, do not match the "
+                    "checksum its producer computed where it wrote them (damaged on the way): it went back whole"
+                )
+            error = device_checksum_mismatch(receiver.device_checksum, landed, metas, entry.device_checksum, what)
+            if error is not None:
+                raise error
 
     return check

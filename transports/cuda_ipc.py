@@ -514,7 +514,7 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             [_Copy(share, offset, offset, nbytes, mark)]
             for (offset, nbytes), mark in zip(segments, share.marks, strict=True)
         ]
-        completed, landed = self._post(payload, parts, tensors, landed_check(self, deliver, payload))
+        completed, landed = self._post(payload, parts, tensors, landed_check(self, payload, [(deliver, 0)]))
         return Arrival(completed, tensors, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
@@ -541,7 +541,8 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return done
-        return self._post(payload, [copies], tensors)[0]
+        check = landed_check(self, payload, [(hit, hit.offset) for hit in hits])
+        return self._post(payload, [copies], tensors, check)[0]
 
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
         placed, nbytes = back_to_back(metas)

@@ -357,7 +357,8 @@ class PairedReceiver(_Paired, Receiver):
             done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
             return Arrival(done)
-        completed, landed = self._post(group, payload, segments, tensors, landed_check(self, deliver, payload))
+        check = landed_check(self, payload, [(deliver, 0)])
+        completed, landed = self._post(group, payload, segments, tensors, check)
         return Arrival(completed, tensors if landed else None, tuple(landed))
 
     def receive_many(self, message: DeliverMany, frames: Sequence[zmq.Frame]) -> asyncio.Future[list[ItemTensors]]:
@@ -379,7 +380,8 @@ class PairedReceiver(_Paired, Receiver):
             done: asyncio.Future[list[ItemTensors]] = asyncio.get_running_loop().create_future()
             done.set_result(tensors)
         else:
-            done = self._post(group, payload, segments, tensors)[0]
+            check = landed_check(self, payload, [(hit, hit.offset) for hit in hits])
+            done = self._post(group, payload, segments, tensors, check)[0]
         # Made while the bytes travel: the future hands the list over only once they landed.
         tensors += [five(views) for views in batch_views(entries, payload)]
         return done
