@@ -59,7 +59,8 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
     """A message with the checksums of the bytes that follow it. A piece's, or a finished
     stream's read whole, is known once its `fill` wrote it, after the core built the header;
     an open stream's layer has the checksum `put_layer` computed; a layer or the hidden states
-    of a whole item read as a stream are checksummed from the item's bytes here."""
+    of a whole item read as a stream are checksummed from the item's bytes here (on the host:
+    a GPU stream's layers carry none yet)."""
     item = send.item
     match message:
         case m.Deliver() if item is not None:
@@ -73,13 +74,14 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
                 for hit in message.hits
             ]  # fmt: skip
             return msgspec.structs.replace(message, hits=hits)
-        case m.StreamLayer(layer=layer) if item is not None:
+        case m.StreamLayer(layer=layer) if item is not None and item.storage.device.type == "cpu":
             if item.stream is not None:
                 return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
             layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value))
             return msgspec.structs.replace(message, checksum=layer_checksum)
         case m.StreamEnd(hidden=hidden) if item is not None and item.hidden is not None and hidden is not None:
-            return msgspec.structs.replace(message, checksum=tensors_checksum((item.hidden,), (hidden,)))
+            if item.hidden.device.type == "cpu":
+                return msgspec.structs.replace(message, checksum=tensors_checksum((item.hidden,), (hidden,)))
     return message
 
 

@@ -117,7 +117,7 @@ class StreamPublisher:
         stream = item.stream
         assert stream is not None
         metas = tensor_meta(key), tensor_meta(value)
-        if self._state.checksum:
+        if self._state.checksum and key.device.type == "cpu":  # a GPU stream's layers carry none yet
             stream.checksums.append(tensors_checksum((key, value), metas))
         out = self._core.stream_layer(item, *metas)
         stream.keys.append(key)
