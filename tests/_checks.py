@@ -1,14 +1,19 @@
 """Checks the tests share: tensors equal bit for bit, a consumer's producers caught up, a
-full garbage collection that does not count as the event loop blocked, and a link made deaf
-or its lease ended."""
+full garbage collection that does not count as the event loop blocked, a link made deaf or
+its lease ended, a raw exchange with a producer, and a receive that flips a byte it landed."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 import kvrt
 from kvrt import _messages as m
@@ -81,3 +86,47 @@ def lease_ends_with_the_next_delivery(link: Any, monkeypatch: Any) -> None:
         return event
 
     monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
+
+
+async def raw_exchange(endpoint: str, frames: list[bytes]) -> m.Message:
+    """Send `frames` to a producer from a raw DEALER; its one answer, decoded."""
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        await socket.send_multipart(frames)
+        async with asyncio.timeout(10):
+            reply = await socket.recv_multipart()
+        return m.decode(reply[0])
+    finally:
+        socket.close()
+        context.term()
+
+
+def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch, receiver: type) -> list[int]:
+    """Make the next receive of `receiver` (a transport's receiving class whose `_post` lands a
+    `payload` and runs an optional `check` once it landed) flip a byte in the middle of what it
+    landed, after the landing and before the check; the producer's bytes are never touched.
+    The list returned gets the byte's offset when it flipped."""
+    flipped: list[int] = []
+    post = receiver._post  # type: ignore[attr-defined]
+    signature = inspect.signature(post)
+
+    def flipping(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        payload: torch.Tensor = bound.arguments["payload"]
+        check: Callable[[], None] | None = bound.arguments.get("check")
+
+        def flip_then_check() -> None:
+            if not flipped and payload.numel():
+                payload.view(torch.uint8)[payload.numel() // 2] ^= 0x10  # where the check runs (its stream)
+                flipped.append(payload.numel() // 2)
+            if check is not None:
+                check()
+
+        bound.arguments["check"] = flip_then_check
+        return post(*bound.args, **bound.kwargs)
+
+    monkeypatch.setattr(receiver, "_post", flipping)
+    return flipped

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -18,6 +17,8 @@ from kvrt import Layout, PoolTable
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
+from kvrt.transports.paired import PairedReceiver
+from tests._checks import flip_one_landed_byte
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -298,30 +299,6 @@ def test_a_producer_that_checksums_says_so_in_its_welcome(checksum: bool) -> Non
     assert m.Capability.PROBE_MANY in welcome.capabilities
 
 
-def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the next receive of the paired transport (gloo here, NCCL on GPUs) flip a byte in
-    the middle of what it landed, after the receive and before the check (the producer's bytes
-    are never touched); the list returned gets an entry when it did."""
-    from kvrt.transports.paired import PairedReceiver
-
-    flipped: list[int] = []
-    post = PairedReceiver._post
-
-    def flipping(self: PairedReceiver, group: Any, payload: torch.Tensor, segments: Any, result: Any,
-                 check: Callable[[], None] | None = None) -> Any:  # fmt: skip
-        def flip_then_check() -> None:
-            if not flipped and payload.numel():
-                payload.view(torch.uint8)[payload.numel() // 2] ^= 0x10
-                flipped.append(payload.numel() // 2)
-            if check is not None:
-                check()
-
-        return post(self, group, payload, segments, result, flip_then_check)
-
-    monkeypatch.setattr(PairedReceiver, "_post", flipping)
-    return flipped
-
-
 @pytest.mark.parametrize("batch", [False, True], ids=["drop_select", "drop_select_many"])
 async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_the_items_come_whole_next(
     monkeypatch: pytest.MonkeyPatch, batch: bool
@@ -338,7 +315,7 @@ async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_th
         async def take() -> list[kvrt.KVItem | None]:
             return await consumer.drop_select_many(queries) if batch else [await consumer.drop_select(queries[0])]
 
-        flipped = flip_one_landed_byte(monkeypatch)
+        flipped = flip_one_landed_byte(monkeypatch, PairedReceiver)
         with pytest.raises(kvrt.IntegrityError):
             await take()
         assert flipped and consumer.metrics.integrity_failures == 1

@@ -15,7 +15,7 @@ import zmq.asyncio
 import kvrt
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode
-from tests._checks import caught_up
+from tests._checks import caught_up, raw_exchange
 from tests.conftest import insert_tokens, make_kv
 
 
@@ -195,23 +195,6 @@ async def test_bad_input_to_drop_select_is_refused_clearly(
         await consumer.drop_select(tokens, roi, timeout=timeout)
 
 
-async def raw_exchange(endpoint: str, frames: list[bytes]) -> m.ErrorReply:
-    context = zmq.asyncio.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    try:
-        socket.connect(endpoint)
-        await socket.send_multipart(frames)
-        async with asyncio.timeout(5):
-            reply = await socket.recv_multipart()
-        message = m.decode(reply[0])
-        assert isinstance(message, m.ErrorReply)
-        return message
-    finally:
-        socket.close()
-        context.term()
-
-
 @pytest.mark.parametrize(
     ("frames", "code"),
     [
@@ -227,6 +210,7 @@ async def test_garbage_from_a_raw_socket_gets_a_typed_reply_and_others_are_still
     producer: kvrt.Producer, consumer: kvrt.Consumer, frames: list[bytes], code: ErrorCode
 ) -> None:
     reply = await raw_exchange(producer.endpoint, frames)
+    assert isinstance(reply, m.ErrorReply)
     assert reply.code is code and reply.message
     await insert_tokens(producer, torch.arange(3))
     assert await consumer.drop_select(torch.arange(3)) is not None

@@ -5,48 +5,25 @@ kernel's reference. A bit flipped where the bytes land is detected every time, t
 back whole and is intact on the next take, and the failure is counted.
 
 The flip: the consumer's cuda_ipc receive XORs one byte of the payload it landed, after the
-copies and before the check (the producer's memory is never touched), once.
+copies and before the check (the producer's memory is never touched), once
+(`tests._checks.flip_one_landed_byte`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 import kvrt
 from kvrt.transports.cuda_ipc import CudaIpcReceiver
-from tests._checks import same_bits
+from tests._checks import flip_one_landed_byte, same_bits
 from tests._gpu_processes import PULL_LAYERS, kv_item, pull_request, run_gpu_producer, run_gpu_publisher
 from tests._gpus import CONSUMER_DEVICE, PRODUCER_DEVICE, one_gpu
 from tests._processes import child_process
 
 pytestmark = [one_gpu, pytest.mark.timeout(120, method="thread")]
-
-
-def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the next cuda_ipc receive flip a byte in the middle of what it landed; the list
-    returned gets an entry when it did."""
-    flipped: list[int] = []
-    post = CudaIpcReceiver._post
-
-    def flipping(
-        self: CudaIpcReceiver, payload: torch.Tensor, parts: Any, result: Any, check: Callable[[], None] | None = None
-    ) -> Any:
-        def flip_then_check() -> None:
-            if not flipped and payload.numel():
-                payload.view(torch.uint8)[payload.numel() // 2] ^= 0x10  # on the stream the check runs on
-                flipped.append(payload.numel() // 2)
-            if check is not None:
-                check()
-
-        return post(self, payload, parts, result, flip_then_check)
-
-    monkeypatch.setattr(CudaIpcReceiver, "_post", flipping)
-    return flipped
 
 
 @pytest.mark.parametrize("checksum", [True, False], ids=["checked", "unchecked"])
@@ -62,7 +39,7 @@ async def test_a_byte_flipped_where_a_cuda_ipc_item_landed_fails_the_call_and_th
         kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer,
     ):  # fmt: skip
         assert consumer.transports == {endpoint: "cuda_ipc"}
-        flipped = flip_one_landed_byte(monkeypatch)
+        flipped = flip_one_landed_byte(monkeypatch, CudaIpcReceiver)
         if not checksum:  # what the check is for: the flip does damage what the caller gets
             item = await consumer.drop_select(input_tokens, None)
             assert flipped and item is not None
@@ -96,7 +73,7 @@ async def test_a_byte_flipped_in_a_pull_over_cuda_ipc_fails_the_pull_and_the_ret
         into_slots = torch.arange(tokens.numel())
         async with kvrt.Consumer(connect=endpoint, device=CONSUMER_DEVICE) as consumer:
             assert consumer.transports == {endpoint: "cuda_ipc"}
-            flipped = flip_one_landed_byte(monkeypatch)
+            flipped = flip_one_landed_byte(monkeypatch, CudaIpcReceiver)
             with pytest.raises(kvrt.IntegrityError):
                 await consumer.pull(tokens, into=target, slots=into_slots, timeout=30)
             assert flipped and consumer.metrics.integrity_failures == 1

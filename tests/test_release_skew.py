@@ -33,6 +33,7 @@ import kvrt
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode
 from tests import _release_peer as peer
+from tests._checks import raw_exchange
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(peer.__file__).resolve()
@@ -217,19 +218,4 @@ async def test_a_consumer_refused_by_a_producer_of_another_protocol_version_rais
         assert "kvrt 9.0.0" in str(refused.value) and f"kvrt {kvrt.__version__}" in str(refused.value)
     finally:
         router.close()
-        context.term()
-
-
-async def raw_exchange(endpoint: str, frames: list[bytes]) -> m.Message:
-    context = zmq.asyncio.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    try:
-        socket.connect(endpoint)
-        await socket.send_multipart(frames)
-        async with asyncio.timeout(10):
-            reply = await socket.recv_multipart()
-        return m.decode(reply[0])
-    finally:
-        socket.close()
         context.term()
