@@ -80,14 +80,20 @@ def device_checksum_mismatch(
     )
 
 
-def tensors_checksum(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta | None]) -> int:
-    """The checksum of tensors that travel in frames of their own (a stream's layer: its key
-    and value; a stream's hidden states): each one's bytes in turn, seeded with the last, the
-    first with that of their descriptions. Each tensor is contiguous in host memory."""
-    seed = metas_seed(metas)
+def tensors_checksum(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta | None], position: int) -> int:
+    """The checksum of tensors that travel in frames of their own: a stream's layer (its key
+    and value; `position` is the layer's index) or a stream's hidden states (`position` -1).
+    Each one's bytes in turn, seeded with the last, the first with the XXH3-64 of
+    `[position, *metas]`: a layer said to be another fails as a flipped byte does. Each
+    tensor is contiguous in host memory."""
+    seed = xxhash.xxh3_64_intdigest(_encode_metas((position, *metas)))
     for tensor in tensors:
         seed = payload_checksum(tensor_bytes(tensor), seed)
     return seed
+
+
+HIDDEN_POSITION: Final = -1
+"""`tensors_checksum`'s position of a stream's hidden states (its end)."""
 
 
 def storage_checksum(storage: torch.Tensor, metas: ItemMetas) -> int:

@@ -322,3 +322,30 @@ async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_th
         for item, (_, key, value) in zip(await take(), items, strict=True):
             assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
         assert await take() == [None] * len(items)  # taken once
+
+
+async def test_a_layer_said_to_be_another_fails_its_reader_like_a_flipped_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream layer's checksum covers its index: layer 1 arriving as layer 3 never reaches
+    the reader as layer 3."""
+    decode = m.decode
+    altered: list[m.StreamLayer] = []
+
+    def renumbering_layer_one(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.StreamLayer) and message.layer == 1 and not altered:
+            altered.append(message)
+            return msgspec.structs.replace(message, layer=3)
+        return message
+
+    monkeypatch.setattr(m, "decode", renumbering_layer_one)
+    tokens, key, value = torch.arange(16), torch.randn(4, 16, 2, 8), torch.randn(4, 16, 2, 8)
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        writer = await producer.open_stream(tokens, layers=4)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        for layer in range(4):
+            await writer.put_layer(key[layer], value[layer])
+        await writer.finish()
+        with pytest.raises(kvrt.IntegrityError, match="layer 3"):
+            await reader.layer(3)
+        assert altered and consumer.metrics.integrity_failures == 1

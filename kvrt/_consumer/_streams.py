@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._checksum import tensors_checksum
+from kvrt._checksum import HIDDEN_POSITION, tensors_checksum
 from kvrt._consumer._session import LinkSession, _Reply
 from kvrt._errors import (
     IntegrityError,
@@ -29,12 +29,15 @@ from kvrt._threads import outcome_seen
 from kvrt.transports import Receiver
 
 
-def _check(checksum: int | None, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], what: str) -> None:
+def _check(
+    checksum: int | None, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int, what: str
+) -> None:
     """Raise `IntegrityError` if tensors that landed in host memory do not match the checksum
-    their producer computed where it wrote them (`Producer(checksum=True)`)."""
+    their producer computed where it wrote them (`Producer(checksum=True)`): a layer's, at its
+    index (`position`), or the hidden states'."""
     if checksum is None or any(tensor.device.type != "cpu" for tensor in tensors):
         return
-    if tensors_checksum(tensors, metas) != checksum:
+    if tensors_checksum(tensors, metas, position) != checksum:
         raise IntegrityError(
             f"{what}: its bytes, or the description of its tensors, do not match the checksum its producer "
             "computed where it wrote them (damaged on the way): the stream went back whole"
@@ -138,7 +141,7 @@ class StreamLayers:
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
         elif arrival.complete.done():
             key, value = arrival.complete.result()
-            _check(checksum, (key, value), (key_meta, value_meta), f"layer {layer} of stream {item_id}")
+            _check(checksum, (key, value), (key_meta, value_meta), layer, f"layer {layer} of stream {item_id}")
             self._deliver_layer(stream, item_id, layer, key, value)
             return
 
@@ -149,7 +152,7 @@ class StreamLayers:
             elif not arriving.cancelled() and arrival.landed is None:
                 key, value = arriving.result()
                 try:
-                    _check(checksum, (key, value), (key_meta, value_meta), f"layer {layer} of stream {item_id}")
+                    _check(checksum, (key, value), (key_meta, value_meta), layer, f"layer {layer} of stream {item_id}")
                 except IntegrityError as failed:
                     self._stream_lost(item_id, failed)
                     return
@@ -203,7 +206,7 @@ class StreamLayers:
             hidden = None if hidden_meta is None or arriving is None else arriving.result()[0]
             if hidden is not None and hidden_meta is not None:
                 try:
-                    _check(checksum, (hidden,), (hidden_meta,), f"the hidden states of stream {item_id}")
+                    _check(checksum, (hidden,), (hidden_meta,), HIDDEN_POSITION, f"stream {item_id}'s hidden states")
                 except IntegrityError as failed:
                     self._stream_lost(item_id, failed)
                     return

@@ -16,7 +16,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
-from kvrt._checksum import tensors_checksum
+from kvrt._checksum import HIDDEN_POSITION, tensors_checksum
 from kvrt._errors import (
     ErrorCode,
     PeerLostError,
@@ -77,11 +77,12 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
         case m.StreamLayer(layer=layer) if item is not None and item.storage.device.type == "cpu":
             if item.stream is not None:
                 return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
-            layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value))
+            layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value), layer)
             return msgspec.structs.replace(message, checksum=layer_checksum)
         case m.StreamEnd(hidden=hidden) if item is not None and item.hidden is not None and hidden is not None:
             if item.hidden.device.type == "cpu":
-                return msgspec.structs.replace(message, checksum=tensors_checksum((item.hidden,), (hidden,)))
+                hidden_checksum = tensors_checksum((item.hidden,), (hidden,), HIDDEN_POSITION)
+                return msgspec.structs.replace(message, checksum=hidden_checksum)
     return message
 
 

@@ -118,7 +118,7 @@ class StreamPublisher:
         assert stream is not None
         metas = tensor_meta(key), tensor_meta(value)
         if self._state.checksum and key.device.type == "cpu":  # a GPU stream's layers carry none yet
-            stream.checksums.append(tensors_checksum((key, value), metas))
+            stream.checksums.append(tensors_checksum((key, value), metas, len(stream.keys)))
         out = self._core.stream_layer(item, *metas)
         stream.keys.append(key)
         stream.values.append(value)
