@@ -59,6 +59,15 @@ def item_checksum(payload: memoryview | bytes, metas: ItemMetas) -> int:
     return payload_checksum(payload, metas_seed(metas))
 
 
+def delivery_checksum(request_id: int, item_id: int, matched: int, lease: int, item: int) -> int:
+    """What covers a delivery's own fields, which change with each delivery of an item: XXH3-64
+    of the msgpack array `[request_id, item_id, matched, lease]`, seeded with the item's
+    checksum. A consumer that took an item under a flipped id or lease would confirm another
+    delivery, and the item would reach a second consumer; one that finds a mismatch takes
+    nothing and starts a new session instead."""
+    return xxhash.xxh3_64_intdigest(_encode_metas((request_id, item_id, matched, lease)), item)
+
+
 DeviceChecksum = Callable[[torch.Tensor, int], int]
 """`kvrt.kernels.checksum`'s checksum of a contiguous byte tensor with a seed (a GPU's
 kernel, or its reference on the host): a consumer gives its receivers one, which is how a

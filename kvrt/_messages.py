@@ -271,6 +271,9 @@ class Deliver(Message, frozen=True, tag="deliver"):
     """For an item a producer on a GPU wrote (`Producer(checksum=True)`), in place of
     `checksum`: the sum checksum of `kvrt.kernels.checksum` of the payload's bytes, computed
     there on the GPU, seeded with the XXH3-64 of the tensors' descriptions (as `checksum`)."""
+    delivery_checksum: Checksum | None = None
+    """With `checksum` or `device_checksum`: the checksum of this delivery's own fields
+    (`kvrt._checksum.delivery_checksum`: `request_id`, `item_id`, `matched`, `lease`)."""
 
 
 MAX_BATCH: Final = 256
@@ -313,6 +316,8 @@ class Hit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """As `Deliver.checksum`."""
     device_checksum: Checksum | None = None
     """As `Deliver.device_checksum`."""
+    delivery_checksum: Checksum | None = None
+    """As `Deliver.delivery_checksum`, with the batch's `request_id`."""
 
 
 class DeliverMany(Message, frozen=True, tag="deliver_many"):

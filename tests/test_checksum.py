@@ -349,3 +349,46 @@ async def test_a_layer_said_to_be_another_fails_its_reader_like_a_flipped_byte(m
         with pytest.raises(kvrt.IntegrityError, match="layer 3"):
             await reader.layer(3)
         assert altered and consumer.metrics.integrity_failures == 1
+
+
+@pytest.mark.parametrize("field", ["lease", "item_id", "matched"])
+@pytest.mark.parametrize("batch", [False, True], ids=["drop_select", "drop_select_many"])
+async def test_a_delivery_whose_ids_were_damaged_is_not_taken_and_never_reaches_a_second_consumer(
+    monkeypatch: pytest.MonkeyPatch, field: str, batch: bool
+) -> None:
+    """A flipped lease or item id would make the consumer confirm a delivery that is not the
+    item's: the producer would refuse the receipt and hand the item to the next consumer as
+    well. A flipped match would tell the caller a wrong length. The delivery's own fields are
+    checked too: nothing is taken, the call fails, and a new session gives the item back."""
+    decode = m.decode
+    altered: list[m.Message] = []
+
+    def damaging_the_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.Deliver | m.DeliverMany) and not altered:
+            altered.append(message)
+            if isinstance(message, m.Deliver):
+                return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
+            hits = [None if hit is None else msgspec.structs.replace(hit, **{field: getattr(hit, field) + 1})
+                    for hit in message.hits]  # fmt: skip
+            return msgspec.structs.replace(message, hits=hits)
+        return message
+
+    tokens, key, value = torch.arange(8), torch.randn(2, 8, 2, 4), torch.randn(2, 8, 2, 4)
+
+    async def take(consumer: kvrt.Consumer) -> kvrt.KVItem | None:
+        return (await consumer.drop_select_many([tokens]))[0] if batch else await consumer.drop_select(tokens)
+
+    async with kvrt.Producer(checksum=True) as producer:
+        await producer.insert(tokens, None, key, value)
+        async with kvrt.Consumer(connect=producer.endpoint) as first:
+            monkeypatch.setattr(m, "decode", damaging_the_first_delivery)
+            with pytest.raises(kvrt.IntegrityError, match="ids, lease and match"):
+                await take(first)
+            assert altered and first.metrics.integrity_failures == 1
+            await asyncio.wait_for(first.link_for_tests().connected.wait(), 10)  # its new session
+            item = await take(first)
+            assert item is not None and item.matched == 8 and torch.equal(item.key, key)
+        monkeypatch.setattr(m, "decode", decode)
+        async with kvrt.Consumer(connect=producer.endpoint) as second:
+            assert await take(second) is None  # delivered once

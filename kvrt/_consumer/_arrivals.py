@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
+from kvrt._checksum import delivery_checksum
 from kvrt._consumer._session import LinkSession, _item_ids, _Reply
 from kvrt._errors import (
     IntegrityError,
@@ -38,6 +39,8 @@ class Arrivals:
         self, future: asyncio.Future[_Reply] | None, deliver: m.Deliver, payload: Sequence[zmq.Frame]
     ) -> None:
         """Post the item's receive now (arrival order); complete the call when it lands."""
+        if self._delivery_damaged(future, deliver.request_id, [deliver]):
+            return
         self._link.leases[deliver.item_id] = deliver.lease
         if self._link.receiver is None:
             self._link.release([deliver.item_id])
@@ -127,6 +130,8 @@ class Arrivals:
         self, future: asyncio.Future[_Reply] | None, batch: m.DeliverMany, payload: Sequence[zmq.Frame]
     ) -> None:
         """Post the receive of a batch's hits now; complete the call when all have landed."""
+        if self._delivery_damaged(future, batch.request_id, [hit for hit in batch.hits if hit is not None]):
+            return
         for hit in batch.hits:
             if hit is not None:
                 self._link.leases[hit.item_id] = hit.lease
@@ -149,6 +154,28 @@ class Arrivals:
         else:
             session = self._link.sessions_lost
             self._link.own_arrival(arriving, functools.partial(self._batch_landed, future, batch, session))
+
+    def _delivery_damaged(
+        self, future: asyncio.Future[_Reply] | None, request_id: int, entries: Sequence[m.Deliver | m.Hit]
+    ) -> bool:
+        """Whether a delivery's own fields (its ids, lease, match) fail their checksum: then
+        nothing in it can be named to the producer (a receipt or a release might name another
+        delivery), so nothing is taken; its call fails with `IntegrityError` and a new session
+        starts, in which the producer takes back what the old one held, this item with it."""
+        for entry in entries:
+            item = entry.checksum if entry.checksum is not None else entry.device_checksum
+            expected = entry.delivery_checksum
+            if item is None or expected is None:
+                continue
+            if delivery_checksum(request_id, entry.item_id, entry.matched, entry.lease, item) != expected:
+                error = IntegrityError(
+                    f"a delivery of item {entry.item_id} (request {request_id}) does not match the checksum of "
+                    "its ids, lease and match (damaged on the way): nothing was taken, and the producer takes "
+                    "it back in a new session"
+                )
+                self._link.start_afresh(future, error)
+                return True
+        return False
 
     def _refuse_unread(
         self, future: asyncio.Future[_Reply] | None, item_ids: list[int], payload: Sequence[zmq.Frame]

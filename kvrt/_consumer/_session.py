@@ -342,6 +342,8 @@ class LinkSession:
         of step (the next receive would take those bytes). Its call fails with `error`, every
         other pending call too, and a new hello starts a new session: the producer takes back
         what it had sent, and pairs anew."""
+        if isinstance(error, IntegrityError) and self.metrics is not None:
+            self.metrics.integrity_failures += 1
         if future is not None and not future.done():
             future.set_exception(error)
         restart = RemoteProtocolError(

@@ -16,7 +16,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
-from kvrt._checksum import HIDDEN_POSITION, tensors_checksum
+from kvrt._checksum import HIDDEN_POSITION, delivery_checksum, tensors_checksum
 from kvrt._errors import (
     ErrorCode,
     PeerLostError,
@@ -63,13 +63,17 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
     a GPU stream's layers carry none yet)."""
     item = send.item
     match message:
-        case m.Deliver() if item is not None:
-            return msgspec.structs.replace(message, checksum=item.checksum, device_checksum=item.device_checksum)
-        case m.DeliverMany():
+        case m.Deliver(request_id=request_id, item_id=item_id, matched=matched, lease=lease) if item is not None:
+            return msgspec.structs.replace(
+                message, checksum=item.checksum, device_checksum=item.device_checksum,
+                delivery_checksum=_delivery_checksum(request_id, item_id, matched, lease, item),
+            )  # fmt: skip
+        case m.DeliverMany(request_id=request_id):
             items = iter(send.items)
             hits = [
                 None if hit is None else msgspec.structs.replace(
-                    hit, checksum=(hit_item := next(items)).checksum, device_checksum=hit_item.device_checksum
+                    hit, checksum=(hit_item := next(items)).checksum, device_checksum=hit_item.device_checksum,
+                    delivery_checksum=_delivery_checksum(request_id, hit.item_id, hit.matched, hit.lease, hit_item),
                 )
                 for hit in message.hits
             ]  # fmt: skip
@@ -84,6 +88,11 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
                 hidden_checksum = tensors_checksum((item.hidden,), (hidden,), HIDDEN_POSITION)
                 return msgspec.structs.replace(message, checksum=hidden_checksum)
     return message
+
+
+def _delivery_checksum(request_id: int, item_id: int, matched: int, lease: int, item: BufferedItem) -> int | None:
+    checksum = item.checksum if item.checksum is not None else item.device_checksum
+    return None if checksum is None else delivery_checksum(request_id, item_id, matched, lease, checksum)
 
 
 def _fill(item: BufferedItem) -> None:
