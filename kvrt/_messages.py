@@ -41,6 +41,10 @@ MAX_TENSOR_DIMS: Final = 8
 MAX_HEADER_BYTES: Final = 16 << 20
 """Largest control frame a peer parses; a larger one gets a typed refusal."""
 
+MAX_PAYLOAD_FRAME_BYTES: Final = 1 << 40
+"""Largest frame a consumer receives (1 TiB): libzmq closes a connection that announces a
+larger one (a length damaged on the way) instead of waiting for it, and the link reconnects."""
+
 MAX_INBOUND_MESSAGE_BYTES: Final = 64 << 20
 """A producer never receives payloads, so libzmq drops any message larger than this before
 allocating it (ZMQ_MAXMSGSIZE), and the connection with it; the peer may reconnect."""
@@ -652,9 +656,24 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
         raise RemoteProtocolError(f"invalid control message: {_reason(exc)}") from None
 
 
+MAX_QUOTED_CHARS: Final = 1024
+"""The most of a peer's text (an error's message) that this side puts in its own errors and logs."""
+
+
+def quoted(text: str) -> str:
+    """A peer's text as this side repeats it: at most `MAX_QUOTED_CHARS` characters, those that
+    do not print (control characters, terminal escapes) escaped."""
+    clipped = text[:MAX_QUOTED_CHARS]
+    if not clipped.isprintable():
+        clipped = "".join(char if char.isprintable() else ascii(char)[1:-1] for char in clipped)
+    if len(text) > MAX_QUOTED_CHARS:
+        clipped += f"... ({len(text) - MAX_QUOTED_CHARS} more characters)"
+    return clipped
+
+
 def version_mismatch(peer_version: int, peer_release: str) -> str:
     """Why two peers cannot talk: both releases and both protocol versions."""
-    peer = f"kvrt {peer_release}" if peer_release else "a kvrt release that does not say which"
+    peer = f"kvrt {quoted(peer_release)}" if peer_release else "a kvrt release that does not say which"
     return (
         f"the peer ({peer}) speaks control protocol version {peer_version}; this side (kvrt {RELEASE}) "
         f"speaks {PROTOCOL_VERSION}: releases that changed the protocol incompatibly cannot work together, "

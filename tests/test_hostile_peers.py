@@ -120,6 +120,38 @@ async def test_a_deeply_nested_frame_from_the_producer_is_dropped_and_the_link_k
         context.term()
 
 
+async def test_a_delivery_that_could_not_be_read_comes_back_once_its_call_times_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A delivery's header damaged on the way (it no longer decodes) is dropped, so its call
+    times out; the producer still counts the item as this link's. The timeout then starts a
+    new session, in which the producer takes the item back: the link's next lookup, or another
+    consumer's, gets it, once."""
+    decode = m.decode
+    damaged: list[bytes] = []
+
+    def unreadable_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.Deliver) and not damaged:
+            damaged.append(bytes(frame))
+            raise kvrt.RemoteProtocolError("invalid control message: (a damaged header)")
+        return message
+
+    tokens, key = torch.arange(8), torch.ones(1, 8, 1, 4)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        await producer.insert(tokens, None, key, key)
+        async with kvrt.Consumer(connect=producer.endpoint, reply_timeout_s=0.5) as consumer:
+            monkeypatch.setattr(m, "decode", unreadable_first_delivery)
+            with pytest.raises(kvrt.KVRTTimeoutError):
+                await consumer.drop_select(tokens)
+            assert damaged and consumer.link_for_tests().rejected_frames == 1
+            await asyncio.wait_for(consumer.link_for_tests().connected.wait(), 10)  # its new session
+            item = await consumer.drop_select(tokens)
+            assert item is not None and torch.equal(item.key, key)
+        async with kvrt.Consumer(connect=producer.endpoint) as another:
+            assert await another.drop_select(tokens) is None  # delivered once
+
+
 # -- 2. exactly once across a stall -----------------------------------------------------------
 
 

@@ -260,3 +260,10 @@ def test_a_cuda_ipc_share_out_of_bounds_is_a_remote_protocol_error(bad: dict[str
 def test_a_frame_that_is_not_a_cuda_ipc_share_is_a_remote_protocol_error() -> None:
     with pytest.raises(RemoteProtocolError, match="invalid cuda_ipc frame"):
         m.decode_share(b"\x93\x01\x02\x03")
+
+
+def test_a_peers_text_is_repeated_clipped_and_with_what_does_not_print_escaped() -> None:
+    assert m.quoted("no such item") == "no such item"
+    assert m.quoted("red \x1b[31m\n") == "red \\x1b[31m\\n"
+    huge = m.quoted("x" * (8 << 20))
+    assert len(huge) < m.MAX_QUOTED_CHARS + 64 and huge.endswith(f"({(8 << 20) - m.MAX_QUOTED_CHARS} more characters)")

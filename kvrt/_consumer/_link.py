@@ -109,14 +109,17 @@ class _Link(LinkSession):
                 await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
 
     def _frame(self, frames: list[zmq.Frame], now: float) -> None:
-        """One message from the producer. One that does not decode is dropped and counted; one
-        that this side fails on ends the session (see below); the link goes on either way."""
+        """One message from the producer. One that does not decode is dropped and counted (if
+        it was an answer damaged on the way, its call's reply timeout starts a new session:
+        see `_reply_overdue`); one that this side fails on ends the session (see below); the
+        link goes on either way."""
         try:
             event = self.core.receive(frames[0].buffer, now)
             if event is not None:
                 self._handle(event, frames[1:])
         except ProtocolError as exc:
             self.rejected_frames += 1
+            self.unread_in_session += 1
             log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
         except Exception as exc:
             # A bug, or a case nobody foresaw: this session's state cannot be trusted (a call may

@@ -161,6 +161,7 @@ class LinkSession:
         # Replies to its own requests only: never let libzmq stop reading them (an engine whose input
         # is stopped, when its connection fails, trips libzmq's heartbeat timer into an assertion).
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_PAYLOAD_FRAME_BYTES)
         if curve is not None:
             secure_client(self._socket, curve)
         self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)
@@ -177,6 +178,10 @@ class LinkSession:
         self._task: asyncio.Task[None] | None = None
         self.rejected_frames = 0
         """Messages from the producer dropped because they did not decode or could not be handled."""
+        self.unread_in_session = 0
+        """Of those, the ones that did not decode in this session: one may have been an answer
+        (a delivery whose header was damaged on the way), whose item the producer keeps for
+        this session until it ends."""
 
     async def call(
         self,
@@ -247,13 +252,21 @@ class LinkSession:
         cancel = self.core.abandon(request_id)
         if cancel is not None:
             self.sends.nowait(cancel)
-        call.future.set_exception(
-            KVRTTimeoutError(
-                f"the producer at {self.endpoint} did not answer within {waits_s + self._reply_timeout_s:.3g} s "
-                f"(the call let it wait {waits_s:.3g} s, plus reply_timeout_s)",
-                phase="reply",
-            )
+        overdue = KVRTTimeoutError(
+            f"the producer at {self.endpoint} did not answer within {waits_s + self._reply_timeout_s:.3g} s "
+            f"(the call let it wait {waits_s:.3g} s, plus reply_timeout_s)",
+            phase="reply",
         )
+        call.future.set_exception(overdue)
+        if self.unread_in_session:
+            # Its answer may have been the message that could not be read: a delivery whose
+            # item the producer keeps for this session. A new session gives such items back.
+            self.new_session(
+                KVRTTimeoutError(
+                    f"{overdue} after a message from it could not be read; the link started a new session",
+                    phase="reply",
+                )
+            )
 
     @property
     def receiver(self) -> Receiver | None:
@@ -355,6 +368,7 @@ class LinkSession:
     def new_session(self, error: KVRTError) -> None:
         """Give this session up: every pending call fails with `error`, and a hello starts a
         new session, in which the producer takes back what the old one held (and pairs anew)."""
+        self.unread_in_session = 0
         lost, hello = self.core.start_afresh(error, self._now())
         self.connected.clear()
         self._fail_all(lost)

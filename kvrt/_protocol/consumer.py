@@ -253,7 +253,8 @@ class ConsumerCore:
                 return Streamed(message)
             case m.Payload():
                 return PayloadCame(message)
-            case m.ErrorReply(request_id=request_id, code=code, message=text):
+            case m.ErrorReply(request_id=request_id, code=code, message=said):
+                text = m.quoted(said)
                 if code is ErrorCode.UNKNOWN_PEER:
                     return self._lose(PeerLostError(f"producer at {self.endpoint}: {text}"), "unknown_peer")
                 if request_id is not None and request_id in self._pending:
