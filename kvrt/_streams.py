@@ -267,6 +267,14 @@ class ConsumerStream:
         """Layer `layer`'s write into the pools is under way: the end waits for its delivery."""
         self._writing.add(layer)
 
+    def first_missing_layer(self) -> int | None:
+        """The first layer that neither came nor is being written (a layer message lost or
+        misdirected on the way); None when every layer did."""
+        return next(
+            (index for index, future in enumerate(self._layers) if not future.done() and index not in self._writing),
+            None,
+        )
+
     def finish(self, hidden: torch.Tensor | None) -> None:
         if self._writing:  # every layer written is delivered before the end
             self._end_waits = (hidden,)

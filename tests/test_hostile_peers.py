@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -150,6 +151,41 @@ async def test_a_delivery_that_could_not_be_read_comes_back_once_its_call_times_
             assert item is not None and torch.equal(item.key, key)
         async with kvrt.Consumer(connect=producer.endpoint) as another:
             assert await another.drop_select(tokens) is None  # delivered once
+
+
+async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirmed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer message whose stream id was damaged on the way reaches no stream: at the end
+    the reader fails, and the stream goes back whole instead of being confirmed (the producer
+    would free it), so it can be read again."""
+    decode = m.decode
+    damaged: list[m.StreamLayer] = []
+
+    def misdirecting_layer_zero(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.StreamLayer) and not damaged:
+            damaged.append(message)
+            return msgspec.structs.replace(message, item_id=message.item_id + 1000)
+        return message
+
+    tokens, key, value = torch.arange(16), torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        monkeypatch.setattr(m, "decode", misdirecting_layer_zero)
+        writer = await producer.open_stream(tokens, layers=3)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        for layer in range(3):
+            await writer.put_layer(key[layer], value[layer])
+        await writer.finish()
+        with pytest.raises(kvrt.RemoteProtocolError, match="without layer 0"):
+            await reader.finished()
+        assert damaged
+        again = await consumer.open_stream(tokens)
+        assert again is not None
+        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
+        assert torch.equal(torch.stack([k for k, _ in layers]), key)
+        assert torch.equal(torch.stack([v for _, v in layers]), value)
 
 
 # -- 2. exactly once across a stall -----------------------------------------------------------

@@ -203,6 +203,11 @@ class StreamLayers:
             if error is not None:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"receiving the end of stream {item_id}"))
                 return
+            missing = stream.first_missing_layer()
+            if missing is not None:  # never confirmed: the producer would free what this side lacks
+                lost = RemoteProtocolError(f"stream {item_id} ended without layer {missing}: it went back whole")
+                self._stream_lost(item_id, lost)
+                return
             hidden = None if hidden_meta is None or arriving is None else arriving.result()[0]
             if hidden is not None and hidden_meta is not None:
                 try:
