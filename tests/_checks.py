@@ -130,3 +130,18 @@ def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch, receiver: type) -> lis
 
     monkeypatch.setattr(receiver, "_post", flipping)
     return flipped
+
+
+async def read_as_published(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    hidden: torch.Tensor | None = None,
+) -> kvrt.ConsumerStream:
+    """A stream of `key` and `value` ([layers, ...]) whose reader opened before its first layer
+    was put: its layers travel one by one, as a prefill publishes them. Returns the reader."""
+    writer = await producer.open_stream(tokens, layers=key.shape[0])
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+    for layer in range(key.shape[0]):
+        await writer.put_layer(key[layer], value[layer])
+    await writer.finish(hidden)
+    return reader

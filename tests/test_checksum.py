@@ -18,7 +18,7 @@ from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 from kvrt.transports.paired import PairedReceiver
-from tests._checks import flip_one_landed_byte
+from tests._checks import flip_one_landed_byte, read_as_published
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -199,12 +199,7 @@ async def test_a_flip_in_a_streamed_layer_fails_the_reader_and_the_stream_is_rea
     tokens, key, value = _item(5)  # 4 layers of 1 MiB: the flip at 3 MiB lies in layer 2
     hidden = torch.randn(64, 32)
     async with _through_relay(checksum=True) as (producer, relay, consumer):
-        writer = await producer.open_stream(tokens, layers=4)
-        reader = await consumer.open_stream(tokens)
-        assert reader is not None
-        for layer in range(4):
-            await writer.put_layer(key[layer], value[layer])
-        await writer.finish(hidden)
+        reader = await read_as_published(producer, consumer, tokens, key, value, hidden)
         with pytest.raises(kvrt.IntegrityError, match="layer 2"):
             async for _ in reader:
                 pass
@@ -340,12 +335,7 @@ async def test_a_layer_said_to_be_another_fails_its_reader_like_a_flipped_byte(m
     monkeypatch.setattr(m, "decode", renumbering_layer_one)
     tokens, key, value = torch.arange(16), torch.randn(4, 16, 2, 8), torch.randn(4, 16, 2, 8)
     async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
-        writer = await producer.open_stream(tokens, layers=4)
-        reader = await consumer.open_stream(tokens)
-        assert reader is not None
-        for layer in range(4):
-            await writer.put_layer(key[layer], value[layer])
-        await writer.finish()
+        reader = await read_as_published(producer, consumer, tokens, key, value)
         with pytest.raises(kvrt.IntegrityError, match="layer 3"):
             await reader.layer(3)
         assert altered and consumer.metrics.integrity_failures == 1

@@ -25,7 +25,7 @@ from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES, SILENT_HOLD_LEASES, PeerState, ProducerCore
 from kvrt._protocol.waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
-from tests._checks import collected
+from tests._checks import collected, read_as_published
 from tests._processes import (
     child_process,
     run_busy_producer,
@@ -172,12 +172,7 @@ async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirme
     tokens, key, value = torch.arange(16), torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         monkeypatch.setattr(m, "decode", misdirecting_layer_zero)
-        writer = await producer.open_stream(tokens, layers=3)
-        reader = await consumer.open_stream(tokens)
-        assert reader is not None
-        for layer in range(3):
-            await writer.put_layer(key[layer], value[layer])
-        await writer.finish()
+        reader = await read_as_published(producer, consumer, tokens, key, value)
         with pytest.raises(kvrt.RemoteProtocolError, match="without layer 0"):
             await reader.finished()
         assert damaged
