@@ -36,8 +36,8 @@ def main() -> None:
         print(f"ready in {time.monotonic() - started:.0f} s: prefill {prefill.url}, decode {decode.url}, "
               f"router {routed.url}", flush=True)  # fmt: skip
         through_kvrt = complete(routed.url, prompts, in_flight=4)
-        counted = metrics(decode.url)
         alone = complete(decode.url, prompts, in_flight=4)
+        counted = metrics(decode.url)  # after those: their steps carry the last loads' counts
         with kvrt.blocking.Client(bind) as client:
             held = client.stats().items
     print(f"\n{'prompt tokens':>13} {'same as decode alone':>21}  output tokens")

@@ -135,8 +135,11 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
     with served_pair(model, folder, bind, prefill_tp, decode_tp) as (prefill, decode):
         with router([prefill.url], [decode.url], folder) as routed:
             through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
-        counted = metrics(decode.url)
         alone = complete(decode.url, asked, in_flight=IN_FLIGHT)  # no kv_transfer_params: computed there
+        # Read after those: a rank's counters go out with a later step's output, and the
+        # requests computed alone are the steps that carry the last loads' counts (they load
+        # nothing themselves).
+        counted = metrics(decode.url)
         assert through_kvrt == alone
         # The connector's own account: every rank loaded every prompt but its last token.
         assert counted["failed_loads"] == 0
