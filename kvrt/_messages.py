@@ -13,6 +13,8 @@ Evolution rules (msgspec's schema-evolution rules, kept here so nobody has to lo
 4. Unknown fields are ignored on decode, so an older peer reads a newer peer's messages.
 5. `error` keeps its fields in every version, and is read whatever version its envelope
    names: a peer of another protocol version can still tell this side why it was refused.
+   An error code this side does not know (a newer peer's) is read as `internal`, its code
+   named in the text.
 6. Two releases one minor version apart speak one protocol version, so that a fleet can be
    upgraded one side at a time (`tests/test_release_skew.py` holds each change to that).
 """
@@ -653,6 +655,9 @@ def decode(frame: bytes | memoryview) -> AnyMessage:
     try:
         return _message_decoder.decode(envelope.message)
     except _UNREADABLE as exc:
+        refusal = _error_of_a_newer_release(envelope.message)
+        if refusal is not None:
+            return refusal
         raise RemoteProtocolError(f"invalid control message: {_reason(exc)}") from None
 
 
@@ -686,8 +691,26 @@ def _refusal_of_any_version(message: msgspec.Raw) -> ErrorReply | None:
     try:
         refusal = _message_decoder.decode(message)
     except (*_UNREADABLE, TypeError):
-        return None
+        return _error_of_a_newer_release(message)
     return refusal if isinstance(refusal, ErrorReply) else None
+
+
+def _error_of_a_newer_release(message: msgspec.Raw) -> ErrorReply | None:
+    """An `error` whose code this release does not know (a newer peer's), read as `internal`
+    with that code in its text, so that its call fails now rather than at its timeout; None
+    for anything else."""
+    try:
+        fields = msgspec.msgpack.decode(message, type=dict[str, object])
+    except (*_UNREADABLE, TypeError):
+        return None
+    code, text, request_id = fields.get("code"), fields.get("message"), fields.get("request_id")
+    if fields.get("type") != "error" or not isinstance(code, str) or not isinstance(text, str):
+        return None
+    if code in ErrorCode.__members__.values():
+        return None  # a known code: the error is malformed otherwise
+    if not (request_id is None or (isinstance(request_id, int) and 0 <= request_id < 2**63)):
+        return None
+    return ErrorReply(request_id=request_id, code=ErrorCode.INTERNAL, message=f"({quoted(code)}) {text}")
 
 
 def _peek_release(message: msgspec.Raw) -> str:

@@ -267,3 +267,14 @@ def test_a_peers_text_is_repeated_clipped_and_with_what_does_not_print_escaped()
     assert m.quoted("red \x1b[31m\n") == "red \\x1b[31m\\n"
     huge = m.quoted("x" * (8 << 20))
     assert len(huge) < m.MAX_QUOTED_CHARS + 64 and huge.endswith(f"({(8 << 20) - m.MAX_QUOTED_CHARS} more characters)")
+
+
+@pytest.mark.parametrize("version", [m.PROTOCOL_VERSION, m.PROTOCOL_VERSION + 1], ids=["this-version", "next-version"])
+def test_an_error_code_this_release_does_not_know_is_read_as_internal_naming_it(version: int) -> None:
+    # A newer peer's code: its call fails now, with the code in the text, not at its timeout.
+    unknown = {"type": "error", "request_id": 7, "code": "overheated", "message": "hot"}
+    error = m.decode(msgspec.msgpack.encode([version, unknown]))
+    assert error == m.ErrorReply(request_id=7, code=ErrorCode.INTERNAL, message="(overheated) hot")
+    malformed = msgspec.msgpack.encode([version, {"type": "error", "request_id": 7, "code": "capacity", "message": 5}])
+    with pytest.raises(ProtocolError):
+        m.decode(malformed)
