@@ -20,7 +20,6 @@ import torch
 import zmq
 
 from kvrt._buffer import BufferedItem
-from kvrt._checksum import device_checksum_mismatch, item_checksum
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
@@ -34,6 +33,7 @@ from kvrt.transports._base import (
     Transfer,
     batch_hits,
     item_metas,
+    landed_check,
 )
 
 MAX_FOLLOWING: Final = 4096
@@ -149,18 +149,11 @@ class TcpReceiver(Receiver):
             raise RemoteProtocolError(
                 f"item {entry.item_id}: {entry.payload_bytes} payload bytes announced, {buffer.nbytes} came"
             )
-        if entry.checksum is not None and item_checksum(buffer, item_metas(entry)) != entry.checksum:
-            raise IntegrityError(
-                f"item {entry.item_id}: its {buffer.nbytes} bytes, or the description of its tensors, do not match "
-                "the checksum its producer computed where it wrote them (damaged on the way): it went back whole"
-            )
-        if entry.device_checksum is not None and buffer.nbytes:
-            # A GPU producer's item, sent from a host copy: checked with the kernel's reference.
-            payload = torch.frombuffer(buffer, dtype=torch.uint8)
-            metas, what = item_metas(entry), f"item {entry.item_id}"
-            error = device_checksum_mismatch(self.device_checksum, payload, metas, entry.device_checksum, what)
-            if error is not None:
-                raise error
+        # Checked in host memory, where the frame lies (a GPU producer's item with the kernel's reference).
+        payload = torch.frombuffer(buffer, dtype=torch.uint8) if buffer.nbytes else torch.empty(0, dtype=torch.uint8)
+        check = landed_check(self, payload, [(entry, 0)])
+        if check is not None:
+            check()
         tensors = unpack(item_metas(entry), buffer)
         if self.device.type != "cpu":
             tensors = [None if tensor is None else tensor.to(self.device) for tensor in tensors]
