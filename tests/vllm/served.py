@@ -6,6 +6,7 @@ group: the API server, its engine core and its workers).
     server(model, port, role="producer", tp=2, bind="tcp://127.0.0.1:7100")   -> Server
     router(prefills, decodes, port)                                            -> Server
     complete(url, prompts, in_flight)                                           -> outputs
+    warnings_in(log)                                                            -> lines
 """
 
 from __future__ import annotations
@@ -187,3 +188,8 @@ def metrics(url: str, prefix: str = "vllm:kvrt_") -> dict[str, float]:
             name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(prefix).removesuffix("_total")
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return found
+
+
+def warnings_in(log: Path) -> list[str]:
+    """The lines of a process's log that are warnings (the router's, for one)."""
+    return [line for line in log.read_text(errors="replace").splitlines() if " WARNING " in line]

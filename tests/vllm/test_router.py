@@ -142,3 +142,39 @@ async def test_a_hand_off_the_decode_never_finished_releases_the_prompts_kv_on_t
                 async with session.post(router + "/v1/completions", json=body) as answer:
                     assert answer.status == 502
             assert await held(producer, 0)
+
+
+def closing_kept_connections(completions: Handler) -> Handler:
+    """An instance that closes a kept-alive connection as its next request arrives, without an
+    answer: what vLLM's server (uvicorn) does when a connection's keep-alive time runs out as
+    the router sends on it. Every connection's first request is answered."""
+    answered_on: set[int] = set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        connection = id(request.protocol)
+        if connection in answered_on:
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0)
+            return web.Response()
+        answered_on.add(connection)
+        return await completions(request)
+
+    return handler
+
+
+@pytest.mark.parametrize("closing", ["prefill", "decode"])
+async def test_a_request_on_a_connection_the_instance_closed_as_it_was_sent_goes_again_on_a_new_one(
+    closing: str,
+) -> None:
+    # The instance never read it: sent again, the decode still gets the prefill's KV.
+    prefill = closing_kept_connections(prefilled) if closing == "prefill" else prefilled
+    decode = closing_kept_connections(answered) if closing == "decode" else answered
+    async with (
+        serving(instance(prefill)) as prefill_url,
+        serving(instance(decode)) as decode_url,
+        serving(application([prefill_url], [decode_url])) as router,
+    ):
+        for _ in range(3):
+            status, body = await complete(router)
+            assert status == 200 and body["asked"] == {"kvrt_endpoint": "tcp://x:1"}

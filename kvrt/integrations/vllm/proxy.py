@@ -15,6 +15,10 @@ For each `POST /v1/completions` or `/v1/chat/completions`:
    decode that fails before it answers (gone, refusing, disconnecting) is a 502 with an
    OpenAI-style error naming it; one that fails mid-answer closes the client's connection.
 
+A request sent on a kept-alive connection that the instance closes without an answer goes
+again: an instance's server closes a connection idle for its keep-alive time (vLLM's: 5 s),
+and a request sent as it does was never read.
+
 `GET /v1/models` and `GET /health` are the decode instances' (the first one's). A client that
 leaves mid-request closes the decode's request too (vLLM aborts it and the connector releases
 its KV on the producer). A hand-off that does not end in the decode's whole answer (the client
@@ -32,7 +36,9 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any, Final
 
 import aiohttp
@@ -77,7 +83,9 @@ class Router:
         self._stopping = False
 
     async def start(self, _: web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_note_reuse)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S), trace_configs=[reuse])
 
     async def stop(self, _: web.Application) -> None:
         self._stopping = True  # no release starts now; what is on its way is cancelled
@@ -93,6 +101,22 @@ class Router:
         assert self._session is not None, "the router starts its session with the application"
         return self._session
 
+    @asynccontextmanager
+    async def post(self, url: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`body` posted to `url`: its answer, once its status and headers came. Sent again
+        while the kept-alive connection it went on was closed before any answer (each such
+        connection leaves the pool: at worst the last try opens a new one)."""
+        while True:
+            sent = _Sent()
+            try:
+                answer = await self.session.post(url, json=body, trace_request_ctx=sent)
+                break
+            except aiohttp.ServerDisconnectedError:
+                if not sent.reused:
+                    raise
+        async with answer:
+            yield answer
+
     async def prefill(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
         """Run the prompt on a prefill instance: the `kv_transfer_params` it answers with, and
         the prompt's tokens (to release its KV should the decode never take it)."""
@@ -104,7 +128,7 @@ class Router:
         asked.pop("max_completion_tokens", None)
         url = next(self._next_prefill) + path
         try:
-            async with self.session.post(url, json=asked) as response:
+            async with self.post(url, asked) as response:
                 if response.status != 200:
                     log.warning("prefill at %s answered %d: the decode computes the prompt", url, response.status)
                     return None, []
@@ -136,7 +160,7 @@ class Router:
         response: web.StreamResponse | None = None
         answered = False
         try:
-            async with self.session.post(url, json=decode_body) as answer:
+            async with self.post(url, decode_body) as answer:
                 content_type = answer.headers.get("Content-Type", "application/json")
                 response = web.StreamResponse(status=answer.status, headers={"Content-Type": content_type})
                 await response.prepare(request)
@@ -185,6 +209,18 @@ class Router:
     async def forward_get(self, request: web.Request) -> web.Response:
         async with self.session.get(self.decodes[0] + request.path) as answer:
             return web.Response(status=answer.status, body=await answer.read(), content_type=answer.content_type)
+
+
+class _Sent:
+    """One request's trace: whether it went on a kept-alive connection."""
+
+    reused = False
+
+
+async def _note_reuse(_: aiohttp.ClientSession, context: SimpleNamespace, __: object) -> None:
+    sent = context.trace_request_ctx
+    if isinstance(sent, _Sent):
+        sent.reused = True
 
 
 def _prompt_tokens(answer: dict[str, Any]) -> list[int]:
