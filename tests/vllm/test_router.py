@@ -4,8 +4,10 @@ router goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from socket import SO_LINGER, SOL_SOCKET
 
 import aiohttp
 import pytest
@@ -144,17 +146,23 @@ async def test_a_hand_off_the_decode_never_finished_releases_the_prompts_kv_on_t
             assert await held(producer, 0)
 
 
-def closing_kept_connections(completions: Handler) -> Handler:
+def closing_kept_connections(completions: Handler, *, reset: bool) -> Handler:
     """An instance that closes a kept-alive connection as its next request arrives, without an
-    answer: what vLLM's server (uvicorn) does when a connection's keep-alive time runs out as
-    the router sends on it. Every connection's first request is answered."""
+    answer (`reset`: with a TCP reset, as a socket closed with that request unread is): what
+    vLLM's server (uvicorn) does when a connection's keep-alive time runs out as the router
+    sends on it. Every connection's first request is answered."""
     answered_on: set[int] = set()
 
     async def handler(request: web.Request) -> web.StreamResponse:
         connection = id(request.protocol)
         if connection in answered_on:
             assert request.transport is not None
-            request.transport.close()
+            if reset:
+                socket = request.transport.get_extra_info("socket")
+                socket.setsockopt(SOL_SOCKET, SO_LINGER, struct.pack("ii", 1, 0))
+                request.transport.abort()
+            else:
+                request.transport.close()
             await asyncio.sleep(0)
             return web.Response()
         answered_on.add(connection)
@@ -163,13 +171,15 @@ def closing_kept_connections(completions: Handler) -> Handler:
     return handler
 
 
+@pytest.mark.parametrize("how", ["closed", "reset"])
 @pytest.mark.parametrize("closing", ["prefill", "decode"])
 async def test_a_request_on_a_connection_the_instance_closed_as_it_was_sent_goes_again_on_a_new_one(
-    closing: str,
+    closing: str, how: str
 ) -> None:
     # The instance never read it: sent again, the decode still gets the prefill's KV.
-    prefill = closing_kept_connections(prefilled) if closing == "prefill" else prefilled
-    decode = closing_kept_connections(answered) if closing == "decode" else answered
+    reset = how == "reset"
+    prefill = closing_kept_connections(prefilled, reset=reset) if closing == "prefill" else prefilled
+    decode = closing_kept_connections(answered, reset=reset) if closing == "decode" else answered
     async with (
         serving(instance(prefill)) as prefill_url,
         serving(instance(decode)) as decode_url,

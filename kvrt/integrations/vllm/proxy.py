@@ -111,7 +111,7 @@ class Router:
             try:
                 answer = await self.session.post(url, json=body, trace_request_ctx=sent)
                 break
-            except aiohttp.ServerDisconnectedError:
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):  # closed, or reset with the request unread
                 if not sent.reused:
                     raise
         async with answer:
