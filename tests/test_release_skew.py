@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,38 @@ async def test_a_consumer_refused_by_a_producer_of_another_protocol_version_rais
             await kvrt.Consumer(connect=f"tcp://127.0.0.1:{port}", connect_timeout_s=30).start()
         assert (await refusing).release == kvrt.__version__
         assert "kvrt 9.0.0" in str(refused.value) and f"kvrt {kvrt.__version__}" in str(refused.value)
+    finally:
+        router.close()
+        context.term()
+
+
+@pytest.mark.parametrize("welcome_is", ["of the next protocol version", "unreadable in this one"])
+async def test_a_welcome_this_release_cannot_read_fails_start_at_once_saying_why(welcome_is: str) -> None:
+    """A producer that welcomes instead of refusing (a newer one under a version this side does
+    not speak, or one that broke the protocol's rules): `start()` raises why, not a timeout."""
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    version = NEXT if welcome_is == "of the next protocol version" else kvrt.PROTOCOL_VERSION
+    welcome = {"type": "welcome", "version": version, "producer_id": "p", "heartbeat_s": "soon", "lease_s": 10.0,
+               "release": "9.0.0"}  # fmt: skip
+
+    async def welcome_the_hello() -> None:
+        peer_id, _ = await router.recv_multipart()
+        await router.send_multipart([peer_id, msgspec.msgpack.encode([version, welcome])])
+
+    try:
+        welcoming = asyncio.create_task(welcome_the_hello())
+        expected = kvrt.VersionMismatchError if version == NEXT else kvrt.RemoteProtocolError
+        started = time.monotonic()
+        with pytest.raises(expected) as refused:
+            await kvrt.Consumer(connect=f"tcp://127.0.0.1:{port}", connect_timeout_s=30).start()
+        assert time.monotonic() - started < 10
+        await welcoming
+        said = str(refused.value)
+        assert f"tcp://127.0.0.1:{port}" in said and f"kvrt {kvrt.__version__}" in said
+        assert ("kvrt 9.0.0" in said and f"version {NEXT}" in said) if version == NEXT else "heartbeat_s" in said
     finally:
         router.close()
         context.term()

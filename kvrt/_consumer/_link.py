@@ -25,6 +25,8 @@ from kvrt._errors import (
     KVRTError,
     KVRTTimeoutError,
     ProtocolError,
+    RemoteProtocolError,
+    VersionMismatchError,
     translate_zmq_error,
 )
 from kvrt._protocol import (
@@ -120,6 +122,10 @@ class _Link(LinkSession):
         except ProtocolError as exc:
             self.rejected_frames += 1
             self.unread_in_session += 1
+            if not self._welcomed.is_set():  # the answer to the hello: start() raises why it cannot be read
+                self._refused = unreadable_welcome(exc, self.endpoint)
+                self._welcomed.set()
+                return
             log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
         except Exception as exc:
             # A bug, or a case nobody foresaw: this session's state cannot be trusted (a call may
@@ -199,3 +205,14 @@ class _Link(LinkSession):
     def _future(self, request_id: int) -> asyncio.Future[_Reply] | None:
         call = self.calls.get(request_id)
         return None if call is None else call.future
+
+
+def unreadable_welcome(error: ProtocolError, endpoint: str) -> ProtocolError:
+    """Why `start()` fails when the answer to its hello does not decode: a producer of a
+    protocol version this side does not speak that welcomed instead of refusing
+    (`VersionMismatchError`), or one that broke the protocol (`RemoteProtocolError`)."""
+    said = (
+        f"the producer at {endpoint} answered the hello with a message this side (kvrt {m.RELEASE}) "
+        f"cannot read: {error}"
+    )
+    return VersionMismatchError(said) if isinstance(error, VersionMismatchError) else RemoteProtocolError(said)
