@@ -68,6 +68,16 @@ def delivery_checksum(request_id: int, item_id: int, matched: int, lease: int, i
     return xxhash.xxh3_64_intdigest(_encode_metas((request_id, item_id, matched, lease)), item)
 
 
+def stream_start_checksum(
+    request_id: int, item_id: int, matched: int, lease: int, layers: int, tokens_frame: memoryview | bytes,
+    tokens_metas: ItemMetas,
+) -> int:  # fmt: skip
+    """What covers a stream's start (`StreamStart.checksum`): as `delivery_checksum`, its own
+    fields with its layer count, seeded with the checksum of its tokens frame and metas."""
+    fields = _encode_metas((request_id, item_id, matched, lease, layers))
+    return xxhash.xxh3_64_intdigest(fields, item_checksum(tokens_frame, tokens_metas))
+
+
 DeviceChecksum = Callable[[torch.Tensor, int], int]
 """`kvrt.kernels.checksum`'s checksum of a contiguous byte tensor with a seed (a GPU's
 kernel, or its reference on the host): a consumer gives its receivers one, which is how a

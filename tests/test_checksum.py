@@ -382,3 +382,45 @@ async def test_a_delivery_whose_ids_were_damaged_is_not_taken_and_never_reaches_
         monkeypatch.setattr(m, "decode", decode)
         async with kvrt.Consumer(connect=producer.endpoint) as second:
             assert await take(second) is None  # delivered once
+
+
+@pytest.mark.parametrize("field", ["lease", "item_id", "matched", "layers", "input_tokens"])
+async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_reaches_a_second_consumer(
+    monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """As a delivery's: a stream's start carries the checksum of its own fields and of its
+    tokens frame. A damaged one opens nothing: the call fails, and a new session gives the
+    item back whole."""
+    decode = m.decode
+    altered: list[m.StreamStart] = []
+
+    def damaging_the_first_start(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.StreamStart) and not altered:
+            altered.append(message)
+            if field == "input_tokens":
+                shorter = m.TensorMeta(dtype=message.input_tokens.dtype, shape=(message.input_tokens.shape[0] - 1,))
+                return msgspec.structs.replace(message, input_tokens=shorter)
+            return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
+        return message
+
+    tokens, key, value = torch.arange(8), torch.randn(2, 8, 2, 4), torch.randn(2, 8, 2, 4)
+    async with kvrt.Producer(checksum=True) as producer:
+        writer = await producer.open_stream(tokens, layers=2)  # a prefill publishing layer by layer
+        async with kvrt.Consumer(connect=producer.endpoint) as first:
+            monkeypatch.setattr(m, "decode", damaging_the_first_start)
+            with pytest.raises(kvrt.IntegrityError, match="stream"):
+                await first.open_stream(tokens)
+            assert altered and first.metrics.integrity_failures == 1
+            await asyncio.wait_for(first.link_for_tests().connected.wait(), 10)  # its new session
+            stream = await first.open_stream(tokens)
+            assert stream is not None and stream.matched == 8
+            for layer in range(2):
+                await writer.put_layer(key[layer], value[layer])
+            await writer.finish()
+            layers = [(layer_key, layer_value) async for _, layer_key, layer_value in stream]
+            assert torch.equal(torch.stack([k for k, _ in layers]), key)
+            assert torch.equal(torch.stack([v for _, v in layers]), value)
+        monkeypatch.setattr(m, "decode", decode)
+        async with kvrt.Consumer(connect=producer.endpoint) as second:
+            assert await second.drop_select(tokens) is None  # delivered once

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._checksum import HIDDEN_POSITION, tensors_checksum
+from kvrt._checksum import HIDDEN_POSITION, stream_start_checksum, tensors_checksum
 from kvrt._consumer._session import LinkSession, _Reply
 from kvrt._errors import (
     IntegrityError,
@@ -44,6 +44,20 @@ def _check(
         )
 
 
+def _start_damaged(start: m.StreamStart, payload: Sequence[zmq.Frame]) -> bool:
+    """Whether a stream's start fails the checksum of its fields and tokens frame (one that
+    carries none is not checked)."""
+    if start.checksum is None:
+        return False
+    if len(payload) != 1:
+        return True
+    computed = stream_start_checksum(
+        start.request_id, start.item_id, start.matched, start.lease, start.layers, payload[0].buffer,
+        (start.input_tokens, start.roi),
+    )  # fmt: skip
+    return computed != start.checksum
+
+
 class StreamLayers:
     """A link's streams: layers received as the producer sends them."""
 
@@ -53,6 +67,16 @@ class StreamLayers:
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
     ) -> None:
+        if _start_damaged(start, payload):
+            # Nothing in it can be named to the producer (a release might name another item):
+            # nothing is taken, and the new session has the producer take the stream back.
+            error = IntegrityError(
+                f"the start of a stream of item {start.item_id} (request {start.request_id}) does not match the "
+                "checksum of its ids, match, lease, layers and tokens (damaged on the way): nothing was taken, and "
+                "the producer takes it back in a new session"
+            )
+            self._link.start_afresh(future, error)
+            return
         self._link.leases[start.item_id] = start.lease
         try:
             if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:

@@ -16,7 +16,7 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
-from kvrt._checksum import HIDDEN_POSITION, delivery_checksum, tensors_checksum
+from kvrt._checksum import HIDDEN_POSITION, delivery_checksum, stream_start_checksum, tensors_checksum
 from kvrt._errors import (
     ErrorCode,
     PeerLostError,
@@ -283,6 +283,13 @@ class ServeLoop:
             # back in a kvrt thread for a GPU item (written before its ready event).
             head = send.item.storage[: message.payload_bytes]
             frames = await self._state._host_copies.frames([head], send.item.ready_event)
+            if self._state.checksum:
+                start = message
+                checksum = stream_start_checksum(
+                    start.request_id, start.item_id, start.matched, start.lease, start.layers, frames[0],
+                    (start.input_tokens, start.roi),
+                )  # fmt: skip
+                message = msgspec.structs.replace(start, checksum=checksum)
         elif (transfer := _lowered(send)) is not None:
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
