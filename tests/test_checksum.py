@@ -424,3 +424,49 @@ async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_r
         monkeypatch.setattr(m, "decode", decode)
         async with kvrt.Consumer(connect=producer.endpoint) as second:
             assert await second.drop_select(tokens) is None  # delivered once
+
+
+async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over TCP a large item's check runs on a thread of the receiver's: a GPU producer's
+    checksum, checked on a host with the kernel's torch reference, takes milliseconds per MiB.
+    Here the check is made to take a second; the loop keeps its pace meanwhile."""
+    import time
+
+    from kvrt._consumer import _consumer
+    from kvrt._producer._state import ProducerState
+    from kvrt.kernels.checksum import checksum_reference
+
+    prepare = ProducerState._prepare
+
+    def as_a_gpu_producer_does(self: ProducerState, item: BufferedItem) -> None:
+        prepare(self, item)
+        item.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(item.metas))
+
+    def slowly(data: torch.Tensor, seed: int) -> int:
+        time.sleep(1.0)
+        return checksum_reference(data, seed)
+
+    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    monkeypatch.setattr(_consumer, "device_checksum", slowly)
+    tokens, key, value = torch.arange(16), torch.randn(2, 16, 8, 512), torch.randn(2, 16, 8, 512)  # 2 MiB
+    gaps: list[float] = []
+
+    async def ticking() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        await producer.insert(tokens, None, key, value)
+        ticker = asyncio.create_task(ticking())
+        try:
+            item = await consumer.drop_select(tokens)
+        finally:
+            ticker.cancel()
+        assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
+    assert sum(gaps) > 1.0 and max(gaps) < 0.5
