@@ -12,7 +12,6 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -41,9 +40,10 @@ _T = TypeVar("_T")
 
 CHECK_ON_LOOP_BYTES: Final = 1 << 20
 """The most payload bytes a delivery's check reads on the event loop. A larger delivery is
-checked and rebuilt on the receiver's checking thread: XXH3 reads about 10 GB/s, and a GPU
+checked and rebuilt on a worker thread: XXH3 reads about 10 GB/s, and a GPU
 producer's checksum, checked here with the kernel's torch reference, under 1 GB/s on a host
-core; on the loop a large item's check would hold every other call of the consumer."""
+core; on the loop a large item's check would hold every other call of the consumer. The
+loop's default executor runs it: its few workers serve every link of the process."""
 
 MAX_FOLLOWING: Final = 4096
 """Most deliveries one link keeps waiting for their `payload` message."""
@@ -92,8 +92,6 @@ class TcpReceiver(Receiver):
         self.device = torch.device(device)
         self._following: dict[int, tuple[Deliver | DeliverMany, asyncio.Future[Any]]] = {}
         """Deliveries whose frames follow in a `payload` message, by request id."""
-        self._checking: concurrent.futures.ThreadPoolExecutor | None = None
-        """The thread that checks large deliveries (`CHECK_ON_LOOP_BYTES`), made at the first."""
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
@@ -113,14 +111,12 @@ class TcpReceiver(Receiver):
 
     def _complete(self, done: asyncio.Future[_T], entries: Sequence[Deliver | Hit], build: Callable[[], _T]) -> None:
         """Complete `done` with `build()` (check and rebuild what came): here, raising what it
-        raises, or on the checking thread when it checks more than `CHECK_ON_LOOP_BYTES`."""
+        raises, or on a worker thread of the loop's when it checks more than `CHECK_ON_LOOP_BYTES`."""
         checked = sum(entry.payload_bytes for entry in entries if self._checks(entry))
         if checked <= CHECK_ON_LOOP_BYTES:
             done.set_result(build())
             return
-        if self._checking is None:
-            self._checking = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-check")
-        built = asyncio.wrap_future(self._checking.submit(build))
+        built = asyncio.get_running_loop().run_in_executor(None, build)  # the loop's workers, shared by its links
         built.add_done_callback(lambda _: _pass_outcome(built, done))
         done.add_done_callback(lambda _: built.cancel())  # the link closed, or abandoned the call
 
@@ -188,11 +184,6 @@ class TcpReceiver(Receiver):
         input_tokens, roi, key, value, hidden = tensors
         assert input_tokens is not None and key is not None and value is not None  # the messages' types say so
         return input_tokens, roi, key, value, hidden
-
-    async def aclose(self) -> None:
-        if self._checking is not None:
-            self._checking.shutdown(wait=False, cancel_futures=True)
-
 
 def _pass_outcome(built: asyncio.Future[_T], done: asyncio.Future[_T]) -> None:
     if done.done():
