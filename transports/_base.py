@@ -416,6 +416,14 @@ class OnStream:
         torch.cuda.set_stream(self._previous)
 
 
+def checks_landing(receiver: Receiver, entry: Deliver | Hit, *, host: bool) -> bool:
+    """Whether `receiver` checks what lands of `entry`: its XXH3 checksum in host memory (`host`),
+    a GPU producer's checksum wherever the receiver has the kernel (`Receiver.device_checksum`)."""
+    return (entry.checksum is not None and host) or (
+        entry.device_checksum is not None and receiver.device_checksum is not None
+    )
+
+
 def landed_check(
     receiver: Receiver, payload: torch.Tensor, entries: Sequence[tuple[Deliver | Hit, int]]
 ) -> Callable[[], None] | None:
@@ -425,11 +433,7 @@ def landed_check(
     None when none carries a checksum this side can check. A mismatch raises `IntegrityError`
     (a batch's call fails whole)."""
     host = payload.device.type == "cpu"
-    checked = [
-        (entry, start) for entry, start in entries
-        if (entry.checksum is not None and host)
-        or (entry.device_checksum is not None and receiver.device_checksum is not None)
-    ]  # fmt: skip
+    checked = [(entry, start) for entry, start in entries if checks_landing(receiver, entry, host=host)]
     if not checked:
         return None
 

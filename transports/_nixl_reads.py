@@ -14,7 +14,7 @@ from typing import Final, TypeVar
 import numpy as np
 import torch
 
-from kvrt._errors import PeerLostError, RemoteProtocolError
+from kvrt._errors import IntegrityError, PeerLostError, RemoteProtocolError
 from kvrt._threads import Waiter
 from kvrt.transports._base import InPlace
 from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState
@@ -71,9 +71,11 @@ def post_reads(
     result: _T,
     *,
     in_place: InPlace | None = None,
+    check: Callable[[], None] | None = None,
 ) -> asyncio.Future[_T]:
     """READ `ranges` (local, remote, bytes) into `payload` (and the caller's memory of
-    `in_place`, where they name it): a future done with `result` once they landed. Small
+    `in_place`, where they name it): a future done with `result` once they landed and
+    `check` (of what landed: `IntegrityError`) passed, on the thread that saw them land. Small
     READs are posted here (most end inside the call), into kvrt's memory also while larger
     ones are under way (into the caller's, only with none queued: a cancelled call waits
     for a READ there that started, and one that did not end would wait behind others); the
@@ -111,10 +113,16 @@ def post_reads(
             if registration is not None:
                 agent.deregister(registration)
             done: asyncio.Future[_T] = loop.create_future()
-            if posted is TransferState.DONE:
-                done.set_result(result)
-            else:
+            if posted is not TransferState.DONE:
                 done.set_exception(read_failed(session))
+                return done
+            try:
+                if check is not None:
+                    check()
+            except IntegrityError as damaged:
+                done.set_exception(damaged)
+            else:
+                done.set_result(result)
             return done
 
     def give_up() -> bool:
@@ -160,6 +168,8 @@ def post_reads(
             landing.clear()  # NIXL wrote into it until here: the region is reused only now
         if state is not TransferState.DONE:
             raise read_failed(session)
+        if check is not None:
+            check()
 
     landing = [payload]
     session.queued += 1

@@ -64,7 +64,7 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
 import numpy as np
@@ -107,8 +107,10 @@ from kvrt.transports._base import (
     Transfer,
     batch_hits,
     checked_batch,
+    checks_landing,
     five,
     item_metas,
+    landed_check,
 )
 from kvrt.transports._nixl_agent import Agent, AgentError, Registration, TransferState, nixl_unavailable
 from kvrt.transports._nixl_reads import ReadSession, post_reads, released, translated, until_ended
@@ -406,9 +408,14 @@ class NixlReceiver(Receiver):
         tensors = five(unpack_tensor(item_metas(deliver), payload))
         base = payload.data_ptr()
         ranges = [(base + offset, read.address + offset, nbytes) for offset, nbytes in segments]
-        return Arrival(self._post(session, ranges, payload, registration, tensors))
+        check = landed_check(self, payload, [(deliver, 0)])
+        return Arrival(self._post(session, ranges, payload, registration, tensors, check=check))
 
     def receive_in_place(self, deliver: Deliver, frames: Sequence[zmq.Frame], target: InPlace) -> Arrival:
+        if checks_landing(self, deliver, host=self.device.type == "cpu"):
+            # What a READ writes into the caller's memory the caller may see before any check:
+            # a checksummed item is READ into this side's memory, checked, then written there.
+            return self.receive(deliver, frames)
         if isinstance(target, PoolLanding):
             return self._receive_into_pools(deliver, frames, target)
         if isinstance(target, BufferLanding):
@@ -515,7 +522,8 @@ class NixlReceiver(Receiver):
             for hit, read in zip(hits, reads, strict=True)
             if hit.payload_bytes
         ]
-        return self._post(session, ranges, payload, registration, tensors)
+        check = landed_check(self, payload, [(hit, hit.offset) for hit in hits])
+        return self._post(session, ranges, payload, registration, tensors, check=check)
 
     def discard(self, frames: Sequence[zmq.Frame]) -> None:
         """A delivery this side will not read: the regions its frames describe are loaded all
@@ -590,9 +598,12 @@ class NixlReceiver(Receiver):
     def _post(
         self, session: ReadSession, ranges: list[tuple[int, int, int]] | np.ndarray, payload: torch.Tensor,
         registration: Registration | None, result: _T, *, in_place: InPlace | None = None,
+        check: Callable[[], None] | None = None,
     ) -> asyncio.Future[_T]:  # fmt: skip
         assert self._agent is not None  # joined
-        return post_reads(self._agent, self.device, session, ranges, payload, registration, result, in_place=in_place)
+        return post_reads(
+            self._agent, self.device, session, ranges, payload, registration, result, in_place=in_place, check=check
+        )
 
     def _end_session(self) -> None:
         """Stop waiting on the producer: READs still in flight end at their next ask, then its

@@ -32,6 +32,7 @@ from kvrt.transports._base import (
     Sender,
     Transfer,
     batch_hits,
+    checks_landing,
     item_metas,
     landed_check,
 )
@@ -112,17 +113,13 @@ class TcpReceiver(Receiver):
     def _complete(self, done: asyncio.Future[_T], entries: Sequence[Deliver | Hit], build: Callable[[], _T]) -> None:
         """Complete `done` with `build()` (check and rebuild what came): here, raising what it
         raises, or on a worker thread of the loop's when it checks more than `CHECK_ON_LOOP_BYTES`."""
-        checked = sum(entry.payload_bytes for entry in entries if self._checks(entry))
+        checked = sum(entry.payload_bytes for entry in entries if checks_landing(self, entry, host=True))
         if checked <= CHECK_ON_LOOP_BYTES:
             done.set_result(build())
             return
         built = asyncio.get_running_loop().run_in_executor(None, build)  # the loop's workers, shared by its links
         built.add_done_callback(lambda _: _pass_outcome(built, done))
         done.add_done_callback(lambda _: built.cancel())  # the link closed, or abandoned the call
-
-    def _checks(self, entry: Deliver | Hit) -> bool:
-        """Whether this side checks what lands of `entry` (see `landed_check`)."""
-        return entry.checksum is not None or (entry.device_checksum is not None and self.device_checksum is not None)
 
     def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
         """The frames of a delivery whose header came first: its receive completes (or fails,
