@@ -188,3 +188,63 @@ async def test_a_request_on_a_connection_the_instance_closed_as_it_was_sent_goes
         for _ in range(3):
             status, body = await complete(router)
             assert status == 200 and body["asked"] == {"kvrt_endpoint": "tcp://x:1"}
+
+
+def running_then_dropping(runs: list[int], *, pooled: int) -> Handler:
+    """An instance that answers its first `pooled` requests (their connections stay in the
+    router's pool), then runs every later request and drops its connection without an answer
+    (`runs` counts the requests it ran)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        runs.append(1)
+        if len(runs) <= pooled:
+            await asyncio.sleep(0.2)  # held at once: the router opens a connection each
+            return await answered(request)
+        assert request.transport is not None
+        request.transport.close()
+        await asyncio.sleep(0)
+        return web.Response()
+
+    return handler
+
+
+async def test_a_request_the_instance_ran_then_dropped_is_sent_at_most_twice() -> None:
+    runs: list[int] = []
+    async with (
+        serving(instance(prefilled)) as prefill,
+        serving(instance(running_then_dropping(runs, pooled=6))) as decode,
+        serving(application([prefill], [decode])) as router,
+    ):
+        answers = await asyncio.gather(*(complete(router) for _ in range(6)))  # six connections kept alive
+        assert [status for status, _ in answers] == [200] * 6
+        status, body = await complete(router)
+        assert status == 502 and "ServerDisconnectedError" in str(body["error"])
+        assert len(runs) == 6 + 2  # on a kept-alive connection, then once on a new one
+
+
+async def test_a_redirect_to_a_failing_address_ends_in_the_decode_computing_the_prompt() -> None:
+    """A prefill that redirects to a URL that drops the connection: the router gives up on
+    it after at most two sends, and the decode computes the prompt."""
+    hits: list[int] = []
+
+    async def redirecting(request: web.Request) -> web.StreamResponse:
+        hits.append(1)
+        raise web.HTTPTemporaryRedirect("/dropped")
+
+    async def dropping(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()
+        await asyncio.sleep(0)
+        return web.Response()
+
+    prefill_app = instance(redirecting)
+    prefill_app.router.add_post("/dropped", dropping)
+    async with (
+        serving(prefill_app) as prefill,
+        serving(instance(answered)) as decode,
+        serving(application([prefill], [decode])) as router,
+    ):
+        for _ in range(2):
+            status, body = await asyncio.wait_for(complete(router), 10)
+            assert status == 200 and body["asked"] is None  # the decode computed the prompt
+        assert len(hits) <= 4

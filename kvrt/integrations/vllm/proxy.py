@@ -16,8 +16,8 @@ For each `POST /v1/completions` or `/v1/chat/completions`:
    OpenAI-style error naming it; one that fails mid-answer closes the client's connection.
 
 A request sent on a kept-alive connection that the instance closes without an answer goes
-again: an instance's server closes a connection idle for its keep-alive time (vLLM's: 5 s),
-and a request sent as it does was never read.
+again, once, on a new connection: an instance's server closes a connection idle for its
+keep-alive time (vLLM's: 5 s), and a request sent as it does was never read.
 
 `GET /v1/models` and `GET /health` are the decode instances' (the first one's). A client that
 leaves mid-request closes the decode's request too (vLLM aborts it and the connector releases
@@ -76,6 +76,8 @@ class Router:
         self._next_prefill = itertools.cycle(self.prefills)
         self._next_decode = itertools.cycle(self.decodes)
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
+        """For a request sent again: a new connection each (never one kept alive)."""
         self._releases: set[asyncio.Task[None]] = set()
         """Releases of KV on their way (each removes itself when done; cancelled at stop)."""
         self._prefills: set[asyncio.Future[tuple[dict[str, Any] | None, list[int]]]] = set()
@@ -86,6 +88,9 @@ class Router:
         reuse = aiohttp.TraceConfig()
         reuse.on_connection_reuseconn.append(_note_reuse)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S), trace_configs=[reuse])
+        self._fresh_session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=TIMEOUT_S), connector=aiohttp.TCPConnector(force_close=True)
+        )
 
     async def stop(self, _: web.Application) -> None:
         self._stopping = True  # no release starts now; what is on its way is cancelled
@@ -93,27 +98,32 @@ class Router:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "the router starts its session with the application"
         return self._session
 
+    @property
+    def fresh_session(self) -> aiohttp.ClientSession:
+        assert self._fresh_session is not None, "the router starts its sessions with the application"
+        return self._fresh_session
+
     @asynccontextmanager
     async def post(self, url: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
-        """`body` posted to `url`: its answer, once its status and headers came. Sent again
-        while the kept-alive connection it went on was closed before any answer (each such
-        connection leaves the pool: at worst the last try opens a new one)."""
-        while True:
-            sent = _Sent()
-            try:
-                answer = await self.session.post(url, json=body, trace_request_ctx=sent)
-                break
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):  # closed, or reset with the request unread
-                if not sent.reused:
-                    raise
+        """`body` posted to `url`: its answer, once its status and headers came. Sent again,
+        once and on a new connection, when a kept-alive one it went on was closed before any
+        answer: so a request an instance read and then dropped runs at most twice."""
+        sent = _Sent()
+        try:
+            answer = await self.session.post(url, json=body, trace_request_ctx=sent)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):  # closed, or reset with the request unread
+            if not sent.reused:
+                raise
+            answer = await self.fresh_session.post(url, json=body)
         async with answer:
             yield answer
 
