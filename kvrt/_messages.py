@@ -69,6 +69,9 @@ TOKEN_BYTES: Final = 8
 TokenBytes = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_BYTES)]
 """Token ids as consecutive little-endian int64 (numpy's `<i8`): compact, and cheap for any language."""
 Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
+MIN_HEARTBEAT_S: Final = 0.001
+"""The shortest heartbeat period: a consumer pings at the period its producer's welcome names."""
+HeartbeatSeconds = Annotated[float, Meta(ge=MIN_HEARTBEAT_S, le=MAX_SECONDS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 
 
@@ -162,7 +165,7 @@ class Welcome(Message, frozen=True, tag="welcome"):
 
     version: int
     producer_id: Name
-    heartbeat_s: Seconds
+    heartbeat_s: HeartbeatSeconds
     transport: Name = "tcp"
     capabilities: Names = []
     rendezvous: Annotated[dict[Name, Annotated[str, Meta(max_length=MAX_RENDEZVOUS_CHARS)]], Meta(max_length=16)] = {}

@@ -222,17 +222,19 @@ async def test_a_consumer_refused_by_a_producer_of_another_protocol_version_rais
         context.term()
 
 
-@pytest.mark.parametrize("welcome_is", ["of the next protocol version", "unreadable in this one"])
+@pytest.mark.parametrize("welcome_is", ["of the next protocol version", "unreadable in this one", "with no heartbeat"])
 async def test_a_welcome_this_release_cannot_read_fails_start_at_once_saying_why(welcome_is: str) -> None:
     """A producer that welcomes instead of refusing (a newer one under a version this side does
-    not speak, or one that broke the protocol's rules): `start()` raises why, not a timeout."""
+    not speak, or one that broke the protocol's rules: a heartbeat of 0 would have the consumer
+    ping without pause): `start()` raises why, not a timeout."""
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     version = NEXT if welcome_is == "of the next protocol version" else kvrt.PROTOCOL_VERSION
-    welcome = {"type": "welcome", "version": version, "producer_id": "p", "heartbeat_s": "soon", "lease_s": 10.0,
-               "release": "9.0.0"}  # fmt: skip
+    heartbeat_s = 0.0 if welcome_is == "with no heartbeat" else "soon"
+    welcome = {"type": "welcome", "version": version, "producer_id": "p", "heartbeat_s": heartbeat_s,
+               "lease_s": 10.0, "release": "9.0.0"}  # fmt: skip
 
     async def welcome_the_hello() -> None:
         peer_id, _ = await router.recv_multipart()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from kvrt import _messages as m
 from kvrt._arguments import seconds
 from kvrt._errors import InvalidInputError
 
@@ -32,9 +33,9 @@ for the one it sends its peer)."""
 def _heartbeat(value: object) -> float:
     heartbeat_s = seconds(value, "heartbeat_s")
     assert heartbeat_s is not None
-    if heartbeat_s * HEARTBEAT_MISSES > MAX_HEARTBEAT_S or heartbeat_s < 0.001:
+    if heartbeat_s * HEARTBEAT_MISSES > MAX_HEARTBEAT_S or heartbeat_s < m.MIN_HEARTBEAT_S:
         raise InvalidInputError(
-            f"heartbeat_s must be between 0.001 and {MAX_HEARTBEAT_S / HEARTBEAT_MISSES:g} s "
+            f"heartbeat_s must be between {m.MIN_HEARTBEAT_S:g} and {MAX_HEARTBEAT_S / HEARTBEAT_MISSES:g} s "
             f"(a peer is lost after {HEARTBEAT_MISSES} of them), got {value!r}"
         )
     return heartbeat_s
