@@ -153,6 +153,46 @@ async def test_a_delivery_that_could_not_be_read_comes_back_once_its_call_times_
             assert await another.drop_select(tokens) is None  # delivered once
 
 
+@pytest.mark.parametrize("call", ["drop_select", "open_stream"])
+async def test_a_reply_that_could_not_be_read_to_a_call_with_no_timeout_fails_it_and_the_item_comes_back(
+    monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """A call that waits with no timeout has no reply timeout either: a damaged answer to it
+    starts a new session at once (else it would wait for ever, the item kept for it)."""
+    decode = m.decode
+    damaged: list[bytes] = []
+
+    def unreadable_first_answer(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.Deliver | m.StreamStart) and not damaged:
+            damaged.append(bytes(frame))
+            raise kvrt.RemoteProtocolError("invalid control message: (a damaged header)")
+        return message
+
+    tokens, key = torch.arange(8), torch.ones(2, 8, 1, 4)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        writer = await producer.open_stream(tokens, layers=2) if call == "open_stream" else None
+        if writer is None:
+            await producer.insert(tokens, None, key, key)
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            monkeypatch.setattr(m, "decode", unreadable_first_answer)
+            take = consumer.open_stream if call == "open_stream" else consumer.drop_select
+            with pytest.raises(kvrt.RemoteProtocolError, match="new session"):
+                await asyncio.wait_for(take(tokens, timeout=None), 10)
+            assert damaged
+            await asyncio.wait_for(consumer.link_for_tests().connected.wait(), 10)  # its new session
+            taken = await asyncio.wait_for(take(tokens, timeout=None), 10)
+            assert taken is not None
+            if writer is not None:
+                assert isinstance(taken, kvrt.ConsumerStream)
+                for layer in range(2):
+                    await writer.put_layer(key[layer], key[layer])
+                await writer.finish()
+                assert len([layer async for layer in taken]) == 2
+        async with kvrt.Consumer(connect=producer.endpoint) as another:
+            assert await another.drop_select(tokens) is None  # delivered once
+
+
 async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirmed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -127,6 +127,15 @@ class _Link(LinkSession):
                 self._welcomed.set()
                 return
             log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
+            if self._may_answer_a_call_with_no_deadline(frames[0].buffer):
+                # No reply timeout would ever end that call, and the producer keeps what it
+                # answered with for this session: a new session gives it back.
+                self.new_session(
+                    RemoteProtocolError(
+                        f"a message from the producer at {self.endpoint} could not be read ({exc}); it may have "
+                        "answered a call that waits with no timeout: the link started a new session"
+                    )
+                )
         except Exception as exc:
             # A bug, or a case nobody foresaw: this session's state cannot be trusted (a call may
             # wait for a reply that was just lost). Its calls fail now and a new session starts,
@@ -139,6 +148,15 @@ class _Link(LinkSession):
                     f"({type(exc).__name__}: {exc}); the link started a new session"
                 )
             )
+
+    def _may_answer_a_call_with_no_deadline(self, frame: memoryview) -> bool:
+        """Whether an unreadable message may be the answer to a pending call that waits for
+        ever: the call its request id names, if that can be read, else any such call."""
+        request_id = m.peek_request_id(frame) if frame.nbytes <= m.MAX_HEADER_BYTES else None
+        if request_id is not None:
+            call = self.calls.get(request_id)
+            return call is not None and call.waits_forever
+        return any(call.waits_forever for call in self.calls.values())
 
     def _connection_event(self, event: int, now: float) -> None:
         """What the socket's monitor saw (see `_LINK_EVENTS`)."""

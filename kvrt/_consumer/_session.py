@@ -116,6 +116,8 @@ class PendingCall:
     """The caller's memory its item lands in, where the transport writes it itself."""
     asked_at: float = 0.0
     """When it left (perf_counter), for the metrics' lookup waits; 0 without metrics."""
+    waits_forever: bool = False
+    """No reply timeout runs for it (the producer may wait for ever before it answers)."""
 
 
 class LinkSession:
@@ -216,7 +218,7 @@ class LinkSession:
         request_id, message = self.core.start_request(build, loop.time())
         future: asyncio.Future[_Reply] = loop.create_future()
         asked_at = time.perf_counter() if self.metrics is not None else 0.0
-        self.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at)
+        self.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at, waits_s is None)
         overdue = None
         if waits_s is not None:
             overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
