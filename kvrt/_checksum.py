@@ -69,12 +69,13 @@ def delivery_checksum(request_id: int, item_id: int, matched: int, lease: int, i
 
 
 def stream_start_checksum(
-    request_id: int, item_id: int, matched: int, lease: int, layers: int, tokens_frame: memoryview | bytes,
-    tokens_metas: ItemMetas,
+    request_id: int, item_id: int, matched: int, lease: int, layers: int, payload_bytes: int,
+    tokens_frame: memoryview | bytes, tokens_metas: ItemMetas,
 ) -> int:  # fmt: skip
     """What covers a stream's start (`StreamStart.checksum`): as `delivery_checksum`, its own
-    fields with its layer count, seeded with the checksum of its tokens frame and metas."""
-    fields = _encode_metas((request_id, item_id, matched, lease, layers))
+    fields with its layer count and frame length, seeded with the checksum of its tokens frame
+    and metas."""
+    fields = _encode_metas((request_id, item_id, matched, lease, layers, payload_bytes))
     return xxhash.xxh3_64_intdigest(fields, item_checksum(tokens_frame, tokens_metas))
 
 

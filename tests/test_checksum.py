@@ -384,7 +384,7 @@ async def test_a_delivery_whose_ids_were_damaged_is_not_taken_and_never_reaches_
             assert await take(second) is None  # delivered once
 
 
-@pytest.mark.parametrize("field", ["lease", "item_id", "matched", "layers", "input_tokens"])
+@pytest.mark.parametrize("field", ["lease", "item_id", "matched", "layers", "payload_bytes", "input_tokens"])
 async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_reaches_a_second_consumer(
     monkeypatch: pytest.MonkeyPatch, field: str
 ) -> None:

@@ -52,8 +52,8 @@ def _start_damaged(start: m.StreamStart, payload: Sequence[zmq.Frame]) -> bool:
     if len(payload) != 1:
         return True
     computed = stream_start_checksum(
-        start.request_id, start.item_id, start.matched, start.lease, start.layers, payload[0].buffer,
-        (start.input_tokens, start.roi),
+        start.request_id, start.item_id, start.matched, start.lease, start.layers, start.payload_bytes,
+        payload[0].buffer, (start.input_tokens, start.roi),
     )  # fmt: skip
     return computed != start.checksum
 

@@ -286,8 +286,8 @@ class ServeLoop:
             if self._state.checksum:
                 start = message
                 checksum = stream_start_checksum(
-                    start.request_id, start.item_id, start.matched, start.lease, start.layers, frames[0],
-                    (start.input_tokens, start.roi),
+                    start.request_id, start.item_id, start.matched, start.lease, start.layers, start.payload_bytes,
+                    frames[0], (start.input_tokens, start.roi),
                 )  # fmt: skip
                 message = msgspec.structs.replace(start, checksum=checksum)
         elif (transfer := _lowered(send)) is not None:
