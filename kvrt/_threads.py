@@ -27,6 +27,22 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
     )
 
 
+CHECK_WORKERS: Final = 2
+_checking: concurrent.futures.ThreadPoolExecutor | None = None
+_checking_lock = threading.Lock()
+
+
+def check_workers() -> concurrent.futures.ThreadPoolExecutor:
+    """kvrt's workers for checks of what landed (`CHECK_WORKERS`, shared by every link of the
+    process, made at the first use): never the application's default executor, which it may
+    fill with its own work, or wait in for one of kvrt's calls."""
+    global _checking
+    with _checking_lock:
+        if _checking is None:
+            _checking = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="kvrt-check")
+        return _checking
+
+
 MAX_DAEMON_JOBS: Final = 256
 """Most jobs `in_daemon_thread` runs at once; past it a job fails at once (`TransportUnavailableError`)."""
 _daemon_jobs = 0

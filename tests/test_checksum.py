@@ -566,3 +566,24 @@ async def test_with_checksums_a_pull_over_nixl_is_checked_before_anything_lands_
         assert item is not None
         for layer in range(layers):
             assert torch.equal(target.pools[0][0][layer][:32], source.pools[0][0][layer][from_slots])
+
+
+async def test_a_large_check_does_not_wait_for_the_applications_own_thread_work() -> None:
+    """kvrt's check workers are its own: an application whose default executor is busy (or
+    waits in it for kvrt) does not hold its large deliveries' checks."""
+    import concurrent.futures
+    import threading
+
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    released = threading.Event()
+    busy = loop.run_in_executor(None, released.wait, 30)  # the application's one worker, taken
+    tokens, key, value = _item(9)  # 4 MiB: checked off the loop
+    try:
+        async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+            await producer.insert(tokens, None, key, value)
+            item = await asyncio.wait_for(consumer.drop_select(tokens), 10)
+            assert item is not None and torch.equal(item.key, key)
+    finally:
+        released.set()
+        await busy

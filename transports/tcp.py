@@ -23,6 +23,7 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
+from kvrt._threads import check_workers
 from kvrt.transports._base import (
     Arrival,
     HostCopies,
@@ -41,10 +42,10 @@ _T = TypeVar("_T")
 
 CHECK_ON_LOOP_BYTES: Final = 1 << 20
 """The most payload bytes a delivery's check reads on the event loop. A larger delivery is
-checked and rebuilt on a worker thread: XXH3 reads about 10 GB/s, and a GPU
-producer's checksum, checked here with the kernel's torch reference, under 1 GB/s on a host
-core; on the loop a large item's check would hold every other call of the consumer. The
-loop's default executor runs it: its few workers serve every link of the process."""
+checked and rebuilt on one of kvrt's check workers (`kvrt._threads.check_workers`): XXH3
+reads about 10 GB/s, and a GPU producer's checksum, checked here with the kernel's torch
+reference, under 1 GB/s on a host core; on the loop a large item's check would hold every
+other call of the consumer."""
 
 MAX_FOLLOWING: Final = 4096
 """Most deliveries one link keeps waiting for their `payload` message."""
@@ -112,12 +113,12 @@ class TcpReceiver(Receiver):
 
     def _complete(self, done: asyncio.Future[_T], entries: Sequence[Deliver | Hit], build: Callable[[], _T]) -> None:
         """Complete `done` with `build()` (check and rebuild what came): here, raising what it
-        raises, or on a worker thread of the loop's when it checks more than `CHECK_ON_LOOP_BYTES`."""
+        raises, or on one of kvrt's check workers when it checks more than `CHECK_ON_LOOP_BYTES`."""
         checked = sum(entry.payload_bytes for entry in entries if checks_landing(self, entry, host=True))
         if checked <= CHECK_ON_LOOP_BYTES:
             done.set_result(build())
             return
-        built = asyncio.get_running_loop().run_in_executor(None, build)  # the loop's workers, shared by its links
+        built = asyncio.wrap_future(check_workers().submit(build))
         built.add_done_callback(lambda _: _pass_outcome(built, done))
         done.add_done_callback(lambda _: built.cancel())  # the link closed, or abandoned the call
 
