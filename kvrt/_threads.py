@@ -178,6 +178,19 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
         future.set_exception(error)
 
 
+def pass_outcome(into: asyncio.Future[_T], source: asyncio.Future[_T]) -> None:
+    """A done-callback of `source` that completes `into` as `source` ended (cancelled, failed or
+    done), unless `into` ended first: then what `source` raised counts as seen."""
+    if into.done():
+        outcome_seen(source)
+    elif source.cancelled():
+        into.cancel()
+    elif (error := source.exception()) is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(source.result())
+
+
 def outcome_seen(future: asyncio.Future[Any]) -> None:
     """A done-callback for a future nobody awaits: its exception counts as retrieved (asyncio
     logs one that never was)."""

@@ -294,14 +294,34 @@ def test_a_producer_that_checksums_says_so_in_its_welcome(checksum: bool) -> Non
     assert m.Capability.PROBE_MANY in welcome.capabilities
 
 
+def _nixl_receiver() -> type:
+    from kvrt.transports.nixl import NixlReceiver
+
+    return NixlReceiver
+
+
+needs_nixl = pytest.mark.skipif(
+    __import__("kvrt.transports._nixl_agent", fromlist=["nixl_unavailable"]).nixl_unavailable() is not None,
+    reason="NIXL is not installed",
+)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])  # nixl: READ from the loop, or waited for on the session's thread
 @pytest.mark.parametrize("batch", [False, True], ids=["drop_select", "drop_select_many"])
-async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_the_items_come_whole_next(
-    monkeypatch: pytest.MonkeyPatch, batch: bool
+@pytest.mark.parametrize("transport", ["gloo", pytest.param("nixl", marks=needs_nixl)])
+async def test_a_byte_flipped_where_an_out_of_band_delivery_landed_fails_the_call_and_the_items_come_whole_next(
+    monkeypatch: pytest.MonkeyPatch, transport: str, batch: bool, size: str
 ) -> None:
-    items = [_item(6), _item(7)] if batch else [_item(6)]
+    if size == "large":
+        items = [_item(6), _item(7)] if batch else [_item(6)]
+    else:
+        # Of two sizes: the byte flipped, in the middle of the batch's payload, lies in the first
+        # item, not in the padding between the two.
+        items = [(torch.arange(n) + 100 * n, torch.randn(2, n, 2, 8), torch.randn(2, n, 2, 8)) for n in (32, 16)]
+        items = items if batch else items[:1]
     async with (
-        kvrt.Producer(transport="gloo", checksum=True) as producer,
-        kvrt.Consumer(connect=producer.endpoint, transport="gloo") as consumer,
+        kvrt.Producer(transport=transport, checksum=True) as producer,
+        kvrt.Consumer(connect=producer.endpoint, transport=transport) as consumer,
     ):
         for tokens, key, value in items:
             await producer.insert(tokens, None, key, value)
@@ -310,7 +330,7 @@ async def test_a_byte_flipped_where_a_gloo_delivery_landed_fails_the_call_and_th
         async def take() -> list[kvrt.KVItem | None]:
             return await consumer.drop_select_many(queries) if batch else [await consumer.drop_select(queries[0])]
 
-        flipped = flip_one_landed_byte(monkeypatch, PairedReceiver)
+        flipped = flip_one_landed_byte(monkeypatch, PairedReceiver if transport == "gloo" else _nixl_receiver())
         with pytest.raises(kvrt.IntegrityError):
             await take()
         assert flipped and consumer.metrics.integrity_failures == 1
@@ -470,51 +490,6 @@ async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_
             ticker.cancel()
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
     assert sum(gaps) > 0.8 and max(gaps) < 0.5  # it ticked on through the check's second
-
-
-def _nixl_receiver() -> type:
-    from kvrt.transports.nixl import NixlReceiver
-
-    return NixlReceiver
-
-
-needs_nixl = pytest.mark.skipif(
-    __import__("kvrt.transports._nixl_agent", fromlist=["nixl_unavailable"]).nixl_unavailable() is not None,
-    reason="NIXL is not installed",
-)
-
-
-@needs_nixl
-@pytest.mark.parametrize("size", ["small", "large"])  # READ from the loop, or waited for on the session's thread
-@pytest.mark.parametrize("batch", [False, True], ids=["drop_select", "drop_select_many"])
-async def test_a_byte_flipped_where_a_nixl_read_landed_fails_the_call_and_the_items_come_whole_next(
-    monkeypatch: pytest.MonkeyPatch, batch: bool, size: str
-) -> None:
-    if size == "large":
-        items = [_item(6), _item(7)] if batch else [_item(6)]
-    else:
-        # Of two sizes: the byte flipped, in the middle of the batch's payload, lies in the first
-        # item, not in the padding between the two.
-        items = [(torch.arange(n) + 100 * n, torch.randn(2, n, 2, 8), torch.randn(2, n, 2, 8)) for n in (32, 16)]
-        items = items if batch else items[:1]
-    async with (
-        kvrt.Producer(transport="nixl", checksum=True) as producer,
-        kvrt.Consumer(connect=producer.endpoint, transport="nixl") as consumer,
-    ):
-        for tokens, key, value in items:
-            await producer.insert(tokens, None, key, value)
-        queries = [tokens for tokens, _, _ in items]
-
-        async def take() -> list[kvrt.KVItem | None]:
-            return await consumer.drop_select_many(queries) if batch else [await consumer.drop_select(queries[0])]
-
-        flipped = flip_one_landed_byte(monkeypatch, _nixl_receiver())
-        with pytest.raises(kvrt.IntegrityError):
-            await take()
-        assert flipped and consumer.metrics.integrity_failures == 1
-        for item, (_, key, value) in zip(await take(), items, strict=True):
-            assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, value)
-        assert await take() == [None] * len(items)  # taken once
 
 
 @needs_nixl

@@ -12,6 +12,7 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -23,7 +24,7 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
-from kvrt._threads import check_workers
+from kvrt._threads import check_workers, pass_outcome
 from kvrt.transports._base import (
     Arrival,
     HostCopies,
@@ -119,7 +120,7 @@ class TcpReceiver(Receiver):
             done.set_result(build())
             return
         built = asyncio.wrap_future(check_workers().submit(build))
-        built.add_done_callback(lambda _: _pass_outcome(built, done))
+        built.add_done_callback(functools.partial(pass_outcome, done))
         done.add_done_callback(lambda _: built.cancel())  # the link closed, or abandoned the call
 
     def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
@@ -182,15 +183,3 @@ class TcpReceiver(Receiver):
         input_tokens, roi, key, value, hidden = tensors
         assert input_tokens is not None and key is not None and value is not None  # the messages' types say so
         return input_tokens, roi, key, value, hidden
-
-def _pass_outcome(built: asyncio.Future[_T], done: asyncio.Future[_T]) -> None:
-    if done.done():
-        if not built.cancelled():
-            built.exception()  # seen: the call it was for ended without it
-        return
-    if built.cancelled():
-        done.cancel()
-    elif (error := built.exception()) is not None:
-        done.set_exception(error)
-    else:
-        done.set_result(built.result())

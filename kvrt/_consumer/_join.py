@@ -14,6 +14,7 @@ import torch
 from kvrt import _messages as m
 from kvrt._errors import KVRTError, PeerLostError, RemoteProtocolError, TransportUnavailableError
 from kvrt._protocol import ConsumerCore
+from kvrt._threads import pass_outcome
 from kvrt.transports import Receiver
 
 log = logging.getLogger("kvrt.consumer")
@@ -54,7 +55,7 @@ class TransportJoin:
             task = asyncio.create_task(self._join(transport, welcome.rendezvous))
         self.task = task
         if rejoin is not None:  # the join that fell back (and who waits on it) ends with this one
-            task.add_done_callback(functools.partial(_pass_outcome, rejoin))
+            task.add_done_callback(functools.partial(pass_outcome, rejoin))
 
     async def _join(self, transport: Receiver, rendezvous: dict[str, str]) -> None:
         """Join `transport`; where it cannot work with this producer (`cuda_ipc` between
@@ -84,17 +85,6 @@ class TransportJoin:
             await asyncio.shield(task)
         except KVRTError as exc:
             raise PeerLostError(f"could not join the producer's {self._core.transport} transport: {exc}") from exc
-
-
-def _pass_outcome(into: asyncio.Future[None], task: asyncio.Task[None]) -> None:
-    if into.done():
-        return
-    if task.cancelled():
-        into.cancel()
-    elif (error := task.exception()) is not None:
-        into.set_exception(error)
-    else:
-        into.set_result(None)
 
 
 async def _raise(error: BaseException) -> None:
