@@ -69,6 +69,11 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[generator.randrange(3, 500) for _ in range(generator.randrange(40, 200))] for _ in range(count)]
 
 
+def unanswered_lookups(log: Path) -> list[str]:
+    """The lines of a decode instance's log that name a producer that did not answer a lookup."""
+    return [line for line in log.read_text(errors="replace").splitlines() if "did not answer a lookup" in line]
+
+
 def producers_hold(bind: str, ranks: int) -> list[int]:
     """The items each prefill rank's producer holds (rank r binds bind's port + r)."""
     base, port = bind.rsplit(":", 1)
@@ -141,12 +146,20 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
         # nothing themselves).
         counted = metrics(decode.url)
         assert through_kvrt == alone
-        # The connector's own account: every rank loaded every prompt but its last token.
-        # A prefill the router gave up on leaves its prompt to the decode: the router says why.
-        gave_up = warnings_in(routed.log)
+        # The connector's own account: every rank loaded every prompt but its last token (but
+        # for prompts it says it could not load).
         assert counted["failed_loads"] == 0
-        assert counted["loads"] == REQUESTS * decode_tp, gave_up
-        assert counted["loaded_tokens"] == decode_tp * sum(len(prompt) - 1 for prompt in asked), gave_up
+        loads, every_load = counted["loads"], REQUESTS * decode_tp
+        every_token = decode_tp * sum(len(prompt) - 1 for prompt in asked)
+        if loads == every_load:
+            assert counted["loaded_tokens"] == every_token
+        else:
+            # A prompt is computed on the decode instead (its output equal all the same) only
+            # where something said why: the router gave its prefill up, or the decode's lookup
+            # went unanswered past LOOKUP_TIMEOUT_S (a producer starved of this host's cores).
+            said = warnings_in(routed.log) + unanswered_lookups(decode.log)
+            assert said and 0 < loads < every_load and loads % decode_tp == 0, (loads, said)
+            assert 0 < counted["loaded_tokens"] < every_token
         assert producers_hold(bind, prefill_tp) == [0] * prefill_tp
 
 
