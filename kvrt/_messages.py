@@ -509,9 +509,10 @@ class StreamStart(Message, frozen=True, tag="stream_start"):
     lease: Lease = 0
     """As `Deliver.lease`: the stream's end is confirmed under it."""
     checksum: Checksum | None = None
-    """Of this message's own fields (ids, match, lease, layers, frame length) and its tokens frame with their
-    metas (`Producer(checksum=True)`; `kvrt._checksum.stream_start_checksum`): a consumer that
-    finds a mismatch opens nothing and starts a new session, as for `Deliver.delivery_checksum`."""
+    """Of this message's own fields (ids, match, lease, layers, frame length) and its tokens
+    frame with their metas (`Producer(checksum=True)`; `kvrt._checksum.stream_start_checksum`):
+    a consumer that finds a mismatch opens nothing and starts a new session, as for
+    `Deliver.delivery_checksum`."""
 
 
 class StreamLayer(Message, frozen=True, tag="stream_layer"):
