@@ -104,6 +104,39 @@ async def raw_exchange(endpoint: str, frames: list[bytes]) -> m.Message:
         context.term()
 
 
+def damage_the_first(
+    monkeypatch: pytest.MonkeyPatch, damage: Callable[[m.AnyMessage], m.AnyMessage | None]
+) -> list[m.AnyMessage]:
+    """Have this process decode messages through `damage` until it damages one, as the way
+    from the producer might: what it returns stands in for the message (None: not this one),
+    and what it raises is raised as for a message that no longer decodes. Later messages come
+    as they are. The list returned gets the damaged message as it came."""
+    decode = m.decode
+    damaged: list[m.AnyMessage] = []
+
+    def damaging(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if damaged:
+            return message
+        try:
+            replaced = damage(message)
+        except kvrt.KVRTError:
+            damaged.append(message)
+            raise
+        if replaced is None:
+            return message
+        damaged.append(message)
+        return replaced
+
+    monkeypatch.setattr(m, "decode", damaging)
+    return damaged
+
+
+def unreadable(message: m.AnyMessage) -> m.AnyMessage:
+    """For `damage_the_first`: a message damaged past decoding."""
+    raise kvrt.RemoteProtocolError(f"invalid control message: (a damaged {type(message).__name__})")
+
+
 def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch, receiver: type) -> list[int]:
     """Make the next receive of `receiver` (a transport's receiving class whose `_post` lands a
     `payload` and runs an optional `check` once it landed) flip a byte in the middle of what it
@@ -133,7 +166,11 @@ def flip_one_landed_byte(monkeypatch: pytest.MonkeyPatch, receiver: type) -> lis
 
 
 async def read_as_published(
-    producer: kvrt.Producer, consumer: kvrt.Consumer, tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    producer: kvrt.Producer,
+    consumer: kvrt.Consumer,
+    tokens: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     hidden: torch.Tensor | None = None,
 ) -> kvrt.ConsumerStream:
     """A stream of `key` and `value` ([layers, ...]) whose reader opened before its first layer

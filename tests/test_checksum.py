@@ -18,7 +18,7 @@ from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 from kvrt.transports.paired import PairedReceiver
-from tests._checks import flip_one_landed_byte, read_as_published
+from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -233,18 +233,13 @@ async def test_with_checksums_a_clean_run_hands_over_identical_bytes(hidden: boo
 async def test_a_header_that_says_the_value_lies_where_the_key_does_fails_the_call_like_a_flipped_byte(
     monkeypatch: pytest.MonkeyPatch, checksum: bool
 ) -> None:
-    decode = m.decode
-    altered: list[m.Deliver] = []
+    def value_read_from_the_keys_bytes(message: m.AnyMessage) -> m.AnyMessage | None:
+        if not isinstance(message, m.Deliver):
+            return None
+        moved = msgspec.structs.replace(message.value, offset=message.key.offset)
+        return msgspec.structs.replace(message, value=moved)
 
-    def altering_the_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.Deliver) and not altered:
-            altered.append(message)  # its value now read from its key's bytes
-            moved = msgspec.structs.replace(message.value, offset=message.key.offset)
-            return msgspec.structs.replace(message, value=moved)
-        return message
-
-    monkeypatch.setattr(m, "decode", altering_the_first_delivery)
+    altered = damage_the_first(monkeypatch, value_read_from_the_keys_bytes)
     tokens = torch.arange(8)
     key, value = torch.ones(1, 8, 1, 4), torch.full((1, 8, 1, 4), 1.5)
     async with kvrt.Producer(checksum=checksum) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
@@ -342,17 +337,13 @@ async def test_a_byte_flipped_where_an_out_of_band_delivery_landed_fails_the_cal
 async def test_a_layer_said_to_be_another_fails_its_reader_like_a_flipped_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream layer's checksum covers its index: layer 1 arriving as layer 3 never reaches
     the reader as layer 3."""
-    decode = m.decode
-    altered: list[m.StreamLayer] = []
 
-    def renumbering_layer_one(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.StreamLayer) and message.layer == 1 and not altered:
-            altered.append(message)
-            return msgspec.structs.replace(message, layer=3)
-        return message
+    def layer_one_as_three(message: m.AnyMessage) -> m.AnyMessage | None:
+        if not (isinstance(message, m.StreamLayer) and message.layer == 1):
+            return None
+        return msgspec.structs.replace(message, layer=3)
 
-    monkeypatch.setattr(m, "decode", renumbering_layer_one)
+    altered = damage_the_first(monkeypatch, layer_one_as_three)
     tokens, key, value = torch.arange(16), torch.randn(4, 16, 2, 8), torch.randn(4, 16, 2, 8)
     async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         reader = await read_as_published(producer, consumer, tokens, key, value)
@@ -370,19 +361,15 @@ async def test_a_delivery_whose_ids_were_damaged_is_not_taken_and_never_reaches_
     item's: the producer would refuse the receipt and hand the item to the next consumer as
     well. A flipped match would tell the caller a wrong length. The delivery's own fields are
     checked too: nothing is taken, the call fails, and a new session gives the item back."""
-    decode = m.decode
-    altered: list[m.Message] = []
 
-    def damaging_the_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.Deliver | m.DeliverMany) and not altered:
-            altered.append(message)
-            if isinstance(message, m.Deliver):
-                return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
-            hits = [None if hit is None else msgspec.structs.replace(hit, **{field: getattr(hit, field) + 1})
-                    for hit in message.hits]  # fmt: skip
-            return msgspec.structs.replace(message, hits=hits)
-        return message
+    def field_moved_by_one(message: m.AnyMessage) -> m.AnyMessage | None:
+        if isinstance(message, m.Deliver):
+            return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
+        if not isinstance(message, m.DeliverMany):
+            return None
+        hits = [None if hit is None else msgspec.structs.replace(hit, **{field: getattr(hit, field) + 1})
+                for hit in message.hits]  # fmt: skip
+        return msgspec.structs.replace(message, hits=hits)
 
     tokens, key, value = torch.arange(8), torch.randn(2, 8, 2, 4), torch.randn(2, 8, 2, 4)
 
@@ -392,14 +379,13 @@ async def test_a_delivery_whose_ids_were_damaged_is_not_taken_and_never_reaches_
     async with kvrt.Producer(checksum=True) as producer:
         await producer.insert(tokens, None, key, value)
         async with kvrt.Consumer(connect=producer.endpoint) as first:
-            monkeypatch.setattr(m, "decode", damaging_the_first_delivery)
+            altered = damage_the_first(monkeypatch, field_moved_by_one)
             with pytest.raises(kvrt.IntegrityError, match="ids, lease and match"):
                 await take(first)
             assert altered and first.metrics.integrity_failures == 1
             await asyncio.wait_for(first.link_for_tests().connected.wait(), 10)  # its new session
             item = await take(first)
             assert item is not None and item.matched == 8 and torch.equal(item.key, key)
-        monkeypatch.setattr(m, "decode", decode)
         async with kvrt.Consumer(connect=producer.endpoint) as second:
             assert await take(second) is None  # delivered once
 
@@ -411,24 +397,20 @@ async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_r
     """As a delivery's: a stream's start carries the checksum of its own fields and of its
     tokens frame. A damaged one opens nothing: the call fails, and a new session gives the
     item back whole."""
-    decode = m.decode
-    altered: list[m.StreamStart] = []
 
-    def damaging_the_first_start(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.StreamStart) and not altered:
-            altered.append(message)
-            if field == "input_tokens":
-                shorter = m.TensorMeta(dtype=message.input_tokens.dtype, shape=(message.input_tokens.shape[0] - 1,))
-                return msgspec.structs.replace(message, input_tokens=shorter)
-            return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
-        return message
+    def field_moved_by_one(message: m.AnyMessage) -> m.AnyMessage | None:
+        if not isinstance(message, m.StreamStart):
+            return None
+        if field == "input_tokens":
+            shorter = m.TensorMeta(dtype=message.input_tokens.dtype, shape=(message.input_tokens.shape[0] - 1,))
+            return msgspec.structs.replace(message, input_tokens=shorter)
+        return msgspec.structs.replace(message, **{field: getattr(message, field) + 1})
 
     tokens, key, value = torch.arange(8), torch.randn(2, 8, 2, 4), torch.randn(2, 8, 2, 4)
     async with kvrt.Producer(checksum=True) as producer:
         writer = await producer.open_stream(tokens, layers=2)  # a prefill publishing layer by layer
         async with kvrt.Consumer(connect=producer.endpoint) as first:
-            monkeypatch.setattr(m, "decode", damaging_the_first_start)
+            altered = damage_the_first(monkeypatch, field_moved_by_one)
             with pytest.raises(kvrt.IntegrityError, match="stream"):
                 await first.open_stream(tokens)
             assert altered and first.metrics.integrity_failures == 1
@@ -441,7 +423,6 @@ async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_r
             layers = [(layer_key, layer_value) async for _, layer_key, layer_value in stream]
             assert torch.equal(torch.stack([k for k, _ in layers]), key)
             assert torch.equal(torch.stack([v for _, v in layers]), value)
-        monkeypatch.setattr(m, "decode", decode)
         async with kvrt.Consumer(connect=producer.endpoint) as second:
             assert await second.drop_select(tokens) is None  # delivered once
 

@@ -25,7 +25,7 @@ from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES, SILENT_HOLD_LEASES, PeerState, ProducerCore
 from kvrt._protocol.waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
-from tests._checks import collected, read_as_published
+from tests._checks import collected, damage_the_first, read_as_published, unreadable
 from tests._processes import (
     child_process,
     run_busy_producer,
@@ -128,21 +128,13 @@ async def test_a_delivery_that_could_not_be_read_comes_back_once_its_call_times_
     times out; the producer still counts the item as this link's. The timeout then starts a
     new session, in which the producer takes the item back: the link's next lookup, or another
     consumer's, gets it, once."""
-    decode = m.decode
-    damaged: list[bytes] = []
-
-    def unreadable_first_delivery(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.Deliver) and not damaged:
-            damaged.append(bytes(frame))
-            raise kvrt.RemoteProtocolError("invalid control message: (a damaged header)")
-        return message
-
     tokens, key = torch.arange(8), torch.ones(1, 8, 1, 4)
     async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
         await producer.insert(tokens, None, key, key)
         async with kvrt.Consumer(connect=producer.endpoint, reply_timeout_s=0.5) as consumer:
-            monkeypatch.setattr(m, "decode", unreadable_first_delivery)
+            damaged = damage_the_first(
+                monkeypatch, lambda message: unreadable(message) if isinstance(message, m.Deliver) else None
+            )
             with pytest.raises(kvrt.KVRTTimeoutError):
                 await consumer.drop_select(tokens)
             assert damaged and consumer.link_for_tests().rejected_frames == 1
@@ -159,23 +151,16 @@ async def test_a_reply_that_could_not_be_read_to_a_call_with_no_timeout_fails_it
 ) -> None:
     """A call that waits with no timeout has no reply timeout either: a damaged answer to it
     starts a new session at once (else it would wait for ever, the item kept for it)."""
-    decode = m.decode
-    damaged: list[bytes] = []
-
-    def unreadable_first_answer(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.Deliver | m.StreamStart) and not damaged:
-            damaged.append(bytes(frame))
-            raise kvrt.RemoteProtocolError("invalid control message: (a damaged header)")
-        return message
-
     tokens, key = torch.arange(8), torch.ones(2, 8, 1, 4)
     async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
         writer = await producer.open_stream(tokens, layers=2) if call == "open_stream" else None
         if writer is None:
             await producer.insert(tokens, None, key, key)
         async with kvrt.Consumer(connect=producer.endpoint) as consumer:
-            monkeypatch.setattr(m, "decode", unreadable_first_answer)
+            answers = (m.Deliver, m.StreamStart)
+            damaged = damage_the_first(
+                monkeypatch, lambda message: unreadable(message) if isinstance(message, answers) else None
+            )
             take = consumer.open_stream if call == "open_stream" else consumer.drop_select
             with pytest.raises(kvrt.RemoteProtocolError, match="new session"):
                 await asyncio.wait_for(take(tokens, timeout=None), 10)
@@ -199,19 +184,15 @@ async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirme
     """A layer message whose stream id was damaged on the way reaches no stream: at the end
     the reader fails, and the stream goes back whole instead of being confirmed (the producer
     would free it), so it can be read again."""
-    decode = m.decode
-    damaged: list[m.StreamLayer] = []
 
-    def misdirecting_layer_zero(frame: bytes | memoryview) -> m.AnyMessage:
-        message = decode(frame)
-        if isinstance(message, m.StreamLayer) and not damaged:
-            damaged.append(message)
-            return msgspec.structs.replace(message, item_id=message.item_id + 1000)
-        return message
+    def layer_zero_misdirected(message: m.AnyMessage) -> m.AnyMessage | None:
+        if not isinstance(message, m.StreamLayer):
+            return None
+        return msgspec.structs.replace(message, item_id=message.item_id + 1000)
 
     tokens, key, value = torch.arange(16), torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
-        monkeypatch.setattr(m, "decode", misdirecting_layer_zero)
+        damaged = damage_the_first(monkeypatch, layer_zero_misdirected)
         reader = await read_as_published(producer, consumer, tokens, key, value)
         with pytest.raises(kvrt.RemoteProtocolError, match="without layer 0"):
             await reader.finished()
