@@ -113,8 +113,9 @@ class _Link(LinkSession):
     def _frame(self, frames: list[zmq.Frame], now: float) -> None:
         """One message from the producer. One that does not decode is dropped and counted (if
         it was an answer damaged on the way, its call's reply timeout starts a new session:
-        see `_reply_overdue`); one that this side fails on ends the session (see below); the
-        link goes on either way."""
+        see `_reply_overdue`; a call with no timeout has none, so then a new session starts at
+        once); one that this side fails on ends the session (see below); the link goes on
+        either way."""
         try:
             event = self.core.receive(frames[0].buffer, now)
             if event is not None:
