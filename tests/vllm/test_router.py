@@ -151,11 +151,12 @@ def closing_kept_connections(completions: Handler, *, reset: bool) -> Handler:
     answer (`reset`: with a TCP reset, as a socket closed with that request unread is): what
     vLLM's server (uvicorn) does when a connection's keep-alive time runs out as the router
     sends on it. Every connection's first request is answered."""
-    answered_on: set[int] = set()
+    answered_on: list[object] = []
+    """Each connection answered once, by its protocol object: held, never by its id(), which a
+    connection made after another one was freed may get again."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        connection = id(request.protocol)
-        if connection in answered_on:
+        if any(protocol is request.protocol for protocol in answered_on):
             assert request.transport is not None
             if reset:
                 socket = request.transport.get_extra_info("socket")
@@ -165,7 +166,7 @@ def closing_kept_connections(completions: Handler, *, reset: bool) -> Handler:
                 request.transport.close()
             await asyncio.sleep(0)
             return web.Response()
-        answered_on.add(connection)
+        answered_on.append(request.protocol)
         return await completions(request)
 
     return handler
