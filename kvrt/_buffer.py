@@ -37,6 +37,10 @@ import torch
 
 from kvrt._messages import TensorMeta
 
+TensorsSum = concurrent.futures.Future[Callable[[], int]]
+"""A GPU checksum of a stream's layer or hidden states, queued: its future gives what reads
+the result (waiting for the GPU; see `ProducerState.queue_tensors_checksum`)."""
+
 _COMPACT_SLACK = 16
 """A heap is rebuilt once it holds more than twice its live entries plus this many."""
 
@@ -134,6 +138,9 @@ class BufferedItem:
     device_checksum: int | None = None
     """The same for an item in GPU memory (`kvrt.kernels.checksum`), computed on the GPU
     before its first delivery leaves."""
+    layer_sums: list[TensorsSum] | None = None
+    """A finished GPU stream's, when its producer checksums: each layer's checksum, queued as
+    it was published (`StreamState.layer_sums`), for its end to carry."""
     charged: int = 0
     """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
     pieces: Pieces | None = None
@@ -198,6 +205,9 @@ class StreamState:
     the prefill's stream); a GPU send of the layer waits on it, the prefill never waits."""
     checksums: list[int] = field(default_factory=list)
     """Per layer, its checksum as `put_layer` wrote it (a producer that checksums)."""
+    layer_sums: list[TensorsSum] = field(default_factory=list)
+    """The same on a GPU, queued there after the layer's writes: its end carries them
+    (`StreamEnd.layer_checksums`), as its layers leave before they are written."""
     reader: bytes | None = None
 
     @property

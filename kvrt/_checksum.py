@@ -106,10 +106,25 @@ def tensors_checksum(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta
     Each one's bytes in turn, seeded with the last, the first with the XXH3-64 of
     `[position, *metas]`: a layer said to be another fails as a flipped byte does. Each
     tensor is contiguous in host memory."""
-    seed = xxhash.xxh3_64_intdigest(_encode_metas((position, *metas)))
+    seed = tensors_seed(metas, position)
     for tensor in tensors:
         seed = payload_checksum(tensor_bytes(tensor), seed)
     return seed
+
+
+def tensors_seed(metas: Sequence[TensorMeta | None], position: int) -> int:
+    """XXH3-64 of `[position, *metas]`: what seeds the checksums of a stream's layer or hidden
+    states (`tensors_checksum` on the host, `tensors_device_checksum` on a GPU)."""
+    return xxhash.xxh3_64_intdigest(_encode_metas((position, *metas)))
+
+
+def tensors_device_checksum(sums: Sequence[int], seed: int) -> int:
+    """What a producer on a GPU sends for a stream's layer or hidden states
+    (`StreamEnd.layer_checksums`, `StreamEnd.device_checksum`): XXH3-64 of the kernel's
+    checksum of each tensor's bytes (`kvrt.kernels.checksum`, seeded with `tensors_seed`), in
+    order, seeded with that seed. Each tensor's sum is computed on its own, so that the GPU
+    sums all of them at once; key and value swapped, or a layer said to be another, fail."""
+    return xxhash.xxh3_64_intdigest(_encode_metas(tuple(sums)), seed)
 
 
 HIDDEN_POSITION: Final = -1

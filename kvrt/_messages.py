@@ -536,6 +536,15 @@ class StreamEnd(Message, frozen=True, tag="stream_end"):
     hidden: TensorMeta | None = None
     checksum: Checksum | None = None
     """Of the hidden states' frame and its meta, if it has one."""
+    layer_checksums: Annotated[list[Checksum], Meta(max_length=65536)] | None = None
+    """From a producer on a GPU (`Producer(checksum=True)`), whose layers travel before they
+    are written and so carry no `StreamLayer.checksum`: per layer, in order, the checksum of
+    its key and value as the prefill wrote them (`kvrt._checksum.tensors_device_checksum`).
+    The consumer checks each layer where it landed and the stream ends only if all match:
+    else it fails with `IntegrityError` and its item goes back whole."""
+    device_checksum: Checksum | None = None
+    """From a producer on a GPU: the hidden states' checksum as `layer_checksums` computes one
+    (at `kvrt._checksum.HIDDEN_POSITION`), in place of `checksum`."""
 
 
 class StreamAbort(Message, frozen=True, tag="stream_abort"):

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, TensorsSum
 from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
 from kvrt._pools import PoolTable
@@ -247,6 +247,9 @@ class ConsumerStream:
         self._layers: list[asyncio.Future[_Layer]] = [loop.create_future() for _ in range(layers)]
         self._end: asyncio.Future[torch.Tensor | None] = loop.create_future()
         self._error: KVRTError | None = None
+        self.sums: dict[int, TensorsSum] = {}
+        """From a producer on a GPU, whose layers carry no checksum: per layer landed, its
+        checksum being computed, for the stream's end to compare (`StreamEnd.layer_checksums`)."""
         self.arriving: asyncio.Future[list[torch.Tensor]] | None = None
         """Out-of-band links: the receive posted last for this stream (receives land in the
         order they were posted, so its landing is the landing of everything before it)."""

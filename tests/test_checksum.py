@@ -212,6 +212,108 @@ async def test_a_flip_in_a_streamed_layer_fails_the_reader_and_the_stream_is_rea
         assert torch.equal(await again.finished(), hidden)
 
 
+def as_from_a_gpu_producer(
+    monkeypatch: pytest.MonkeyPatch, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None
+) -> list[m.StreamEnd]:
+    """Have this process read a stream of `key`, `value` and `hidden` as a producer on a GPU
+    sends it: its layers leave before they are written and carry no checksum; its end carries
+    each layer's and the hidden states' checksum as the GPU computed them where they were
+    written (`kvrt.kernels.checksum`, computed here with the kernel's reference on the
+    producer's bytes). The list returned gets each end as it went."""
+    from kvrt._checksum import HIDDEN_POSITION, tensors_device_checksum, tensors_seed
+    from kvrt.kernels.checksum import checksum_reference
+
+    def as_the_gpu_wrote(tensors: tuple[torch.Tensor, ...], metas: tuple[m.TensorMeta, ...], position: int) -> int:
+        seed = tensors_seed(metas, position)
+        return tensors_device_checksum([checksum_reference(tensor.contiguous(), seed) for tensor in tensors], seed)
+
+    decode, ends = m.decode, []
+    metas: dict[int, tuple[m.TensorMeta, m.TensorMeta]] = {}
+
+    def as_sent(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode(frame)
+        if isinstance(message, m.StreamLayer):
+            metas[message.layer] = (message.key, message.value)
+            return msgspec.structs.replace(message, checksum=None)
+        if isinstance(message, m.StreamEnd):
+            layers = [as_the_gpu_wrote((key[layer], value[layer]), metas[layer], layer) for layer in sorted(metas)]
+            hidden_sum = None
+            if hidden is not None and message.hidden is not None:
+                hidden_sum = as_the_gpu_wrote((hidden,), (message.hidden,), HIDDEN_POSITION)
+            message = msgspec.structs.replace(
+                message, checksum=None, layer_checksums=layers, device_checksum=hidden_sum
+            )
+            ends.append(message)
+        return message
+
+    monkeypatch.setattr(m, "decode", as_sent)
+    return ends
+
+
+async def test_a_flip_in_a_gpu_producers_streamed_layer_fails_the_stream_at_its_end_and_it_is_read_whole_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer on a GPU sends each layer before the prefill wrote it: its end carries the
+    layers' checksums, and the consumer checks what landed against them before the stream
+    ends. A damaged layer fails the stream at its end (the connector then recomputes), and
+    its item goes back whole."""
+    tokens, key, value = _item(5)  # 4 layers of 1 MiB: the flip at 3 MiB lies in layer 2
+    hidden = torch.randn(64, 32)
+    ends = as_from_a_gpu_producer(monkeypatch, key, value, hidden)
+    async with _through_relay(checksum=True) as (producer, relay, consumer):
+        reader = await read_as_published(producer, consumer, tokens, key, value, hidden)
+        with pytest.raises(kvrt.IntegrityError, match="layer 2"):
+            await reader.finished()
+        assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
+        assert ends and ends[0].layer_checksums is not None and len(ends[0].layer_checksums) == 4
+        again = await consumer.open_stream(tokens)
+        assert again is not None
+        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
+        assert torch.equal(torch.stack([k for k, _ in layers]), key)
+        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        assert torch.equal(await again.finished(), hidden)
+        assert await consumer.drop_select(tokens) is None  # read once
+        assert consumer.metrics.integrity_failures == 1
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])
+async def test_a_gpu_producers_stream_whose_end_matches_what_landed_ends_with_identical_bytes(
+    monkeypatch: pytest.MonkeyPatch, hidden: bool
+) -> None:
+    tokens, key, value = _item(6)
+    states = torch.randn(64, 32) if hidden else None
+    ends = as_from_a_gpu_producer(monkeypatch, key, value, states)
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        reader = await read_as_published(producer, consumer, tokens, key, value, states)
+        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in reader]
+        assert torch.equal(torch.stack([k for k, _ in layers]), key)
+        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        assert (await reader.finished() is None) if states is None else torch.equal(await reader.finished(), states)
+        assert consumer.metrics.integrity_failures == 0
+        assert ends[0].device_checksum is not None if hidden else ends[0].device_checksum is None
+        assert await consumer.drop_select(tokens) is None
+
+
+async def test_a_gpu_producers_stream_end_with_another_count_of_layer_checksums_fails_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokens, key, value = _item(7)
+    as_from_a_gpu_producer(monkeypatch, key, value, None)
+    gpu_sent = m.decode
+
+    def one_short(frame: bytes | memoryview) -> m.AnyMessage:
+        message = gpu_sent(frame)
+        if isinstance(message, m.StreamEnd) and message.layer_checksums:
+            return msgspec.structs.replace(message, layer_checksums=message.layer_checksums[:-1])
+        return message
+
+    monkeypatch.setattr(m, "decode", one_short)
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        reader = await read_as_published(producer, consumer, tokens, key, value)
+        with pytest.raises(kvrt.RemoteProtocolError, match="3 layer checksums"):
+            await reader.finished()
+
+
 @pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])
 async def test_with_checksums_a_clean_run_hands_over_identical_bytes(hidden: bool) -> None:
     async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:

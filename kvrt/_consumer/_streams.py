@@ -6,13 +6,21 @@ stream message, lands each layer for the `ConsumerStream` that `Consumer.open_st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._checksum import HIDDEN_POSITION, stream_start_checksum, tensors_checksum
+from kvrt._buffer import TensorsSum
+from kvrt._checksum import (
+    HIDDEN_POSITION,
+    stream_start_checksum,
+    tensors_checksum,
+    tensors_device_checksum,
+    tensors_seed,
+)
 from kvrt._consumer._session import LinkSession, _Reply
 from kvrt._errors import (
     IntegrityError,
@@ -25,7 +33,7 @@ from kvrt._errors import (
 )
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
-from kvrt._threads import outcome_seen
+from kvrt._threads import check_workers, outcome_seen
 from kvrt.transports import Receiver
 
 
@@ -42,6 +50,52 @@ def _check(
             f"{what}: its bytes, or the description of its tensors, do not match the checksum its producer "
             "computed where it wrote them (damaged on the way): the stream went back whole"
         )
+
+
+_check_streams: dict[torch.device, torch.cuda.Stream] = {}
+_check_streams_lock = threading.Lock()
+
+
+def _summing(
+    tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int, landed: torch.cuda.Event | None
+) -> TensorsSum:
+    """The checksum of a landed layer (`position`: its index) or hidden states as a producer on
+    a GPU computes one (`kvrt._checksum.tensors_device_checksum`), for its stream's end to
+    compare. On a GPU: the kernels queued, in a kvrt check worker, on a stream of its own after
+    `landed`; what the future gives reads their result (waiting for the GPU). On the host: the
+    kernel's reference, computed in the worker."""
+    seed = tensors_seed(metas, position)
+    if landed is None:
+
+        def on_host() -> Callable[[], int]:
+            from kvrt.kernels.checksum import checksum_reference  # Triton: only for GPU producers' streams
+
+            value = tensors_device_checksum([checksum_reference(tensor, seed) for tensor in tensors], seed)
+            return lambda: value
+
+        return check_workers().submit(on_host)
+
+    def on_gpu() -> Callable[[], int]:
+        from kvrt.kernels.checksum import queue_checksum
+
+        device = tensors[0].device
+        with _check_streams_lock:
+            stream = _check_streams.get(device)
+            if stream is None:
+                stream = _check_streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            stream.wait_event(landed)
+            for tensor in tensors:
+                tensor.record_stream(stream)  # its reader may drop it before the kernel ran
+            queued = [queue_checksum(tensor, seed) for tensor in tensors]
+        return lambda: tensors_device_checksum([sums.result() for sums in queued], seed)
+
+    return check_workers().submit(on_gpu)
+
+
+def _read_sums(readers: Sequence[Callable[[], int]]) -> list[int]:
+    """The values of queued checksums, in order (in a kvrt check worker: it waits for the GPU)."""
+    return [read() for read in readers]
 
 
 def _start_damaged(start: m.StreamStart, payload: Sequence[zmq.Frame]) -> bool:
@@ -132,9 +186,9 @@ class StreamLayers:
                     self._receive_layer(
                         stream, message.item_id, transport, layer, key_meta, value_meta, payload, checksum
                     )
-                case m.StreamEnd(hidden=hidden_meta, checksum=checksum):
+                case m.StreamEnd():
                     assert transport is not None
-                    self._receive_end(stream, message.item_id, transport, hidden_meta, payload, checksum)
+                    self._receive_end(stream, transport, message, payload)
                 case m.StreamAbort(reason=reason):
                     self._link.open_streams.pop(message.item_id, None)
                     self._link.leases.pop(message.item_id, None)
@@ -160,12 +214,17 @@ class StreamLayers:
             raise RemoteProtocolError(f"stream_layer {layer} of a stream of {stream.layers}")
         arrival = transport.receive_tensors((key_meta, value_meta), payload)
         stream.arriving = arrival.complete
+        summed = checksum is None and self._producer_checksums()
         if arrival.landed is not None:
             key, value = arrival.tensors
+            if summed:  # queued before the reader gets it: what landed, not what it made of it
+                stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, arrival.landed)
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
         elif arrival.complete.done():
             key, value = arrival.complete.result()
             _check(checksum, (key, value), (key_meta, value_meta), layer, f"layer {layer} of stream {item_id}")
+            if summed:
+                stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, None)
             self._deliver_layer(stream, item_id, layer, key, value)
             return
 
@@ -180,6 +239,8 @@ class StreamLayers:
                 except IntegrityError as failed:
                     self._stream_lost(item_id, failed)
                     return
+                if summed:
+                    stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, None)
                 self._deliver_layer(stream, item_id, layer, key, value)
 
         self._link.own_arrival(arrival.complete, landed)
@@ -209,13 +270,20 @@ class StreamLayers:
         self._link.own_arrival(written, delivered)
 
     def _receive_end(
-        self, stream: ConsumerStream, item_id: int, transport: Receiver,
-        hidden_meta: m.TensorMeta | None, payload: Sequence[zmq.Frame], checksum: int | None,
-    ) -> None:  # fmt: skip
+        self, stream: ConsumerStream, transport: Receiver, end: m.StreamEnd, payload: Sequence[zmq.Frame]
+    ) -> None:
         """A stream's end: it finishes once everything posted for it landed, the hidden
-        states last."""
+        states last, and (from a producer on a GPU) the checksums of its layers and hidden
+        states match what landed."""
+        item_id, hidden_meta, checksum = end.item_id, end.hidden, end.checksum
+        if end.layer_checksums is not None and len(end.layer_checksums) != stream.layers:
+            raise RemoteProtocolError(
+                f"a stream of {stream.layers} layers ended with {len(end.layer_checksums)} layer checksums"
+            )
+        hidden_landed: torch.cuda.Event | None = None
         if hidden_meta is not None:
-            stream.arriving = transport.receive_tensors((hidden_meta,), payload).complete
+            hidden_arrival = transport.receive_tensors((hidden_meta,), payload)
+            stream.arriving, hidden_landed = hidden_arrival.complete, hidden_arrival.landed
         elif payload:
             raise RemoteProtocolError(f"a {transport.name} stream_end carries no frames, {len(payload)} came")
         last = stream.arriving
@@ -239,7 +307,29 @@ class StreamLayers:
                 except IntegrityError as failed:
                     self._stream_lost(item_id, failed)
                     return
-            stream.finish(hidden)
+            expected = {layer: end.layer_checksums[layer] for layer in stream.sums} if end.layer_checksums else {}
+            sums = [stream.sums[layer] for layer in expected]
+            if hidden is not None and hidden_meta is not None and end.device_checksum is not None:
+                expected[HIDDEN_POSITION] = end.device_checksum
+                sums.append(_summing((hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
+            if not expected:
+                stream.finish(hidden)
+                return
+            # Each queued (or computed, on the host) first, then read: a worker never waits for
+            # another worker's job (two could wait so for good).
+            queued = asyncio.gather(*(asyncio.wrap_future(summing) for summing in sums))
+
+            def read(queued: asyncio.Future[list[Callable[[], int]]]) -> None:
+                if queued.cancelled():
+                    return
+                error = queued.exception()
+                if error is not None:
+                    self._stream_lost(item_id, translate_torch_error(error, what=f"checking stream {item_id}"))
+                    return
+                checked = asyncio.get_running_loop().run_in_executor(check_workers(), _read_sums, queued.result())
+                self._link.own_arrival(checked, lambda sums: self._end_checked(stream, item_id, expected, sums, hidden))
+
+            self._link.own_arrival(queued, read)
 
         if last is None:
             landed(last)
@@ -249,6 +339,35 @@ class StreamLayers:
             # Owned already: it is a layer's. Done or not, the end follows that layer's own
             # callback (scheduled first), so the stream never ends before its last layer.
             last.add_done_callback(landed)
+
+    def _end_checked(
+        self, stream: ConsumerStream, item_id: int, expected: dict[int, int], computed: asyncio.Future[list[int]],
+        hidden: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """The checksums of what landed of a GPU producer's stream are known: it finishes if
+        every one matches what its end carried, else it fails and its item goes back whole."""
+        if computed.cancelled() or self._link.open_streams.get(item_id) is not stream:
+            return  # the link closed, or the stream failed meanwhile
+        error = computed.exception()
+        if error is not None:
+            self._stream_lost(item_id, translate_torch_error(error, what=f"checking the layers of stream {item_id}"))
+            return
+        damaged = [
+            "its hidden states" if position == HIDDEN_POSITION else f"layer {position}"
+            for position, value in zip(expected, computed.result(), strict=True)
+            if expected[position] != value
+        ]
+        if damaged:
+            self._stream_lost(item_id, IntegrityError(
+                f"stream {item_id}: {', '.join(damaged)} as landed, or the description of its tensors, do not match "
+                "the checksum its producer computed on its GPU where it wrote them (damaged on the way): the stream "
+                "went back whole"
+            ))  # fmt: skip
+            return
+        stream.finish(hidden)
+
+    def _producer_checksums(self) -> bool:
+        return m.Capability.CHECKSUM in self._link.core.producer_capabilities
 
     def _receive_stray(
         self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
@@ -279,4 +398,3 @@ class StreamLayers:
         if stream is not None:
             self._link.release([item_id])
             stream.fail(error)
-

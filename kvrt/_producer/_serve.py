@@ -59,8 +59,8 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
     """A message with the checksums of the bytes that follow it. A piece's, or a finished
     stream's read whole, is known once its `fill` wrote it, after the core built the header;
     an open stream's layer has the checksum `put_layer` computed; a layer or the hidden states
-    of a whole item read as a stream are checksummed from the item's bytes here (on the host:
-    a GPU stream's layers carry none yet)."""
+    of a whole item read as a stream are checksummed from the item's bytes here (on the host;
+    a GPU stream's layers leave before they are written: its end carries their checksums)."""
     item = send.item
     match message:
         case m.Deliver(request_id=request_id, item_id=item_id, matched=matched, lease=lease) if item is not None:
@@ -275,6 +275,8 @@ class ServeLoop:
                 for item in (send.item, *send.items):
                     if item is not None and item.device_checksum is None and item.storage.device.type == "cuda":
                         await self._state.device_checksum(item)  # its header leaves with it
+            elif isinstance(message, m.StreamEnd) and send.item is not None and send.item.storage.device.type == "cuda":
+                message = await self._state.stream_end_checksums(message, send.item)
             message = _with_checksums(message, send)
         if isinstance(message, m.StreamStart):
             assert send.item is not None

@@ -9,15 +9,25 @@ import asyncio
 import concurrent.futures
 import os
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import msgspec
 import torch
 import zmq
 
+from kvrt import _messages as m
 from kvrt._arguments import byte_count, endpoint, seconds, usable_device
 from kvrt._auth import CurveKeys
-from kvrt._buffer import BufferedItem, all_gathers_queued
-from kvrt._checksum import checksum_wanted, metas_seed, storage_checksum
+from kvrt._buffer import BufferedItem, TensorsSum, all_gathers_queued
+from kvrt._checksum import (
+    HIDDEN_POSITION,
+    checksum_wanted,
+    metas_seed,
+    storage_checksum,
+    tensors_device_checksum,
+    tensors_seed,
+)
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
@@ -27,6 +37,7 @@ from kvrt._heads import fill_piece, head_range, piece_of
 from kvrt._pools import PoolTable
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._protocol.waiting import PieceAsked
+from kvrt._tensors import tensor_meta
 from kvrt._threads import gpu_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import HostCopies, Sender
@@ -223,15 +234,65 @@ class ProducerState:
         written, storage, seed = item.written, item.storage, metas_seed(item.metas)
 
         def compute() -> int:
-            if self._checksum_stream is None:
-                self._checksum_stream = torch.cuda.Stream(storage.device)
-            stream = self._checksum_stream
+            stream = self._checksum_stream_on(storage.device)
             with torch.cuda.stream(stream):
                 if written is not None:
                     stream.wait_event(written)
                 return queue_checksum(storage, seed).result()
 
         item.device_checksum = await asyncio.get_running_loop().run_in_executor(self._checksum_thread(), compute)
+
+    def queue_tensors_checksum(
+        self, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta | None], position: int,
+        ready: torch.cuda.Event | None,
+    ) -> TensorsSum:  # fmt: skip
+        """A GPU stream's layer (`position`: its index) or hidden states (`HIDDEN_POSITION`):
+        their kernel checksums queued in the kvrt-checksum thread, on its stream, after `ready`
+        (neither the loop nor the prefill waits). What the future gives reads the result
+        (`tensors_device_checksum`), waiting for the GPU: call it off the loop."""
+        from kvrt.kernels.checksum import queue_checksum
+
+        seed = tensors_seed(metas, position)
+
+        def queue() -> Callable[[], int]:
+            stream = self._checksum_stream_on(tensors[0].device)
+            with torch.cuda.stream(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                for tensor in tensors:
+                    tensor.record_stream(stream)  # the store may free it before the kernel ran
+                queued = [queue_checksum(tensor, seed) for tensor in tensors]
+            return lambda: tensors_device_checksum([sums.result() for sums in queued], seed)
+
+        return self._checksum_thread().submit(queue)
+
+    async def stream_end_checksums(self, end: m.StreamEnd, whole: BufferedItem) -> m.StreamEnd:
+        """A GPU stream's end with the checksum of each layer as it was sent (queued as its
+        prefill published them, or now over the whole item's layers) and of its hidden states."""
+        layers = whole.key.shape[0]
+        sums = whole.layer_sums
+        if sums is None or len(sums) != layers:  # read whole as a stream: its storage is written
+            await all_gathers_queued(whole)
+            sums = [
+                self.queue_tensors_checksum(
+                    (whole.key[layer], whole.value[layer]), (tensor_meta(whole.key[layer]),
+                    tensor_meta(whole.value[layer])), layer, whole.written,
+                )
+                for layer in range(layers)
+            ]  # fmt: skip
+        if end.hidden is not None and whole.hidden is not None:
+            sums = [*sums, self.queue_tensors_checksum((whole.hidden,), (end.hidden,), HIDDEN_POSITION, whole.written)]
+        readers = [await asyncio.wrap_future(queued) for queued in sums]
+        values = await asyncio.get_running_loop().run_in_executor(
+            self._checksum_thread(), lambda: [read() for read in readers]
+        )
+        hidden = values.pop() if len(values) > layers else None
+        return msgspec.structs.replace(end, layer_checksums=values, device_checksum=hidden)
+
+    def _checksum_stream_on(self, device: torch.device) -> torch.cuda.Stream:
+        if self._checksum_stream is None:
+            self._checksum_stream = torch.cuda.Stream(device)
+        return self._checksum_stream
 
     async def warm_device_checksums(self) -> None:
         """On a GPU, with checksums on: compile the checksum kernel (about a second) before

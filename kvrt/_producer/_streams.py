@@ -117,8 +117,10 @@ class StreamPublisher:
         stream = item.stream
         assert stream is not None
         metas = tensor_meta(key), tensor_meta(value)
-        if self._state.checksum and key.device.type == "cpu":  # a GPU stream's layers carry none yet
+        if self._state.checksum and key.device.type == "cpu":
             stream.checksums.append(tensors_checksum((key, value), metas, len(stream.keys)))
+        elif self._state.checksum:  # its end carries it: the layer leaves before it is written
+            stream.layer_sums.append(self._state.queue_tensors_checksum((key, value), metas, len(stream.keys), ready))
         out = self._core.stream_layer(item, *metas)
         stream.keys.append(key)
         stream.values.append(value)
@@ -145,6 +147,7 @@ class StreamPublisher:
             if into is not None and source is not None:
                 copy_into(into, source)
         whole = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
+        whole.layer_sums = stream.layer_sums or None
         keys, values, written = list(stream.keys), list(stream.values), list(stream.ready)
 
         def fill(whole: BufferedItem) -> None:

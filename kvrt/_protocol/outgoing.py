@@ -20,7 +20,7 @@ class Outgoing:
     """A message for the driver to send to `peer`, and the item whose bytes follow it: a
     Deliver's or a stream start's (for a DeliverMany, `items`); for a stream's layer, the open
     stream whose store holds it (`StreamState`) or the whole item it is a layer of; for a
-    stream's end with hidden states, the whole item."""
+    stream's end, the whole item (whose hidden states follow it, if it has them)."""
 
     peer: bytes
     message: m.Message
@@ -132,10 +132,11 @@ def layer_outgoing(peer: bytes, item: BufferedItem, layer: int, key: m.TensorMet
 
 
 def end_outgoing(peer: bytes, whole: BufferedItem) -> Outgoing:
-    """A stream's end, with the whole item's hidden states if it has them (`item` as for a layer)."""
+    """A stream's end, with the whole item's hidden states if it has them (`whole`: the item the
+    stream is, whose GPU checksums the end carries)."""
     hidden = whole.metas[4]
     if hidden is None:
-        return Outgoing(peer, m.StreamEnd(item_id=whole.item_id))
+        return Outgoing(peer, m.StreamEnd(item_id=whole.item_id), whole)
     return Outgoing(peer, m.StreamEnd(item_id=whole.item_id, hidden=_on_its_own(hidden)), whole)
 
 
