@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvrt.integrations.vllm import ConnectorConfigError
+from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import heads_of, pieces_for, publishes
 from kvrt.integrations.vllm._worker import WorkerSide
 from kvrt.integrations.vllm.layouts import CacheSpec, kv_cache_pools
@@ -82,9 +83,7 @@ def moved(
     return prefill_caches, from_blocks, decode_caches, into_blocks, before
 
 
-def assert_landed(
-    source: dict[str, Any], target: dict[str, Any], moved_caches: tuple[Any, ...], tokens: range
-) -> None:
+def assert_landed(source: dict[str, Any], target: dict[str, Any], moved_caches: tuple[Any, ...], tokens: range) -> None:
     prefill_caches, from_blocks, decode_caches, into_blocks, _ = moved_caches
     sent = token_rows(source, prefill_caches, slots(source, from_blocks, tokens))
     landed = token_rows(target, decode_caches, slots(target, into_blocks, tokens))
@@ -262,3 +261,48 @@ def test_a_producer_gone_fails_one_steps_loads_within_the_timeout_and_the_next_a
         assert second.failed == {"s"} and time.monotonic() - started < 0.2  # not asked again: at once
     finally:
         side.close()
+
+
+def test_a_load_whose_layers_fail_the_checksums_its_streams_end_carries_fails_and_vllm_recomputes_its_blocks(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer on a GPU sends each layer of a prompt still being prefilled before its
+    forward pass wrote it: the stream's end carries the layers' checksums, checked where they
+    landed. A mismatch fails the load in the step that loaded it (its blocks are the step's
+    load errors), though every layer was handed to vLLM already."""
+    import msgspec
+
+    from kvrt import _messages as m
+
+    monkeypatch.setenv("KVRT_CHECKSUM", "1")  # the worker's producer reads it
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    decode_message = m.decode
+    ends: list[m.StreamEnd] = []
+
+    def not_what_landed(frame: bytes | memoryview) -> m.AnyMessage:
+        message = decode_message(frame)
+        if isinstance(message, m.StreamLayer):
+            return msgspec.structs.replace(message, checksum=None)
+        if isinstance(message, m.StreamEnd):
+            ends.append(msgspec.structs.replace(message, layer_checksums=[0] * entry["layers"]))
+            return ends[-1]
+        return message
+
+    monkeypatch.setattr(m, "decode", not_what_landed)
+    prefill, _ = sides(entry, produces=True, seed=1)
+    decode, _ = sides(entry, produces=False, seed=2)
+    tokens = list(range(1000, 1000 + TOKENS))
+    from_blocks, into_blocks = blocks_for(entry, TOKENS, 3), blocks_for(entry, TOKENS, 4)
+    save = Save("request", tokens, slots(entry, from_blocks, range(TOKENS)))
+    prefill.save_layer([save], 0)  # the prefill's forward pass is under way: its stream is open
+    endpoints = tuple(endpoints_of([prefill]))
+    decode.start_loads([Load("request", endpoints, tokens, 0, slots(entry, into_blocks, range(TOKENS)), into_blocks)])
+    decode.wait_layer(0)
+    for layer in range(1, entry["layers"]):  # the two forward passes side by side
+        prefill.save_layer([save], layer)
+        decode.wait_layer(layer)  # handed over as it landed: the verdict comes at the end
+    prefill.end_step()
+    outcome = decode.end_step()
+    assert ends, "the load read the prompt as a stream"
+    assert outcome.failed == {"request"} and outcome.failed_blocks == set(into_blocks)
+    assert decode.take_counters().get("failed_loads") == 1

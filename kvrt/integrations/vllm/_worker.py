@@ -350,8 +350,6 @@ class WorkerSide:
                 log.warning("a stream did not end: %s", exc)
         reading, self._reading = self._reading, []
         for read in reading:
-            if not read.failed:
-                self.counters["loaded_tokens"] += len(read.load.tokens) - read.load.skip
             for piece in read.streams:
                 if read.failed:
                     # vLLM recomputes these pages: no late write of kvrt's may land over its own.
@@ -359,9 +357,16 @@ class WorkerSide:
                     continue
                 try:
                     await piece.finished()
+                except kvrt.IntegrityError as exc:
+                    # A GPU producer's layers are checked at the stream's end: what landed is
+                    # not what it wrote. The load fails in this step: vLLM drops what the step
+                    # made of these pages and recomputes them.
+                    self._fail(read, exc)
                 except kvrt.KVRTError as exc:
                     # Every layer was written (wait_layer saw each); only the end was lost.
                     log.info("request %s's stream ended with %s after its layers landed", read.load.request_id, exc)
+            if not read.failed:
+                self.counters["loaded_tokens"] += len(read.load.tokens) - read.load.skip
 
     def close(self) -> None:
         """Close the producer and the consumers, then the loop thread."""
