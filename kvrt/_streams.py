@@ -334,7 +334,10 @@ class ConsumerStream:
         return landed
 
     async def finished(self) -> torch.Tensor | None:
-        """Wait for the end of the stream; its hidden states (None if the item has none)."""
+        """Wait for the end of the stream; its hidden states (None if the item has none). The
+        stream is this reader's once this returns: its end confirmed the item to the producer
+        (and, from a producer on a GPU, every layer matched its checksum). A reader that
+        leaves before, having read every layer, hands the stream to the next reader."""
         return await asyncio.shield(self._end)
 
     def landed_layers(self) -> list[torch.cuda.Event | None] | None:
@@ -359,9 +362,12 @@ class ConsumerStream:
         await self.writer.written(on)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each layer in order, as `layer(i)`; the loop ends once the stream is `finished()`,
+        not at its last layer: a reader that leaves right after its loop keeps what it read."""
         for index in range(self.layers):
             key, value = await self.layer(index)
             yield index, key, value
+        await self.finished()
 
 
 _Layer = tuple[torch.Tensor, torch.Tensor, "torch.cuda.Event | None"]

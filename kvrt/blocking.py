@@ -429,9 +429,12 @@ class ConsumerStream:
         return self._owner._call(self._stream.finished)
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each layer in order; the loop ends once the stream is `finished()` (see
+        `kvrt.ConsumerStream.__aiter__`)."""
         for index in range(self.layers):
             key, value = self.layer(index)
             yield index, key, value
+        self.finished()
 
 
 class Client(_Blocking[_client.Client]):

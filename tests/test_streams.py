@@ -88,6 +88,40 @@ async def test_a_reader_can_iterate_layers_as_they_land(producer: kvrt.Producer,
     assert await reader.finished() is None
 
 
+async def test_a_reader_that_iterated_every_layer_holds_the_stream_and_no_second_reader_gets_it(
+    producer: kvrt.Producer, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Iterating a stream ends once its end came and was confirmed, not at its last layer: a
+    reader that leaves right after its loop does not hand its KV to the next reader. Here the
+    end is handled 50 ms after the last layer, as a busy loop might."""
+    from kvrt._consumer._streams import StreamLayers
+
+    on_streamed = StreamLayers.on_streamed
+
+    def end_handled_later(self: StreamLayers, message: Any, payload: Any) -> None:
+        if isinstance(message, m.StreamEnd):
+            asyncio.get_running_loop().call_later(0.05, on_streamed, self, message, payload)
+            return
+        on_streamed(self, message, payload)
+
+    monkeypatch.setattr(StreamLayers, "on_streamed", end_handled_later)
+    tokens = torch.arange(150, 150 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as first:
+        reader = await first.open_stream(tokens)
+        assert reader is not None
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        await stream.finish()
+        seen = [layer async for layer, _, _ in reader]
+        assert seen == list(range(LAYERS))
+    async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as second:
+        assert await second.drop_select(tokens) is None
+        assert await second.open_stream(tokens, timeout=0) is None
+    stats = producer.stats()
+    assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
+
+
 async def test_a_late_reader_gets_the_layers_so_far_at_once_then_the_rest(
     producer: kvrt.Producer, consumer: kvrt.Consumer
 ) -> None:
