@@ -175,7 +175,8 @@ async def test_a_byte_flipped_where_a_gpu_streams_layer_landed_fails_the_stream_
         assert consumer.transports == {endpoint: "cuda_ipc"}
         flipped = flip_one_landed_stream_layer(monkeypatch)
         opening = asyncio.create_task(consumer.open_stream(kv_tokens(0, tokens), timeout=30))
-        await caught_up(consumer)
+        await asyncio.sleep(0)
+        await caught_up(consumer)  # the producer has read the request: it takes the stream as it opens
         control.send(("stream", 0, "bfloat16", layers, tokens, 5, None))
         reader = await opening
         assert reader is not None
