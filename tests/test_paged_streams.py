@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -302,3 +303,46 @@ def test_pools_that_say_which_heads_they_hold_must_name_as_many_as_they_have() -
     assert PoolTable(pools, Layout.TOKEN_MAJOR, heads=slice(3, 4)).first_head == 3
     with pytest.raises(kvrt.InvalidInputError, match=r"slice\(h0, h0 \+ 1\)"):
         PoolTable(pools, Layout.TOKEN_MAJOR, heads=slice(3, 5))
+
+
+async def test_a_slow_gather_of_a_layer_on_the_host_holds_no_other_call_of_the_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer of the pools on the host is gathered on kvrt's gather thread: a probe (the decode
+    scheduler's lookup), or any other peer's call, is answered meanwhile. On a starved host, with
+    the engine's own threads holding the interpreter, one gather took a tenth of a second and a
+    step's gathers seconds: on the loop, every lookup waited behind them."""
+    import threading
+    import time
+
+    from kvrt.kernels import paged_kv
+
+    gather, gathering = paged_kv.gather_layer_into_any, threading.Event()
+
+    def slowly_the_first(*args: Any, **kwargs: Any) -> None:
+        if not gathering.is_set():
+            gathering.set()
+            time.sleep(1.0)
+        gather(*args, **kwargs)
+
+    monkeypatch.setattr(paged_kv, "gather_layer_into_any", slowly_the_first)
+    source = random_pools(4, Layout.TOKEN_MAJOR, seed=1)
+    async with kvrt.Producer() as producer, kvrt.Client(producer.endpoint) as client:
+        producer.register_pools(source)
+        tokens = torch.arange(700, 700 + TOKENS)
+        stream = await producer.open_stream(tokens, slots=FROM_SLOTS, replica=FROM_REPLICA)
+        publishing = asyncio.create_task(stream.put_layer())
+        await asyncio.to_thread(gathering.wait, 5)
+        started = time.monotonic()
+        await client.probe(tokens)
+        assert time.monotonic() - started < 0.5 and not publishing.done()
+        await publishing
+        for _ in range(1, LAYERS):
+            await stream.put_layer()
+        await stream.finish()
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            item = await consumer.drop_select(tokens)
+        assert item is not None
+        for layer in range(LAYERS):  # each layer as the pools held it
+            key, value = gather_layer_reference(source, FROM_REPLICA, FROM_SLOTS, layer)
+            assert same_bits(item.key[layer], key) and same_bits(item.value[layer], value)

@@ -445,3 +445,36 @@ async def test_over_a_pair_many_concurrent_streams_each_end_after_their_last_lay
         assert failed == []
         await caught_up(consumer)
         assert producer.stats().items == 0
+
+
+async def test_a_finish_cancelled_while_the_host_stacks_the_layers_aborts_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the host a finished stream nobody reads is stacked into a whole item off the loop; a
+    finish cancelled meanwhile ends the stream as an abort does, and leaves nothing held."""
+    import threading
+    import time
+
+    from kvrt._producer._state import ProducerState
+
+    prepare, stacking = ProducerState._prepare, threading.Event()
+
+    def slowly(self: ProducerState, item: Any) -> None:
+        stacking.set()
+        time.sleep(0.3)
+        prepare(self, item)
+
+    monkeypatch.setattr(ProducerState, "_prepare", slowly)
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        tokens = torch.arange(900, 900 + TOKENS)
+        stream = await producer.open_stream(tokens, layers=LAYERS)
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        finishing = asyncio.create_task(stream.finish())
+        await asyncio.to_thread(stacking.wait, 5)
+        finishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        assert await consumer.drop_select(tokens) is None
+        assert await consumer.open_stream(tokens, timeout=0) is None
+        assert (producer.stats().items, producer.stats().in_flight) == (0, 0)

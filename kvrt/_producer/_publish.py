@@ -4,6 +4,7 @@ its tokens, gathered off the loop in chunks as consumers pull it. Runs in the ca
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -190,7 +191,10 @@ class Publisher:
                 check_indices(pools, replicas, slots)  # raises, naming the index
         else:
             masked = masked_tokens(input_tokens, roi)
-            gather_into_any(pools, replicas, slots, key, value)
+            # On the gather thread, as a stream's layers are (see `gathered_layer`).
+            await asyncio.wrap_future(
+                self._state._gather_thread().submit(gather_into_any, pools, replicas, slots, key, value)
+            )
         item = item_from_packed(
             packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
         )

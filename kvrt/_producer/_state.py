@@ -129,7 +129,7 @@ class ProducerState:
         self._taper = False
         """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
         self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
-        """Queues a publish's gathers off the loop (see `publish`)."""
+        """Queues a publish's gathers off the loop (see `publish`); on the host, runs them."""
         self._checksums: concurrent.futures.ThreadPoolExecutor | None = None
         """Computes GPU items' checksums off the loop, on a stream of its own (see `device_checksum`)."""
         self._checksum_stream: torch.cuda.Stream | None = None
@@ -308,6 +308,11 @@ class ProducerState:
         return self._checksums
 
     def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that queues a GPU producer's gathers, or runs a host's: either way off
+        the loop, which answers every other call meanwhile."""
         if self._gathers is None:
-            self._gathers = gpu_worker(self.device, "kvrt-gather")
+            if self.device.type == "cuda":
+                self._gathers = gpu_worker(self.device, "kvrt-gather")
+            else:
+                self._gathers = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-gather")
         return self._gathers

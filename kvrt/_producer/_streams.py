@@ -4,6 +4,8 @@ each layer gathered off the loop and offered to the consumer that holds the stre
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from kvrt._buffer import BufferedItem, StreamState
@@ -100,7 +102,12 @@ class StreamPublisher:
         key = block[0]
         value = block[1] if g.kv == 2 else torch.empty((tokens, 1, 0), dtype=pools.dtype, device=pools.device)
         if pools.device.type != "cuda":
-            gather_layer_into_any(pools, placement.replicas, placement.slots, layer, key, value)
+            # On the gather thread: on a busy host a layer's gather can take a tenth of a
+            # second and a step's gathers seconds, which no lookup or ping may wait behind.
+            gathering = self._state._gather_thread().submit(
+                gather_layer_into_any, pools, placement.replicas, placement.slots, layer, key, value
+            )
+            await asyncio.wrap_future(gathering)
             return key, value, None
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
@@ -164,8 +171,14 @@ class StreamPublisher:
             torch.stack(values, out=value)
             self._state._prepare(whole)
 
-        if stream.reader is None:
+        if stream.reader is None and self.device.type == "cuda":
             fill(whole)
+        elif stream.reader is None:  # on the host the stack copies every layer: off the loop
+            try:
+                await asyncio.wrap_future(self._state._gather_thread().submit(fill, whole))
+            except asyncio.CancelledError:  # a prefill that gave up its finish ends its stream
+                await self.abort_stream(item, "the prefill's finish was cancelled")
+                raise
         else:
             # The reader has every layer on its way: the whole item is written only if it must
             # travel whole after all (its reader leaves before confirming it). Stacking every
