@@ -65,6 +65,8 @@ ItemId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Lease = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Checksum = Annotated[int, Meta(ge=0)]
 """A 64-bit checksum of a payload's bytes (see `Deliver.checksum`): MessagePack carries no wider integer."""
+MAX_LAYERS: Final = 65536
+"""Most layers a stream has (`StreamStart.layers`)."""
 TOKEN_BYTES: Final = 8
 TokenBytes = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_BYTES)]
 """Token ids as consecutive little-endian int64 (numpy's `<i8`): compact, and cheap for any language."""
@@ -504,7 +506,7 @@ class StreamStart(Message, frozen=True, tag="stream_start"):
     matched: Annotated[int, Meta(ge=0)]
     input_tokens: TensorMeta
     roi: TensorMeta | None
-    layers: Annotated[int, Meta(ge=0, le=65536)]
+    layers: Annotated[int, Meta(ge=0, le=MAX_LAYERS)]
     payload_bytes: Annotated[int, Meta(ge=0, le=2**62)] = 0
     lease: Lease = 0
     """As `Deliver.lease`: the stream's end is confirmed under it."""
@@ -536,7 +538,7 @@ class StreamEnd(Message, frozen=True, tag="stream_end"):
     hidden: TensorMeta | None = None
     checksum: Checksum | None = None
     """Of the hidden states' frame and its meta, if it has one."""
-    layer_checksums: Annotated[list[Checksum], Meta(max_length=65536)] | None = None
+    layer_checksums: Annotated[list[Checksum], Meta(max_length=MAX_LAYERS)] | None = None
     """From a producer on a GPU (`Producer(checksum=True)`), whose layers travel before they
     are written and so carry no `StreamLayer.checksum`: per layer, in order, the checksum of
     its key and value as the prefill wrote them (`kvrt._checksum.tensors_device_checksum`).

@@ -242,6 +242,8 @@ class ConsumerStream:
         """Set for a reader of the pools: each layer is written there before it is delivered."""
         self._writing: set[int] = set()
         """Layers whose write into the pools is under way: the end waits for their delivery."""
+        self._posted: set[int] = set()
+        """Layers whose receive was posted: each comes once."""
         self._end_waits: tuple[torch.Tensor | None] | None = None
         loop = asyncio.get_running_loop()
         self._layers: list[asyncio.Future[_Layer]] = [loop.create_future() for _ in range(layers)]
@@ -265,6 +267,15 @@ class ConsumerStream:
         self._writing.discard(layer)
         if not self._writing and self._end_waits is not None:
             self.finish(*self._end_waits)
+
+    def posting(self, layer: int) -> None:
+        """Layer `layer`'s receive is being posted: a layer that came already is a protocol
+        error (a second copy would replace what the reader may have, and its checksum)."""
+        if not 0 <= layer < self.layers:
+            raise RemoteProtocolError(f"stream_layer {layer} of a stream of {self.layers}")
+        if layer in self._posted:
+            raise RemoteProtocolError(f"layer {layer} of the stream came twice")
+        self._posted.add(layer)
 
     def writing(self, layer: int) -> None:
         """Layer `layer`'s write into the pools is under way: the end waits for its delivery."""

@@ -294,6 +294,32 @@ async def test_a_gpu_producers_stream_whose_end_matches_what_landed_ends_with_id
         assert await consumer.drop_select(tokens) is None
 
 
+@pytest.mark.parametrize("without", ["layer_checksums", "device_checksum"])
+async def test_a_gpu_producers_stream_end_without_the_checksums_of_what_came_unchecked_fails_the_stream(
+    monkeypatch: pytest.MonkeyPatch, without: str
+) -> None:
+    """From a producer that checksums, bytes that came with no checksum (a GPU stream's layers,
+    whose end lacks theirs; hidden states with none) are not taken as good: a damaged field name
+    drops a checksum from its message unread."""
+    tokens, key, value = _item(8)
+    hidden = torch.randn(64, 32)
+    as_from_a_gpu_producer(monkeypatch, key, value, hidden)
+    gpu_sent = m.decode
+
+    def lacking(frame: bytes | memoryview) -> m.AnyMessage:
+        message = gpu_sent(frame)
+        if isinstance(message, m.StreamEnd):
+            return msgspec.structs.replace(message, **{without: None})
+        return message
+
+    monkeypatch.setattr(m, "decode", lacking)
+    async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        reader = await read_as_published(producer, consumer, tokens, key, value, hidden)
+        with pytest.raises(kvrt.IntegrityError, match="without a checksum"):
+            await reader.finished()
+        assert consumer.metrics.integrity_failures == 1
+
+
 async def test_a_gpu_producers_stream_end_with_another_count_of_layer_checksums_fails_the_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -178,6 +178,63 @@ async def test_a_reply_that_could_not_be_read_to_a_call_with_no_timeout_fails_it
             assert await another.drop_select(tokens) is None  # delivered once
 
 
+@pytest.mark.parametrize("unread", [m.StreamLayer, m.StreamEnd], ids=["a layer", "the end"])
+async def test_a_stream_message_that_could_not_be_read_fails_its_reader_at_once_and_the_stream_comes_back(
+    monkeypatch: pytest.MonkeyPatch, unread: type
+) -> None:
+    """A stream's reader waits for its end with no timeout: a stream message damaged past
+    reading (it names no request) starts a new session at once, in which the producer takes
+    the stream back; the reader fails instead of waiting for ever, and reads it again whole."""
+    tokens, key, value = torch.arange(16), torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
+    async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            damaged = damage_the_first(
+                monkeypatch, lambda message: unreadable(message) if isinstance(message, unread) else None
+            )
+            reader = await read_as_published(producer, consumer, tokens, key, value)
+            with pytest.raises(kvrt.RemoteProtocolError, match="new session"):
+                await asyncio.wait_for(reader.finished(), 10)
+            assert damaged
+            await asyncio.wait_for(consumer.link_for_tests().connected.wait(), 10)  # its new session
+            again = await asyncio.wait_for(consumer.open_stream(tokens), 10)
+            assert again is not None
+            layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
+            assert torch.equal(torch.stack([k for k, _ in layers]), key)
+            assert torch.equal(torch.stack([v for _, v in layers]), value)
+        async with kvrt.Consumer(connect=producer.endpoint) as another:
+            assert await another.drop_select(tokens) is None  # delivered once
+
+
+async def test_a_layer_that_comes_twice_fails_the_stream_and_it_comes_back_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second copy of a layer (a peer's bug, a replayed message) is refused, never taken in
+    place of the first: the reader may hold the first already, and with a GPU producer's
+    checksums in its end, the second copy's checksum would stand for what the reader has."""
+    from kvrt._consumer._streams import StreamLayers
+
+    on_streamed, repeated = StreamLayers.on_streamed, []
+
+    def layer_one_twice(self: StreamLayers, message: m.AnyMessage, payload: Any) -> None:
+        if isinstance(message, m.StreamLayer) and message.layer == 1 and not repeated:
+            repeated.append(message)
+            on_streamed(self, message, [zmq.Frame(bytes(frame.buffer)) for frame in payload])
+        on_streamed(self, message, payload)
+
+    monkeypatch.setattr(StreamLayers, "on_streamed", layer_one_twice)
+    tokens, key, value = torch.arange(16), torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
+    async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        reader = await read_as_published(producer, consumer, tokens, key, value)
+        with pytest.raises(kvrt.RemoteProtocolError, match="layer 1 of the stream came twice"):
+            await reader.finished()
+        assert repeated
+        again = await consumer.open_stream(tokens)
+        assert again is not None
+        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
+        assert torch.equal(torch.stack([k for k, _ in layers]), key)
+        assert torch.equal(torch.stack([v for _, v in layers]), value)
+
+
 async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirmed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -223,8 +223,9 @@ async def test_bad_layers_are_refused_clearly(producer: kvrt.Producer) -> None:
         await stream.put_layer(torch.zeros(5, HEADS, DIM), torch.zeros(5, HEADS, DIM))
     with pytest.raises(kvrt.InvalidInputError, match="after 0 of 1 layers"):
         await stream.finish()
-    with pytest.raises(kvrt.InvalidInputError, match="layers must be a positive int"):
-        await producer.open_stream(torch.arange(3), layers=0)
+    for layers in (0, 65537):  # the protocol carries at most 65536: a stream it could not start
+        with pytest.raises(kvrt.InvalidInputError, match=r"layers must be an int in \[1, 65536\]"):
+            await producer.open_stream(torch.arange(3), layers=layers)
 
 
 async def test_a_stream_opened_over_the_buffer_limit_waits_for_room_or_is_refused_at_once() -> None:

@@ -129,12 +129,14 @@ class _Link(LinkSession):
                 return
             log.warning("ignoring a message: %s", exc, extra={"endpoint": self.endpoint})
             if self._may_answer_a_call_with_no_deadline(frames[0].buffer):
-                # No reply timeout would ever end that call, and the producer keeps what it
-                # answered with for this session: a new session gives it back.
+                # No reply timeout would ever end that call (nor a stream's wait for its end),
+                # and the producer keeps what it answered with for this session: a new session
+                # gives it back.
                 self.new_session(
                     RemoteProtocolError(
                         f"a message from the producer at {self.endpoint} could not be read ({exc}); it may have "
-                        "answered a call that waits with no timeout: the link started a new session"
+                        "answered a call, or been a stream's layer or end, that waits with no timeout: the link "
+                        "started a new session"
                     )
                 )
         except Exception as exc:
@@ -152,12 +154,13 @@ class _Link(LinkSession):
 
     def _may_answer_a_call_with_no_deadline(self, frame: memoryview) -> bool:
         """Whether an unreadable message may be the answer to a pending call that waits for
-        ever: the call its request id names, if that can be read, else any such call."""
+        ever: the call its request id names, if that can be read, else any such call, or a
+        message of an open stream (whose reader waits for its end with no timeout)."""
         request_id = m.peek_request_id(frame) if frame.nbytes <= m.MAX_HEADER_BYTES else None
         if request_id is not None:
             call = self.calls.get(request_id)
             return call is not None and call.waits_forever
-        return any(call.waits_forever for call in self.calls.values())
+        return bool(self.open_streams) or any(call.waits_forever for call in self.calls.values())
 
     def _connection_event(self, event: int, now: float) -> None:
         """What the socket's monitor saw (see `_LINK_EVENTS`)."""

@@ -210,8 +210,7 @@ class StreamLayers:
         """Post a streamed layer's receive. On a GPU the reader gets it at once, with the event
         of its landing; else once it landed (host frames: here already, handed on now, so
         that the layers and the end reach the reader in their order)."""
-        if not 0 <= layer < stream.layers:
-            raise RemoteProtocolError(f"stream_layer {layer} of a stream of {stream.layers}")
+        stream.posting(layer)
         arrival = transport.receive_tensors((key_meta, value_meta), payload)
         stream.arriving = arrival.complete
         summed = checksum is None and self._producer_checksums()
@@ -307,6 +306,17 @@ class StreamLayers:
                 except IntegrityError as failed:
                     self._stream_lost(item_id, failed)
                     return
+            unchecked = bool(stream.sums) and end.layer_checksums is None
+            hidden_unchecked = hidden is not None and checksum is None and end.device_checksum is None
+            if unchecked or (hidden_unchecked and self._producer_checksums()):
+                # The producer checksums, and these bytes carried none: no more trusted than damaged
+                # ones (a damaged field name would drop the checksum from the message, unread).
+                what = "its layers" if unchecked else "its hidden states"
+                self._stream_lost(item_id, IntegrityError(
+                    f"stream {item_id}: {what} came without a checksum from a producer that checksums: it went "
+                    "back whole"
+                ))  # fmt: skip
+                return
             expected = {layer: end.layer_checksums[layer] for layer in stream.sums} if end.layer_checksums else {}
             sums = [stream.sums[layer] for layer in expected]
             if hidden is not None and hidden_meta is not None and end.device_checksum is not None:

@@ -8,6 +8,7 @@ import asyncio
 
 import torch
 
+from kvrt import _messages as m
 from kvrt._buffer import BufferedItem, StreamState
 from kvrt._checksum import tensors_checksum
 from kvrt._errors import (
@@ -68,8 +69,8 @@ class StreamPublisher:
             if layers is not None and layers != placement.pools.layers:
                 raise InvalidInputError(f"a stream of the pools has its {placement.pools.layers} layers, not {layers}")
             layers = placement.pools.layers
-        if not isinstance(layers, int) or layers <= 0:
-            raise InvalidInputError(f"layers must be a positive int, got {layers!r}")
+        if not isinstance(layers, int) or not 0 < layers <= m.MAX_LAYERS:
+            raise InvalidInputError(f"layers must be an int in [1, {m.MAX_LAYERS}], got {layers!r}")
         await self._state._wait_for_room(timeout)
         packed = pack((input_tokens, roi), torch.device("cpu"))
         item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
