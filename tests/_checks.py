@@ -182,3 +182,11 @@ async def read_as_published(
         await writer.put_layer(key[layer], value[layer])
     await writer.finish(hidden)
     return reader
+
+
+async def read_whole(reader: kvrt.ConsumerStream | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a stream, its keys and its values each stacked [layers, ...], once the
+    stream is finished (a loop over it ends only then)."""
+    assert reader is not None
+    layers = [(key, value) async for _, key, value in reader]
+    return torch.stack([key for key, _ in layers]), torch.stack([value for _, value in layers])

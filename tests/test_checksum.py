@@ -18,7 +18,7 @@ from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 from kvrt.transports.paired import PairedReceiver
-from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published
+from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published, read_whole
 
 ITEM_BYTES = 4 << 20
 FLIP_AT = 3 << 20
@@ -206,9 +206,8 @@ async def test_a_flip_in_a_streamed_layer_fails_the_reader_and_the_stream_is_rea
         assert relay.flips == 1 and consumer.metrics.integrity_failures == 1
         again = await consumer.open_stream(tokens)
         assert again is not None
-        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
-        assert torch.equal(torch.stack([k for k, _ in layers]), key)
-        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        keys, values = await read_whole(again)
+        assert torch.equal(keys, key) and torch.equal(values, value)
         assert torch.equal(await again.finished(), hidden)
 
 
@@ -268,9 +267,8 @@ async def test_a_flip_in_a_gpu_producers_streamed_layer_fails_the_stream_at_its_
         assert ends and ends[0].layer_checksums is not None and len(ends[0].layer_checksums) == 4
         again = await consumer.open_stream(tokens)
         assert again is not None
-        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in again]
-        assert torch.equal(torch.stack([k for k, _ in layers]), key)
-        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        keys, values = await read_whole(again)
+        assert torch.equal(keys, key) and torch.equal(values, value)
         assert torch.equal(await again.finished(), hidden)
         assert await consumer.drop_select(tokens) is None  # read once
         assert consumer.metrics.integrity_failures == 1
@@ -285,9 +283,8 @@ async def test_a_gpu_producers_stream_whose_end_matches_what_landed_ends_with_id
     ends = as_from_a_gpu_producer(monkeypatch, key, value, states)
     async with kvrt.Producer(checksum=True) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         reader = await read_as_published(producer, consumer, tokens, key, value, states)
-        layers = [(layer_key, layer_value) async for _, layer_key, layer_value in reader]
-        assert torch.equal(torch.stack([k for k, _ in layers]), key)
-        assert torch.equal(torch.stack([v for _, v in layers]), value)
+        keys, values = await read_whole(reader)
+        assert torch.equal(keys, key) and torch.equal(values, value)
         assert (await reader.finished() is None) if states is None else torch.equal(await reader.finished(), states)
         assert consumer.metrics.integrity_failures == 0
         assert ends[0].device_checksum is not None if hidden else ends[0].device_checksum is None
@@ -548,9 +545,8 @@ async def test_a_stream_start_whose_fields_were_damaged_is_not_taken_and_never_r
             for layer in range(2):
                 await writer.put_layer(key[layer], value[layer])
             await writer.finish()
-            layers = [(layer_key, layer_value) async for _, layer_key, layer_value in stream]
-            assert torch.equal(torch.stack([k for k, _ in layers]), key)
-            assert torch.equal(torch.stack([v for _, v in layers]), value)
+            keys, values = await read_whole(stream)
+            assert torch.equal(keys, key) and torch.equal(values, value)
         async with kvrt.Consumer(connect=producer.endpoint) as second:
             assert await second.drop_select(tokens) is None  # delivered once
 
