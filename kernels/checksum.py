@@ -41,6 +41,7 @@ beside it). `kvrt bench checksum` times the kernel beside `torch.sum` of the sam
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -244,6 +245,22 @@ def queue_checksum(data: torch.Tensor, seed: int = 0, *, tuning: Tuning = DEFAUL
         BLOCK=block, TILES=tiles, BYTES=unaligned, SLOTS=_SUM_SLOTS, num_warps=tuning.warps,
     )  # fmt: skip
     return QueuedChecksum(sums, byte_count, seed, stream=_current_stream(data.device))
+
+
+def queue_checksums_after(
+    tensors: Sequence[torch.Tensor], seed: int, stream: torch.cuda.Stream, after: torch.cuda.Event | None
+) -> Callable[[], list[int]]:
+    """`queue_checksum` of each of `tensors` (contiguous, on `stream`'s device) with `seed`,
+    queued on `stream` once `after` fired; each tensor's memory is kept from reuse until its
+    kernel ran. What it returns reads their results, in order, waiting for the GPU (a stream's
+    layer checked where it was written, or where it landed)."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        queued = [queue_checksum(tensor, seed) for tensor in tensors]
+    return lambda: [sums.result() for sums in queued]
 
 
 def checksum_blocks(

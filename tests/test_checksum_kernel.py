@@ -293,3 +293,21 @@ def test_the_reference_on_a_cuda_tensor_equals_the_reference_on_the_host() -> No
         expected = checksum_reference(data, seed)
         assert checksum_reference(on_gpu, seed) == expected
         assert checksum(on_gpu, seed) == expected
+
+
+@pytest.mark.gpu
+def test_checksums_queued_after_an_event_read_what_was_written_before_it() -> None:
+    """`queue_checksums_after` on a stream of its own: each tensor's bytes as the work before
+    the event left them (written on another stream, which 50 ms of GPU work keeps busy)."""
+    from kvrt.kernels.checksum import queue_checksums_after
+
+    written_on, checking = torch.cuda.Stream(), torch.cuda.Stream()
+    first, second = torch.zeros(1 << 20, device="cuda"), torch.zeros(3 << 18, dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.stream(written_on):
+        torch.cuda._sleep(100_000_000)  # about 50 ms of GPU work before the writes
+        first.fill_(1.5)
+        second.fill_(-2.0)
+        written = torch.cuda.Event()
+        written.record(written_on)
+    read = queue_checksums_after((first, second), 7, checking, written)
+    assert read() == [checksum_reference(first.cpu(), 7), checksum_reference(second.cpu(), 7)]

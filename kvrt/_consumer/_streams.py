@@ -76,19 +76,15 @@ def _summing(
         return check_workers().submit(on_host)
 
     def on_gpu() -> Callable[[], int]:
-        from kvrt.kernels.checksum import queue_checksum
+        from kvrt.kernels.checksum import queue_checksums_after
 
         device = tensors[0].device
         with _check_streams_lock:
             stream = _check_streams.get(device)
             if stream is None:
                 stream = _check_streams[device] = torch.cuda.Stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            stream.wait_event(landed)
-            for tensor in tensors:
-                tensor.record_stream(stream)  # its reader may drop it before the kernel ran
-            queued = [queue_checksum(tensor, seed) for tensor in tensors]
-        return lambda: tensors_device_checksum([sums.result() for sums in queued], seed)
+        sums = queue_checksums_after(tensors, seed, stream, landed)  # its reader may drop them meanwhile
+        return lambda: tensors_device_checksum(sums(), seed)
 
     return check_workers().submit(on_gpu)
 

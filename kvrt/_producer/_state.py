@@ -250,19 +250,14 @@ class ProducerState:
         their kernel checksums queued in the kvrt-checksum thread, on its stream, after `ready`
         (neither the loop nor the prefill waits). What the future gives reads the result
         (`tensors_device_checksum`), waiting for the GPU: call it off the loop."""
-        from kvrt.kernels.checksum import queue_checksum
+        from kvrt.kernels.checksum import queue_checksums_after
 
         seed = tensors_seed(metas, position)
 
         def queue() -> Callable[[], int]:
             stream = self._checksum_stream_on(tensors[0].device)
-            with torch.cuda.stream(stream):
-                if ready is not None:
-                    stream.wait_event(ready)
-                for tensor in tensors:
-                    tensor.record_stream(stream)  # the store may free it before the kernel ran
-                queued = [queue_checksum(tensor, seed) for tensor in tensors]
-            return lambda: tensors_device_checksum([sums.result() for sums in queued], seed)
+            sums = queue_checksums_after(tensors, seed, stream, ready)  # the store may free them meanwhile
+            return lambda: tensors_device_checksum(sums(), seed)
 
         return self._checksum_thread().submit(queue)
 
