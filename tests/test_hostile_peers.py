@@ -576,11 +576,16 @@ async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it
                 # threads, libzmq's and the consumer's, are not the producer spinning), once the heap
                 # of a whole test run was collected first (a full collection in the window took it
                 # past the bound).
+                # The least of three windows: a spin takes every one, work that came once (the
+                # non-reader dropped as its lease ends, its queues freed) only one.
                 await collected()
-                cpu_before, wall_before = time.thread_time(), time.monotonic()
-                await asyncio.sleep(0.5)
-                cpu_share = (time.thread_time() - cpu_before) / (time.monotonic() - wall_before)
-                assert cpu_share < 0.2, f"the producer spun on a full queue ({cpu_share:.0%} CPU)"
+                shares = []
+                for _ in range(3):
+                    cpu_before, wall_before = time.thread_time(), time.monotonic()
+                    await asyncio.sleep(0.2)
+                    shares.append((time.thread_time() - cpu_before) / (time.monotonic() - wall_before))
+                cpu_share = min(shares)
+                assert cpu_share < 0.2, f"the producer spun on a full queue ({cpu_share:.0%} CPU at least)"
                 assert stuck or not present, "the replies it never read left its outbox while it stayed"
             async with asyncio.timeout(LEASE_S + 30):
                 while producer.stats().peers > 1:  # the non-reader is dropped: stalled for its lease, or overflowing

@@ -157,7 +157,10 @@ def complete(url: str, prompts: Sequence[list[int]], *, in_flight: int, max_toke
     async def run() -> list[list[int]]:
         limit = asyncio.Semaphore(in_flight)
         timeout = aiohttp.ClientTimeout(total=REQUEST_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A connection each (never one kept alive): vLLM's server closes a connection idle for
+        # 5 s, and a request sent on it just then is lost (aiohttp never sends a POST again).
+        closing = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=closing) as session:
 
             async def one(prompt: list[int]) -> list[int]:
                 body = {
