@@ -190,3 +190,12 @@ async def read_whole(reader: kvrt.ConsumerStream | None) -> tuple[torch.Tensor, 
     assert reader is not None
     layers = [(key, value) async for _, key, value in reader]
     return torch.stack([key for key, _ in layers]), torch.stack([value for _, value in layers])
+
+
+async def reads_whole_again(
+    consumer: kvrt.Consumer, tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """The stream of `tokens` opens again on `consumer` (within 10 s) and every layer reads
+    bit for bit as `key` and `value` (stacked [layers, ...]): it came back whole."""
+    keys, values = await read_whole(await asyncio.wait_for(consumer.open_stream(tokens), 10))
+    assert torch.equal(keys, key) and torch.equal(values, value)

@@ -25,7 +25,7 @@ from kvrt import _messages as m
 from kvrt._protocol import HEARTBEAT_MISSES, SILENT_HOLD_LEASES, PeerState, ProducerCore
 from kvrt._protocol.waiting import MAX_WAITING_PER_PEER, MAX_WAITING_QUERY_BYTES_PER_PEER
 from kvrt._zmqio import RouterOutboxes
-from tests._checks import collected, damage_the_first, read_as_published, read_whole, unreadable
+from tests._checks import collected, damage_the_first, read_as_published, reads_whole_again, unreadable
 from tests._processes import (
     child_process,
     run_busy_producer,
@@ -196,10 +196,7 @@ async def test_a_stream_message_that_could_not_be_read_fails_its_reader_at_once_
                 await asyncio.wait_for(reader.finished(), 10)
             assert damaged
             await asyncio.wait_for(consumer.link_for_tests().connected.wait(), 10)  # its new session
-            again = await asyncio.wait_for(consumer.open_stream(tokens), 10)
-            assert again is not None
-            keys, values = await read_whole(again)
-            assert torch.equal(keys, key) and torch.equal(values, value)
+            await reads_whole_again(consumer, tokens, key, value)
         async with kvrt.Consumer(connect=producer.endpoint) as another:
             assert await another.drop_select(tokens) is None  # delivered once
 
@@ -227,10 +224,7 @@ async def test_a_layer_that_comes_twice_fails_the_stream_and_it_comes_back_whole
         with pytest.raises(kvrt.RemoteProtocolError, match="layer 1 of the stream came twice"):
             await reader.finished()
         assert repeated
-        again = await consumer.open_stream(tokens)
-        assert again is not None
-        keys, values = await read_whole(again)
-        assert torch.equal(keys, key) and torch.equal(values, value)
+        await reads_whole_again(consumer, tokens, key, value)
 
 
 async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirmed(
@@ -252,10 +246,7 @@ async def test_a_stream_whose_layer_went_astray_is_given_back_whole_not_confirme
         with pytest.raises(kvrt.RemoteProtocolError, match="without layer 0"):
             await reader.finished()
         assert damaged
-        again = await consumer.open_stream(tokens)
-        assert again is not None
-        keys, values = await read_whole(again)
-        assert torch.equal(keys, key) and torch.equal(values, value)
+        await reads_whole_again(consumer, tokens, key, value)
 
 
 # -- 2. exactly once across a stall -----------------------------------------------------------
