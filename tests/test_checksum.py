@@ -5,6 +5,7 @@ reaches the caller, the item goes back whole, and the failure is counted."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ import torch
 import kvrt
 from kvrt import Layout, PoolTable
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
+from kvrt._buffer import BufferedItem, StreamState
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 from kvrt.transports.paired import PairedReceiver
 from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published, read_whole
@@ -335,6 +336,22 @@ async def test_a_gpu_producers_stream_end_with_another_count_of_layer_checksums_
         reader = await read_as_published(producer, consumer, tokens, key, value)
         with pytest.raises(kvrt.RemoteProtocolError, match="3 layer checksums"):
             await reader.finished()
+
+
+def test_a_gpu_producers_open_stream_sends_its_layers_with_no_checksum_as_its_end_carries_them() -> None:
+    """A GPU stream's item holds only its tokens, on the host; its layers, on the GPU, have
+    their checksums queued (`StreamState.layer_sums`), none on the host: a layer's header goes
+    out without one, and is built without looking for one."""
+    from kvrt._item import item_from_tokens
+    from kvrt._producer._serve import _with_checksums
+    from kvrt._protocol.outgoing import Outgoing
+    from kvrt._tensors import pack
+
+    item = item_from_tokens(pack((torch.arange(8), None), torch.device("cpu")), item_id=3, seq=0)
+    item.stream = StreamState(layers=2, layer_sums=[concurrent.futures.Future()])
+    meta = m.TensorMeta(dtype="bfloat16", shape=[8, 2, 4])
+    layer = m.StreamLayer(item_id=3, layer=0, key=meta, value=meta)
+    assert _with_checksums(layer, Outgoing(b"reader", layer, item)) == layer
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])

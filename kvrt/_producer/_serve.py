@@ -78,9 +78,11 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
                 for hit in message.hits
             ]  # fmt: skip
             return msgspec.structs.replace(message, hits=hits)
+        case m.StreamLayer(layer=layer) if item is not None and item.stream is not None:
+            if item.stream.layer_sums:  # a GPU stream's: its end carries them (the item holds only its tokens)
+                return message
+            return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
         case m.StreamLayer(layer=layer) if item is not None and item.storage.device.type == "cpu":
-            if item.stream is not None:
-                return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
             layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value), layer)
             return msgspec.structs.replace(message, checksum=layer_checksum)
         case m.StreamEnd(hidden=hidden) if item is not None and item.hidden is not None and hidden is not None:
