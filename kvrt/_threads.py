@@ -28,19 +28,31 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
 
 
 CHECK_WORKERS: Final = 2
-_checking: concurrent.futures.ThreadPoolExecutor | None = None
-_checking_lock = threading.Lock()
 
 
-def check_workers() -> concurrent.futures.ThreadPoolExecutor:
-    """kvrt's workers for checks of what landed (`CHECK_WORKERS`, shared by every link of the
-    process, made at the first use): never the application's default executor, which it may
-    fill with its own work, or wait in for one of kvrt's calls."""
-    global _checking
-    with _checking_lock:
-        if _checking is None:
-            _checking = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="kvrt-check")
-        return _checking
+class CheckWorkers:
+    """One link's workers for checks of what landed (`CHECK_WORKERS` threads, started as the
+    first check comes): one producer's checks never wait behind another's. Never the
+    application's default executor, which it may fill with its own work, or wait in for one
+    of kvrt's calls."""
+
+    def __init__(self, name: str = "kvrt-check") -> None:
+        self._name = name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix=self._name)
+        return self._pool
+
+    def submit(self, job: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        return self.executor.submit(job)
+
+    def close(self) -> None:
+        """The threads end once the checks already queued have run (nobody waits for them)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 MAX_DAEMON_JOBS: Final = 256

@@ -244,6 +244,7 @@ def as_from_a_gpu_producer(
                 message, checksum=None, layer_checksums=layers, device_checksum=hidden_sum
             )
             ends.append(message)
+            metas.clear()  # the next stream's layers
         return message
 
     monkeypatch.setattr(m, "decode", as_sent)
@@ -290,6 +291,47 @@ async def test_a_gpu_producers_stream_whose_end_matches_what_landed_ends_with_id
         assert consumer.metrics.integrity_failures == 0
         assert ends[0].device_checksum is not None if hidden else ends[0].device_checksum is None
         assert await consumer.drop_select(tokens) is None
+
+
+async def test_one_producers_slow_stream_checks_never_hold_back_another_producers_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layers of a GPU producer's streams are checked on workers of that producer's link:
+    a producer whose layers take long to check (here half a second each, six of them) holds
+    back no other producer's stream in the process, whose end is checked meanwhile; nothing
+    is lost."""
+    import threading
+    import time
+
+    from kvrt.kernels import checksum as kernel
+
+    key, value = torch.randn(6, 16, 2, 8), torch.randn(6, 16, 2, 8)
+    as_from_a_gpu_producer(monkeypatch, key, value, None)
+    reference, started = kernel.checksum_reference, threading.Event()
+
+    def slow_reference(data: torch.Tensor, seed: int = 0) -> int:
+        started.set()
+        time.sleep(0.25)  # a key's or a value's: a layer's check takes 0.5 s
+        return reference(data, seed)
+
+    monkeypatch.setattr(kernel, "checksum_reference", slow_reference)
+    async with (
+        kvrt.Producer(checksum=True) as slow,
+        kvrt.Producer(checksum=True) as quick,
+        kvrt.Consumer(connect=slow.endpoint) as consumer,
+        kvrt.Consumer(connect=quick.endpoint) as other,
+    ):
+        slow_reader = await read_as_published(slow, consumer, torch.arange(16), key, value)
+        assert await asyncio.to_thread(started.wait, 10)  # its layers' checks are under way
+        began = time.monotonic()
+        quick_reader = await read_as_published(quick, other, torch.arange(16) + 100, key[:1], value[:1])
+        await asyncio.wait_for(quick_reader.finished(), 10)
+        took = time.monotonic() - began
+        # Behind the slow stream's checks it would take 1.5 s at least (2 s of them left, on two workers).
+        assert took < 1.2, f"the quick producer's one-layer stream took {took:.2f} s to check"
+        keys, values = await read_whole(slow_reader)
+        assert torch.equal(keys, key) and torch.equal(values, value)
+        assert consumer.metrics.integrity_failures == other.metrics.integrity_failures == 0
 
 
 @pytest.mark.parametrize("without", ["layer_checksums", "device_checksum"])

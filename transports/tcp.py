@@ -24,7 +24,7 @@ from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
-from kvrt._threads import check_workers, pass_outcome
+from kvrt._threads import CheckWorkers, pass_outcome
 from kvrt.transports._base import (
     Arrival,
     HostCopies,
@@ -43,7 +43,7 @@ _T = TypeVar("_T")
 
 CHECK_ON_LOOP_BYTES: Final = 1 << 20
 """The most payload bytes a delivery's check reads on the event loop. A larger delivery is
-checked and rebuilt on one of kvrt's check workers (`kvrt._threads.check_workers`): XXH3
+checked and rebuilt on one of the receiver's check workers (`kvrt._threads.CheckWorkers`): XXH3
 reads about 10 GB/s, and a GPU producer's checksum, checked here with the kernel's torch
 reference, under 1 GB/s on a host core; on the loop a large item's check would hold every
 other call of the consumer."""
@@ -95,6 +95,8 @@ class TcpReceiver(Receiver):
         self.device = torch.device(device)
         self._following: dict[int, tuple[Deliver | DeliverMany, asyncio.Future[Any]]] = {}
         """Deliveries whose frames follow in a `payload` message, by request id."""
+        self._checks = CheckWorkers()
+        """This link's: one producer's large checks never wait behind another's."""
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         done: asyncio.Future[ItemTensors] = asyncio.get_running_loop().create_future()
@@ -114,12 +116,12 @@ class TcpReceiver(Receiver):
 
     def _complete(self, done: asyncio.Future[_T], entries: Sequence[Deliver | Hit], build: Callable[[], _T]) -> None:
         """Complete `done` with `build()` (check and rebuild what came): here, raising what it
-        raises, or on one of kvrt's check workers when it checks more than `CHECK_ON_LOOP_BYTES`."""
+        raises, or on one of the receiver's check workers when it checks more than `CHECK_ON_LOOP_BYTES`."""
         checked = sum(entry.payload_bytes for entry in entries if checks_landing(self, entry, host=True))
         if checked <= CHECK_ON_LOOP_BYTES:
             done.set_result(build())
             return
-        built = asyncio.wrap_future(check_workers().submit(build))
+        built = asyncio.wrap_future(self._checks.submit(build))
         built.add_done_callback(functools.partial(pass_outcome, done))
         done.add_done_callback(lambda _: built.cancel())  # the link closed, or abandoned the call
 
@@ -145,6 +147,9 @@ class TcpReceiver(Receiver):
         following, self._following = self._following, {}
         for _, done in following.values():
             done.cancel()
+
+    async def aclose(self) -> None:
+        self._checks.close()
 
     def _follows(self, delivery: Deliver | DeliverMany, done: asyncio.Future[Any]) -> None:
         if len(self._following) >= MAX_FOLLOWING:

@@ -41,6 +41,7 @@ from kvrt._protocol import (
     Lost,
 )
 from kvrt._streams import ConsumerStream, PoolWriter
+from kvrt._threads import CheckWorkers
 from kvrt._zmqio import SocketIO, zmtp_heartbeats
 from kvrt.transports import Receiver
 from kvrt.transports._base import Arrival, InPlace
@@ -149,6 +150,8 @@ class LinkSession:
         self.joining = TransportJoin(transports, self.core, endpoint, connect_timeout_s, self.new_session)
         self._arrivals: set[asyncio.Future[Any]] = set()
         """Receives posted and not landed yet (`own_arrival`)."""
+        self.checks = CheckWorkers()
+        """Where what landed of this producer's GPU streams is checked."""
         self.sessions_lost = 0
         """Counts the times the link gave its producer up: a receive posted before the last of
         them belongs to calls that failed then, whatever it lands."""
@@ -325,6 +328,7 @@ class LinkSession:
                 await task
         for transport in self.joining.transports.values():
             await transport.aclose()
+        self.checks.close()
         self._io.close()
         if self._monitor is not None:
             self._socket.disable_monitor()

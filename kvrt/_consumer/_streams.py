@@ -33,7 +33,7 @@ from kvrt._errors import (
 )
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
-from kvrt._threads import check_workers, outcome_seen
+from kvrt._threads import outcome_seen
 from kvrt.transports import Receiver
 
 
@@ -54,39 +54,6 @@ def _check(
 
 _check_streams: dict[torch.device, torch.cuda.Stream] = {}
 _check_streams_lock = threading.Lock()
-
-
-def _summing(
-    tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int, landed: torch.cuda.Event | None
-) -> TensorsSum:
-    """The checksum of a landed layer (`position`: its index) or hidden states as a producer on
-    a GPU computes one (`kvrt._checksum.tensors_device_checksum`), for its stream's end to
-    compare. On a GPU: the kernels queued, in a kvrt check worker, on a stream of its own after
-    `landed`; what the future gives reads their result (waiting for the GPU). On the host: the
-    kernel's reference, computed in the worker."""
-    seed = tensors_seed(metas, position)
-    if landed is None:
-
-        def on_host() -> Callable[[], int]:
-            from kvrt.kernels.checksum import checksum_reference  # Triton: only for GPU producers' streams
-
-            value = tensors_device_checksum([checksum_reference(tensor, seed) for tensor in tensors], seed)
-            return lambda: value
-
-        return check_workers().submit(on_host)
-
-    def on_gpu() -> Callable[[], int]:
-        from kvrt.kernels.checksum import queue_checksums_after
-
-        device = tensors[0].device
-        with _check_streams_lock:
-            stream = _check_streams.get(device)
-            if stream is None:
-                stream = _check_streams[device] = torch.cuda.Stream(device)
-        sums = queue_checksums_after(tensors, seed, stream, landed)  # its reader may drop them meanwhile
-        return lambda: tensors_device_checksum(sums(), seed)
-
-    return check_workers().submit(on_gpu)
 
 
 def _read_sums(readers: Sequence[Callable[[], int]]) -> list[int]:
@@ -113,6 +80,39 @@ class StreamLayers:
 
     def __init__(self, link: LinkSession) -> None:
         self._link = link
+
+    def _summing(
+        self, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int,
+        landed: torch.cuda.Event | None,
+    ) -> TensorsSum:  # fmt: skip
+        """The checksum of a landed layer (`position`: its index) or hidden states as a producer on
+        a GPU computes one (`kvrt._checksum.tensors_device_checksum`), for its stream's end to
+        compare. On a GPU: the kernels queued, in one of the link's `checks` workers, on a stream
+        of its own after `landed`; what the future gives reads their result (waiting for the GPU).
+        On the host: the kernel's reference, computed in the worker."""
+        seed = tensors_seed(metas, position)
+        if landed is None:
+
+            def on_host() -> Callable[[], int]:
+                from kvrt.kernels.checksum import checksum_reference  # Triton: only for GPU producers' streams
+
+                value = tensors_device_checksum([checksum_reference(tensor, seed) for tensor in tensors], seed)
+                return lambda: value
+
+            return self._link.checks.submit(on_host)
+
+        def on_gpu() -> Callable[[], int]:
+            from kvrt.kernels.checksum import queue_checksums_after
+
+            device = tensors[0].device
+            with _check_streams_lock:
+                stream = _check_streams.get(device)
+                if stream is None:
+                    stream = _check_streams[device] = torch.cuda.Stream(device)
+            sums = queue_checksums_after(tensors, seed, stream, landed)  # its reader may drop them meanwhile
+            return lambda: tensors_device_checksum(sums(), seed)
+
+        return self._link.checks.submit(on_gpu)
 
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
@@ -213,13 +213,13 @@ class StreamLayers:
         if arrival.landed is not None:
             key, value = arrival.tensors
             if summed:  # queued before the reader gets it: what landed, not what it made of it
-                stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, arrival.landed)
+                stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, arrival.landed)
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
         elif arrival.complete.done():
             key, value = arrival.complete.result()
             _check(checksum, (key, value), (key_meta, value_meta), layer, f"layer {layer} of stream {item_id}")
             if summed:
-                stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, None)
+                stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, None)
             self._deliver_layer(stream, item_id, layer, key, value)
             return
 
@@ -235,7 +235,7 @@ class StreamLayers:
                     self._stream_lost(item_id, failed)
                     return
                 if summed:
-                    stream.sums[layer] = _summing((key, value), (key_meta, value_meta), layer, None)
+                    stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, None)
                 self._deliver_layer(stream, item_id, layer, key, value)
 
         self._link.own_arrival(arrival.complete, landed)
@@ -317,7 +317,7 @@ class StreamLayers:
             sums = [stream.sums[layer] for layer in expected]
             if hidden is not None and hidden_meta is not None and end.device_checksum is not None:
                 expected[HIDDEN_POSITION] = end.device_checksum
-                sums.append(_summing((hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
+                sums.append(self._summing((hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
             if not expected:
                 stream.finish(hidden)
                 return
@@ -332,7 +332,8 @@ class StreamLayers:
                 if error is not None:
                     self._stream_lost(item_id, translate_torch_error(error, what=f"checking stream {item_id}"))
                     return
-                checked = asyncio.get_running_loop().run_in_executor(check_workers(), _read_sums, queued.result())
+                checks = self._link.checks.executor
+                checked = asyncio.get_running_loop().run_in_executor(checks, _read_sums, queued.result())
                 self._link.own_arrival(checked, lambda sums: self._end_checked(stream, item_id, expected, sums, hidden))
 
             self._link.own_arrival(queued, read)
