@@ -36,14 +36,13 @@ class CheckWorkers:
     application's default executor, which it may fill with its own work, or wait in for one
     of kvrt's calls."""
 
-    def __init__(self, name: str = "kvrt-check") -> None:
-        self._name = name
+    def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix=self._name)
+            self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="kvrt-check")
         return self._pool
 
     def submit(self, job: Callable[[], _T]) -> concurrent.futures.Future[_T]:
