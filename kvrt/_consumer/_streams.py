@@ -33,7 +33,7 @@ from kvrt._errors import (
 )
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
-from kvrt._threads import outcome_seen
+from kvrt._threads import CheckWorkers, outcome_seen
 from kvrt.transports import Receiver
 
 
@@ -54,6 +54,40 @@ def _check(
 
 _check_streams: dict[torch.device, torch.cuda.Stream] = {}
 _check_streams_lock = threading.Lock()
+
+
+def _summing(
+    checks: CheckWorkers, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int,
+    landed: torch.cuda.Event | None,
+) -> TensorsSum:  # fmt: skip
+    """The checksum of a landed layer (`position`: its index) or hidden states as a producer on
+    a GPU computes one (`kvrt._checksum.tensors_device_checksum`), for its stream's end to
+    compare. On a GPU: the kernels queued, in one of the link's `checks` workers, on a
+    stream of its own after `landed`; what the future gives reads their result (waiting for
+    the GPU). On the host: the kernel's reference, computed in the worker."""
+    seed = tensors_seed(metas, position)
+    if landed is None:
+
+        def on_host() -> Callable[[], int]:
+            from kvrt.kernels.checksum import checksum_reference  # Triton: only for GPU producers' streams
+
+            value = tensors_device_checksum([checksum_reference(tensor, seed) for tensor in tensors], seed)
+            return lambda: value
+
+        return checks.submit(on_host)
+
+    def on_gpu() -> Callable[[], int]:
+        from kvrt.kernels.checksum import queue_checksums_after
+
+        device = tensors[0].device
+        with _check_streams_lock:
+            stream = _check_streams.get(device)
+            if stream is None:
+                stream = _check_streams[device] = torch.cuda.Stream(device)
+        sums = queue_checksums_after(tensors, seed, stream, landed)  # its reader may drop them meanwhile
+        return lambda: tensors_device_checksum(sums(), seed)
+
+    return checks.submit(on_gpu)
 
 
 def _read_sums(readers: Sequence[Callable[[], int]]) -> list[int]:
@@ -80,39 +114,6 @@ class StreamLayers:
 
     def __init__(self, link: LinkSession) -> None:
         self._link = link
-
-    def _summing(
-        self, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta], position: int,
-        landed: torch.cuda.Event | None,
-    ) -> TensorsSum:  # fmt: skip
-        """The checksum of a landed layer (`position`: its index) or hidden states as a producer on
-        a GPU computes one (`kvrt._checksum.tensors_device_checksum`), for its stream's end to
-        compare. On a GPU: the kernels queued, in one of the link's `checks` workers, on a stream
-        of its own after `landed`; what the future gives reads their result (waiting for the GPU).
-        On the host: the kernel's reference, computed in the worker."""
-        seed = tensors_seed(metas, position)
-        if landed is None:
-
-            def on_host() -> Callable[[], int]:
-                from kvrt.kernels.checksum import checksum_reference  # Triton: only for GPU producers' streams
-
-                value = tensors_device_checksum([checksum_reference(tensor, seed) for tensor in tensors], seed)
-                return lambda: value
-
-            return self._link.checks.submit(on_host)
-
-        def on_gpu() -> Callable[[], int]:
-            from kvrt.kernels.checksum import queue_checksums_after
-
-            device = tensors[0].device
-            with _check_streams_lock:
-                stream = _check_streams.get(device)
-                if stream is None:
-                    stream = _check_streams[device] = torch.cuda.Stream(device)
-            sums = queue_checksums_after(tensors, seed, stream, landed)  # its reader may drop them meanwhile
-            return lambda: tensors_device_checksum(sums(), seed)
-
-        return self._link.checks.submit(on_gpu)
 
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
@@ -210,16 +211,17 @@ class StreamLayers:
         arrival = transport.receive_tensors((key_meta, value_meta), payload)
         stream.arriving = arrival.complete
         summed = checksum is None and self._producer_checksums()
+        checks = self._link.checks
         if arrival.landed is not None:
             key, value = arrival.tensors
             if summed:  # queued before the reader gets it: what landed, not what it made of it
-                stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, arrival.landed)
+                stream.sums[layer] = _summing(checks, (key, value), (key_meta, value_meta), layer, arrival.landed)
             self._deliver_layer(stream, item_id, layer, key, value, arrival.landed)
         elif arrival.complete.done():
             key, value = arrival.complete.result()
             _check(checksum, (key, value), (key_meta, value_meta), layer, f"layer {layer} of stream {item_id}")
             if summed:
-                stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, None)
+                stream.sums[layer] = _summing(checks, (key, value), (key_meta, value_meta), layer, None)
             self._deliver_layer(stream, item_id, layer, key, value)
             return
 
@@ -235,7 +237,7 @@ class StreamLayers:
                     self._stream_lost(item_id, failed)
                     return
                 if summed:
-                    stream.sums[layer] = self._summing((key, value), (key_meta, value_meta), layer, None)
+                    stream.sums[layer] = _summing(checks, (key, value), (key_meta, value_meta), layer, None)
                 self._deliver_layer(stream, item_id, layer, key, value)
 
         self._link.own_arrival(arrival.complete, landed)
@@ -317,7 +319,7 @@ class StreamLayers:
             sums = [stream.sums[layer] for layer in expected]
             if hidden is not None and hidden_meta is not None and end.device_checksum is not None:
                 expected[HIDDEN_POSITION] = end.device_checksum
-                sums.append(self._summing((hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
+                sums.append(_summing(self._link.checks, (hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
             if not expected:
                 stream.finish(hidden)
                 return
