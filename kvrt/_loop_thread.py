@@ -5,8 +5,9 @@ A caller either waits for a coroutine's result (`call`: interrupted or timed out
 the coroutine on the loop) or hands one over and goes on: `post` returns at once, whatever
 the loop is doing (an engine's hot path: the scheduler's and the workers' hooks); `submit`
 returns once the loop has taken the coroutine (anyio's `start_task_soon`: for rare calls).
-Both give a concurrent future the caller may look at later. Every coroutine runs in a task
-group of the loop's, which owns it: `stop` cancels what still runs.
+Both give a concurrent future the caller may look at later. The loop thread owns every
+coroutine it runs (the portal's task group, or its set of posts): `stop` cancels what still
+runs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import Final, Generic, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 
 from kvrt._errors import ClosedError, KVRTError
@@ -38,25 +38,27 @@ class LoopThread:
 
     def __init__(self, name: str, kind: str) -> None:
         self._kind = kind
-        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, TaskGroup]]
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
         started = concurrent.futures.Future()
+        self._posts: set[asyncio.Task[None]] | None = set()
+        """On the loop: the posted coroutines still running (None once stopping), which it owns."""
         # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
         # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
         self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
-        self._portal, self._event_loop, self._posted = started.result()
+        self._portal, self._event_loop = started.result()
         self._stopping = threading.Lock()
         self._stopped = False
 
-    @staticmethod
-    def _run(
-        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, TaskGroup]],
-    ) -> None:
+    def _run(self, started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
         async def serve() -> None:
-            async with BlockingPortal() as portal, anyio.create_task_group() as posted:
-                started.set_result((portal, asyncio.get_running_loop(), posted))
+            async with BlockingPortal() as portal:
+                started.set_result((portal, asyncio.get_running_loop()))
                 await portal.sleep_until_stopped()
-                posted.cancel_scope.cancel()
+                posts, self._posts = self._posts or set(), None
+                for task in posts:
+                    task.cancel()
+                await asyncio.gather(*posts, return_exceptions=True)
 
         try:
             anyio.run(serve, backend="asyncio")
@@ -109,10 +111,12 @@ class LoopThread:
         def start() -> None:  # on the loop
             if not future.set_running_or_notify_cancel():
                 return
-            try:
-                self._posted.start_soon(_run_into, function, future, closed, name=what)
-            except RuntimeError:  # stopping: its task group takes no more
+            if self._posts is None:  # stopping: no more are taken
                 future.set_exception(ClosedError(closed))
+                return
+            task = self._event_loop.create_task(_run_into(function, future, closed), name=what)
+            self._posts.add(task)
+            task.add_done_callback(self._posts.discard)
 
         try:
             self._event_loop.call_soon_threadsafe(start)
@@ -151,7 +155,7 @@ async def _run_into(function: Callable[[], Awaitable[_T]], future: concurrent.fu
     caller's to read), `ClosedError(closed)` when the loop stops first."""
     try:
         result = await function()
-    except anyio.get_cancelled_exc_class():
+    except asyncio.CancelledError:
         future.set_exception(ClosedError(closed))
         raise
     except Exception as exc:  # the caller's, through its future
