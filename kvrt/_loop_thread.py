@@ -23,6 +23,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from kvrt._errors import ClosedError, KVRTError
+from kvrt._threads import host_ops_on_this_thread
 
 log = logging.getLogger("kvrt.blocking")
 
@@ -51,6 +52,8 @@ class LoopThread:
         self._stopped = False
 
     def _run(self, started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+        host_ops_on_this_thread()
+
         async def serve() -> None:
             async with BlockingPortal() as portal:
                 started.set_result((portal, asyncio.get_running_loop()))

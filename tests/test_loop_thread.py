@@ -7,8 +7,10 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
+import torch
 
 from kvrt._errors import ClosedError
 from kvrt._loop_thread import LoopThread
@@ -86,3 +88,30 @@ def test_stopping_the_loop_ends_a_pending_post_and_refuses_later_ones_with_close
         pending.result(BOUND_S)
     with pytest.raises(ClosedError):
         loop.post(lambda: asyncio.sleep(0), "late").result(BOUND_S)
+
+
+def test_torchs_host_operations_on_kvrts_thread_run_on_it_alone_and_the_callers_keep_their_team() -> None:
+    # A copy split over torch's OpenMP team waits at its barrier for the engine's threads,
+    # which a busy host does not schedule: kvrt's own threads keep their copies to themselves.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    loop = LoopThread("kvrt-test-loop", "test loop")
+    try:
+
+        async def threads() -> int:
+            return torch.get_num_threads()
+
+        assert loop.call(threads, "threads", timeout_s=BOUND_S) == 1
+        assert torch.get_num_threads() == 2
+        assert _in_a_new_thread(torch.get_num_threads) == 2
+    finally:
+        loop.stop()
+        torch.set_num_threads(previous)
+
+
+def _in_a_new_thread(function: Callable[[], int]) -> int:
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(function()))
+    thread.start()
+    thread.join(BOUND_S)
+    return results[0]

@@ -38,7 +38,7 @@ from kvrt._pools import PoolTable
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._tensors import tensor_meta
-from kvrt._threads import gpu_worker
+from kvrt._threads import gpu_worker, host_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import HostCopies, Sender
 from kvrt.transports.cuda_ipc import host_identity
@@ -309,5 +309,5 @@ class ProducerState:
             if self.device.type == "cuda":
                 self._gathers = gpu_worker(self.device, "kvrt-gather")
             else:
-                self._gathers = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-gather")
+                self._gathers = host_worker("kvrt-gather")
         return self._gathers
