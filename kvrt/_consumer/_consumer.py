@@ -15,6 +15,7 @@ import zmq
 from kvrt import _metrics
 from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
 from kvrt._consensus import GroupConsensus, count_sharing
+from kvrt._consumer._fetches import Fetch, Fetches
 from kvrt._consumer._link import _Link
 from kvrt._consumer._lookups import Lookups
 from kvrt._consumer._open_stream import StreamOpening
@@ -211,6 +212,43 @@ class Consumer(ConsumerState, AsyncService):
             input_tokens, roi, timeout, into=into, slots=slots, replica=replica, heads=heads, skip=skip
         )
 
+    def fetch(
+        self,
+        queries: Sequence[torch.Tensor],
+        *,
+        into: PoolTable,
+        slots: Sequence[torch.Tensor],
+        skip: Sequence[int] | None = None,
+        replica: torch.Tensor | int = 0,
+        heads: slice | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> Fetch:
+        """Start taking a scheduler step's requests into the caller's pools, and return at once:
+        the first of two phases (the second: `await fetch.landed()`).
+
+        Called by a serving engine once a step, on this consumer's event loop (not a coroutine:
+        the request is on its way when it returns). The queries (token tensors, up to 256)
+        travel to the one producer in one message and its items come back in one answer, each
+        matched as `drop_select` matches (timeout 0); query i's item is written into the pools
+        `into` as it lands: its tokens from `skip[i]` (those the pools hold already are not
+        written) at `slots[i]` of replica `replica`, as far as the match and the slots go.
+        `heads`: only those KV heads, as for `drop_select`, for every query.
+
+        Bad queries, slots outside the pools or pools on another device raise
+        `InvalidInputError` here, before anything is taken. A consumer of several producers or
+        in a group raises it too (fetch one producer's requests a consumer). What happens
+        later (a miss, a producer gone, a reply late) is told by `Fetch.landed`. Memory: the
+        pools are the caller's, and kvrt writes only the slots given. On a GPU, work queued on
+        `stream` (None: the calling thread's current stream) after `landed` returns reads the
+        requests as they landed."""
+        return self._fetches.fetch(
+            queries, into=into, slots=slots, skip=skip, replica=replica, heads=heads, stream=stream
+        )
+
+    @cached_property
+    def _fetches(self) -> Fetches:
+        return Fetches(self, self._lookups)
+
     @cached_property
     def _lookups(self) -> Lookups:
         return Lookups(self)
@@ -269,6 +307,7 @@ class Consumer(ConsumerState, AsyncService):
         if self._closed:
             return
         self._closed = True
+        await self._fetches.aclose()
         if self._consensus is not None:
             await self._consensus.aclose()
         for link in self._links:
