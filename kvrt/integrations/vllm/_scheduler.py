@@ -100,6 +100,10 @@ class Load:
     skip: int
     slots: list[int]
     block_ids: list[int]
+    published: bool = False
+    """Planned from the prefill's word, which says its KV is whole on its producers: the
+    worker fetches it with the step's other such loads from that producer, in one message.
+    Else (a probe found it: a prefill may still be publishing it) it is read as a stream."""
 
 
 def slots_of(block_ids: Sequence[int], block_size: int, first: int, end: int) -> list[int]:
@@ -134,6 +138,8 @@ class _Wanted:
     settled: bool = False
     """The workers reported its load's outcome."""
     failed: bool = False
+    published: bool = False
+    """Found by the prefill's word: its KV is whole on its producers (fetched, not streamed)."""
 
 
 class DecodeScheduler:
@@ -201,7 +207,7 @@ class DecodeScheduler:
             self.counters["expired_words"] += 1
             return _Wanted((), prompt, found=0)  # dropped by its producer: nothing to load or release
         self.counters["hits"] += 1
-        return _Wanted(word.endpoints, prompt, asked=True, found=word.tokens)
+        return _Wanted(word.endpoints, prompt, asked=True, found=word.tokens, published=True)
 
     def _log_refusal(self, request_id: str, error: TransferParamsError) -> None:
         now = time.monotonic()
@@ -219,7 +225,9 @@ class DecodeScheduler:
         first, end = wanted.local, wanted.local + external
         blocks = list(block_ids[first // self._block_size : -(-end // self._block_size)])
         slots = slots_of(block_ids, self._block_size, first, end)
-        self._loads.append(Load(request_id, wanted.endpoints, wanted.prompt[:end], first, slots, blocks))
+        self._loads.append(
+            Load(request_id, wanted.endpoints, wanted.prompt[:end], first, slots, blocks, published=wanted.published)
+        )
         self.counters["loads"] += 1
         self.counters["loaded_tokens"] += external
 

@@ -38,6 +38,7 @@ import torch
 import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
+from kvrt._messages import MAX_BATCH
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt.integrations.vllm._lookups import SILENT_BACKOFF_S
 from kvrt.integrations.vllm._scheduler import Load, Save
@@ -212,9 +213,12 @@ class WorkerSide:
             ) from None  # fmt: skip
 
     async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
-        outcomes = await asyncio.gather(*(self._open(load, stream) for load in loads), return_exceptions=True)
-        opened = []
-        for load, outcome in zip(loads, outcomes, strict=True):
+        published = [load for load in loads if load.published]
+        streamed = [load for load in loads if not load.published]
+        fetching = self._fetch_all(published, stream)
+        outcomes = await asyncio.gather(*(self._open(load, stream) for load in streamed), return_exceptions=True)
+        opened = await fetching
+        for load, outcome in zip(streamed, outcomes, strict=True):
             if isinstance(outcome, BaseException):  # a bug: the load fails, the others go on
                 log.error("opening the load of request %s failed", load.request_id, exc_info=outcome)
                 outcome = _Reading(load, [])
@@ -225,6 +229,69 @@ class WorkerSide:
             if not reading.failed and all(events is not None for events in landed):
                 reading.landed = [events for events in landed if events is not None]
         self._reading += opened
+
+    async def _fetch_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> list[_Reading]:
+        """The step's loads that the prefills' words name, fetched into vLLM's blocks: one
+        `Consumer.fetch` per producer (and head range), all started before any is waited for.
+        A load fails when a piece of it did not land whole."""
+        if not loads:
+            return []
+        settings = self._settings
+        readings = [_Reading(load, [], landed=[]) for load in loads]
+        groups: dict[tuple[str, int, int], tuple[Piece, list[_Reading]]] = {}
+        for reading in readings:
+            self.counters["loads"] += 1
+            self._outcome.settled.add(reading.load.request_id)
+            prefill_tp = len(reading.load.endpoints)
+            for piece in pieces_for(settings.rank, settings.tp, prefill_tp, settings.total_heads, mla=settings.mla):
+                key = (reading.load.endpoints[piece.prefill_rank], piece.prefill_rank, prefill_tp)
+                groups.setdefault(key, (piece, []))[1].append(reading)
+        started = [self._fetch(key[0], piece, members, stream) for key, (piece, members) in groups.items()]
+        await asyncio.gather(*started)
+        return readings
+
+    async def _fetch(
+        self, endpoint: str, piece: Piece, readings: list[_Reading], stream: torch.cuda.Stream | None
+    ) -> None:
+        """One producer's share of the step's fetched loads (one head range of each)."""
+        assert self._pools is not None
+        lost = self._lost.get(endpoint)
+        if lost is not None and time.monotonic() < lost[0]:
+            for reading in readings:
+                self._fail(reading, f"the producer at {endpoint} was unreachable moments ago")
+            return
+        try:
+            consumer = await self._consumer(endpoint, piece.readers)
+            fetches = [
+                consumer.fetch(
+                    [torch.tensor(reading.load.tokens, dtype=torch.int64) for reading in chunk],
+                    into=self._pools,
+                    slots=[torch.tensor(reading.load.slots, dtype=torch.int64) for reading in chunk],
+                    skip=[reading.load.skip for reading in chunk],
+                    heads=piece.heads,
+                    stream=stream,
+                )
+                for chunk in _chunks(readings, MAX_BATCH)
+            ]
+            # Every one ended before the step goes on, failed or not: no write lands later.
+            outcomes = await asyncio.gather(*(fetch.landed() for fetch in fetches), return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            found = [matched for outcome in outcomes if isinstance(outcome, list) for matched in outcome]
+        except kvrt.KVRTError as exc:
+            if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError | kvrt.KVRTTimeoutError):
+                await self._drop_consumer((endpoint, piece.readers))
+                self._lose(endpoint)
+            for reading in readings:
+                self._fail(reading, f"{endpoint}: {exc}")
+            return
+        self._lost.pop(endpoint, None)
+        for reading, matched in zip(readings, found, strict=True):
+            if matched < len(reading.load.tokens):
+                wanted = len(reading.load.tokens)
+                why = "nothing matched" if not matched else f"only {matched} of {wanted} tokens matched"
+                self._fail(reading, f"{why} at {endpoint}: the KV was taken or evicted since the prefill's word")
 
     async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading:
         """Every piece of a load's stream opened at once; a load with a piece that failed is
@@ -459,3 +526,7 @@ class WorkerSide:
         if self._producer is not None:
             await self._producer.aclose()
             self._producer = None
+
+
+def _chunks(readings: list[_Reading], size: int) -> list[list[_Reading]]:
+    return [readings[start : start + size] for start in range(0, len(readings), size)]
