@@ -23,42 +23,22 @@ import torch
 
 from kvrt._errors import InvalidInputError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, MAX_SEGMENTS, TensorMeta
-
-_WIRE_DTYPE_NAMES: Final = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-)
-"""Every plain dtype (quantized ones have no byte view); those this torch lacks are skipped."""
+from kvrt._sizes import ITEM_BYTES
+from kvrt._sizes import meta_end as meta_end  # the size arithmetic lives in `kvrt._sizes`, without torch
+from kvrt._sizes import meta_nbytes as meta_nbytes
 
 Allocate = Callable[[int], torch.Tensor | None]
 """Gives an item's packed buffer: a 1-D uint8 tensor of that many bytes, or None (see `pack_empty`)."""
 
 
 def _wire_dtypes() -> dict[str, torch.dtype]:
+    """Every wire dtype of `kvrt._sizes.ITEM_BYTES` this torch has (those it lacks are skipped),
+    each of the element size the protocol core reckons with."""
     table: dict[str, torch.dtype] = {}
-    for name in _WIRE_DTYPE_NAMES:
+    for name, size in ITEM_BYTES.items():
         dtype = getattr(torch, name, None)
         if isinstance(dtype, torch.dtype):
+            assert dtype.itemsize == size, f"torch.{name} has {dtype.itemsize}-byte elements, not {size}"
             table[str(dtype).removeprefix("torch.")] = dtype
     return table
 
@@ -78,16 +58,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     """The metadata of a tensor sent on its own (offset 0 in its own frame)."""
     return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
-
-
-def meta_nbytes(meta: TensorMeta) -> int:
-    """The bytes of the tensor `meta` describes."""
-    return _nbytes(meta.shape, _dtype_of(meta))
-
-
-def meta_end(meta: TensorMeta) -> int:
-    """Where the bytes of the tensor `meta` describes end in its packed buffer."""
-    return meta.offset + _nbytes(meta.shape, _dtype_of(meta))
 
 
 def back_to_back(metas: Sequence[TensorMeta]) -> tuple[list[TensorMeta], int]:

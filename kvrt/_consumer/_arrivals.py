@@ -17,11 +17,11 @@ import zmq
 from kvrt import _messages as m
 from kvrt._checksum import delivery_checksum
 from kvrt._consumer._session import LinkSession, _item_ids, _Reply
+from kvrt._devices import translate_torch_error
 from kvrt._errors import (
     IntegrityError,
     InvalidInputError,
     ProtocolError,
-    translate_torch_error,
 )
 from kvrt._item import KVBuffers, KVItem, Landing, check_fit, land_in
 from kvrt.transports._base import ItemTensors

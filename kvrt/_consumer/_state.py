@@ -15,11 +15,12 @@ import torch.distributed as dist
 import zmq
 
 from kvrt import _metrics
-from kvrt._arguments import endpoint, seconds, usable_device
+from kvrt._arguments import endpoint, seconds
 from kvrt._auth import CurveKeys
 from kvrt._consensus import GroupConsensus
 from kvrt._consumer._link import _Link
 from kvrt._consumer._session import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, DEFAULT_TRANSFER_TIMEOUT_S
+from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,

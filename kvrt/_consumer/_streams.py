@@ -22,6 +22,7 @@ from kvrt._checksum import (
     tensors_seed,
 )
 from kvrt._consumer._session import LinkSession, _Reply
+from kvrt._devices import translate_torch_error
 from kvrt._errors import (
     IntegrityError,
     InvalidInputError,
@@ -29,7 +30,6 @@ from kvrt._errors import (
     ProtocolError,
     RemoteProtocolError,
     StreamAbortedError,
-    translate_torch_error,
 )
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._arguments import byte_count, endpoint, seconds, usable_device
+from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys
 from kvrt._buffer import BufferedItem, TensorsSum, all_gathers_queued
 from kvrt._checksum import (
@@ -28,6 +28,7 @@ from kvrt._checksum import (
     tensors_device_checksum,
     tensors_seed,
 )
+from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,

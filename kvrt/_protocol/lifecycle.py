@@ -28,7 +28,7 @@ from kvrt._messages import TensorMeta
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.timers import TimerKind, Timers
 from kvrt._protocol.waiting import WaitingRequests
-from kvrt._tensors import meta_nbytes
+from kvrt._sizes import meta_nbytes
 
 UNCONFIRMED_SHARE: Final = 0.5
 """Most of the buffer's limit one consumer may hold delivered and not confirmed: one that

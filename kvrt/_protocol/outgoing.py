@@ -12,7 +12,7 @@ from kvrt import _messages as m
 from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode
 from kvrt._protocol.commands import ProducerCounters
-from kvrt._tensors import meta_end
+from kvrt._sizes import meta_end
 
 
 @dataclass(frozen=True, slots=True)
