@@ -6,7 +6,8 @@ torch agrees with these sizes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from kvrt._errors import RemoteProtocolError
@@ -61,3 +62,34 @@ def meta_nbytes(meta: TensorMeta) -> int:
 def meta_end(meta: TensorMeta) -> int:
     """Where the bytes of the tensor `meta` describes end in its packed buffer."""
     return meta.offset + shape_nbytes(meta.shape, meta.dtype)
+
+
+PACK_ALIGN_BYTES: Final = 64
+"""Each tensor of a packed item starts at a multiple of this (a cache line) from the start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where tensors lie in one packed buffer: a meta each (None stays None), and its size."""
+
+    metas: tuple[TensorMeta | None, ...]
+    nbytes: int
+
+
+def packed_layout(
+    specs: Sequence[tuple[Sequence[int], str] | None], element_bytes: Callable[[str], int] = item_bytes
+) -> Layout:
+    """Tensors of these shapes and dtypes (None stays None) laid out one after the other in
+    one packed buffer, each at a multiple of `PACK_ALIGN_BYTES` (see `kvrt._tensors.pack`);
+    `element_bytes` gives the size of a dtype's element (a wire dtype's by default)."""
+    metas: list[TensorMeta | None] = []
+    end = 0
+    for spec in specs:
+        if spec is None:
+            metas.append(None)
+            continue
+        shape, dtype = spec
+        offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
+        metas.append(TensorMeta(dtype=dtype, shape=list(shape), offset=offset))
+        end = offset + math.prod(shape) * element_bytes(dtype)
+    return Layout(tuple(metas), end)

@@ -23,7 +23,8 @@ import torch
 
 from kvrt._errors import InvalidInputError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, MAX_SEGMENTS, TensorMeta
-from kvrt._sizes import ITEM_BYTES
+from kvrt._sizes import ITEM_BYTES, packed_layout
+from kvrt._sizes import PACK_ALIGN_BYTES as PACK_ALIGN_BYTES
 from kvrt._sizes import meta_end as meta_end  # the size arithmetic lives in `kvrt._sizes`, without torch
 from kvrt._sizes import meta_nbytes as meta_nbytes
 
@@ -45,10 +46,6 @@ def _wire_dtypes() -> dict[str, torch.dtype]:
 
 DTYPES: Final[dict[str, torch.dtype]] = _wire_dtypes()
 """Wire name → dtype, for every dtype that can travel."""
-
-
-PACK_ALIGN_BYTES: Final = 64
-"""Each tensor of a packed item starts at a multiple of this (a cache line) from the start."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -151,24 +148,17 @@ def pack_empty(
     """One new buffer on `device` laid out for tensors of these shapes and dtypes (None stays
     None), and views of them: for a caller that fills them in place. `allocate` may give the
     buffer (a 1-D uint8 tensor of the size asked for, on `device`; None from it: a new one)."""
-    metas: list[TensorMeta | None] = []
-    end = 0
-    for spec in specs:
-        if spec is None:
-            metas.append(None)
-            continue
-        shape, dtype = spec
-        offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
-        metas.append(TensorMeta(dtype=dtype_name(dtype), shape=list(shape), offset=offset))
-        end = offset + _nbytes(shape, dtype)
-    storage = None if allocate is None else allocate(end)
+    named = [None if spec is None else (spec[0], dtype_name(spec[1])) for spec in specs]
+    element_bytes = {dtype_name(spec[1]): spec[1].itemsize for spec in specs if spec is not None}
+    layout = packed_layout(named, element_bytes.__getitem__)
+    storage = None if allocate is None else allocate(layout.nbytes)
     if storage is None:
-        storage = torch.empty(end, dtype=torch.uint8, device=device)
+        storage = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     views = tuple(
         None if spec is None or meta is None else _view(storage, meta, spec[1])
-        for spec, meta in zip(specs, metas, strict=True)
+        for spec, meta in zip(specs, layout.metas, strict=True)
     )
-    return Packed(storage, views, tuple(metas))
+    return Packed(storage, views, layout.metas)
 
 
 def pack(tensors: Sequence[torch.Tensor | None], device: torch.device, allocate: Allocate | None = None) -> Packed:

@@ -403,31 +403,24 @@ def test_a_receipt_for_a_stream_before_its_end_is_refused_and_the_stream_goes_on
     # Confirmed before its end, an open stream left the producer's count while its prefill
     # kept publishing into it (the count grew for what was freed, then went below zero), and
     # its end handed the whole item out again to a reader that had said it was done.
-    from kvrt._buffer import StreamState
-    from kvrt._item import buffered_item, item_from_tokens, pack
-    from kvrt._tensors import tensor_meta
+    from tests._records import layer_meta, stream_record, whole_of
 
     core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
     core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
-    tokens = torch.tensor([1, 2, 3])
-    item = item_from_tokens(pack((tokens, None), torch.device("cpu")), item_id=core.new_item_id(), seq=0)
-    item.stream = StreamState(layers=2)
+    item = stream_record(core.new_item_id(), 0, [1, 2, 3], layers=2)
     core.open_stream(item, 0.0)
-    asked = m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(tokens.numpy()), stream=True)
+    asked = m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(item.masked_tokens), stream=True)
     (start,) = core.receive(b"a", m.encode(asked), 0, 0.0)
     assert isinstance(start.message, m.StreamStart)
     early = m.Received(item_ids=[item.item_id], leases=[start.message.lease])
     (refused,) = core.receive(b"a", m.encode(early), 0, 0.0)
     assert isinstance(refused.message, m.ErrorReply) and refused.message.code is kvrt.ErrorCode.PROTOCOL
-    layer = torch.ones(3, 2, 4)
-    for _ in range(2):  # as the producer's driver does: the core records it, the store keeps it
-        (sent,) = core.stream_layer(item, tensor_meta(layer), tensor_meta(layer))
-        item.stream.keys.append(layer)
-        item.stream.values.append(layer)
+    layer = layer_meta(item, heads=2, head_dim=4, dtype="float32")
+    for _ in range(2):  # as the producer's driver does: the core records it (the driver keeps its bytes)
+        (sent,) = core.stream_layer(item, layer, layer)
         assert sent.peer == b"a" and isinstance(sent.message, m.StreamLayer)
     assert core.streams.nbytes == item.nbytes
-    keys = torch.stack(item.stream.keys)
-    whole = buffered_item((tokens, None, keys, keys.clone(), None), torch.device("cpu"), item_id=item.item_id, seq=0)
+    whole = whole_of(item, layer)
     (end,) = core.finish_stream(item, whole, 0.0)
     assert isinstance(end.message, m.StreamEnd) and core.streams.nbytes == 0
     assert core.receive(b"a", m.encode(early), 0, 0.0) == []  # after its end: confirmed, under the same lease

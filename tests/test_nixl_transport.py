@@ -433,7 +433,7 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
                 reused = torch.full_like(key, 7.0)
                 await producer.insert(tokens + 100, None, reused, reused)
                 (reusing,) = producer._core.buffer.items()
-                assert reusing.storage.data_ptr() == sent_at  # the stopped consumer's item's region
+                assert producer._bytes[reusing].storage.data_ptr() == sent_at  # the stopped consumer's item's region
                 del reusing
             finally:
                 os.kill(stalled.pid, signal.SIGCONT)

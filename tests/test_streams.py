@@ -329,7 +329,7 @@ async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_han
         stream = await producer.open_stream(tokens, layers=LAYERS)
         for layer in range(LAYERS):
             await stream.put_layer(*layer_kv(layer))
-        own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+        own_copy = weakref.ref(producer._bytes[stream._item].store.keys[0])  # type: ignore[union-attr]
         await (stream.finish() if ending == "finish" else stream.abort())
         await collected()
         assert own_copy() is None, ending  # `stream` is still referenced here
@@ -358,7 +358,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     assert reader is not None
     for layer in range(LAYERS):
         await stream.put_layer(*layer_kv(layer))
-    own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+    own_copy = weakref.ref(producer._bytes[stream._item].store.keys[0])  # type: ignore[union-attr]
     await stream.finish()
     await reader.finished()
     await caught_up(consumer)
@@ -460,10 +460,10 @@ async def test_a_finish_cancelled_while_the_host_stacks_the_layers_aborts_the_st
 
     prepare, stacking = ProducerState._prepare, threading.Event()
 
-    def slowly(self: ProducerState, item: Any) -> None:
+    def slowly(self: ProducerState, record: Any, item: Any) -> None:
         stacking.set()
         time.sleep(0.3)
-        prepare(self, item)
+        prepare(self, record, item)
 
     monkeypatch.setattr(ProducerState, "_prepare", slowly)
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:

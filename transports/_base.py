@@ -74,9 +74,9 @@ import numpy as np
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem, all_gathers_queued
 from kvrt._checksum import DeviceChecksum, device_checksum_mismatch, item_checksum
 from kvrt._errors import IntegrityError, RemoteProtocolError
+from kvrt._item_bytes import ItemBytes, all_gathers_queued
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
 from kvrt._pools import PoolTable
 from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes, unpack
@@ -157,14 +157,17 @@ class Transfer:
     """What one delivery moves to one consumer: the one value the producer lowers every
     delivery into, and all a `Sender` is given of it.
 
-    Either the bytes of `items`: one item's storage (a Deliver), or a batch's hits in order,
-    each at its offset of one payload that travels in the batch's segments (`batch`, the
-    DeliverMany); or a stream message's `tensors` (a layer's key and value, a stream end's
-    hidden states) of the stream `stream_id`, written on the GPU once `ready` fired. An item
-    says itself when its bytes are written (`BufferedItem.written`; a published item's per
-    segment, once its gathers are queued: `written` queues them)."""
+    Either the bytes of `items`: one item's storage (a Deliver), in the ranges `segments` (the
+    Deliver's; empty: one transfer of the whole storage), or a batch's hits in order, each at its
+    offset of one payload that travels in the batch's segments (`batch`, the DeliverMany); or a
+    stream message's `tensors` (a layer's key and value, a stream end's hidden states) of the
+    stream `stream_id`, written on the GPU once `ready` fired. An item says itself when its bytes
+    are written (`ItemBytes.written`; a published item's per segment, once its gathers are
+    queued: `written` queues them). A sender is given the items' bytes only, never the
+    protocol's records of them."""
 
-    items: tuple[BufferedItem, ...] = ()
+    items: tuple[ItemBytes, ...] = ()
+    segments: tuple[tuple[int, int], ...] = ()
     batch: DeliverMany | None = None
     tensors: tuple[torch.Tensor, ...] = ()
     ready: torch.cuda.Event | None = None
@@ -228,7 +231,7 @@ class Sender(abc.ABC):
         transport registered (None by default: the producer allocates it)."""
         return None
 
-    def note_written(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
+    def note_written(self, item: ItemBytes) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: `item`'s bytes are written once `item.written` fires; memory this
         transport allocated (`allocate`) is reused only after it (nothing by default)."""
 
@@ -245,7 +248,7 @@ class Sender(abc.ABC):
         """Producer side: move `transfer` to `peer`, and post its message exactly once (see
         the module's doc for when, and with which frames)."""
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:  # noqa: B027
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:  # noqa: B027
         """Producer side: `peer` left without confirming `unconfirmed`; release what its pair
         held (nothing by default)."""
 

@@ -71,7 +71,6 @@ import numpy as np
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     InvalidInputError,
     KVRTTimeoutError,
@@ -79,6 +78,7 @@ from kvrt._errors import (
     RemoteProtocolError,
     TransportUnavailableError,
 )
+from kvrt._item_bytes import ItemBytes
 from kvrt._messages import Deliver, DeliverMany, TensorMeta
 from kvrt._pools import landing_ranges
 from kvrt._tensors import (
@@ -164,7 +164,7 @@ class NixlSender(Sender):
         self._probe_registration: Registration | None = None
         self._pairs: dict[bytes, set[int]] = {}
         """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
-        self._extra: weakref.WeakKeyDictionary[BufferedItem, Registration] = weakref.WeakKeyDictionary()
+        self._extra: weakref.WeakKeyDictionary[ItemBytes, Registration] = weakref.WeakKeyDictionary()
         """Items outside the arena, registered while they live (released when they go)."""
         self._waiter = Waiter("kvrt-nixl-written")
         """Waits (GPU items) for an item's bytes to be written before its frame leaves."""
@@ -201,7 +201,7 @@ class NixlSender(Sender):
             log.warning("nixl could not register a slab of memory: %s", exc)
             return None
 
-    def note_written(self, item: BufferedItem) -> None:
+    def note_written(self, item: ItemBytes) -> None:
         if item.storage.device.type == "cuda":
             self._arena.written(item.storage, item.written)
 
@@ -243,14 +243,14 @@ class NixlSender(Sender):
             await self._written(item)
         post([self._frame(peer, item) for item in items])
 
-    async def _written(self, item: BufferedItem) -> None:
+    async def _written(self, item: ItemBytes) -> None:
         """A GPU item's bytes are read by another process as soon as its frame arrives: the
         frame leaves once the GPU wrote them (waited for on a kvrt thread, not the loop)."""
         written = item.written
         if written is not None and not written.query():
             await self._waiter.wait(written.synchronize)
 
-    def _frame(self, peer: bytes, item: BufferedItem) -> memoryview:
+    def _frame(self, peer: bytes, item: ItemBytes) -> memoryview:
         described = self._pairs.get(peer)
         if described is None:
             raise PeerLostError("the consumer left before its item could be sent")
@@ -261,7 +261,7 @@ class NixlSender(Sender):
             described.add(registration.registration_id)
         return memoryview(encode_read(NixlRead(item.storage.data_ptr(), metadata)))
 
-    def _registration(self, item: BufferedItem) -> Registration:
+    def _registration(self, item: ItemBytes) -> Registration:
         placed = self._arena.place(item.storage)
         if placed is not None:
             in_slab: Registration = placed[0].registration
@@ -274,7 +274,7 @@ class NixlSender(Sender):
             weakref.finalize(item, _deregister_quietly, weakref.ref(self), registered)
         return registered
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:
         """Nothing of the consumer's is held here but what it was told: its next session's
         offer starts that afresh. The items it never confirmed are back in the buffer, their
         memory still registered."""

@@ -13,7 +13,6 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import TensorsSum
 from kvrt._checksum import (
     HIDDEN_POSITION,
     stream_start_checksum,
@@ -31,6 +30,7 @@ from kvrt._errors import (
     RemoteProtocolError,
     StreamAbortedError,
 )
+from kvrt._item_bytes import TensorsSum
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
 from kvrt._threads import CheckWorkers, outcome_seen

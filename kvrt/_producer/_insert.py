@@ -1,5 +1,5 @@
-"""`insert`: the caller's tensors copied into a `BufferedItem` and handed to the core, once
-the buffer has room (an event, never a poll). Runs in the caller's task.
+"""`insert`: the caller's tensors copied into an item's bytes, its record handed to the core,
+once the buffer has room (an event, never a poll). Runs in the caller's task.
 """
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from kvrt import _metrics
-from kvrt._buffer import BufferedItem
 from kvrt._heads import check_heads
 from kvrt._item import (
+    NewItem,
     buffered_item,
     check_item,
     check_timeout,
@@ -55,7 +55,9 @@ class Inserter:
         await self.buffer(item)
         timer.done()
 
-    async def buffer(self, item: BufferedItem) -> None:
-        """Hand a built item to the transports and the core (room was waited for already)."""
-        self._state._prepare(item)
-        await self._serving.perform(self._core.insert(item, self._state._now()))
+    async def buffer(self, item: NewItem) -> None:
+        """Hand a built item to the transports and the core (room was waited for already); its
+        bytes are kept beside its record."""
+        record = self._state._keep(item)
+        self._state._prepare(record, item.bytes)
+        await self._serving.perform(self._core.insert(record, self._state._now()))

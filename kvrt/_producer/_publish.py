@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvrt._buffer import GathersFailed, all_gathers_queued
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
@@ -22,6 +21,7 @@ from kvrt._item import (
     item_from_packed,
     masked_tokens,
 )
+from kvrt._item_bytes import GathersFailed, all_gathers_queued
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._producer._gathers import _Gathers
 from kvrt._producer._insert import Inserter
@@ -196,19 +196,19 @@ class Publisher:
                 self._state._gather_thread().submit(gather_into_any, pools, replicas, slots, key, value)
             )
         item = item_from_packed(
-            packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
-        )
-        item.segments = segments
+            packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked,
+            segments=segments,
+        )  # fmt: skip
         if gathers is not None:
-            item.segment_ready = [ready[gather] for gather in segment_gathers]
-            item.segment_gathers = segment_gathers
-            item.gathers = gathers
+            item.bytes.segment_ready = [ready[gather] for gather in segment_gathers]
+            item.bytes.segment_gathers = segment_gathers
+            item.bytes.gathers = gathers
         # Buffered before the other gathers are queued: a waiting pull gets its Deliver header
         # first and posts its receives while they are queued.
         await self._inserter.buffer(item)
         if gathers is not None:
             try:
-                await all_gathers_queued(item)
+                await all_gathers_queued(item.bytes)
             except GathersFailed as failed:
-                await self._serving.perform(self._core.discard(item))
+                await self._serving.perform(self._core.discard(item.record))
                 raise KVRTError(f"publish: queuing the gathers on {self._state.device} failed: {failed}") from failed

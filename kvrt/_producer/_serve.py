@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import msgspec
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, GathersFailed, all_gathers_queued
 from kvrt._checksum import HIDDEN_POSITION, delivery_checksum, stream_start_checksum, tensors_checksum
 from kvrt._errors import (
     ErrorCode,
@@ -23,8 +22,10 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._heap import trim_heap
+from kvrt._item_bytes import GathersFailed, ItemBytes, all_gathers_queued
 from kvrt._producer._state import ProducerState
 from kvrt._protocol import Outgoing
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._zmqio import MAX_BATCH, Dropped
 from kvrt.transports import Transfer
 
@@ -55,33 +56,42 @@ def _earliest(*deadlines: float | None) -> float | None:
     return min((deadline for deadline in deadlines if deadline is not None), default=None)
 
 
-def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
+BytesOf = Callable[[BufferedItem], ItemBytes]
+"""The bytes the driver keeps beside an item's record."""
+
+
+def _with_checksums(message: m.Message, send: Outgoing, bytes_of: BytesOf) -> m.Message:
     """A message with the checksums of the bytes that follow it. A piece's, or a finished
     stream's read whole, is known once its `fill` wrote it, after the core built the header;
     an open stream's layer has the checksum `put_layer` computed; a layer or the hidden states
     of a whole item read as a stream are checksummed from the item's bytes here (on the host;
     a GPU stream's layers leave before they are written: its end carries their checksums)."""
-    item = send.item
+    record = send.item
+    item = None if record is None else bytes_of(record)
     match message:
-        case m.Deliver(request_id=request_id, item_id=item_id, matched=matched, lease=lease) if item is not None:
+        case m.Deliver(request_id=request_id, item_id=item_id, matched=matched, lease=lease) if record is not None:
+            assert item is not None
             return msgspec.structs.replace(
-                message, checksum=item.checksum, device_checksum=item.device_checksum,
-                delivery_checksum=_delivery_checksum(request_id, item_id, matched, lease, item),
+                message, checksum=record.checksum, device_checksum=item.device_checksum,
+                delivery_checksum=_delivery_checksum(request_id, item_id, matched, lease, record, item),
             )  # fmt: skip
         case m.DeliverMany(request_id=request_id):
-            items = iter(send.items)
+            records = iter(send.items)
             hits = [
                 None if hit is None else msgspec.structs.replace(
-                    hit, checksum=(hit_item := next(items)).checksum, device_checksum=hit_item.device_checksum,
-                    delivery_checksum=_delivery_checksum(request_id, hit.item_id, hit.matched, hit.lease, hit_item),
+                    hit, checksum=(hit_record := next(records)).checksum,
+                    device_checksum=(hit_item := bytes_of(hit_record)).device_checksum,
+                    delivery_checksum=_delivery_checksum(
+                        request_id, hit.item_id, hit.matched, hit.lease, hit_record, hit_item
+                    ),
                 )
                 for hit in message.hits
             ]  # fmt: skip
             return msgspec.structs.replace(message, hits=hits)
-        case m.StreamLayer(layer=layer) if item is not None and item.stream is not None:
-            if item.stream.layer_sums:  # a GPU stream's: its end carries them (the item holds only its tokens)
+        case m.StreamLayer(layer=layer) if item is not None and item.store is not None:
+            if item.store.layer_sums:  # a GPU stream's: its end carries them (the item holds only its tokens)
                 return message
-            return msgspec.structs.replace(message, checksum=item.stream.checksums[layer])
+            return msgspec.structs.replace(message, checksum=item.store.checksums[layer])
         case m.StreamLayer(layer=layer) if item is not None and item.storage.device.type == "cpu":
             layer_checksum = tensors_checksum((item.key[layer], item.value[layer]), (message.key, message.value), layer)
             return msgspec.structs.replace(message, checksum=layer_checksum)
@@ -92,38 +102,34 @@ def _with_checksums(message: m.Message, send: Outgoing) -> m.Message:
     return message
 
 
-def _delivery_checksum(request_id: int, item_id: int, matched: int, lease: int, item: BufferedItem) -> int | None:
-    checksum = item.checksum if item.checksum is not None else item.device_checksum
+def _delivery_checksum(
+    request_id: int, item_id: int, matched: int, lease: int, record: BufferedItem, item: ItemBytes
+) -> int | None:
+    checksum = record.checksum if record.checksum is not None else item.device_checksum
     return None if checksum is None else delivery_checksum(request_id, item_id, matched, lease, checksum)
 
 
-def _fill(item: BufferedItem) -> None:
-    """Write a finished stream's storage before it is read whole (see `BufferedItem.fill`)."""
-    fill, item.fill = item.fill, None
-    if fill is not None:
-        fill(item)
-
-
-def _lowered(send: Outgoing) -> Transfer | None:
+def _lowered(send: Outgoing, bytes_of: BytesOf) -> Transfer | None:
     """The bytes `send` moves, as its transport is given them (None: a message alone)."""
-    message, item = send.message, send.item
+    message, record = send.message, send.item
     if isinstance(message, m.StreamLayer):
-        assert item is not None
-        stream, layer = item.stream, message.layer
-        if stream is not None:  # an open stream's layer, from its store: written once its event fired
-            return Transfer(tensors=(stream.keys[layer], stream.values[layer]), ready=stream.ready[layer],
+        assert record is not None
+        item, layer = bytes_of(record), message.layer
+        if item.store is not None:  # an open stream's layer, from its store: written once its event fired
+            return Transfer(tensors=(item.store.keys[layer], item.store.values[layer]), ready=item.store.ready[layer],
                             stream_id=message.item_id)  # fmt: skip
         # A whole item's layer, written once the item is (its gathers or its fill were queued
         # by the stream's start).
         return Transfer(tensors=(item.key[layer], item.value[layer]), ready=item.written, stream_id=message.item_id)
     if isinstance(message, m.StreamEnd):
-        if item is None or item.hidden is None:
+        whole = None if record is None else bytes_of(record)
+        if whole is None or whole.hidden is None:
             return None
-        return Transfer(tensors=(item.hidden,), ready=item.written, stream_id=message.item_id)
+        return Transfer(tensors=(whole.hidden,), ready=whole.written, stream_id=message.item_id)
     if isinstance(message, m.DeliverMany):
-        return Transfer(items=send.items, batch=message)
-    if item is not None and not isinstance(message, m.StreamStart):
-        return Transfer(items=(item,))
+        return Transfer(items=tuple(bytes_of(hit) for hit in send.items), batch=message)
+    if record is not None and not isinstance(message, m.StreamStart):
+        return Transfer(items=(bytes_of(record),), segments=tuple(record.segments))
     return None
 
 
@@ -141,6 +147,16 @@ class ServeLoop:
     def __init__(self, state: ProducerState) -> None:
         self._state = state
         self._core = state._core
+
+    def _bytes_of(self, record: BufferedItem) -> ItemBytes:
+        return self._state._bytes[record]
+
+    def _fill(self, record: BufferedItem) -> None:
+        """Write an item's bytes before they are first read (see `ItemBytes.fill`)."""
+        item = self._bytes_of(record)
+        fill, item.fill = item.fill, None
+        if fill is not None:
+            fill(record, item)
 
     def reclaim(self) -> None:
         """Before allocating an item: memory that finished transfers still reference is freed
@@ -231,7 +247,8 @@ class ServeLoop:
                     # cannot be trusted any more. The item is gone (`publish` raises).
                     for item in (send.item,) if send.item is not None else send.items:
                         source = item if item.parent is None else item.parent
-                        if source.gathers is not None and source.gathers.failed:
+                        gathers = self._bytes_of(source).gathers
+                        if gathers is not None and gathers.failed:
                             out += self._core.discard(source)
                     out += self._core.peer_unreachable(send.peer, self._state._now(), "an item's gathers failed")
                 except _Unencodable as exc:
@@ -266,27 +283,35 @@ class ServeLoop:
             rendezvous = self._state._transports[message.transport].offer(send.peer)
             if rendezvous:
                 message = msgspec.structs.replace(message, rendezvous=rendezvous)
-        for item in (send.item, *send.items):
-            if item is not None and item.fill is not None and not isinstance(message, m.StreamEnd):
-                if item.parent is not None:  # a piece: cut from its item's bytes once they are written
-                    _fill(item.parent)
-                    await all_gathers_queued(item.parent)
-                _fill(item)  # a finished stream read whole after all, or a piece
+        bytes_of = self._bytes_of
+        for record in (send.item, *send.items):
+            if record is not None and bytes_of(record).fill is not None and not isinstance(message, m.StreamEnd):
+                if record.parent is not None:  # a piece: cut from its item's bytes once they are written
+                    self._fill(record.parent)
+                    await all_gathers_queued(bytes_of(record.parent))
+                self._fill(record)  # a finished stream read whole after all, or a piece
         if self._state.checksum:
             if isinstance(message, m.Deliver | m.DeliverMany):
-                for item in (send.item, *send.items):
-                    if item is not None and item.device_checksum is None and item.storage.device.type == "cuda":
-                        await self._state.device_checksum(item)  # its header leaves with it
-            elif isinstance(message, m.StreamEnd) and send.item is not None and send.item.storage.device.type == "cuda":
+                for record in (send.item, *send.items):
+                    if record is None:
+                        continue
+                    item = bytes_of(record)
+                    if item.device_checksum is None and item.storage.device.type == "cuda":
+                        await self._state.device_checksum(record)  # its header leaves with it
+            elif (
+                isinstance(message, m.StreamEnd) and send.item is not None
+                and bytes_of(send.item).storage.device.type == "cuda"
+            ):  # fmt: skip
                 message = await self._state.stream_end_checksums(message, send.item)
-            message = _with_checksums(message, send)
+            message = _with_checksums(message, send, bytes_of)
         if isinstance(message, m.StreamStart):
             assert send.item is not None
-            await all_gathers_queued(send.item)  # a published item's layers follow: gathered first
+            item = bytes_of(send.item)
+            await all_gathers_queued(item)  # a published item's layers follow: gathered first
             # The frame: the tokens (and roi) at the head of the item's buffer, read
             # back in a kvrt thread for a GPU item (written before its ready event).
-            head = send.item.storage[: message.payload_bytes]
-            frames = await self._state._host_copies.frames([head], send.item.ready_event)
+            head = item.storage[: message.payload_bytes]
+            frames = await self._state._host_copies.frames([head], item.ready_event)
             if self._state.checksum:
                 start = message
                 checksum = stream_start_checksum(
@@ -294,7 +319,7 @@ class ServeLoop:
                     frames[0], (start.input_tokens, start.roi),
                 )  # fmt: skip
                 message = msgspec.structs.replace(start, checksum=checksum)
-        elif (transfer := _lowered(send)) is not None:
+        elif (transfer := _lowered(send, bytes_of)) is not None:
             transport_name = self._core.transport_of(send.peer)
             if transport_name is None:
                 return  # the peer left meanwhile; the core took the items (or the stream) back
@@ -332,7 +357,8 @@ class ServeLoop:
             if self._state._peer_log.allows(self._state._now()):
                 log.info("consumer left; what it held is back in the buffer%s", self._state._peer_log.suppressed_note(),
                          extra={"peer": departure.peer})  # fmt: skip
-            self._state._transports[departure.transport].forget(departure.peer, departure.unconfirmed)
+            unconfirmed = [self._bytes_of(record) for record in departure.unconfirmed]
+            self._state._transports[departure.transport].forget(departure.peer, unconfirmed)
             self._state._peer_left.set()
         state = self._state
         state._departed_since_trim += len(departed)

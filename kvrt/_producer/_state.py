@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -19,7 +21,6 @@ import zmq
 from kvrt import _messages as m
 from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys
-from kvrt._buffer import BufferedItem, TensorsSum, all_gathers_queued
 from kvrt._checksum import (
     HIDDEN_POSITION,
     checksum_wanted,
@@ -34,9 +35,12 @@ from kvrt._errors import (
     InvalidInputError,
     KVRTTimeoutError,
 )
-from kvrt._heads import fill_piece, head_range, piece_of
+from kvrt._heads import fill_piece, first_head, head_range, piece_of
+from kvrt._item import NewItem
+from kvrt._item_bytes import ItemBytes, TensorsSum, all_gathers_queued
 from kvrt._pools import PoolTable
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._tensors import tensor_meta
 from kvrt._threads import gpu_worker
@@ -120,6 +124,9 @@ class ProducerState:
             heads=self.heads,
             checksum=self.checksum,
         )
+        self._bytes: weakref.WeakKeyDictionary[BufferedItem, ItemBytes] = weakref.WeakKeyDictionary()
+        """Each item's bytes, beside the record the core keeps: they live exactly as long as the
+        record is referenced (buffered, in flight, or a delivery still being sent)."""
         self._send_lock = asyncio.Lock()
         self._refusal_log = _RateLimit(per_s=1.0)
         self._peer_log = _RateLimit(per_s=0.1)
@@ -186,31 +193,37 @@ class ProducerState:
             ) from None
         self._check_open()
 
+    def _keep(self, new: NewItem) -> BufferedItem:
+        """Keep a new item's bytes beside its record, for as long as the record lives."""
+        self._bytes[new.record] = new.bytes
+        return new.record
+
     def _cut_piece(self, item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
         """A piece of `item` for the core (see `kvrt._protocol.Cut`): its memory now, its bytes
         copied by its `fill`, on the send path, once the item's own bytes are written."""
-        piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=self._allocate)
-        piece.fill = self._fill_piece
-        return piece
+        source = self._bytes[item]
+        piece = piece_of(item, source, asked.heads, asked.hidden, item_id=item_id, allocate=self._allocate)
+        piece.bytes.fill = functools.partial(self._fill_piece, first=first_head(source, asked.heads))
+        return self._keep(piece)
 
-    def _fill_piece(self, piece: BufferedItem) -> None:
+    def _fill_piece(self, piece: BufferedItem, piece_bytes: ItemBytes, *, first: int) -> None:
         """Copy a piece's bytes out of its item (on a GPU, on the current stream, after the
         item's writes), then note when they are written, as an insert does."""
-        item = piece.parent
-        assert item is not None
+        assert piece.parent is not None
+        item = self._bytes[piece.parent]
         if item.written is not None:
             torch.cuda.current_stream(item.storage.device).wait_event(item.written)
-        fill_piece(piece, item)
-        self._prepare(piece)
+        fill_piece(piece_bytes, item, first)
+        self._prepare(piece, piece_bytes)
 
-    def _prepare(self, item: BufferedItem) -> None:
+    def _prepare(self, record: BufferedItem, item: ItemBytes) -> None:
         """An item's bytes were written (inserted, published, cut as a piece, a finished stream
         stacked): its checksum, if this producer checksums, from the bytes where they were
         written. A GPU item's were written on the current stream: the event every GPU send of
         it waits on (recorded once, for all transports), and after which the memory a transport
         allocated for it may be reused."""
         if self.checksum and item.storage.device.type == "cpu":  # a GPU item's: `device_checksum`
-            item.checksum = storage_checksum(item.storage, item.metas)
+            record.checksum = storage_checksum(item.storage, record.metas)
         if item.storage.device.type == "cuda":
             item.ready_event = torch.cuda.Event()
             item.ready_event.record(torch.cuda.current_stream(item.storage.device))
@@ -225,14 +238,15 @@ class ProducerState:
                 return storage
         return None
 
-    async def device_checksum(self, item: BufferedItem) -> None:
+    async def device_checksum(self, record: BufferedItem) -> None:
         """A GPU item's checksum (`kvrt.kernels.checksum`), once its bytes are written: in a
         kvrt thread, on a stream of its own that waits for the writes; the loop waits for
         neither the kernel (a first launch compiles) nor its result."""
         from kvrt.kernels.checksum import queue_checksum
 
+        item = self._bytes[record]
         await all_gathers_queued(item)
-        written, storage, seed = item.written, item.storage, metas_seed(item.metas)
+        written, storage, seed = item.written, item.storage, metas_seed(record.metas)
 
         def compute() -> int:
             stream = self._checksum_stream_on(storage.device)
@@ -262,9 +276,10 @@ class ProducerState:
 
         return self._checksum_thread().submit(queue)
 
-    async def stream_end_checksums(self, end: m.StreamEnd, whole: BufferedItem) -> m.StreamEnd:
+    async def stream_end_checksums(self, end: m.StreamEnd, record: BufferedItem) -> m.StreamEnd:
         """A GPU stream's end with the checksum of each layer as it was sent (queued as its
         prefill published them, or now over the whole item's layers) and of its hidden states."""
+        whole = self._bytes[record]
         layers = whole.key.shape[0]
         sums = whole.layer_sums
         if sums is None or len(sums) != layers:  # read whole as a stream: its storage is written

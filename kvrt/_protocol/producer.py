@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, LookupBuffer
 from kvrt._errors import ErrorCode, NotFoundError, ProtocolError
 from kvrt._protocol import commands
+from kvrt._protocol.buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.deliveries import Deliveries
 from kvrt._protocol.heartbeats import HEARTBEAT_MISSES, SILENT_HOLD_LEASES
