@@ -116,16 +116,16 @@ async def test_an_item_a_gpu_checksummed_is_checked_on_a_host_consumer_with_the_
     """A GPU producer's items carry `device_checksum` (`kvrt.kernels.checksum`) in place of
     XXH3; over TCP into host memory the consumer checks it with the kernel's torch reference.
     Here a CPU producer computes it as a GPU producer would, with that reference."""
-    from kvrt._producer._state import ProducerState
+    from kvrt._producer._state import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
-    prepare = ProducerState._prepare
+    prepare = ItemKeeper.prepare
 
-    def as_a_gpu_producer_does(self: ProducerState, record: BufferedItem, item: ItemBytes) -> None:
+    def as_a_gpu_producer_does(self: ItemKeeper, record: BufferedItem, item: ItemBytes) -> None:
         prepare(self, record, item)
         record.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(record.metas))
 
-    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    monkeypatch.setattr(ItemKeeper, "prepare", as_a_gpu_producer_does)
     tokens, key, value = _item()
     async with _through_relay(checksum=True) as (producer, relay, consumer):
         await producer.insert(tokens, None, key, value)
@@ -622,12 +622,12 @@ async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_
     import time
 
     from kvrt._consumer import _consumer
-    from kvrt._producer._state import ProducerState
+    from kvrt._producer._state import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
-    prepare = ProducerState._prepare
+    prepare = ItemKeeper.prepare
 
-    def as_a_gpu_producer_does(self: ProducerState, record: BufferedItem, item: ItemBytes) -> None:
+    def as_a_gpu_producer_does(self: ItemKeeper, record: BufferedItem, item: ItemBytes) -> None:
         prepare(self, record, item)
         record.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(record.metas))
 
@@ -635,7 +635,7 @@ async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_
         time.sleep(1.0)
         return checksum_reference(data, seed)
 
-    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    monkeypatch.setattr(ItemKeeper, "prepare", as_a_gpu_producer_does)
     monkeypatch.setattr(_consumer, "device_checksum", slowly)
     tokens, key, value = torch.arange(16), torch.randn(2, 16, 8, 512), torch.randn(2, 16, 8, 512)  # 2 MiB
     gaps: list[float] = []

@@ -416,14 +416,14 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
             assert asked == "asked"
             control.send(("hold", 0.5))
             assert await asyncio.to_thread(control.recv) == "holding"
-            producer._peer_left.clear()
+            producer._serving.peer_left.clear()
             await producer.insert(tokens, None, key, key)
             assert producer.stats().in_flight == 1
             (sent_at,) = sent
             assert stalled.pid is not None
             os.kill(stalled.pid, signal.SIGSTOP)
             try:
-                await asyncio.wait_for(producer._peer_left.wait(), LEASE_S * SILENT_HOLD_LEASES + 5)
+                await asyncio.wait_for(producer._serving.peer_left.wait(), LEASE_S * SILENT_HOLD_LEASES + 5)
                 async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as other:
                     item = await other.drop_select(tokens)
                     assert item is not None and torch.equal(item.key, key)

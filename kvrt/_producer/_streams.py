@@ -21,9 +21,9 @@ from kvrt._item import (
 )
 from kvrt._item_bytes import ItemBytes
 from kvrt._pools import checked_indexes, per_token
-from kvrt._producer._insert import Inserter
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import ProducerState
+from kvrt._producer._state import Gate, ItemKeeper, RegisteredPools, Workers, loop_time
+from kvrt._protocol import ProducerCore
 from kvrt._protocol.buffer import BufferedItem
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import copy_into, pack, pack_empty, tensor_meta
@@ -33,13 +33,17 @@ from kvrt._threads import launch_on
 class StreamPublisher:
     """Streams of layers, opened by the prefill engine."""
 
-    def __init__(self, state: ProducerState, inserter: Inserter, serving: ServeLoop) -> None:
-        self._state = state
-        self._core = state._core
-        self._inserter = inserter
+    def __init__(
+        self, core: ProducerCore, gate: Gate, items: ItemKeeper, workers: Workers, registered: RegisteredPools,
+        serving: ServeLoop,
+    ) -> None:  # fmt: skip
+        self._core = core
+        self._gate = gate
+        self._items = items
+        self._registered = registered
         self._serving = serving
-        self.device = state.device
-        self.gather_thread = state._gather_thread
+        self.device = items.device
+        self.gather_thread = workers.gather_thread
 
     async def open_stream(
         self,
@@ -53,7 +57,7 @@ class StreamPublisher:
         stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """See `Producer.open_stream`."""
-        self._state._check_open()
+        self._gate.check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
         placement = None
@@ -64,15 +68,15 @@ class StreamPublisher:
             layers = placement.pools.layers
         if not isinstance(layers, int) or not 0 < layers <= m.MAX_LAYERS:
             raise InvalidInputError(f"layers must be an int in [1, {m.MAX_LAYERS}], got {layers!r}")
-        await self._state._wait_for_room(timeout)
+        await self._gate.wait_for_room(timeout)
         packed = pack((input_tokens, roi), torch.device("cpu"))
         item_id, seq = self._core.new_item_id(), self._core.buffer.next_seq()
-        item = self._state._keep(item_from_tokens(packed, item_id=item_id, seq=seq, layers=layers))
-        await self._serving.perform(self._core.open_stream(item, self._state._now()))
+        item = self._items.keep(item_from_tokens(packed, item_id=item_id, seq=seq, layers=layers))
+        await self._serving.perform(self._core.open_stream(item, loop_time()))
         return ProducerStream(self, item, layers, int(input_tokens.numel()), placement)
 
     def _placement(self, input_tokens: torch.Tensor, slots: torch.Tensor, replica: torch.Tensor | int) -> Placement:
-        pools = self._state._pools
+        pools = self._registered.pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
         replicas = per_token(replica, slots)
@@ -98,14 +102,14 @@ class StreamPublisher:
         if pools.device.type != "cuda":
             # On the gather thread: on a busy host a layer's gather can take a tenth of a
             # second and a step's gathers seconds, which no lookup or ping may wait behind.
-            gathering = self._state._gather_thread().submit(
+            gathering = self.gather_thread().submit(
                 gather_layer_into_any, pools, placement.replicas, placement.slots, layer, key, value
             )
             await asyncio.wrap_future(gathering)
             return key, value, None
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
-        await launch_on(prepared, caller, self._state._gather_thread)
+        await launch_on(prepared, caller, self.gather_thread)
         ready = torch.cuda.Event()
         ready.record(caller)
         return key, value, ready
@@ -115,13 +119,13 @@ class StreamPublisher:
     ) -> None:
         """The core records the layer; its tensors go in the stream's store, where the send
         path reads them (GPU: once `ready` fired)."""
-        store = self._state._bytes[item].store
+        store = self._items[item].store
         assert store is not None
         metas = tensor_meta(key), tensor_meta(value)
-        if self._state.checksum and key.device.type == "cpu":
+        if self._items.checksum and key.device.type == "cpu":
             store.checksums.append(tensors_checksum((key, value), metas, len(store.keys)))
-        elif self._state.checksum:  # its end carries it: the layer leaves before it is written
-            store.layer_sums.append(self._state.queue_tensors_checksum((key, value), metas, len(store.keys), ready))
+        elif self._items.checksum:  # its end carries it: the layer leaves before it is written
+            store.layer_sums.append(self._items.queue_tensors_checksum((key, value), metas, len(store.keys), ready))
         out = self._core.stream_layer(item, *metas)
         store.keys.append(key)
         store.values.append(value)
@@ -131,7 +135,7 @@ class StreamPublisher:
     async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
         nobody read it): its layers stacked straight into the item's buffer, one copy."""
-        stream, opened = item.stream, self._state._bytes[item]
+        stream, opened = item.stream, self._items[item]
         store = opened.store
         assert stream is not None and store is not None
         first_key, first_value = store.keys[0], store.values[0]
@@ -149,7 +153,7 @@ class StreamPublisher:
             if into is not None and source is not None:
                 copy_into(into, source)
         new = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
-        whole, whole_bytes = self._state._keep(new), new.bytes
+        whole, whole_bytes = self._items.keep(new), new.bytes
         whole_bytes.layer_sums = store.layer_sums or None
         keys, values, written = list(store.keys), list(store.values), list(store.ready)
 
@@ -165,13 +169,13 @@ class StreamPublisher:
                     tensor.record_stream(current)  # freed with this closure, maybe before the stack ran
             torch.stack(keys, out=key)
             torch.stack(values, out=value)
-            self._state._prepare(whole, whole_bytes)
+            self._items.prepare(whole, whole_bytes)
 
         if stream.reader is None and self.device.type == "cuda":
             fill(whole, whole_bytes)
         elif stream.reader is None:  # on the host the stack copies every layer: off the loop
             try:
-                await asyncio.wrap_future(self._state._gather_thread().submit(fill, whole, whole_bytes))
+                await asyncio.wrap_future(self.gather_thread().submit(fill, whole, whole_bytes))
             except asyncio.CancelledError:  # a prefill that gave up its finish ends its stream
                 await self.abort_stream(item, "the prefill's finish was cancelled")
                 raise
@@ -184,11 +188,11 @@ class StreamPublisher:
             if self.device.type == "cuda":  # the end's hidden states are written on this stream
                 whole_bytes.ready_event = torch.cuda.Event()
                 whole_bytes.ready_event.record(torch.cuda.current_stream(self.device))
-        await self._serving.perform(self._core.finish_stream(item, whole, self._state._now()))
+        await self._serving.perform(self._core.finish_stream(item, whole, loop_time()))
         store.release()
 
     async def abort_stream(self, item: BufferedItem, reason: str) -> None:
-        store = self._state._bytes[item].store
+        store = self._items[item].store
         await self._serving.perform(self._core.abort_stream(item, reason))
         if store is not None:
             store.release()
