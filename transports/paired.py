@@ -42,7 +42,7 @@ import torch.distributed as dist
 import zmq
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
+from kvrt._errors import InvalidInputError, KVRTError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
 from kvrt._item_bytes import ItemBytes, gathers_prepared
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, TensorMeta
 from kvrt._tensors import (
@@ -64,6 +64,7 @@ from kvrt.transports._base import (
     OnStream,
     Post,
     Receiver,
+    Refusing,
     Sender,
     TensorsArrival,
     Transfer,
@@ -326,9 +327,28 @@ class PairedSender(_Paired, Sender):
 
 
 class PairedReceiver(_Paired, Receiver):
-    """The consumer's half: its one pair with the producer, receives on it."""
+    """The consumer's half: its one pair with the producer, receives on it. The bytes come
+    apart from the header (the sender posts the header first), posted as it comes: a message
+    this side refuses leaves its bytes on their way, and the pair out of step (see `refuse`)."""
 
-    out_of_band = True
+    def refuse(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError
+    ) -> None:
+        link.start_afresh(future, error)  # its bytes are on their way: the next receive would take them
+
+    def refuse_unread(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError,
+        frames: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        link.start_afresh(future, error)
+
+    def refuse_stream(self, link: Refusing, item_id: int, error: KVRTError) -> None:
+        link.start_afresh(None, error)
+
+    def skip(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> asyncio.Future[Any] | None:
+        """Its tensors are on their way all the same: received, and dropped, or the next
+        receive on the pair would take them."""
+        return self.receive_tensors(metas, frames).complete if metas else None
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:

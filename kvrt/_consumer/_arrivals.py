@@ -59,10 +59,7 @@ class Arrivals:
             else:
                 arrival = self._session.receiver.receive(deliver, payload)
         except (ProtocolError, IntegrityError) as exc:
-            if self._session.receiver.out_of_band:
-                self._session.start_afresh(future, exc)
-            else:
-                self._session.give_back(future, [deliver.item_id], exc)
+            self._session.receiver.refuse(self._session, future, [deliver.item_id], exc)
             return
         on_landing = None if call is None else call.on_landing
         if on_landing is not None and arrival.early is not None and future is not None and not future.done():
@@ -145,10 +142,7 @@ class Arrivals:
         try:
             arriving = self._session.receiver.receive_many(batch, payload)
         except (ProtocolError, IntegrityError) as exc:
-            if self._session.receiver.out_of_band:
-                self._session.start_afresh(future, exc)
-            else:
-                self._session.give_back(future, _item_ids(batch), exc)
+            self._session.receiver.refuse(self._session, future, _item_ids(batch), exc)
             return
         if arriving.done():
             self._batch_landed(future, batch, self._session.sessions_lost, arriving)  # TCP: already here
@@ -182,16 +176,11 @@ class Arrivals:
         self, future: asyncio.Future[_Reply] | None, item_ids: list[int], payload: Sequence[zmq.Frame]
     ) -> None:
         """A delivery outside the lease, its bytes not read: the items go back and the call
-        fails with `LeaseExpiredError`. Over an out-of-band transport the pair is then out of
-        step (its bytes were sent): a new session starts instead."""
+        fails with `LeaseExpiredError` (over a transport whose bytes were sent apart from the
+        message, the pair is then out of step: a new session starts instead; see
+        `Receiver.refuse_unread`)."""
         assert self._session.receiver is not None
-        if self._session.receiver.out_of_band:
-            self._session.start_afresh(future, self._session.lease_error())
-            return
-        self._session.receiver.discard(payload)
-        self._session.release(item_ids)
-        if future is not None and not future.done():
-            future.set_exception(self._session.lease_error())
+        self._session.receiver.refuse_unread(self._session, future, item_ids, self._session.lease_error(), payload)
 
     def _landing_stream(self, landing: Landing | None) -> torch.cuda.Stream | None:
         """The stream an item's landing is ordered on here (see `_Reply.landed_on`), where the

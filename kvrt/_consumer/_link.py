@@ -41,6 +41,7 @@ from kvrt._protocol import (
     Welcomed,
 )
 from kvrt.transports import Receiver
+from kvrt.transports.tcp import TcpReceiver
 
 log = logging.getLogger("kvrt.consumer")
 
@@ -209,8 +210,11 @@ class _Link:
             case Streamed(message=message):
                 self.layers.on_streamed(message, payload)
             case PayloadCame(message=message):
-                if self.receiver is not None:
-                    self.receiver.payload(message, payload)
+                receiver = self.receiver
+                if isinstance(receiver, TcpReceiver):  # only TCP sends a delivery's bytes apart
+                    receiver.payload(message, payload)
+                elif receiver is not None:
+                    raise RemoteProtocolError(f"a {receiver.name} producer sends no payload messages")
             case Replied(request_id=request_id, message=message):
                 future = self._future(request_id)
                 if future is not None and not future.done():

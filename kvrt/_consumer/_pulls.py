@@ -8,7 +8,6 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvrt import _messages as m
@@ -163,13 +162,6 @@ class Pulls:
         if replicas.device.type == "cpu" and slots.device.type == "cpu":
             return PoolLanding(ready, table=into, replicas=replicas.numpy(), slots=slots.numpy())
         receiver = self._connections.links[0].receiver
-        if receiver is None or not receiver.writes_in_place:
+        if receiver is None:
             return PoolLanding(ready, table=into, replicas=None, slots=None)
-        assert ready is not None  # indexes on a device
-
-        def read_back() -> tuple[np.ndarray, np.ndarray]:
-            ready.synchronize()
-            return replicas.cpu().numpy(), slots.cpu().numpy()
-
-        host_replicas, host_slots = await asyncio.to_thread(read_back)
-        return PoolLanding(ready, table=into, replicas=host_replicas, slots=host_slots)
+        return await receiver.pools_in_place(ready, into, replicas, slots)

@@ -176,15 +176,12 @@ class StreamLayers:
     def on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
         stream = self._session.open_streams.get(message.item_id)
         transport = self._session.receiver
-        out_of_band = transport is not None and transport.out_of_band
         if stream is not None and not self._session.lease_holds():  # the stream may be another reader's by now
             self._stream_lost(message.item_id, self._session.lease_error())
             stream = None
         if stream is None:  # a stream this side gave back
-            if out_of_band and transport is not None:
-                self._receive_stray(transport, message, payload)
-            elif transport is not None:
-                transport.discard(payload)
+            if transport is not None:
+                self._skip(transport, message, payload)
             return
         try:
             match message:
@@ -206,8 +203,8 @@ class StreamLayers:
             error = exc if isinstance(exc, ProtocolError | IntegrityError) else RemoteProtocolError(str(exc))
             self._count(error)
             stream.fail(error)
-            if out_of_band:  # its bytes are on the way: the pair is out of step
-                self._session.start_afresh(None, error)
+            if transport is not None:  # its item goes back (or, its bytes on the way, the session: see `refuse_stream`)
+                transport.refuse_stream(self._session, message.item_id, error)
             else:
                 self._session.release([message.item_id])
 
@@ -391,18 +388,19 @@ class StreamLayers:
     def _producer_checksums(self) -> bool:
         return m.Capability.CHECKSUM in self._session.core.producer_capabilities
 
-    def _receive_stray(
+    def _skip(
         self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
     ) -> None:
-        """The tensors of a stream this side gave back are on their way all the same (out of
-        band): they are received and dropped, or the next receive on the pair would take them."""
-        metas = _tensor_metas(message)
-        if not metas:
-            return
+        """A message of a stream this side gave back: what came with it is dropped, or, its bytes
+        still on their way (out of band), received and dropped (`Receiver.skip`), or the next
+        receive on the pair would take them."""
         try:
-            self._session.own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
+            arriving = transport.skip(_tensor_metas(message), payload)
         except ProtocolError as exc:
             self._session.start_afresh(None, exc)
+            return
+        if arriving is not None:
+            self._session.own_arrival(arriving, outcome_seen)
 
     def _count(self, error: BaseException) -> None:
         if isinstance(error, IntegrityError) and self._session.metrics is not None:
