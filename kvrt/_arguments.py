@@ -1,16 +1,13 @@
 """Checks of the values a caller passes to kvrt's constructors and calls, against what the
 protocol can carry: a value that passes here never makes a message fail to encode later, and
-one that does not is refused at the call that got it, naming the argument. A device that
-this process cannot use is refused at construction too, naming the fix."""
+one that does not is refused at the call that got it, naming the argument (a device that this
+process cannot use: `kvrt._devices.usable_device`)."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Final
-
-import torch
 
 from kvrt._errors import InvalidInputError
 from kvrt._messages import MAX_SECONDS
@@ -62,36 +59,3 @@ def endpoint(value: object, name: str, *, binding: bool) -> str:
     if not port_text.isdigit() or not low <= int(port_text) <= 65535:
         raise InvalidInputError(f"{name} {value!r}: the port must be a number in {low}..65535, got {port_text!r}")
     return value
-
-
-def usable_device(device: torch.device | str | int) -> torch.device:
-    """`device` as a torch.device that this process can use: "cpu", or a CUDA device that
-    exists here. A CUDA device that cannot work (a torch built without CUDA, no GPU visible,
-    an index past the visible ones, CUDA initialized before a fork) is refused now."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device {device!r} is not a torch device: {exc}") from None
-    if parsed.type == "cpu":
-        return parsed
-    if parsed.type != "cuda":
-        raise InvalidInputError(f"device {device!r}: kvrt moves tensors on 'cpu' or 'cuda:N' devices")
-    reason = _cuda_unusable(parsed)
-    if reason is not None:
-        raise InvalidInputError(f"device {device!r} cannot be used in this process: {reason}")
-    return parsed
-
-
-def _cuda_unusable(device: torch.device) -> str | None:
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return f"this torch ({torch.__version__}) was built without CUDA; install a CUDA build of torch or use 'cpu'"
-    if torch.cuda._is_in_bad_fork():
-        return "CUDA was initialized before this process was forked; start it with multiprocessing's 'spawn'"
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
-        return f"no CUDA device is visible to it{where}; check the driver and CUDA_VISIBLE_DEVICES, or use 'cpu'"
-    if device.index is not None and device.index >= count:
-        return f"it sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-    return None

@@ -23,7 +23,7 @@ import zmq
 from kvrt import _arguments
 from kvrt import _messages as m
 from kvrt._auth import CurveKeys
-from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, _Link
+from kvrt._consumer import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, LinkSession, _Link
 from kvrt._errors import ClosedError, InvalidInputError, RemoteProtocolError
 from kvrt._item import query_bytes
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
@@ -65,7 +65,7 @@ class Client(AsyncService):
         if self._context is not None or self._closed:
             raise ClosedError("a client starts once; create a new one")
         self._context = zmq.Context()
-        self._link = _Link(
+        self._link = _Link(LinkSession(
             self.endpoint,
             context=self._context,
             name=self._name,
@@ -74,7 +74,7 @@ class Client(AsyncService):
             connect_timeout_s=self._connect_timeout_s,
             curve=self._curve,
             reply_timeout_s=self._reply_timeout_s,
-        )
+        ))  # fmt: skip
         try:
             await self._link.start()
         except BaseException:

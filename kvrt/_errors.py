@@ -21,7 +21,9 @@ Every error kvrt raises is a `KVRTError`. Subclasses say what happened, not wher
 
 Errors that cross the wire travel as an `ErrorCode` and a message (`kvrt._messages.ErrorReply`);
 `error_from_code` turns them back into the right class on the other side. ZeroMQ errors are
-translated once, by errno, in `translate_zmq_error`; nothing here matches message text.
+translated once, by errno, in `translate_zmq_error`; torch's, NCCL's and CUDA's once, by type, in
+`kvrt._devices.translate_torch_error` (this module imports no torch: the protocol core raises
+these too); nothing matches message text.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from __future__ import annotations
 import enum
 import errno
 
-import torch
-import torch.distributed as dist
 import zmq
 
 
@@ -191,14 +191,3 @@ def translate_zmq_error(exc: zmq.ZMQError, *, endpoint: str) -> KVRTError:
     if exc.errno in (errno.EINVAL, errno.EPROTONOSUPPORT, errno.ENODEV):
         return InvalidInputError(f"cannot use address {endpoint!r}: {exc.strerror}")
     return KVRTError(f"ZeroMQ error on {endpoint}: {exc.strerror} (errno {exc.errno})")
-
-
-def translate_torch_error(exc: BaseException, *, what: str) -> KVRTError:
-    """The one translation of torch, NCCL and CUDA errors into kvrt's family, by type."""
-    if isinstance(exc, KVRTError):
-        return exc
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return CapacityError(f"{what}: the GPU is out of memory ({exc})")
-    if isinstance(exc, dist.DistBackendError | dist.DistNetworkError):
-        return PeerLostError(f"{what}: the transfer with the peer failed ({exc})")
-    return KVRTError(f"{what}: {type(exc).__name__}: {exc}")

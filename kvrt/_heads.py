@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
-from kvrt._item import KVItem, item_from_packed, truncate
+from kvrt._item import KVItem, NewItem, item_from_packed, truncate
+from kvrt._item_bytes import ItemBytes
 from kvrt._messages import MAX_HEADS, HeadRange
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._tensors import Allocate, copy_into, pack_empty
 
 
@@ -61,23 +62,23 @@ def check_heads(heads: HeadRange | None, key: torch.Tensor, value: torch.Tensor,
 
 
 def piece_of(
-    item: BufferedItem, heads: HeadRange, hidden: bool, *, item_id: int, allocate: Allocate | None
-) -> BufferedItem:
-    """A piece of `item`: its tokens, roi, the key and value heads [first, end) (every head of
-    a latent), and its hidden states if `hidden`; its memory allocated, its bytes not written
-    (`fill_piece`). Raises `InvalidInputError` for heads the item does not have."""
+    record: BufferedItem, item: ItemBytes, heads: HeadRange, hidden: bool, *, item_id: int,
+    allocate: Allocate | None,
+) -> NewItem:  # fmt: skip
+    """A piece of an item (`record`, its bytes `item`): its tokens, roi, the key and value
+    heads [first, end) (every head of a latent), and its hidden states if `hidden`; its memory
+    allocated, its bytes not written (`fill_piece`). Raises `InvalidInputError` for heads the
+    item does not have."""
     key, value = item.key, item.value
     if heads.first >= heads.end:
         raise InvalidInputError(f"heads [{heads.first}, {heads.end}) is empty: a range of heads has first < end")
-    if is_latent(value):
-        first, end = 0, key.shape[2]
-    else:
-        first, end = heads.first, heads.end
-        if end > key.shape[2]:
-            raise InvalidInputError(
-                f"heads [{heads.first}, {heads.end}) asked of an item with {key.shape[2]} KV heads "
-                "(in the producer's numbering, from 0)"
-            )
+    first = first_head(item, heads)
+    end = key.shape[2] if is_latent(value) else heads.end
+    if end > key.shape[2]:
+        raise InvalidInputError(
+            f"heads [{heads.first}, {heads.end}) asked of an item with {key.shape[2]} KV heads "
+            "(in the producer's numbering, from 0)"
+        )
     sliced = (key.shape[0], key.shape[1], end - first, key.shape[3])
     value_shape = tuple(value.shape) if is_latent(value) else (*sliced[:3], value.shape[3])
     specs = [
@@ -88,14 +89,18 @@ def piece_of(
         None if item.hidden is None or not hidden else (item.hidden.shape, item.hidden.dtype),
     ]
     packed = pack_empty(specs, item.storage.device, allocate)
-    piece = item_from_packed(packed, item_id=item_id, seq=item.seq, masked=item.masked_tokens)
-    piece.first_head = first
-    return piece
+    return item_from_packed(packed, item_id=item_id, seq=record.seq, masked=record.masked_tokens)
 
 
-def fill_piece(piece: BufferedItem, item: BufferedItem) -> None:
-    """Write a piece's bytes from its item (queued, not waited for, on a GPU)."""
-    first, end = piece.first_head, piece.first_head + piece.key.shape[2]
+def first_head(item: ItemBytes, heads: HeadRange) -> int:
+    """The first of an item's heads a piece of `heads` takes (0 for a latent: it takes all)."""
+    return 0 if is_latent(item.value) else heads.first
+
+
+def fill_piece(piece: ItemBytes, item: ItemBytes, first: int) -> None:
+    """Write a piece's bytes from its item's, the piece's heads from the item's head `first` on
+    (`first_head`; queued, not waited for, on a GPU)."""
+    end = first + piece.key.shape[2]
     copy_into(piece.input_tokens, item.input_tokens)
     if piece.roi is not None and item.roi is not None:
         copy_into(piece.roi, item.roi)

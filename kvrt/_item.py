@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from kvrt._arguments import seconds
-from kvrt._buffer import BufferedItem
 from kvrt._errors import InvalidInputError
+from kvrt._item_bytes import ItemBytes, StreamStore
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
+from kvrt._protocol.buffer import BufferedItem, StreamRecord
 from kvrt._tensors import Allocate, Packed, pack
 
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
@@ -289,10 +290,19 @@ def truncate(item: KVItem, matched_tokens: int) -> KVItem:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class NewItem:
+    """An item just made by the producer's driver: the record its protocol core keeps, and the
+    bytes the driver keeps beside it."""
+
+    record: BufferedItem
+    bytes: ItemBytes
+
+
 def buffered_item(
     tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
     device: torch.device, *, item_id: int, seq: int, allocate: Allocate | None = None,
-) -> BufferedItem:  # fmt: skip
+) -> NewItem:  # fmt: skip
     """An item for the buffer: the five tensors (already checked) packed into one new buffer
     on `device` (the one copy insert makes), with its lookup key: read from the caller's
     tokens when they are on the host (from the packed copy on a GPU, the read would wait for
@@ -303,39 +313,40 @@ def buffered_item(
     return item_from_packed(pack(tensors, device, allocate), item_id=item_id, seq=seq, masked=masked)
 
 
-def item_from_packed(packed: Packed, *, item_id: int, seq: int, masked: np.ndarray | None = None) -> BufferedItem:
+def item_from_packed(
+    packed: Packed, *, item_id: int, seq: int, masked: np.ndarray | None = None,
+    segments: list[tuple[int, int]] | None = None,
+) -> NewItem:  # fmt: skip
     """An item for the buffer over an already packed and filled buffer (no copy). `masked`:
-    its lookup key, if the caller read it already (reading it waits for the device)."""
+    its lookup key, if the caller read it already (reading it waits for the device);
+    `segments`: the ranges its buffer travels in (None: one transfer)."""
     input_tokens, roi, key, value, hidden = packed.tensors
     assert input_tokens is not None and key is not None and value is not None  # packed from tensors
-    return BufferedItem(
+    record = BufferedItem(
         item_id=item_id,
         seq=seq,
         masked_tokens=masked_tokens(input_tokens, roi) if masked is None else masked,
-        storage=packed.storage,
         metas=packed.metas,
-        input_tokens=input_tokens,
-        roi=roi,
-        key=key,
-        value=value,
-        hidden=hidden,
+        packed_bytes=int(packed.storage.nbytes),
+        segments=[] if segments is None else segments,
     )
+    storage = packed.storage
+    return NewItem(record, ItemBytes(item_id, storage, input_tokens, roi, key, value, hidden))
 
 
-def item_from_tokens(packed: Packed, *, item_id: int, seq: int) -> BufferedItem:
-    """An open stream's item: its tokens and roi packed; the KV comes layer by layer."""
+def item_from_tokens(packed: Packed, *, item_id: int, seq: int, layers: int) -> NewItem:
+    """An open stream's item: its tokens and roi packed; the KV comes layer by layer (`layers`)."""
     input_tokens, roi = packed.tensors
     assert input_tokens is not None
     empty = torch.empty((0, int(input_tokens.numel()), 0, 0))
-    return BufferedItem(
+    record = BufferedItem(
         item_id=item_id,
         seq=seq,
         masked_tokens=masked_tokens(input_tokens, roi),
-        storage=packed.storage,
         metas=(*packed.metas, None, None, None),
-        input_tokens=input_tokens,
-        roi=roi,
-        key=empty,
-        value=empty,
-        hidden=None,
+        packed_bytes=int(packed.storage.nbytes),
+        stream=StreamRecord(layers),
+    )
+    return NewItem(
+        record, ItemBytes(item_id, packed.storage, input_tokens, roi, empty, empty, None, store=StreamStore())
     )

@@ -23,52 +23,29 @@ import torch
 
 from kvrt._errors import InvalidInputError, RemoteProtocolError
 from kvrt._messages import BATCH_ALIGNMENT, MAX_SEGMENTS, TensorMeta
-
-_WIRE_DTYPE_NAMES: Final = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-)
-"""Every plain dtype (quantized ones have no byte view); those this torch lacks are skipped."""
+from kvrt._sizes import ITEM_BYTES, packed_layout
+from kvrt._sizes import PACK_ALIGN_BYTES as PACK_ALIGN_BYTES
+from kvrt._sizes import meta_end as meta_end  # the size arithmetic lives in `kvrt._sizes`, without torch
+from kvrt._sizes import meta_nbytes as meta_nbytes
 
 Allocate = Callable[[int], torch.Tensor | None]
 """Gives an item's packed buffer: a 1-D uint8 tensor of that many bytes, or None (see `pack_empty`)."""
 
 
 def _wire_dtypes() -> dict[str, torch.dtype]:
+    """Every wire dtype of `kvrt._sizes.ITEM_BYTES` this torch has (those it lacks are skipped),
+    each of the element size the protocol core reckons with."""
     table: dict[str, torch.dtype] = {}
-    for name in _WIRE_DTYPE_NAMES:
+    for name, size in ITEM_BYTES.items():
         dtype = getattr(torch, name, None)
         if isinstance(dtype, torch.dtype):
+            assert dtype.itemsize == size, f"torch.{name} has {dtype.itemsize}-byte elements, not {size}"
             table[str(dtype).removeprefix("torch.")] = dtype
     return table
 
 
 DTYPES: Final[dict[str, torch.dtype]] = _wire_dtypes()
 """Wire name → dtype, for every dtype that can travel."""
-
-
-PACK_ALIGN_BYTES: Final = 64
-"""Each tensor of a packed item starts at a multiple of this (a cache line) from the start."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -78,16 +55,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     """The metadata of a tensor sent on its own (offset 0 in its own frame)."""
     return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
-
-
-def meta_nbytes(meta: TensorMeta) -> int:
-    """The bytes of the tensor `meta` describes."""
-    return _nbytes(meta.shape, _dtype_of(meta))
-
-
-def meta_end(meta: TensorMeta) -> int:
-    """Where the bytes of the tensor `meta` describes end in its packed buffer."""
-    return meta.offset + _nbytes(meta.shape, _dtype_of(meta))
 
 
 def back_to_back(metas: Sequence[TensorMeta]) -> tuple[list[TensorMeta], int]:
@@ -181,24 +148,17 @@ def pack_empty(
     """One new buffer on `device` laid out for tensors of these shapes and dtypes (None stays
     None), and views of them: for a caller that fills them in place. `allocate` may give the
     buffer (a 1-D uint8 tensor of the size asked for, on `device`; None from it: a new one)."""
-    metas: list[TensorMeta | None] = []
-    end = 0
-    for spec in specs:
-        if spec is None:
-            metas.append(None)
-            continue
-        shape, dtype = spec
-        offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
-        metas.append(TensorMeta(dtype=dtype_name(dtype), shape=list(shape), offset=offset))
-        end = offset + _nbytes(shape, dtype)
-    storage = None if allocate is None else allocate(end)
+    named = [None if spec is None else (spec[0], dtype_name(spec[1])) for spec in specs]
+    element_bytes = {dtype_name(spec[1]): spec[1].itemsize for spec in specs if spec is not None}
+    layout = packed_layout(named, element_bytes.__getitem__)
+    storage = None if allocate is None else allocate(layout.nbytes)
     if storage is None:
-        storage = torch.empty(end, dtype=torch.uint8, device=device)
+        storage = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     views = tuple(
         None if spec is None or meta is None else _view(storage, meta, spec[1])
-        for spec, meta in zip(specs, metas, strict=True)
+        for spec, meta in zip(specs, layout.metas, strict=True)
     )
-    return Packed(storage, views, tuple(metas))
+    return Packed(storage, views, layout.metas)
 
 
 def pack(tensors: Sequence[torch.Tensor | None], device: torch.device, allocate: Allocate | None = None) -> Packed:

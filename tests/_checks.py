@@ -82,7 +82,7 @@ def lease_ends_with_the_next_delivery(link: Any, monkeypatch: Any) -> None:
     def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
         event = core_receive(frame, now)
         if isinstance(m.decode(frame), m.Deliver):
-            monkeypatch.setattr(link, "lease_holds", lambda: False)
+            monkeypatch.setattr(link.session, "lease_holds", lambda: False)
         return event
 
     monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)

@@ -85,7 +85,7 @@ async def scenarios(rank: int, world: int, results: Any) -> None:
             if rank != missing_rank(world):
                 await insert(producer, tokens(2000, 6), rank)
             await insert(producer, tokens(3000, 4 + rank), rank)
-            consensus = consumer._consensus
+            consensus = consumer._connections.consensus
             assert consensus is not None
             before = consensus.rounds
             items = await consumer.drop_select_many([tokens(2000, 6), tokens(3000, 10), tokens(4000, 3)])

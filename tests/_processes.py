@@ -50,10 +50,10 @@ async def child_process(
 async def killed_and_forgotten(process: Any, producer: kvrt.Producer, heartbeat_s: float) -> None:
     """Kill a consumer's process and wait until `producer` forgot it (its heartbeat timeout)."""
     assert process.pid is not None
-    producer._peer_left.clear()
+    producer._serving.peer_left.clear()
     os.kill(process.pid, signal.SIGKILL)
     await asyncio.to_thread(process.join)
-    await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 5.0)
+    await asyncio.wait_for(producer._serving.peer_left.wait(), 4 * heartbeat_s + 5.0)
 
 
 async def fails_with_peer_lost_in_time(call: asyncio.Task[Any], producer: Any, heartbeat_s: float) -> None:

@@ -55,9 +55,9 @@ async def test_an_item_handed_over_is_not_delivered_again_when_its_taker_then_ho
             assert said == "connected"
             await producer.insert(torch.tensor(TOKENS), None, key, key)
             assert await asyncio.to_thread(control.recv) == ("took", _checksum(key))
-            producer._peer_left.clear()
+            producer._serving.peer_left.clear()
             async with asyncio.timeout(10 * HEARTBEAT_S * 10):  # its lease ends (its loop sends nothing)
-                await producer._peer_left.wait()
+                await producer._serving.peer_left.wait()
             async with kvrt.Consumer(connect=producer.endpoint) as other:
                 assert await other.drop_select(torch.tensor(TOKENS)) is None, "the item was taken twice"
             control.send("go")

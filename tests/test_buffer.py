@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvrt._bench.vllm_simple_buffer import SimpleBuffer
-from kvrt._buffer import BufferedItem, LookupBuffer, prefix_match_length
 from kvrt._item import masked_tokens
+from kvrt._protocol.buffer import BufferedItem, LookupBuffer, prefix_match_length
 
 VOCAB = 4
 """A tiny vocabulary, so that random sequences share prefixes often (and stay far below the
@@ -32,21 +32,15 @@ def simple_buffer_matched(
 
 
 def make_item(buffer: LookupBuffer, tokens: list[int], roi: list[bool] | None = None, nbytes: int = 10) -> BufferedItem:
-    """An item whose tensors are the tokens and roi alone, held in `nbytes` of storage."""
+    """The record of an item of these tokens and roi, whose packed buffer holds `nbytes`."""
     input_tokens = torch.tensor(tokens, dtype=torch.int64)
     roi_tensor = None if roi is None else torch.tensor(roi, dtype=torch.bool)
-    empty = torch.empty(0)
     return BufferedItem(
         item_id=buffer.next_seq(),
         seq=buffer.next_seq(),
         masked_tokens=masked_tokens(input_tokens, roi_tensor),
-        storage=torch.empty(nbytes, dtype=torch.uint8),
         metas=(),
-        input_tokens=input_tokens,
-        roi=roi_tensor,
-        key=empty,
-        value=empty,
-        hidden=None,
+        packed_bytes=nbytes,
     )
 
 
@@ -145,8 +139,8 @@ def test_bytes_count_until_a_taken_item_is_forgotten() -> None:
 
 @pytest.mark.parametrize("how", ["delivered", "dropped"])
 def test_an_item_gone_from_the_buffer_is_not_kept_alive_by_its_index(how: str) -> None:
-    # Removal from the index is lazy; a stale entry must not hold the item's tensors (a GPU
-    # item's are gigabytes) until the next compaction.
+    # Removal from the index is lazy; a stale entry must not hold the item's record (and so
+    # its bytes: a GPU item's are gigabytes) until the next compaction.
     buffer = LookupBuffer()
     for tokens in ([1, 2], [1, 3], [2]):
         item = make_item(buffer, tokens)

@@ -16,8 +16,9 @@ import torch
 import kvrt
 from kvrt import Layout, PoolTable
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, StreamState
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
+from kvrt._item_bytes import ItemBytes
+from kvrt._protocol.buffer import BufferedItem
 from kvrt.transports.paired import PairedReceiver
 from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published, read_whole
 
@@ -115,16 +116,16 @@ async def test_an_item_a_gpu_checksummed_is_checked_on_a_host_consumer_with_the_
     """A GPU producer's items carry `device_checksum` (`kvrt.kernels.checksum`) in place of
     XXH3; over TCP into host memory the consumer checks it with the kernel's torch reference.
     Here a CPU producer computes it as a GPU producer would, with that reference."""
-    from kvrt._producer._state import ProducerState
+    from kvrt._producer._state import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
-    prepare = ProducerState._prepare
+    prepare = ItemKeeper.prepare
 
-    def as_a_gpu_producer_does(self: ProducerState, item: BufferedItem) -> None:
-        prepare(self, item)
-        item.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(item.metas))
+    def as_a_gpu_producer_does(self: ItemKeeper, record: BufferedItem, item: ItemBytes) -> None:
+        prepare(self, record, item)
+        record.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(record.metas))
 
-    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    monkeypatch.setattr(ItemKeeper, "prepare", as_a_gpu_producer_does)
     tokens, key, value = _item()
     async with _through_relay(checksum=True) as (producer, relay, consumer):
         await producer.insert(tokens, None, key, value)
@@ -382,18 +383,20 @@ async def test_a_gpu_producers_stream_end_with_another_count_of_layer_checksums_
 
 def test_a_gpu_producers_open_stream_sends_its_layers_with_no_checksum_as_its_end_carries_them() -> None:
     """A GPU stream's item holds only its tokens, on the host; its layers, on the GPU, have
-    their checksums queued (`StreamState.layer_sums`), none on the host: a layer's header goes
+    their checksums queued (`StreamStore.layer_sums`), none on the host: a layer's header goes
     out without one, and is built without looking for one."""
     from kvrt._item import item_from_tokens
     from kvrt._producer._serve import _with_checksums
     from kvrt._protocol.outgoing import Outgoing
     from kvrt._tensors import pack
 
-    item = item_from_tokens(pack((torch.arange(8), None), torch.device("cpu")), item_id=3, seq=0)
-    item.stream = StreamState(layers=2, layer_sums=[concurrent.futures.Future()])
+    item = item_from_tokens(pack((torch.arange(8), None), torch.device("cpu")), item_id=3, seq=0, layers=2)
+    assert item.bytes.store is not None
+    item.bytes.store.layer_sums.append(concurrent.futures.Future())
     meta = m.TensorMeta(dtype="bfloat16", shape=[8, 2, 4])
     layer = m.StreamLayer(item_id=3, layer=0, key=meta, value=meta)
-    assert _with_checksums(layer, Outgoing(b"reader", layer, item)) == layer
+    bytes_of = {item.record: item.bytes}.__getitem__
+    assert _with_checksums(layer, Outgoing(b"reader", layer, item.record), bytes_of) == layer
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])
@@ -619,20 +622,20 @@ async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_
     import time
 
     from kvrt._consumer import _consumer
-    from kvrt._producer._state import ProducerState
+    from kvrt._producer._state import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
-    prepare = ProducerState._prepare
+    prepare = ItemKeeper.prepare
 
-    def as_a_gpu_producer_does(self: ProducerState, item: BufferedItem) -> None:
-        prepare(self, item)
-        item.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(item.metas))
+    def as_a_gpu_producer_does(self: ItemKeeper, record: BufferedItem, item: ItemBytes) -> None:
+        prepare(self, record, item)
+        record.checksum, item.device_checksum = None, checksum_reference(item.storage, metas_seed(record.metas))
 
     def slowly(data: torch.Tensor, seed: int) -> int:
         time.sleep(1.0)
         return checksum_reference(data, seed)
 
-    monkeypatch.setattr(ProducerState, "_prepare", as_a_gpu_producer_does)
+    monkeypatch.setattr(ItemKeeper, "prepare", as_a_gpu_producer_does)
     monkeypatch.setattr(_consumer, "device_checksum", slowly)
     tokens, key, value = torch.arange(16), torch.randn(2, 16, 8, 512), torch.randn(2, 16, 8, 512)  # 2 MiB
     gaps: list[float] = []

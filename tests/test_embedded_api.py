@@ -234,10 +234,10 @@ async def test_an_item_taken_right_before_close_stays_taken_and_is_never_deliver
     # Its receipt leaves before the consumer's bye: a bye first would put the item back in
     # the buffer, and the next consumer would get it a second time.
     await insert_tokens(producer, torch.arange(4))
-    producer._peer_left.clear()
+    producer._serving.peer_left.clear()
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
         assert await consumer.drop_select(torch.arange(4)) is not None
-    await asyncio.wait_for(producer._peer_left.wait(), 5.0)
+    await asyncio.wait_for(producer._serving.peer_left.wait(), 5.0)
     stats = producer.stats()
     assert (stats.items, stats.in_flight, stats.totals.delivered_items, stats.totals.returned_items) == (0, 0, 1, 0)
     async with kvrt.Consumer(connect=producer.endpoint) as second:
@@ -250,10 +250,10 @@ async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dr
     # A dropped receipt would leave the item in flight until the consumer leaves, then put it
     # back in the buffer for the next consumer: taken twice.
     await insert_tokens(producer, torch.arange(4))
-    producer._peer_left.clear()
+    producer._serving.peer_left.clear()
     refused: list[int] = []
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
-        io = consumer.link_for_tests()._io  # type: ignore[attr-defined]
+        io = consumer.link_for_tests().session.io
         send_nowait = io.send_nowait
 
         def full_for_three_receipts(frames: Any) -> bool:
@@ -266,7 +266,7 @@ async def test_a_receipt_waits_for_room_in_a_full_send_queue_instead_of_being_dr
         assert await consumer.drop_select(torch.arange(4)) is not None
         await caught_up(consumer)
         assert producer.stats().totals.delivered_items == 1
-    await asyncio.wait_for(producer._peer_left.wait(), 5.0)
+    await asyncio.wait_for(producer._serving.peer_left.wait(), 5.0)
     stats = producer.stats()
     assert len(refused) == 3 and (stats.items, stats.totals.returned_items) == (0, 0)
 

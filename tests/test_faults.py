@@ -36,11 +36,11 @@ async def test_a_consumer_killed_mid_transfer_gives_its_item_back_and_memory_ret
         assert await asyncio.to_thread(control.poll, 60) and control.recv() == "asked"
         assert await asyncio.to_thread(control.poll, 60) and control.recv() == "arrived"
         assert producer.stats().in_flight == 1
-        producer._peer_left.clear()
+        producer._serving.peer_left.clear()
         assert process.pid is not None
         os.kill(process.pid, signal.SIGKILL)
         await asyncio.to_thread(process.join)
-        await asyncio.wait_for(producer._peer_left.wait(), 4 * heartbeat_s + 2.0)
+        await asyncio.wait_for(producer._serving.peer_left.wait(), 4 * heartbeat_s + 2.0)
         stats = producer.stats()
         assert (stats.items, stats.in_flight, stats.peers) == (1, 0, 0)
         assert stats.buffer_bytes == before and stats.totals.returned_items == 1

@@ -123,7 +123,8 @@ async def test_a_gpu_producers_items_are_checked_on_a_host_consumer_over_tcp() -
         assert consumer.metrics.integrity_failures == 0
         input_tokens, key, value, hidden = kv_item(3, 500, torch.bfloat16, PRODUCER_DEVICE)
         await producer.insert(input_tokens, None, key, value, hidden)
-        (buffered,) = [item for item in producer._core.buffer.items() if item.device_checksum is None]
+        (buffered,) = [producer._bytes[item] for item in producer._core.buffer.items()]
+        assert buffered.device_checksum is None
         buffered.device_checksum = 12345  # as if its bytes changed after the GPU checksummed them
         for failures in (1, 2):  # it came back whole, and fails again
             with pytest.raises(kvrt.IntegrityError):

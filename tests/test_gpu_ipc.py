@@ -333,7 +333,7 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         await killed_and_forgotten(reader, producer, heartbeat_s)
         assert producer.stats().items == 1  # back in the buffer
 
-        producer._peer_left.clear()
+        producer._serving.peer_left.clear()
         control, child = spawn.Pipe()
         taker = spawn.Process(
             target=run_gpu_consumer, args=(producer.endpoint, CONSUMER_DEVICE, query, "cuda_ipc", child)
@@ -341,7 +341,7 @@ async def test_a_consumer_killed_holding_what_it_read_leaves_no_producer_memory_
         await asyncio.to_thread(taker.start)
         assert await heard(control) == len(query)
         await asyncio.to_thread(taker.join)
-        await asyncio.wait_for(producer._peer_left.wait(), 10.0)  # its bye, after its receipt
+        await asyncio.wait_for(producer._serving.peer_left.wait(), 10.0)  # its bye, after its receipt
         stats = producer.stats()
         assert (stats.items, stats.in_flight, stats.totals.delivered_items) == (0, 0, 1)
         freed = with_item - producer_memory(producer)
@@ -423,7 +423,7 @@ async def test_a_producer_killed_before_its_item_is_written_fails_the_call_inste
         control.send(("insert", 5, tokens, 3000))
         assert await heard(control) == "inserted"
         await asyncio.wait_for(posted.wait(), 10)  # its copy waits for the producer's mark
-        assert not call.done() and link._arrivals
+        assert not call.done() and link.session._arrivals
         await fails_with_peer_lost_in_time(call, producer, heartbeat_s)
 
 

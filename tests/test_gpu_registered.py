@@ -95,7 +95,7 @@ async def test_an_item_taken_and_confirmed_gives_its_region_back_for_the_next_in
     async with kvrt.Producer(device=PRODUCER_DEVICE) as producer:
         arena = arena_of(producer)
         await producer.insert(tokens, None, key, value, hidden)
-        first = producer._core.buffer.items()[0].storage
+        first = producer._bytes[producer._core.buffer.items()[0]].storage
         assert arena.place(first) is not None and arena.used_bytes >= key.nbytes + value.nbytes
         address = first.data_ptr()
         del first
@@ -109,7 +109,7 @@ async def test_an_item_taken_and_confirmed_gives_its_region_back_for_the_next_in
         assert producer.stats().totals.delivered_items == 1
         assert collected(arena).used_bytes == 0
         await producer.insert(tokens, None, key, value, hidden)
-        second = producer._core.buffer.items()[0].storage
+        second = producer._bytes[producer._core.buffer.items()[0]].storage
         assert second.data_ptr() == address and len(arena.slabs) == 1
 
 

@@ -265,7 +265,7 @@ async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_
             # then the whole process stops: when it wakes, the item is the first thing it reads.
             control.send(("hold", 0.5))
             assert await asyncio.to_thread(control.recv) == "holding"
-            producer._peer_left.clear()
+            producer._serving.peer_left.clear()
             await producer.insert(tokens, None, key, key)
             assert producer.stats().in_flight == 1  # sent to the consumer whose loop is held
             _stop(stalled)  # and now stopped for longer than its lease (a GC pause, SIGSTOP)
@@ -273,7 +273,7 @@ async def test_a_consumer_stalled_past_its_lease_never_hands_over_what_was_sent_
                 # Its lease ends, its connection is still up: the item comes back once the
                 # producer stops holding it for a stopped process.
                 async with asyncio.timeout(LEASE_S * SILENT_HOLD_LEASES + 5):
-                    await producer._peer_left.wait()
+                    await producer._serving.peer_left.wait()
                 assert producer.stats().items == 1
                 if then == "taken-by-another":
                     async with kvrt.Consumer(connect=producer.endpoint) as other:
@@ -330,13 +330,13 @@ async def test_a_killed_consumer_s_items_come_back_when_its_lease_ends_not_after
             assert asked == "asked" and killed.pid is not None
             control.send(("hold", 30.0))  # its loop never reads the item
             assert await asyncio.to_thread(control.recv) == "holding"
-            producer._peer_left.clear()
+            producer._serving.peer_left.clear()
             await producer.insert(tokens, None, key, key)
             assert producer.stats().in_flight == 1
             os.kill(killed.pid, signal.SIGKILL)
             killed_at = time.monotonic()
             async with asyncio.timeout(LEASE_S * SILENT_HOLD_LEASES):
-                await producer._peer_left.wait()
+                await producer._serving.peer_left.wait()
             assert time.monotonic() - killed_at < 2 * LEASE_S  # its connection closed: no hold
             assert producer.stats().items == 1
 
@@ -403,31 +403,24 @@ def test_a_receipt_for_a_stream_before_its_end_is_refused_and_the_stream_goes_on
     # Confirmed before its end, an open stream left the producer's count while its prefill
     # kept publishing into it (the count grew for what was freed, then went below zero), and
     # its end handed the whole item out again to a reader that had said it was done.
-    from kvrt._buffer import StreamState
-    from kvrt._item import buffered_item, item_from_tokens, pack
-    from kvrt._tensors import tensor_meta
+    from tests._records import layer_meta, stream_record, whole_of
 
     core = ProducerCore(producer_id="p", heartbeat_s=HEARTBEAT_S)
     core.receive(b"a", m.encode(m.Hello(version=m.PROTOCOL_VERSION)), 0, 0.0)
-    tokens = torch.tensor([1, 2, 3])
-    item = item_from_tokens(pack((tokens, None), torch.device("cpu")), item_id=core.new_item_id(), seq=0)
-    item.stream = StreamState(layers=2)
+    item = stream_record(core.new_item_id(), 0, [1, 2, 3], layers=2)
     core.open_stream(item, 0.0)
-    asked = m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(tokens.numpy()), stream=True)
+    asked = m.DropSelect(request_id=1, tokens=m.tokens_to_bytes(item.masked_tokens), stream=True)
     (start,) = core.receive(b"a", m.encode(asked), 0, 0.0)
     assert isinstance(start.message, m.StreamStart)
     early = m.Received(item_ids=[item.item_id], leases=[start.message.lease])
     (refused,) = core.receive(b"a", m.encode(early), 0, 0.0)
     assert isinstance(refused.message, m.ErrorReply) and refused.message.code is kvrt.ErrorCode.PROTOCOL
-    layer = torch.ones(3, 2, 4)
-    for _ in range(2):  # as the producer's driver does: the core records it, the store keeps it
-        (sent,) = core.stream_layer(item, tensor_meta(layer), tensor_meta(layer))
-        item.stream.keys.append(layer)
-        item.stream.values.append(layer)
+    layer = layer_meta(item, heads=2, head_dim=4, dtype="float32")
+    for _ in range(2):  # as the producer's driver does: the core records it (the driver keeps its bytes)
+        (sent,) = core.stream_layer(item, layer, layer)
         assert sent.peer == b"a" and isinstance(sent.message, m.StreamLayer)
     assert core.streams.nbytes == item.nbytes
-    keys = torch.stack(item.stream.keys)
-    whole = buffered_item((tokens, None, keys, keys.clone(), None), torch.device("cpu"), item_id=item.item_id, seq=0)
+    whole = whole_of(item, layer)
     (end,) = core.finish_stream(item, whole, 0.0)
     assert isinstance(end.message, m.StreamEnd) and core.streams.nbytes == 0
     assert core.receive(b"a", m.encode(early), 0, 0.0) == []  # after its end: confirmed, under the same lease
@@ -451,7 +444,7 @@ async def test_a_delivery_read_after_the_lease_ended_is_given_back_without_readi
         def stalled_until_the_lease_ended(frame: bytes, now: float) -> object:
             event = core_receive(frame, now)
             if isinstance(m.decode(frame), m.Deliver | m.DeliverMany):
-                monkeypatch.setattr(link, "lease_holds", lambda: False)
+                monkeypatch.setattr(link.session, "lease_holds", lambda: False)
             return event
 
         monkeypatch.setattr(link.core, "receive", stalled_until_the_lease_ended)
@@ -484,7 +477,7 @@ class NonReaderReplies:
     (its peer's queue was full)."""
 
     def __init__(self, producer: kvrt.Producer, monkeypatch: pytest.MonkeyPatch) -> None:
-        outboxes = producer._outboxes
+        outboxes = producer._serving.outboxes
         assert outboxes is not None
         self.producer, self.formed, self.answered = producer, asyncio.Event(), 0
         self._watching, self._changed = False, asyncio.Event()
@@ -503,9 +496,9 @@ class NonReaderReplies:
         monkeypatch.setattr(RouterOutboxes, "post", noting)
 
     def watch_outbox(self) -> None:
-        assert self.producer._outboxes is not None
+        assert self.producer._serving.outboxes is not None
         self._watching = True
-        if self.producer._outboxes.next_retry() is not None:
+        if self.producer._serving.outboxes.next_retry() is not None:
             self.formed.set()
 
     async def wait_formed(self, within_s: float = 0.5) -> bool:
@@ -529,7 +522,7 @@ async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it
     requests: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with kvrt.Producer(heartbeat_s=HEARTBEAT_S) as producer:
-        assert producer._outboxes is not None
+        assert producer._serving.outboxes is not None
         replies = NonReaderReplies(producer, monkeypatch)
         async with (
             kvrt.Consumer(connect=producer.endpoint) as consumer,
@@ -562,7 +555,7 @@ async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it
                 # (it may be gone: its lease, 1 s after its last message, may have ended already on
                 # a slow host, or its outbox stalled that long; with it went its outbox)
                 present = non_reader(producer) is not None
-                stuck = producer._outboxes.next_retry() is not None
+                stuck = producer._serving.outboxes.next_retry() is not None
                 # The CPU time of this thread, where the producer's loop runs (the process's other
                 # threads, libzmq's and the consumer's, are not the producer spinning), once the heap
                 # of a whole test run was collected first (a full collection in the window took it
@@ -580,8 +573,8 @@ async def test_a_peer_that_stops_reading_is_dropped_and_nobody_else_waits_for_it
                 assert stuck or not present, "the replies it never read left its outbox while it stayed"
             async with asyncio.timeout(LEASE_S + 30):
                 while producer.stats().peers > 1:  # the non-reader is dropped: stalled for its lease, or overflowing
-                    producer._peer_left.clear()
-                    await producer._peer_left.wait()
+                    producer._serving.peer_left.clear()
+                    await producer._serving.peer_left.wait()
             assert await consumer.drop_select(torch.tensor([-1])) is None
 
 
@@ -805,11 +798,11 @@ async def test_a_large_item_arrives_whole_through_the_consumer_with_its_header_f
         assert items == [None]
     await producer.insert(torch.arange(256), None, key, -key)
     await producer.insert(torch.arange(1000, 1256), None, -key, key)
-    producer._peer_left.clear()
+    producer._serving.peer_left.clear()
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
         first, second = await consumer.drop_select_many([torch.arange(256), torch.arange(1000, 1256)])
         assert first is not None and second is not None and torch.equal(second.key, -key)
-    await asyncio.wait_for(producer._peer_left.wait(), 5)  # its receipts, then its bye, were handled
+    await asyncio.wait_for(producer._serving.peer_left.wait(), 5)  # its receipts, then its bye, were handled
     assert (producer.stats().items, producer.stats().in_flight, producer.stats().totals.delivered_items) == (0, 0, 3)
 
 

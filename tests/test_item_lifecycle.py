@@ -22,6 +22,9 @@ another TP size): a consumer holds at most one piece of an item, an item whose p
 out is never delivered whole, and it leaves once both readers confirmed theirs. Prefills
 stream too (a stream opened, its layers published, finished or aborted): a streaming lookup
 takes an open stream as its one reader, and a finished stream is an item like the others.
+
+The core is given items' records only (`tests._records`: metas, no tensors), as the producer's
+driver gives them: it never touches an item's bytes.
 """
 
 from __future__ import annotations
@@ -29,18 +32,14 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, ItemState, StreamState
-from kvrt._heads import fill_piece, piece_of
-from kvrt._item import buffered_item, item_from_tokens, pack
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._protocol.waiting import PieceAsked
-from kvrt._tensors import tensor_meta
+from kvrt._protocol.buffer import BufferedItem, ItemState
+from tests._records import item_record, layer_meta, piece_record, stream_record, whole_of
 
 HEARTBEAT_S = 1.0
 MAX_WAITING = 6
@@ -59,16 +58,12 @@ prompts = st.sampled_from(PROMPTS)
 head_ranges = st.sampled_from([(0, 1), (1, 2)])
 
 
-def cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
-    piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=None)
-    fill_piece(piece, item)
-    return piece
-
-
 class ItemLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.core = ProducerCore(producer_id="producer", heartbeat_s=HEARTBEAT_S, max_waiting=MAX_WAITING, cut=cut)
+        self.core = ProducerCore(
+            producer_id="producer", heartbeat_s=HEARTBEAT_S, max_waiting=MAX_WAITING, cut=piece_record
+        )
         self.now = 0.0
         self.nbytes: dict[int, int] = {}
         """Every item inserted, and its bytes."""
@@ -179,11 +174,7 @@ class ItemLifecycle(RuleBasedStateMachine):
 
     @rule(prompt=prompts)
     def insert(self, prompt: list[int]) -> None:
-        key = torch.zeros((1, len(prompt), HEADS, 2), dtype=torch.float16)
-        item: BufferedItem = buffered_item(
-            (torch.tensor(prompt, dtype=torch.int64), None, key, key, None), torch.device("cpu"),
-            item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
-        )  # fmt: skip
+        item = item_record(self.core.new_item_id(), self.core.buffer.next_seq(), prompt, heads=HEADS)
         self.nbytes[item.item_id] = item.nbytes
         self.records[item.item_id] = item
         self.seen(self.core.insert(item, self.now))
@@ -226,9 +217,7 @@ class ItemLifecycle(RuleBasedStateMachine):
 
     @rule(prompt=prompts)
     def open_stream(self, prompt: list[int]) -> None:
-        packed = pack((torch.tensor(prompt, dtype=torch.int64), None), torch.device("cpu"))
-        item = item_from_tokens(packed, item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq())
-        item.stream = StreamState(LAYERS)
+        item = stream_record(self.core.new_item_id(), self.core.buffer.next_seq(), prompt, layers=LAYERS)
         self.streams[item.item_id] = item
         self.nbytes[item.item_id] = 0  # counted once finished (see `the_buffers_bytes_are_its_items`)
         self.records[item.item_id] = item
@@ -236,17 +225,12 @@ class ItemLifecycle(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def publish_a_layer(self, data: st.DataObject) -> None:
-        open_streams = [item for item in self.streams.values() if item.stream and len(item.stream.keys) < LAYERS]
+        open_streams = [item for item in self.streams.values() if item.stream and len(item.stream.metas) < LAYERS]
         if not open_streams:
             return
         item = data.draw(st.sampled_from(open_streams))
-        layer = torch.zeros((len(item.masked_tokens), HEADS, 2), dtype=torch.float16)
-        # As the producer's driver does: the core records the layer, the stream's store keeps it.
-        assert item.stream is not None
-        self.seen(self.core.stream_layer(item, tensor_meta(layer), tensor_meta(layer)))
-        item.stream.keys.append(layer)
-        item.stream.values.append(layer.clone())
-        item.stream.ready.append(None)
+        layer = layer_meta(item, heads=HEADS)
+        self.seen(self.core.stream_layer(item, layer, layer))
 
     @rule(data=st.data(), how=st.sampled_from(["finish", "finish", "abort"]))
     def stream_ends(self, data: st.DataObject, how: str) -> None:
@@ -261,13 +245,10 @@ class ItemLifecycle(RuleBasedStateMachine):
             self.aborted.add(item_id)
             self.seen(self.core.abort_stream(item, "the prefill failed"))
             return
-        if len(item.stream.keys) < LAYERS:
+        if len(item.stream.metas) < LAYERS:
             return
         del self.streams[item_id]
-        key = torch.stack(item.stream.keys)
-        whole = buffered_item(
-            (item.input_tokens, None, key, key.clone(), None), torch.device("cpu"), item_id=item_id, seq=item.seq
-        )
+        whole = whole_of(item, layer_meta(item, heads=HEADS))
         self.nbytes[item_id] = whole.nbytes
         self.records[item_id] = whole
         self.seen(self.core.finish_stream(item, whole, self.now))

@@ -416,14 +416,14 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
             assert asked == "asked"
             control.send(("hold", 0.5))
             assert await asyncio.to_thread(control.recv) == "holding"
-            producer._peer_left.clear()
+            producer._serving.peer_left.clear()
             await producer.insert(tokens, None, key, key)
             assert producer.stats().in_flight == 1
             (sent_at,) = sent
             assert stalled.pid is not None
             os.kill(stalled.pid, signal.SIGSTOP)
             try:
-                await asyncio.wait_for(producer._peer_left.wait(), LEASE_S * SILENT_HOLD_LEASES + 5)
+                await asyncio.wait_for(producer._serving.peer_left.wait(), LEASE_S * SILENT_HOLD_LEASES + 5)
                 async with kvrt.Consumer(connect=producer.endpoint, transport="nixl") as other:
                     item = await other.drop_select(tokens)
                     assert item is not None and torch.equal(item.key, key)
@@ -433,7 +433,7 @@ async def test_a_consumer_stopped_past_its_lease_reads_nothing_of_the_memory_its
                 reused = torch.full_like(key, 7.0)
                 await producer.insert(tokens + 100, None, reused, reused)
                 (reusing,) = producer._core.buffer.items()
-                assert reusing.storage.data_ptr() == sent_at  # the stopped consumer's item's region
+                assert producer._bytes[reusing].storage.data_ptr() == sent_at  # the stopped consumer's item's region
                 del reusing
             finally:
                 os.kill(stalled.pid, signal.SIGCONT)

@@ -3,27 +3,44 @@ one piece of an item, exactly once, and the item stays until every reader confir
 
 from __future__ import annotations
 
+import weakref
+
 import msgspec
 import numpy as np
 import pytest
 import torch
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode
-from kvrt._heads import fill_piece, piece_of
-from kvrt._item import buffered_item
+from kvrt._heads import fill_piece, first_head, piece_of
+from kvrt._item import NewItem, buffered_item
+from kvrt._item_bytes import ItemBytes
 from kvrt._protocol import Outgoing, ProducerCore
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._protocol.waiting import PieceAsked
 
 HEADS = 8
 READERS = [b"rank-0", b"rank-1", b"rank-2", b"rank-3"]
 
 
+BYTES: weakref.WeakKeyDictionary[BufferedItem, ItemBytes] = weakref.WeakKeyDictionary()
+"""Each item's bytes beside its record, as the producer's driver keeps them."""
+
+
+def kept(new: NewItem) -> BufferedItem:
+    BYTES[new.record] = new.bytes
+    return new.record
+
+
+def kv(item: BufferedItem) -> ItemBytes:
+    """An item's tensors (its bytes, kept beside its record)."""
+    return BYTES[item]
+
+
 def cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
-    piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=None)
-    fill_piece(piece, item)
-    return piece
+    piece = piece_of(item, kv(item), asked.heads, asked.hidden, item_id=item_id, allocate=None)
+    fill_piece(piece.bytes, kv(item), first_head(kv(item), asked.heads))
+    return kept(piece)
 
 
 class Producer:
@@ -44,20 +61,20 @@ class Producer:
         generator = torch.Generator().manual_seed(seed)
         key = torch.randn((2, len(tokens), HEADS, 4), generator=generator)
         value = torch.randn((2, len(tokens), HEADS, 4), generator=generator)
-        item = buffered_item(
+        item = kept(buffered_item(
             (torch.tensor(tokens), None, key, value, torch.ones(len(tokens), 3)), torch.device("cpu"),
             item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
-        )  # fmt: skip
+        ))  # fmt: skip
         assert self.core.insert(item, self.now) == []
         return item
 
     def item(self, tokens: list[int]) -> BufferedItem:
         """An item of zeros for the core, not inserted yet (its insert's messages are the test's)."""
         zeros = torch.zeros(1, len(tokens), HEADS, 2)
-        return buffered_item(
+        return kept(buffered_item(
             (torch.tensor(tokens), None, zeros, zeros.clone(), None), torch.device("cpu"),
             item_id=self.core.new_item_id(), seq=self.core.buffer.next_seq(),
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def ask(
         self, peer: bytes, tokens: list[int] | None, first: int, end: int, *, readers: int = 2,
@@ -85,7 +102,8 @@ def test_each_reader_gets_its_heads_and_the_item_leaves_once_every_piece_is_conf
     item = producer.insert([1, 2, 3])
     first, first_piece = piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
     second, second_piece = piece(producer.ask(READERS[1], [1, 2, 3], 4, 8))
-    assert torch.equal(first_piece.key, item.key[:, :, 0:4]) and torch.equal(second_piece.value, item.value[:, :, 4:8])
+    assert torch.equal(kv(first_piece).key, kv(item).key[:, :, 0:4])
+    assert torch.equal(kv(second_piece).value, kv(item).value[:, :, 4:8])
     assert first.payload_bytes < item.nbytes  # only those heads travel
     producer.confirm(READERS[0], first)
     assert producer.core.buffer.nbytes == item.nbytes + second_piece.nbytes  # the item waits for its second reader
@@ -130,7 +148,7 @@ def test_a_reader_that_leaves_frees_its_place_for_a_new_one_and_nothing_is_lost(
     producer.confirm(READERS[1], second)
     producer.send(READERS[0], m.Bye())  # rank 0 died before it confirmed
     again, again_piece = piece(producer.ask(READERS[2], [1, 2, 3], 0, 4))  # its replacement takes heads 0-4
-    assert torch.equal(again_piece.key, item.key[:, :, 0:4])
+    assert torch.equal(kv(again_piece).key, kv(item).key[:, :, 0:4])
     producer.confirm(READERS[2], again)
     assert producer.core.buffer.nbytes == 0 and len(producer.core.buffer) == 0
 
@@ -139,7 +157,7 @@ def test_replicated_heads_go_to_every_reader_that_names_them() -> None:
     producer = Producer()
     item = producer.insert([5, 6])
     delivered = [piece(producer.ask(peer, [5, 6], 3, 4, readers=4)) for peer in READERS]  # decode TP > KV heads
-    assert all(torch.equal(piece_item.key, item.key[:, :, 3:4]) for _, piece_item in delivered)
+    assert all(torch.equal(kv(piece_item).key, kv(item).key[:, :, 3:4]) for _, piece_item in delivered)
     for peer, (deliver, _) in zip(READERS, delivered, strict=True):
         producer.confirm(peer, deliver)
     assert producer.core.buffer.nbytes == 0
@@ -172,11 +190,11 @@ def test_readers_of_another_number_take_another_item_and_never_a_piece_of_this_o
     piece(producer.ask(READERS[0], [1, 2], 0, 4, readers=2))  # `first` is split for 2 readers
     (other,) = producer.ask(READERS[1], [1, 2], 4, 8, readers=3)  # another group's reader
     assert isinstance(other.message, m.Deliver) and other.item is not None
-    assert torch.equal(other.item.key, second.key[:, :, 4:8])
+    assert torch.equal(kv(other.item).key, kv(second).key[:, :, 4:8])
     (third,) = producer.ask(READERS[2], [1, 2], 4, 8, readers=4)
     assert isinstance(third.message, m.Miss)  # no item left that it could start
     _, mine = piece(producer.ask(READERS[1], [1, 2], 4, 8, readers=2))
-    assert torch.equal(mine.key, first.key[:, :, 4:8])
+    assert torch.equal(kv(mine).key, kv(first).key[:, :, 4:8])
 
 
 def test_a_batch_takes_a_piece_of_each_item_and_one_bad_range_sends_every_piece_back() -> None:
@@ -188,7 +206,7 @@ def test_a_batch_takes_a_piece_of_each_item_and_one_bad_range_sends_every_piece_
     )
     assert isinstance(batch.message, m.DeliverMany) and len(batch.items) == 3
     for item, sent in zip(items, batch.items, strict=True):
-        assert torch.equal(sent.key, item.key[:, :, 2:4])
+        assert torch.equal(kv(sent).key, kv(item).key[:, :, 2:4])
     held = producer.core.buffer.nbytes
     out = producer.send(READERS[1], m.DropSelectMany(request_id=6, queries=queries, heads=m.HeadRange(6, 9), readers=2))
     assert isinstance(out[0].message, m.ErrorReply)
@@ -238,13 +256,13 @@ def test_a_piece_carries_the_hidden_states_only_when_asked(hidden: bool) -> None
 def test_a_latent_item_travels_whole_as_every_piece() -> None:
     producer = Producer()
     latent = torch.randn(2, 3, 1, 16)
-    item = buffered_item(
+    item = kept(buffered_item(
         (torch.tensor([4, 5, 6]), None, latent, torch.empty(2, 3, 0, 16), None), torch.device("cpu"),
         item_id=producer.core.new_item_id(), seq=producer.core.buffer.next_seq(),
-    )  # fmt: skip
+    ))  # fmt: skip
     producer.core.insert(item, producer.now)
     pieces = [piece(producer.ask(peer, [4, 5, 6], rank, rank + 1, readers=4)) for rank, peer in enumerate(READERS)]
-    assert all(torch.equal(piece_item.key, latent) for _, piece_item in pieces)
+    assert all(torch.equal(kv(piece_item).key, latent) for _, piece_item in pieces)
 
 
 @pytest.mark.parametrize("heads", [[5, 3], [4, 4], [0, 1 << 40], [-1, 2], "x"])

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode, InvalidInputError, PeerLostError, RemoteProtocolError
-from kvrt._item import buffered_item, query_bytes
+from kvrt._item import query_bytes
 from kvrt._protocol import (
     HEARTBEAT_MISSES,
     ConsumerCore,
@@ -24,6 +23,8 @@ from kvrt._protocol import (
     Stray,
     Welcomed,
 )
+from kvrt._protocol.buffer import BufferedItem
+from tests._records import item_record
 
 HEARTBEAT_S = 1.0
 PEER = b"consumer-1"
@@ -62,13 +63,7 @@ class Pair:
 
 
 def make_item(core: ProducerCore, tokens: list[int]) -> BufferedItem:
-    key = torch.zeros((1, len(tokens), 1, 2), dtype=torch.float16)
-    return buffered_item(
-        (torch.tensor(tokens, dtype=torch.int64), None, key, key, None),
-        torch.device("cpu"),
-        item_id=core.new_item_id(),
-        seq=core.buffer.next_seq(),
-    )
+    return item_record(core.new_item_id(), core.buffer.next_seq(), tokens)
 
 
 @pytest.fixture

@@ -211,7 +211,7 @@ async def test_gathers_that_must_compile_are_queued_in_a_worker_thread() -> None
 async def test_a_gather_that_fails_to_queue_fails_every_send_and_publish(compiled: bool, planned: bool) -> None:
     import concurrent.futures
 
-    from kvrt._buffer import GathersFailed, gathers_prepared
+    from kvrt._item_bytes import GathersFailed, gathers_prepared
     from kvrt._producer import _Gathers
 
     log: list[str] = []
@@ -249,7 +249,7 @@ async def test_the_producer_lets_go_of_a_pulled_request_once_it_is_received(
 
     def noting(*args: object, **kwargs: object) -> object:
         item = build(*args, **kwargs)  # type: ignore[arg-type]
-        published.append(weakref.ref(item.storage))
+        published.append(weakref.ref(item.bytes.storage))
         return item
 
     monkeypatch.setattr(kvrt._producer._publish, "item_from_packed", noting)

@@ -329,7 +329,7 @@ async def test_an_ended_stream_frees_its_layers_though_the_prefill_keeps_its_han
         stream = await producer.open_stream(tokens, layers=LAYERS)
         for layer in range(LAYERS):
             await stream.put_layer(*layer_kv(layer))
-        own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+        own_copy = weakref.ref(producer._bytes[stream._item].store.keys[0])  # type: ignore[union-attr]
         await (stream.finish() if ending == "finish" else stream.abort())
         await collected()
         assert own_copy() is None, ending  # `stream` is still referenced here
@@ -358,7 +358,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     assert reader is not None
     for layer in range(LAYERS):
         await stream.put_layer(*layer_kv(layer))
-    own_copy = weakref.ref(stream._item.stream.keys[0])  # type: ignore[union-attr]
+    own_copy = weakref.ref(producer._bytes[stream._item].store.keys[0])  # type: ignore[union-attr]
     await stream.finish()
     await reader.finished()
     await caught_up(consumer)
@@ -371,7 +371,7 @@ async def test_a_stream_read_to_its_end_is_written_whole_only_if_its_reader_leav
     async with kvrt.Consumer(connect=producer.endpoint, transport=transport) as leaving:
         reader = await leaving.open_stream(tokens)
         assert reader is not None
-        monkeypatch.setattr(leaving.link_for_tests(), "settle", lambda item_id, *, keep: True)
+        monkeypatch.setattr(leaving.link_for_tests().session, "settle", lambda item_id, *, keep: True)
         for layer in range(LAYERS):
             await stream.put_layer(*layer_kv(layer))
         hidden = torch.randn(TOKENS, 3)
@@ -456,16 +456,16 @@ async def test_a_finish_cancelled_while_the_host_stacks_the_layers_aborts_the_st
     import threading
     import time
 
-    from kvrt._producer._state import ProducerState
+    from kvrt._producer._state import ItemKeeper
 
-    prepare, stacking = ProducerState._prepare, threading.Event()
+    prepare, stacking = ItemKeeper.prepare, threading.Event()
 
-    def slowly(self: ProducerState, item: Any) -> None:
+    def slowly(self: ItemKeeper, record: Any, item: Any) -> None:
         stacking.set()
         time.sleep(0.3)
-        prepare(self, item)
+        prepare(self, record, item)
 
-    monkeypatch.setattr(ProducerState, "_prepare", slowly)
+    monkeypatch.setattr(ItemKeeper, "prepare", slowly)
     async with kvrt.Producer() as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
         tokens = torch.arange(900, 900 + TOKENS)
         stream = await producer.open_stream(tokens, layers=LAYERS)

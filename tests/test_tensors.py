@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvrt._errors import RemoteProtocolError
 from kvrt._messages import MAX_SEGMENTS, TensorMeta
+from kvrt._sizes import meta_end, meta_nbytes
 from kvrt._tensors import (
     DTYPES,
     PACK_ALIGN_BYTES,
@@ -58,6 +59,20 @@ def test_every_dtype_arrives_bit_for_bit(name: str) -> None:
 
 def test_the_dtypes_kvrt_promises_are_all_on_the_wire() -> None:
     assert {"bool", "bfloat16", "float16", "float32", "int64", "uint8", "float8_e4m3fn", "float8_e5m2"} <= set(DTYPES)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_the_protocol_core_reckons_a_tensors_bytes_as_torch_does_without_torch(name: str) -> None:
+    tensor = random_bits((3, 5, 2), DTYPES[name])
+    (meta,) = pack([tensor], CPU).metas
+    assert meta is not None
+    assert meta_nbytes(meta) == tensor.nbytes
+    assert meta_end(TensorMeta(dtype=meta.dtype, shape=meta.shape, offset=128)) == 128 + tensor.nbytes
+
+
+def test_the_size_of_an_unknown_dtype_is_refused_as_the_peers_error() -> None:
+    with pytest.raises(RemoteProtocolError, match="unknown dtype"):
+        meta_nbytes(TensorMeta(dtype="float7", shape=[2]))
 
 
 def test_five_tensors_of_mixed_dtypes_pack_at_aligned_offsets_and_come_back() -> None:

@@ -33,14 +33,21 @@ the consumer (each transport module provides one of each, built by `select.make_
 
 `Receiver`, the consumer side, on the consumer's event loop:
 * `join`: once per welcome, before any request: join the producer's rendezvous.
-* `payload` (TCP): the link's reader, once per `payload` message: the frames of a delivery
-  whose header came alone, which complete its receive.
 * `receive_many`: as `receive`, once per DeliverMany: the hits' tensors, in order, once
   all have landed.
-* `receive_tensors` (`out_of_band` transports): once per such stream message, in arrival
-  order, as `receive`: the tensors at once, an event for their landing (GPU), and a future
-  done once they landed.
-* `discard`: once per stream message whose frames the link will not read.
+* `receive_tensors`: once per stream message with tensors (a layer, an end's hidden states), in
+  arrival order, as `receive`: the tensors at once, an event for their landing (GPU), and a
+  future done once they landed.
+* `refuse`, `refuse_unread`, `refuse_stream`: the link's arrivals and streams, when the link
+  refuses a message (its receive failed, it came outside the lease, its stream failed): the
+  receiver does to the link what that leaves to do (`Refusing`): its items given back, or,
+  for a transport whose bytes travel apart from the message and are still on their way
+  (NCCL, gloo), the session given up and a new one started, the pair being out of step.
+* `skip`: once per message of a stream the link gave back: what came with it dropped, or its
+  bytes, still on their way, received and dropped.
+* `pools_in_place`: a pull whose indexes live on the device: the pools as this transport
+  lands an item there (`receive_in_place`), its indexes read back to the host if it writes
+  them itself.
 * `abandon`: whenever the link fails its pending calls (the producer went silent, a new
   session starts, the link closes).
 * `receive`: the link's reader, once per Deliver, in arrival order, which is the order an
@@ -68,16 +75,16 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem, all_gathers_queued
 from kvrt._checksum import DeviceChecksum, device_checksum_mismatch, item_checksum
-from kvrt._errors import IntegrityError, RemoteProtocolError
-from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, Payload, TensorMeta
+from kvrt._errors import IntegrityError, KVRTError, RemoteProtocolError
+from kvrt._item_bytes import ItemBytes, all_gathers_queued
+from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, TensorMeta
 from kvrt._pools import PoolTable
 from kvrt._tensors import check_batch_segments, check_metas, tensor_bytes, unpack
 from kvrt._threads import gpu_worker
@@ -157,14 +164,17 @@ class Transfer:
     """What one delivery moves to one consumer: the one value the producer lowers every
     delivery into, and all a `Sender` is given of it.
 
-    Either the bytes of `items`: one item's storage (a Deliver), or a batch's hits in order,
-    each at its offset of one payload that travels in the batch's segments (`batch`, the
-    DeliverMany); or a stream message's `tensors` (a layer's key and value, a stream end's
-    hidden states) of the stream `stream_id`, written on the GPU once `ready` fired. An item
-    says itself when its bytes are written (`BufferedItem.written`; a published item's per
-    segment, once its gathers are queued: `written` queues them)."""
+    Either the bytes of `items`: one item's storage (a Deliver), in the ranges `segments` (the
+    Deliver's; empty: one transfer of the whole storage), or a batch's hits in order, each at its
+    offset of one payload that travels in the batch's segments (`batch`, the DeliverMany); or a
+    stream message's `tensors` (a layer's key and value, a stream end's hidden states) of the
+    stream `stream_id`, written on the GPU once `ready` fired. An item says itself when its bytes
+    are written (`ItemBytes.written`; a published item's per segment, once its gathers are
+    queued: `written` queues them). A sender is given the items' bytes only, never the
+    protocol's records of them."""
 
-    items: tuple[BufferedItem, ...] = ()
+    items: tuple[ItemBytes, ...] = ()
+    segments: tuple[tuple[int, int], ...] = ()
     batch: DeliverMany | None = None
     tensors: tuple[torch.Tensor, ...] = ()
     ready: torch.cuda.Event | None = None
@@ -228,7 +238,7 @@ class Sender(abc.ABC):
         transport registered (None by default: the producer allocates it)."""
         return None
 
-    def note_written(self, item: BufferedItem) -> None:  # noqa: B027 (an optional hook, not abstract)
+    def note_written(self, item: ItemBytes) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Producer side: `item`'s bytes are written once `item.written` fires; memory this
         transport allocated (`allocate`) is reused only after it (nothing by default)."""
 
@@ -245,7 +255,7 @@ class Sender(abc.ABC):
         """Producer side: move `transfer` to `peer`, and post its message exactly once (see
         the module's doc for when, and with which frames)."""
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:  # noqa: B027
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:  # noqa: B027
         """Producer side: `peer` left without confirming `unconfirmed`; release what its pair
         held (nothing by default)."""
 
@@ -321,6 +331,21 @@ class BufferLanding(InPlace):
     hidden: torch.Tensor | None = field(kw_only=True)
 
 
+class Refusing(Protocol):
+    """What a receiver may do to its link when the link refuses a message (see `Receiver.refuse`):
+    give the message's items back (its call fails), or give the session up for a new one, in
+    which the producer takes back what the old one held."""
+
+    def give_back(self, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: BaseException) -> None:
+        """The items go back to the producer; the call of `future` fails with `error`."""
+
+    def release(self, item_ids: Sequence[int]) -> None:
+        """The items go back to the producer."""
+
+    def start_afresh(self, future: asyncio.Future[Any] | None, error: KVRTError) -> None:
+        """The call of `future` fails with `error`, every other one too, and a new session starts."""
+
+
 class Receiver(abc.ABC):
     """The consumer's half of a transport: posts the receives of the items delivered to it."""
 
@@ -328,12 +353,6 @@ class Receiver(abc.ABC):
     """What the handshake calls it, the same as its producer's `Sender`."""
     device: torch.device
     """Where what it receives lands."""
-    out_of_band: bool = False
-    """True when the bytes come apart from the header (NCCL, gloo: its sender posts the header
-    first), posted as it comes, read from memory only a lease that still holds may read."""
-    writes_in_place: bool = False
-    """True when `receive_in_place` writes an item into the caller's memory itself: a pull
-    then reads indexes it holds on the device back to the host first."""
     device_checksum: DeviceChecksum | None = None
     """How to check an item a producer on a GPU checksummed (`Deliver.device_checksum`): the
     consumer sets it (the kernel lives above the transports); None leaves it unchecked."""
@@ -357,10 +376,6 @@ class Receiver(abc.ABC):
         received as any other, for the call to scatter or copy."""
         return self.receive(deliver, frames)
 
-    def payload(self, message: Payload, frames: Sequence[zmq.Frame]) -> None:
-        """Consumer side: the frames of a delivery whose header came alone (TCP only)."""
-        raise RemoteProtocolError(f"a {self.name} producer sends no payload messages")
-
     def receive_tensors(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> TensorsArrival:
         """Post the receive of a stream message's tensors now. By default they came as host
         frames, one a tensor (the sender's `HostCopies`): here already, moved to `device`."""
@@ -378,8 +393,43 @@ class Receiver(abc.ABC):
         return TensorsArrival(done, tensors)
 
     def discard(self, frames: Sequence[zmq.Frame]) -> None:  # noqa: B027 (an optional hook, not abstract)
-        """Consumer side: the frames of a stream message this side will not read (nothing by
-        default)."""
+        """Consumer side: the frames of a message this side will not read (nothing by default)."""
+
+    def refuse(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError
+    ) -> None:
+        """Consumer side: a delivery (or a batch) whose receive failed with `error`: its items
+        go back and its call fails (what came with its message goes with it)."""
+        link.give_back(future, item_ids, error)
+
+    def refuse_unread(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError,
+        frames: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        """Consumer side: a delivery this side will not read (it came outside the lease): what
+        came with it is dropped (`discard`), its items go back, its call fails with `error`."""
+        self.discard(frames)
+        link.give_back(future, item_ids, error)
+
+    def refuse_stream(self, link: Refusing, item_id: int, error: KVRTError) -> None:
+        """Consumer side: a stream whose message failed with `error` (its reader failed
+        already): its item goes back."""
+        link.release([item_id])
+
+    def skip(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> asyncio.Future[Any] | None:
+        """Consumer side: a message of a stream this side gave back, with tensors of `metas`
+        (none for an abort): what came with it is dropped (`discard`). A future for the link to
+        own when its bytes are still to land (None here)."""
+        self.discard(frames)
+        return None
+
+    async def pools_in_place(
+        self, ready: torch.cuda.Event | None, into: PoolTable, replicas: torch.Tensor, slots: torch.Tensor
+    ) -> PoolLanding:
+        """Consumer side: a pull's pools, whose indexes live on the device, as this transport
+        lands an item there (`receive_in_place`): without the indexes by default (the item is
+        received as usual and scattered)."""
+        return PoolLanding(ready, table=into, replicas=None, slots=None)
 
     def abandon(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Consumer side: the link gave the producer up (silent, or a new session starts):

@@ -60,7 +60,6 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     InvalidInputError,
     KVRTTimeoutError,
@@ -68,6 +67,7 @@ from kvrt._errors import (
     RemoteProtocolError,
     TransportUnavailableError,
 )
+from kvrt._item_bytes import ItemBytes
 from kvrt._messages import Deliver, DeliverMany, TensorMeta
 from kvrt._tensors import (
     back_to_back,
@@ -207,7 +207,7 @@ class _CudaIpc:
         self._slabs: list[torch.Tensor] = []
         """Mark words, never freed while the transport lives (see `_MARK_SLOTS`)."""
         self._next_slot = _MARK_SLOTS
-        self._unconfirmed: dict[bytes, weakref.WeakKeyDictionary[BufferedItem, list[m.IpcShare]]] = {}
+        self._unconfirmed: dict[bytes, weakref.WeakKeyDictionary[ItemBytes, list[m.IpcShare]]] = {}
         """Per consumer, the shares of the items sent to it, kept while the item lives: when the
         consumer leaves, those of the items it never confirmed are released here (`forget`)."""
         self._unconfirmed_layers: dict[bytes, dict[int, tuple[int, m.IpcShare, torch.Tensor | None]]] = {}
@@ -230,7 +230,7 @@ class CudaIpcSender(_CudaIpc, Sender):
     def allocate(self, nbytes: int) -> torch.Tensor | None:
         return self._arena.allocate(nbytes)
 
-    def note_written(self, item: BufferedItem) -> None:
+    def note_written(self, item: ItemBytes) -> None:
         if item.storage.device.type == "cuda":
             self._arena.written(item.storage, item.written)
 
@@ -268,14 +268,14 @@ class CudaIpcSender(_CudaIpc, Sender):
             return
         await transfer.written()
         if transfer.batch is None:
-            post(self._item_frames(peer, transfer.items[0]))
+            post(self._item_frames(peer, transfer.items[0], transfer.segments))
         else:
             post(self._batch_frames(peer, transfer.items))
 
-    def _item_frames(self, peer: bytes, item: BufferedItem) -> list[memoryview]:
+    def _item_frames(self, peer: bytes, item: ItemBytes, segments: Sequence[tuple[int, int]]) -> list[memoryview]:
         if item.nbytes == 0:
             return []
-        segments = transfer_segments(item.segments, item.storage.numel())
+        segments = transfer_segments(segments, item.storage.numel())
         if item.segment_ready:  # a published item: each chunk once its gather wrote it
             ready: list[torch.cuda.Event | None] = list(item.segment_ready)
         else:
@@ -284,7 +284,7 @@ class CudaIpcSender(_CudaIpc, Sender):
         self._sent(peer, item, share)
         return [memoryview(m.encode_share(share))]
 
-    def _batch_frames(self, peer: bytes, items: Sequence[BufferedItem]) -> list[memoryview]:
+    def _batch_frames(self, peer: bytes, items: Sequence[ItemBytes]) -> list[memoryview]:
         """One frame per hit: each hit is read from its own storage."""
         frames = []
         for item in items:
@@ -321,7 +321,7 @@ class CudaIpcSender(_CudaIpc, Sender):
         weakref.finalize(source, layers.pop, id(share), None)
         return [memoryview(m.encode_share(share))]
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:
         """Torch counted one reference per share, which the consumer gives back when it drops
         what it opened. A consumer killed (or lost) before that never will: the items it did
         not confirm keep their counts, and once the producer drops them (when another consumer
@@ -347,7 +347,7 @@ class CudaIpcSender(_CudaIpc, Sender):
         streamed.clear()  # the packed buffers go (torch frees each once its count is not above zero)
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
-    def _sent(self, peer: bytes, item: BufferedItem, share: m.IpcShare) -> None:
+    def _sent(self, peer: bytes, item: ItemBytes, share: m.IpcShare) -> None:
         if not share.counter:
             return  # registered memory: nothing counted to release
         self._unconfirmed.setdefault(peer, weakref.WeakKeyDictionary()).setdefault(item, []).append(share)

@@ -71,7 +71,6 @@ import numpy as np
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem
 from kvrt._errors import (
     InvalidInputError,
     KVRTTimeoutError,
@@ -79,8 +78,9 @@ from kvrt._errors import (
     RemoteProtocolError,
     TransportUnavailableError,
 )
+from kvrt._item_bytes import ItemBytes
 from kvrt._messages import Deliver, DeliverMany, TensorMeta
-from kvrt._pools import landing_ranges
+from kvrt._pools import PoolTable, landing_ranges
 from kvrt._tensors import (
     DTYPES,
     back_to_back,
@@ -164,7 +164,7 @@ class NixlSender(Sender):
         self._probe_registration: Registration | None = None
         self._pairs: dict[bytes, set[int]] = {}
         """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
-        self._extra: weakref.WeakKeyDictionary[BufferedItem, Registration] = weakref.WeakKeyDictionary()
+        self._extra: weakref.WeakKeyDictionary[ItemBytes, Registration] = weakref.WeakKeyDictionary()
         """Items outside the arena, registered while they live (released when they go)."""
         self._waiter = Waiter("kvrt-nixl-written")
         """Waits (GPU items) for an item's bytes to be written before its frame leaves."""
@@ -201,7 +201,7 @@ class NixlSender(Sender):
             log.warning("nixl could not register a slab of memory: %s", exc)
             return None
 
-    def note_written(self, item: BufferedItem) -> None:
+    def note_written(self, item: ItemBytes) -> None:
         if item.storage.device.type == "cuda":
             self._arena.written(item.storage, item.written)
 
@@ -243,14 +243,14 @@ class NixlSender(Sender):
             await self._written(item)
         post([self._frame(peer, item) for item in items])
 
-    async def _written(self, item: BufferedItem) -> None:
+    async def _written(self, item: ItemBytes) -> None:
         """A GPU item's bytes are read by another process as soon as its frame arrives: the
         frame leaves once the GPU wrote them (waited for on a kvrt thread, not the loop)."""
         written = item.written
         if written is not None and not written.query():
             await self._waiter.wait(written.synchronize)
 
-    def _frame(self, peer: bytes, item: BufferedItem) -> memoryview:
+    def _frame(self, peer: bytes, item: ItemBytes) -> memoryview:
         described = self._pairs.get(peer)
         if described is None:
             raise PeerLostError("the consumer left before its item could be sent")
@@ -261,7 +261,7 @@ class NixlSender(Sender):
             described.add(registration.registration_id)
         return memoryview(encode_read(NixlRead(item.storage.data_ptr(), metadata)))
 
-    def _registration(self, item: BufferedItem) -> Registration:
+    def _registration(self, item: ItemBytes) -> Registration:
         placed = self._arena.place(item.storage)
         if placed is not None:
             in_slab: Registration = placed[0].registration
@@ -274,7 +274,7 @@ class NixlSender(Sender):
             weakref.finalize(item, _deregister_quietly, weakref.ref(self), registered)
         return registered
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:
         """Nothing of the consumer's is held here but what it was told: its next session's
         offer starts that afresh. The items it never confirmed are back in the buffer, their
         memory still registered."""
@@ -323,13 +323,37 @@ def _deregister_quietly(sender: weakref.ref[NixlSender], registration: Registrat
             log.warning("nixl: %s", exc)
 
 
+def _read_probe(agent: Agent, remote: str, rendezvous: Rendezvous, device: torch.device) -> None:
+    """READ the producer's probe into this side's memory and check its bytes: raises
+    `TransportUnavailableError` when it cannot be read from here, or reads back wrong."""
+    probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=device)
+    registration = None
+    try:
+        registration = agent.register(probe.data_ptr(), PROBE_BYTES, device)
+        transfer = agent.read(
+            remote,
+            [(probe.data_ptr(), rendezvous.probe_address, PROBE_BYTES)],
+            local=device,
+            peer=rendezvous.probe_device,
+        )
+        state = until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
+        released(transfer)
+        matches = state is TransferState.DONE and torch.equal(probe.cpu(), probe_pattern())
+    except AgentError as exc:
+        raise TransportUnavailableError(f"nixl: the producer's probe cannot be read from here: {exc}") from None
+    finally:
+        if registration is not None:
+            agent.deregister(registration)
+    if not matches:
+        raise TransportUnavailableError("nixl: the producer's probe read back wrong bytes (or its READ failed)")
+
+
 class NixlReceiver(Receiver):
     """The consumer's half: its agent, its registered receive arena, one READ per delivery."""
 
     def __init__(self, device: torch.device, registered_bytes: int = RECEIVE_ARENA_BYTES) -> None:
         _refuse_if_unavailable()
         self.name = "nixl"
-        self.writes_in_place = True
         self.device = device
         self._agent: Agent | None = None
         self._arena = RegisteredArena(device, registered_bytes, _RECEIVE_SLAB_BYTES, on_slab=self._register_slab)
@@ -368,26 +392,7 @@ class NixlReceiver(Receiver):
             remote = agent.load(rendezvous.metadata)
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: the producer's agent cannot be joined from here: {exc}") from None
-        probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self.device)
-        registration = None
-        try:
-            registration = agent.register(probe.data_ptr(), PROBE_BYTES, self.device)
-            transfer = agent.read(
-                remote,
-                [(probe.data_ptr(), rendezvous.probe_address, PROBE_BYTES)],
-                local=self.device,
-                peer=rendezvous.probe_device,
-            )
-            state = until_ended(transfer, lambda: False, deadline=time.monotonic() + 60.0)
-            released(transfer)
-            matches = state is TransferState.DONE and torch.equal(probe.cpu(), probe_pattern())
-        except AgentError as exc:
-            raise TransportUnavailableError(f"nixl: the producer's probe cannot be read from here: {exc}") from None
-        finally:
-            if registration is not None:
-                agent.deregister(registration)
-        if not matches:
-            raise TransportUnavailableError("nixl: the producer's probe read back wrong bytes (or its READ failed)")
+        _read_probe(agent, remote, rendezvous, self.device)
         return ReadSession(remote, rendezvous.probe_device, Waiter("kvrt-nixl-read"))
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
@@ -410,6 +415,20 @@ class NixlReceiver(Receiver):
         ranges = [(base + offset, read.address + offset, nbytes) for offset, nbytes in segments]
         check = landed_check(self, payload, [(deliver, 0)])
         return Arrival(self._post(session, ranges, payload, registration, tensors, check=check))
+
+    async def pools_in_place(
+        self, ready: torch.cuda.Event | None, into: PoolTable, replicas: torch.Tensor, slots: torch.Tensor
+    ) -> PoolLanding:
+        """This transport READs an item into the pools itself: the indexes are read back to the
+        host (on a thread, after the caller's stream wrote them)."""
+        assert ready is not None  # indexes on a device
+
+        def read_back() -> tuple[np.ndarray, np.ndarray]:
+            ready.synchronize()
+            return replicas.cpu().numpy(), slots.cpu().numpy()
+
+        host_replicas, host_slots = await asyncio.to_thread(read_back)
+        return PoolLanding(ready, table=into, replicas=host_replicas, slots=host_slots)
 
     def receive_in_place(self, deliver: Deliver, frames: Sequence[zmq.Frame], target: InPlace) -> Arrival:
         if checks_landing(self, deliver, host=self.device.type == "cpu"):

@@ -42,8 +42,8 @@ import torch.distributed as dist
 import zmq
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from kvrt._buffer import BufferedItem, gathers_prepared
-from kvrt._errors import InvalidInputError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
+from kvrt._errors import InvalidInputError, KVRTError, KVRTTimeoutError, PeerLostError, RemoteProtocolError
+from kvrt._item_bytes import ItemBytes, gathers_prepared
 from kvrt._messages import BATCH_ALIGNMENT, Deliver, DeliverMany, Hit, TensorMeta
 from kvrt._tensors import (
     back_to_back,
@@ -64,6 +64,7 @@ from kvrt.transports._base import (
     OnStream,
     Post,
     Receiver,
+    Refusing,
     Sender,
     TensorsArrival,
     Transfer,
@@ -220,14 +221,14 @@ class PairedSender(_Paired, Sender):
             post([])
             # Each chunk of a published item's gather is queued right before its send.
             await gathers_prepared(item)
-            await self._send_item(peer, item)
+            await self._send_item(peer, item, transfer.segments)
 
-    async def _send_item(self, peer: bytes, item: BufferedItem) -> None:
+    async def _send_item(self, peer: bytes, item: ItemBytes, segments: Sequence[tuple[int, int]]) -> None:
         pair, group = await self._pair_of(peer)
         if item.nbytes == 0:
             return
         _drop_finished(pair)
-        segments = transfer_segments(item.segments, item.storage.numel())
+        segments = transfer_segments(segments, item.storage.numel())
         if self._streams is not None:
             send_stream = self._streams[0]
             # No record_stream here: this stream only waits, NCCL's reads the storage, and the
@@ -247,7 +248,7 @@ class PairedSender(_Paired, Sender):
                 work = group.send([item.storage[offset : offset + nbytes]], _CONSUMER_RANK, _TAG)
                 pair.sends.append((work, self._waited_send(work), None))
 
-    async def _send_batch(self, peer: bytes, message: DeliverMany, items: Sequence[BufferedItem]) -> None:
+    async def _send_batch(self, peer: bytes, message: DeliverMany, items: Sequence[ItemBytes]) -> None:
         """One NCCL operation per segment of the batch: small hits are copied into one staging
         buffer per segment, each at its offset, so their fixed costs are paid once per
         segment, not per item; a large hit is sent from its own buffer."""
@@ -264,7 +265,7 @@ class PairedSender(_Paired, Sender):
                 on_stream.enter_context(on_device(self.device))
                 on_stream.enter_context(OnStream(send_stream))
             for start, nbytes in transfer_segments(message.segments, message.payload_bytes):
-                inside: list[tuple[Hit, BufferedItem]] = []
+                inside: list[tuple[Hit, ItemBytes]] = []
                 while hit is not None and hit[0].offset < start + nbytes:
                     inside.append(hit)
                     hit = next(hits, None)
@@ -319,16 +320,35 @@ class PairedSender(_Paired, Sender):
         established = pair.established
         return pair, established.result() if established.done() else await asyncio.wrap_future(established)
 
-    def forget(self, peer: bytes, unconfirmed: Sequence[BufferedItem] = ()) -> None:
+    def forget(self, peer: bytes, unconfirmed: Sequence[ItemBytes] = ()) -> None:
         pair = self._pairs.pop(peer, None)
         if pair is not None:
             self._release(pair)
 
 
 class PairedReceiver(_Paired, Receiver):
-    """The consumer's half: its one pair with the producer, receives on it."""
+    """The consumer's half: its one pair with the producer, receives on it. The bytes come
+    apart from the header (the sender posts the header first), posted as it comes: a message
+    this side refuses leaves its bytes on their way, and the pair out of step (see `refuse`)."""
 
-    out_of_band = True
+    def refuse(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError
+    ) -> None:
+        link.start_afresh(future, error)  # its bytes are on their way: the next receive would take them
+
+    def refuse_unread(
+        self, link: Refusing, future: asyncio.Future[Any] | None, item_ids: Sequence[int], error: KVRTError,
+        frames: Sequence[zmq.Frame],
+    ) -> None:  # fmt: skip
+        link.start_afresh(future, error)
+
+    def refuse_stream(self, link: Refusing, item_id: int, error: KVRTError) -> None:
+        link.start_afresh(None, error)
+
+    def skip(self, metas: Sequence[TensorMeta], frames: Sequence[zmq.Frame]) -> asyncio.Future[Any] | None:
+        """Its tensors are on their way all the same: received, and dropped, or the next
+        receive on the pair would take them."""
+        return self.receive_tensors(metas, frames).complete if metas else None
 
     async def join(self, rendezvous: dict[str, str], timeout_s: float) -> None:
         try:
@@ -470,7 +490,7 @@ class PairedReceiver(_Paired, Receiver):
         return five(unpack_tensor(metas, payload))
 
 
-def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, BufferedItem]]) -> None:
+def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, ItemBytes]]) -> None:
     """Copy each hit's bytes to its offset in `staging` (which starts at batch offset `start`):
     one `torch.cat` per run of hits that lie back to back, so a batch of small items costs a
     launch or two, not one copy per item (~25 us of host time each on an H200 host)."""
@@ -490,7 +510,7 @@ def _pack_hits(staging: torch.Tensor, start: int, hits: Sequence[tuple[Hit, Buff
             torch.cat(storages, out=target)
 
 
-def _written(item: BufferedItem) -> list[torch.cuda.Event]:
+def _written(item: ItemBytes) -> list[torch.cuda.Event]:
     """The events after which an item's storage holds its bytes: each gather of a published
     item, or the inserting stream's."""
     if item.segment_ready:

@@ -20,8 +20,8 @@ from typing import Any, Final, TypeVar
 import torch
 import zmq
 
-from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
+from kvrt._item_bytes import ItemBytes
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
 from kvrt._threads import CheckWorkers, pass_outcome
@@ -59,7 +59,7 @@ class TcpSender(Sender):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.name = "tcp"
         self.device = torch.device(device)
-        self._frames: weakref.WeakKeyDictionary[BufferedItem, memoryview] = weakref.WeakKeyDictionary()
+        self._frames: weakref.WeakKeyDictionary[ItemBytes, memoryview] = weakref.WeakKeyDictionary()
         """The frame of each item sent so far (a GPU item's: of its host copy): made once
         however often the item is delivered, and dropped with the item."""
         self._host = HostCopies()
@@ -71,7 +71,7 @@ class TcpSender(Sender):
         await transfer.written()
         post([self._frame(item) for item in transfer.items])
 
-    def _frame(self, item: BufferedItem) -> memoryview:
+    def _frame(self, item: ItemBytes) -> memoryview:
         frame = self._frames.get(item)
         if frame is None:
             storage = item.storage

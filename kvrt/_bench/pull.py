@@ -192,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
                         # rounds of one timeline the producer read the pull's request only after
                         # publish had begun: those rounds timed a later start.)
                         await asyncio.sleep(0)
-                        await consumer._links[0].call(lambda request_id: m.Health(request_id=request_id))
+                        await consumer.link_for_tests().call(lambda request_id: m.Health(request_id=request_id))
                         control.send(("publish", tuple(plan)))
                         item = await pull
                         torch.cuda.synchronize(CONSUMER_DEVICE)

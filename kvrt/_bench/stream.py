@@ -226,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
         async def run() -> None:
             async with Consumer(connect=endpoint, device=CONSUMER_DEVICE, transport=transport) as consumer:
                 assert consumer.transports == {endpoint: transport}, consumer.transports
-                link = consumer._links[0]
+                link = consumer.link_for_tests()
                 for round_index in range(ROUNDS + 1):  # the first round warms both paths up
                     for mode_index, mode in enumerate(MODES):
                         index = len(MODES) * round_index + mode_index

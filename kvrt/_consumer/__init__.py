@@ -7,11 +7,13 @@ on one link at once; replies are matched to them by request id, in any order.
 
 The package, one job a module:
 
-- `_session`: a link's session: calls, leases, handshake, ordered sends
+- `_session`: a link's session: pending calls, leases, handshake, ordered sends
+- `_calls`: a link's calls: a request sent, its answer awaited
 - `_arrivals`: items arriving on a link
 - `_streams`: a link's streams: their layers arriving
-- `_link`: the link's task: frames in, dispatched to the three above
-- `_state`: the fields every part of a consumer shares
+- `_link`: a link: its session, its arrivals and its streams' layers, and the task that
+  hands them what comes
+- `_state`: what the parts of a consumer share: its checked arguments, its links, its scatters
 - `_batch`: a step's lookups cut into batch requests
 - `_across`: one lookup over several producers, or its pieces from several, not yet confirmed
 - `_agreed`: a lookup (or a batch) agreed with the other ranks of a TP group
@@ -29,6 +31,7 @@ from kvrt._consumer._session import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    LinkSession,
     OnLanding,
 )
 from kvrt._metrics import ConsumerCounters
@@ -40,5 +43,6 @@ __all__ = [
     "DEFAULT_REPLY_TIMEOUT_S",
     "DEFAULT_TRANSFER_TIMEOUT_S",
     "Fetch",
+    "LinkSession",
     "OnLanding",
 ]

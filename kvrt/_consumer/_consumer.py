@@ -1,40 +1,46 @@
-"""The consumer (decode side): `Consumer` holds the shared fields (`_state`), one `_Link` per
-producer, and its parts: its lookups (`_lookups`), its pulls (`_pulls`) and its stream opening
-(`_open_stream`), to which its public calls go; and it starts, closes and reports.
+"""The consumer (decode side): `Consumer` makes its parts and hands each what it uses (the
+shared ones in `_state`: its links, one `_Link` per producer, and its scatters): its lookups
+(`_lookups`), its pulls (`_pulls`) and its stream opening (`_open_stream`), to which its public
+calls go; and it starts, closes and reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 from typing import Self
 
 import torch
-import zmq
+import torch.distributed as dist
 
 from kvrt import _metrics
+from kvrt._auth import CurveKeys
 from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
-from kvrt._consensus import GroupConsensus, count_sharing
 from kvrt._consumer._fetches import Fetch, Fetches
 from kvrt._consumer._link import _Link
 from kvrt._consumer._lookups import Lookups
 from kvrt._consumer._open_stream import StreamOpening
 from kvrt._consumer._pulls import Pulls
-from kvrt._consumer._state import ConsumerState
-from kvrt._errors import (
-    ClosedError,
-    PeerLostError,
+from kvrt._consumer._state import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    Connections,
+    ConsumerConfig,
+    Scatters,
 )
+from kvrt._errors import ClosedError
 from kvrt._heap import keep_freed_memory
 from kvrt._item import KVBuffers, KVItem
+from kvrt._metrics import ConsumerCounters
 from kvrt._pools import PoolTable
+from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream
 from kvrt.transports import Receiver
 from kvrt.transports.select import make_receivers
 
 
-class Consumer(ConsumerState, AsyncService):
+class Consumer(AsyncService):
     """Takes buffered KV from a producer (decode side).
 
         async with kvrt.Consumer(connect=producer.endpoint) as consumer:
@@ -62,6 +68,42 @@ class Consumer(ConsumerState, AsyncService):
     items (every decode rank reading that producer: an engine that plans its ranks' pieces
     itself, as the vLLM connector does); 1 by default. A group counts them at start instead.
     """
+
+    def __init__(
+        self,
+        connect: str | Sequence[str],
+        device: torch.device | str = "cpu",
+        *,
+        group: dist.ProcessGroup | None = None,
+        transport: str | None = None,
+        curve: CurveKeys | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
+        name: str | None = None,
+        readers: int | None = None,
+    ) -> None:
+        config = ConsumerConfig.checked(
+            connect, device, group=group, transport=transport, curve=curve, heartbeat_s=heartbeat_s,
+            connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
+            reply_timeout_s=reply_timeout_s, name=name, readers=readers,
+        )  # fmt: skip
+        self._config = config
+        self.device = config.device
+        self.counters = ConsumerCounters()
+        self.metrics = _metrics.ConsumerMetrics()
+        """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
+        self._transport_names = config.transport_names
+        """What its links offer their producers, preferred first."""
+        self._connections = Connections(
+            config, self.metrics, lambda: _checking(make_receivers(self._transport_names, self.device))
+        )
+        self._scatters = Scatters(config.device)
+        self._lookups = Lookups(self._connections, config.device, self.counters, self.metrics)
+        self._pulls = Pulls(self._connections, self._scatters, self._lookups, config.device)
+        self._opening = StreamOpening(self._connections, self._scatters, self._lookups, config.device)
+        self._fetches = Fetches(self._connections, self._scatters, self._lookups, config.device)
 
     @lands_on_caller_stream
     async def drop_select(
@@ -245,58 +287,15 @@ class Consumer(ConsumerState, AsyncService):
             queries, into=into, slots=slots, skip=skip, replica=replica, heads=heads, stream=stream
         )
 
-    @cached_property
-    def _fetches(self) -> Fetches:
-        return Fetches(self, self._lookups)
-
-    @cached_property
-    def _lookups(self) -> Lookups:
-        return Lookups(self)
-
-    @cached_property
-    def _pulls(self) -> Pulls:
-        return Pulls(self, self._lookups)
-
-    @cached_property
-    def _opening(self) -> StreamOpening:
-        return StreamOpening(self, self._lookups)
-
     async def start(self) -> Self:
         """Connect and handshake with the producer; returns once it answered."""
-        if self._context is not None or self._closed:
+        connections = self._connections
+        if connections.context is not None or connections.closed:
             raise ClosedError("a consumer starts once; create a new one")
         keep_freed_memory()
-        self._context = zmq.Context()
         _metrics.track_consumer(self)
         try:
-            if self._group is not None:
-                self._consensus = GroupConsensus(self._group)
-                self._consensus.start()
-            for endpoint in self._endpoints:
-                link = _Link(
-                    endpoint,
-                    device=self.device,
-                    context=self._context,
-                    name=self._name,
-                    heartbeat_s=self._heartbeat_s,
-                    transports=_checking(make_receivers(self._transport_names, self.device)),
-                    connect_timeout_s=self._connect_timeout_s,
-                    curve=self._curve,
-                    transfer_timeout_s=self._transfer_timeout_s,
-                    reply_timeout_s=self._reply_timeout_s,
-                    metrics=self.metrics,
-                )
-                self._links.append(link)
-                await link.start()
-            if self._group is not None:
-                # Each producer learns from every piece request how many ranks take pieces of its
-                # items: the ranks of the group that connect to it. A group that cannot tell
-                # (a rank died) fails the lookups that need it, and the group's agreement the rest.
-                names = [link.core.producer_id or link.endpoint for link in self._links]
-                try:
-                    self._readers = await count_sharing(self._group, names, self._connect_timeout_s)
-                except PeerLostError as error:
-                    self._readers_unknown = error
+            await connections.start()
         except BaseException:
             await self.aclose()
             raise
@@ -304,43 +303,37 @@ class Consumer(ConsumerState, AsyncService):
 
     async def aclose(self) -> None:
         """End every pending call with `ClosedError`, say Bye, and stop."""
-        if self._closed:
+        if self._connections.closed:
             return
-        self._closed = True
         await self._fetches.aclose()
-        if self._consensus is not None:
-            await self._consensus.aclose()
-        for link in self._links:
-            await link.aclose()
-        if self._scatters is not None:
-            self._scatters.shutdown(wait=False)  # queued scatters still run: they only enqueue GPU work
-        if self._context is not None:
-            self._context.term()
+        await self._connections.aclose()
+        self._scatters.close()
+        self._connections.terminate()
 
     @property
     def name(self) -> str:
         """This consumer's name, as its producers and its metrics (`consumer` label) know it."""
-        return self._name
+        return self._config.name
 
     @property
     def endpoints(self) -> list[str]:
-        return list(self._endpoints)
+        return list(self._config.endpoints)
 
     @property
     def transports(self) -> dict[str, str | None]:
         """Per producer endpoint, the transport its items travel over ("nccl", "gloo", "tcp"),
         as the producer chose it from what both offer; None until it answered."""
-        return {link.endpoint: link.core.transport for link in self._links}
+        return {link.endpoint: link.core.transport for link in self._connections.links}
 
     @property
     def pending_requests(self) -> int:
-        return sum(link.core.pending_count for link in self._links)
+        return sum(link.core.pending_count for link in self._connections.links)
 
     def link_for_tests(self, index: int = 0) -> _Link:
         """The link to the `index`-th producer of `connect` (the only one by default): a hook
         for tests that watch or steer one link's protocol core, socket or transport. Not part
         of the serving API, and what a link holds may change between versions."""
-        return self._links[index]
+        return self._connections.links[index]
 
 
 def device_checksum(data: torch.Tensor, seed: int) -> int:

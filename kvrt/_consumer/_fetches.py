@@ -15,7 +15,7 @@ import torch
 
 from kvrt._caller_stream import caller_stream
 from kvrt._consumer._lookups import Lookups
-from kvrt._consumer._state import ConsumerState
+from kvrt._consumer._state import Connections, Scatters
 from kvrt._errors import ClosedError, InvalidInputError
 from kvrt._heads import head_range
 from kvrt._item import KVItem, query_bytes
@@ -68,9 +68,11 @@ class Fetch:
 class Fetches:
     """`fetch`, and the fetches on their way (ended when the consumer closes)."""
 
-    def __init__(self, state: ConsumerState, lookups: Lookups) -> None:
-        self._state = state
+    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+        self._connections = connections
+        self._scatters = scatters
         self._lookups = lookups
+        self._device = device
         self._going: set[asyncio.Task[list[int]]] = set()
 
     def fetch(
@@ -79,15 +81,15 @@ class Fetches:
         stream: torch.cuda.Stream | None,
     ) -> Fetch:  # fmt: skip
         """See `Consumer.fetch`."""
-        state = self._state
-        state._check_open()
+        connections = self._connections
+        connections.check_open()
         what = "fetch"
-        if len(state._links) != 1 or state._consensus is not None:
+        if len(connections.links) != 1 or connections.consensus is not None:
             raise InvalidInputError(f"{what} needs a consumer of one producer, without group=")
         if not isinstance(queries, Sequence) or not 1 <= len(queries) <= MAX_BATCH:
             raise InvalidInputError(f"{what}: queries must be a sequence of 1 to {MAX_BATCH} token tensors")
-        if into.device != state.device:
-            raise InvalidInputError(f"{what}: the pools are on {into.device}, this consumer is on {state.device}")
+        if into.device != self._device:
+            raise InvalidInputError(f"{what}: the pools are on {into.device}, this consumer is on {self._device}")
         if not isinstance(slots, Sequence) or len(slots) != len(queries):
             raise InvalidInputError(
                 f"{what}: slots must name one tensor of slots for each of the {len(queries)} queries"
@@ -98,12 +100,12 @@ class Fetches:
         for query in queries:
             query_bytes(query, None, what=what)  # the tokens checked before anything is taken
         wanted = head_range(heads, f"{what}: heads")
-        placed = _pool_heads(into, wanted, state._links[0].core.heads, what)
+        placed = _pool_heads(into, wanted, connections.links[0].core.heads, what)
         targets = [
             _Target(*checked_indexes(into, per_token(replica, query_slots), query_slots), skip=query_skip)
             for query_slots, query_skip in zip(slots, skips, strict=True)
         ]
-        caller = caller_stream(stream, state.device)
+        caller = caller_stream(stream, self._device)
         task = asyncio.get_running_loop().create_task(
             self._run(list(queries), into, targets, heads, placed, caller), name="kvrt-fetch"
         )
@@ -140,12 +142,12 @@ class Fetches:
         the stream they landed on, then the caller's stream made to wait for them."""
         from kvrt.kernels.paged_kv import scatter_from
 
-        device = self._state.device
+        device = self._device
         arrived = torch.cuda.Event()
         arrived.record(torch.cuda.current_stream(device))
 
         def queue() -> torch.cuda.Event:
-            stream = self._state.scatter_stream()
+            stream = self._scatters.scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(arrived)
                 for item, target in moves:
@@ -160,7 +162,7 @@ class Fetches:
                 done.record(stream)
             return done
 
-        job: concurrent.futures.Future[torch.cuda.Event] = self._state.scatter_thread().submit(queue)
+        job: concurrent.futures.Future[torch.cuda.Event] = self._scatters.scatter_thread().submit(queue)
         written = await asyncio.shield(asyncio.wrap_future(job))
         (caller or torch.cuda.current_stream(device)).wait_event(written)
 

@@ -1,15 +1,15 @@
-"""The link: a ZeroMQ DEALER around a `ConsumerCore`, one per producer. One task per link,
-owned by the link, reads frames, feeds the core, and hands each event to the session
-(`_session`, which the link is), or to the parts it holds: the arrivals (`_arrivals`) and the
-streams' layers (`_streams`); it pings and sends the receipts that let the producer free
-delivered items. Many calls may be pending on one
-link at once; replies are matched to them by request id, in any order.
+"""The link: a ZeroMQ DEALER around a `ConsumerCore`, one per producer. The link holds its
+session (`_session`: calls, leases, the handshake, ordered sends) and hands it to the parts that
+take what arrives: the arrivals (`_arrivals`) and the streams' layers (`_streams`). One task per
+link, owned by the link, reads frames, feeds the core, and hands each event to the session or
+to those parts; it pings and sends the receipts that let the producer free delivered items.
+Many calls may be pending on one link at once; replies are matched to them by request id, in
+any order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -19,7 +19,8 @@ import zmq
 from kvrt import _messages as m
 from kvrt._auth import handshake_failure
 from kvrt._consumer._arrivals import Arrivals
-from kvrt._consumer._session import LinkSession, _Reply
+from kvrt._consumer._calls import Calls
+from kvrt._consumer._session import LinkSession, _Reply, loop_time
 from kvrt._consumer._streams import StreamLayers
 from kvrt._errors import (
     KVRTError,
@@ -27,7 +28,6 @@ from kvrt._errors import (
     ProtocolError,
     RemoteProtocolError,
     VersionMismatchError,
-    translate_zmq_error,
 )
 from kvrt._protocol import (
     ConsumerEvent,
@@ -40,33 +40,49 @@ from kvrt._protocol import (
     Streamed,
     Welcomed,
 )
+from kvrt.transports import Receiver
+from kvrt.transports.tcp import TcpReceiver
 
 log = logging.getLogger("kvrt.consumer")
 
 
-class _Link(LinkSession):
-    """One consumer's connection to one producer: its session, and the task that hands what
-    comes to its parts (`arrivals`, `layers`)."""
+class _Link:
+    """One consumer's connection to one producer: its session, the parts it hands the session
+    to (`arrivals`, `layers`), and the task that hands what comes to them. What other parts of
+    the consumer call on a link (`call`, `settle`, `lease_error`, ...) is its session's."""
 
-    @functools.cached_property
-    def arrivals(self) -> Arrivals:
-        return Arrivals(self)
+    def __init__(self, session: LinkSession) -> None:
+        self.session = session
+        self.endpoint = session.endpoint
+        self.core = session.core
+        self.joining = session.joining
+        self.sends = session.sends
+        self.connected = session.connected
+        self.call = Calls(session).call
+        self.lease_error = session.lease_error
+        self.aclose = session.aclose
+        self.arrivals = Arrivals(session)
+        self.layers = StreamLayers(session)
+        self._welcomed = asyncio.Event()
+        self._refused: KVRTError | None = None
+        self.rejected_frames = 0
+        """Messages from the producer dropped because they did not decode or could not be handled."""
 
-    @functools.cached_property
-    def layers(self) -> StreamLayers:
-        return StreamLayers(self)
+    @property
+    def receiver(self) -> Receiver | None:
+        return self.session.receiver
+
+    def lease_holds(self) -> bool:
+        return self.session.lease_holds()
+
+    def settle(self, item_id: int, *, keep: bool, send: bool = True) -> bool:
+        return self.session.settle(item_id, keep=keep, send=send)
 
     async def start(self) -> None:
         connect_timeout_s = self.joining.connect_timeout_s
-        try:
-            self._socket.connect(self.endpoint)
-        except zmq.ZMQError as exc:
-            self._io.close()
-            self._socket.close()
-            raise translate_zmq_error(exc, endpoint=self.endpoint) from None
-        self.sends.in_order(self.core.connect(self._now()))
-        self._task = asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}")
-        self._task.add_done_callback(self._run_ended)
+        self.session.connect()
+        self.sends.in_order(self.core.connect(loop_time()))
+        self.session.own_task(asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}"))
         try:
             async with asyncio.timeout(connect_timeout_s):
                 await self._welcomed.wait()
@@ -87,11 +103,11 @@ class _Link(LinkSession):
     # -- the link's task ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        core = self.core
-        io = self._io
+        core, session = self.core, self.session
+        io = session.io
         while True:
             first = await io.next(core.next_deadline())
-            now = self._now()
+            now = loop_time()
             if first is not None:
                 for frames in [first, *io.drain()]:
                     self._frame(frames, now)
@@ -101,13 +117,13 @@ class _Link(LinkSession):
             if lost is not None:
                 self.connected.clear()
                 log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
-                self._fail_all(lost)
+                session.fail_all(lost)
             for message in due:
                 if isinstance(message, m.Hello):
                     self.sends.in_order(message)
                 else:
                     self.sends.nowait(message)
-            if first is not None and self._io.drained_a_full_batch:
+            if first is not None and io.drained_a_full_batch:
                 await asyncio.sleep(0)  # a yield once a full batch (see `Producer._serve`)
 
     def _frame(self, frames: list[zmq.Frame], now: float) -> None:
@@ -122,7 +138,7 @@ class _Link(LinkSession):
                 self._handle(event, frames[1:])
         except ProtocolError as exc:
             self.rejected_frames += 1
-            self.unread_in_session += 1
+            self.session.unreadable()
             if not self._welcomed.is_set():  # the answer to the hello: start() raises why it cannot be read
                 self._refused = unreadable_welcome(exc, self.endpoint)
                 self._welcomed.set()
@@ -132,7 +148,7 @@ class _Link(LinkSession):
                 # No reply timeout would ever end that call (nor a stream's wait for its end),
                 # and the producer keeps what it answered with for this session: a new session
                 # gives it back.
-                self.new_session(
+                self.session.new_session(
                     RemoteProtocolError(
                         f"a message from the producer at {self.endpoint} could not be read ({exc}); it may have "
                         "answered a call, or been a stream's layer or end, that waits with no timeout: the link "
@@ -145,7 +161,7 @@ class _Link(LinkSession):
             # in which the producer takes back what it had sent: nothing hangs, nothing is lost.
             self.rejected_frames += 1
             log.exception("a message from the producer could not be handled", extra={"endpoint": self.endpoint})
-            self.new_session(
+            self.session.new_session(
                 KVRTError(
                     f"a message from the producer at {self.endpoint} could not be handled "
                     f"({type(exc).__name__}: {exc}); the link started a new session"
@@ -157,10 +173,11 @@ class _Link(LinkSession):
         ever: the call its request id names, if that can be read, else any such call, or a
         message of an open stream (whose reader waits for its end with no timeout)."""
         request_id = m.peek_request_id(frame) if frame.nbytes <= m.MAX_HEADER_BYTES else None
+        calls = self.session.calls
         if request_id is not None:
-            call = self.calls.get(request_id)
+            call = calls.get(request_id)
             return call is not None and call.waits_forever
-        return bool(self.open_streams) or any(call.waits_forever for call in self.calls.values())
+        return bool(self.session.open_streams) or any(call.waits_forever for call in calls.values())
 
     def _connection_event(self, event: int, now: float) -> None:
         """What the socket's monitor saw (see `_LINK_EVENTS`)."""
@@ -169,7 +186,7 @@ class _Link(LinkSession):
             if lost is not None:
                 self.connected.clear()
                 log.warning("%s", lost.error, extra={"endpoint": self.endpoint})
-                self._fail_all(lost)
+                self.session.fail_all(lost)
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             hello = self.core.reconnected(now)
             if hello is not None:
@@ -193,12 +210,15 @@ class _Link(LinkSession):
             case Streamed(message=message):
                 self.layers.on_streamed(message, payload)
             case PayloadCame(message=message):
-                if self.receiver is not None:
-                    self.receiver.payload(message, payload)
+                receiver = self.receiver
+                if isinstance(receiver, TcpReceiver):  # only TCP sends a delivery's bytes apart
+                    receiver.payload(message, payload)
+                elif receiver is not None:
+                    raise RemoteProtocolError(f"a {receiver.name} producer sends no payload messages")
             case Replied(request_id=request_id, message=message):
                 future = self._future(request_id)
                 if future is not None and not future.done():
-                    self.answered(request_id, time.perf_counter())
+                    self.session.answered(request_id, time.perf_counter())
                     future.set_result(_Reply(message))
             case Failed(request_id=request_id, error=error):
                 future = self._future(request_id)
@@ -216,7 +236,7 @@ class _Link(LinkSession):
                     self.arrivals.on_deliver(None, stray, payload)
             case Lost():
                 self.connected.clear()
-                self._fail_all(event)
+                self.session.fail_all(event)
             case Refused(error=error):
                 if self._welcomed.is_set():
                     log.warning("%s", error)
@@ -225,7 +245,7 @@ class _Link(LinkSession):
                     self._welcomed.set()
 
     def _future(self, request_id: int) -> asyncio.Future[_Reply] | None:
-        call = self.calls.get(request_id)
+        call = self.session.calls.get(request_id)
         return None if call is None else call.future
 
 

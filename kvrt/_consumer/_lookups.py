@@ -18,25 +18,32 @@ from kvrt._consumer._across import Taken, landing, take_best, take_pieces
 from kvrt._consumer._agreed import agree_batch, agree_one
 from kvrt._consumer._batch import batch_request, batches, chunks
 from kvrt._consumer._session import OnLanding
-from kvrt._consumer._state import ConsumerState
+from kvrt._consumer._state import Connections
 from kvrt._errors import InvalidInputError, KVRTError, fresh_copy
 from kvrt._heads import PiecePlan, head_range, plan_pieces
 from kvrt._item import KVBuffers, KVItem, check_buffers, check_buffers_apart, check_timeout, land_in, query_bytes
 from kvrt._messages import HeadRange
+from kvrt._metrics import ConsumerCounters
 from kvrt.transports._base import BufferLanding, InPlace, PoolLanding, caller_ready
 
 
 class Lookups:
     """Lookups among a consumer's producers, agreed in its TP group if it has one."""
 
-    def __init__(self, state: ConsumerState) -> None:
-        self._state = state
+    def __init__(
+        self, connections: Connections, device: torch.device, counters: ConsumerCounters,
+        metrics: _metrics.ConsumerMetrics,
+    ) -> None:  # fmt: skip
+        self._connections = connections
+        self._device = device
+        self._counters = counters
+        self._metrics = metrics
 
     async def drop_select(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *,
         into: KVBuffers | None, heads: slice | None,
     ) -> KVItem | None:  # fmt: skip
-        buffers = check_buffers(into, self._state.device, what="drop_select")
+        buffers = check_buffers(into, self._device, what="drop_select")
         wanted = head_range(heads, "drop_select: heads")
         return await self.lookup(input_tokens, roi, timeout, what="drop_select", into=buffers, heads=wanted)
 
@@ -44,8 +51,8 @@ class Lookups:
         self, queries: Sequence[torch.Tensor | None], rois: Sequence[torch.Tensor | None] | None, *,
         into: Sequence[KVBuffers | None] | None, heads: slice | None,
     ) -> list[KVItem | None]:  # fmt: skip
-        state = self._state
-        state._check_open()
+        connections = self._connections
+        connections.check_open()
         what = "drop_select_many"
         wanted = head_range(heads, f"{what}: heads")
         if not isinstance(queries, Sequence):
@@ -58,18 +65,18 @@ class Lookups:
         wire = [query_bytes(tokens, roi, what=what) for tokens, roi in lookups]
         buffers = self._buffers_per_query(into, len(queries), what=what)
         plans = None if wanted is None else self.piece_plans(wanted)
-        if len(state._links) != 1:
+        if len(connections.links) != 1:
             # One after the other: a query sees the items the one before it gave back.
             return [
                 await self.lookup(tokens, roi, 0.0, what=what, into=query_buffers, heads=wanted)
                 for (tokens, roi), query_buffers in zip(lookups, buffers, strict=True)
             ]
         plan = None if plans is None else plans[0]
-        link = state._links[0]
+        link = connections.links[0]
         timer = _metrics.Timer(what)
         try:
-            if state._consensus is not None:
-                items = await agree_batch(link, state._consensus, wire, buffers, self.land_now, plan)
+            if connections.consensus is not None:
+                items = await agree_batch(link, connections.consensus, wire, buffers, self.land_now, plan)
             else:
                 calls = [
                     link.call(batch_request(batch, plan), into=landing(chunk))
@@ -95,7 +102,7 @@ class Lookups:
         """drop_select, counted and timed; `on_landing` and `pools` (`in_place`) as for
         `_Link.call` (one producer, no group); `into` checked already; `heads` a checked range
         (pieces, see `Consumer.drop_select`)."""
-        self._state._check_open()
+        self._connections.check_open()
         query = query_bytes(input_tokens, roi, what=what)
         check_timeout(timeout, what=what)
         plans = None if heads is None else self.piece_plans(heads)
@@ -118,13 +125,13 @@ class Lookups:
 
     def piece_plans(self, heads: HeadRange) -> list[PiecePlan]:
         """Which producers hold `heads`, and which of their heads (see `Consumer.drop_select`)."""
-        state = self._state
-        if state._readers_unknown is not None:
-            raise fresh_copy(state._readers_unknown)
-        plans = plan_pieces(heads, [link.core.heads for link in state._links], state._readers)
-        if state._consensus is not None and len(plans) != len(state._links):
+        connections = self._connections
+        if connections.readers_unknown is not None:
+            raise fresh_copy(connections.readers_unknown)
+        plans = plan_pieces(heads, [link.core.heads for link in connections.links], connections.readers)
+        if connections.consensus is not None and len(plans) != len(connections.links):
             asked = {plan.link for plan in plans}
-            idle = [link.endpoint for index, link in enumerate(state._links) if index not in asked]
+            idle = [link.endpoint for index, link in enumerate(connections.links) if index not in asked]
             raise InvalidInputError(
                 f"heads [{heads.first}, {heads.end}) lie with none of the producers at {idle}: in a TP group each rank "
                 "connects only to the producers that hold its heads (their items count it as a reader)"
@@ -137,7 +144,7 @@ class Lookups:
         if buffers is None:
             return item
         if landed_on is not None:
-            torch.cuda.current_stream(self._state.device).wait_stream(landed_on)
+            torch.cuda.current_stream(self._device).wait_stream(landed_on)
         return land_in(item, buffers)
 
     async def _whole(
@@ -146,12 +153,11 @@ class Lookups:
     ) -> KVItem | None:  # fmt: skip
         """One drop-select of whole items whose producer may wait `waits_s` for a match (None:
         for ever)."""
-        state = self._state
-        links = state._links
-        if state._consensus is None and len(links) == 1:
+        links = self._connections.links
+        if self._connections.consensus is None and len(links) == 1:
             in_place: InPlace | None = pools
             if into is not None and pools is None:  # the transport may READ into them itself (nixl)
-                ready = caller_ready(state.device)
+                ready = caller_ready(self._device)
                 in_place = BufferLanding(ready, key=into.key, value=into.value, hidden=into.hidden)
             try:
                 reply = await links[0].call(
@@ -167,13 +173,13 @@ class Lookups:
         self, query: bytes | None, timeout: float | None, plans: list[PiecePlan], *, into: KVBuffers | None
     ) -> KVItem | None:
         """drop_select of a head range: a piece from each producer in `plans`, joined."""
-        take = functools.partial(take_pieces, self._state._links, query, timeout, plans, into=into)
+        take = functools.partial(take_pieces, self._connections.links, query, timeout, plans, into=into)
         return await self._kept(take, into)
 
     async def _kept(self, take: Callable[[], Awaitable[Taken | None]], into: KVBuffers | None) -> KVItem | None:
         """What `take` took, not yet confirmed, kept (in a TP group, as the group agreed) and
         landed in `into`; or given back."""
-        consensus = self._state._consensus
+        consensus = self._connections.consensus
         if consensus is not None:
             return await agree_one(take, consensus, self.land_now, into=into)
         taken = await take()
@@ -193,7 +199,7 @@ class Lookups:
             raise InvalidInputError(
                 f"{what}: into must name one kvrt.KVBuffers (or None) for each of the {queries} queries"
             )
-        device = self._state.device
+        device = self._device
         checked = [check_buffers(entry, device, what=f"{what} (query {i})") for i, entry in enumerate(into)]
         check_buffers_apart(checked, what=what)
         return checked
@@ -202,13 +208,13 @@ class Lookups:
         """A lookup answered: its outcome, and an item's counts. `waited`: the call had a
         timeout (a miss then is a lookup that timed out)."""
         miss = _metrics.LookupOutcome.TIMEOUT if waited else _metrics.LookupOutcome.MISS
-        self._state.metrics.looked_up(miss if item is None else _metrics.LookupOutcome.HIT)
+        self._metrics.looked_up(miss if item is None else _metrics.LookupOutcome.HIT)
         if item is not None:
-            counters = self._state.counters
+            counters = self._counters
             counters.items += 1
             counters.bytes += sum(tensor.nbytes for tensor in (item.key, item.value, item.hidden) if tensor is not None)
 
     def _count_error(self, error: KVRTError, lookups: int = 1) -> None:
-        self._state.metrics.looked_up(_metrics.outcome_of_error(error), lookups)
-        errors = self._state.counters.errors
+        self._metrics.looked_up(_metrics.outcome_of_error(error), lookups)
+        errors = self._counters.errors
         errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1

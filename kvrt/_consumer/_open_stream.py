@@ -11,7 +11,7 @@ from kvrt import _messages as m
 from kvrt._consumer._link import _Link
 from kvrt._consumer._lookups import Lookups
 from kvrt._consumer._session import _Reply
-from kvrt._consumer._state import ConsumerState
+from kvrt._consumer._state import Connections, Scatters
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -24,10 +24,11 @@ from kvrt._streams import ConsumerStream, Placement, PoolWriter
 class StreamOpening:
     """`open_stream`, and the pool writer that lands its layers."""
 
-    def __init__(self, state: ConsumerState, lookups: Lookups) -> None:
-        self._state = state
+    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+        self._connections = connections
+        self._scatters = scatters
         self._lookups = lookups
-        self.device = state.device
+        self.device = device
 
     async def open_stream(
         self,
@@ -43,9 +44,9 @@ class StreamOpening:
         skip: int = 0,
     ) -> ConsumerStream | None:
         """See `Consumer.open_stream`."""
-        state = self._state
-        state._check_open()
-        if len(state._links) != 1 or state._consensus is not None:
+        connections = self._connections
+        connections.check_open()
+        if len(connections.links) != 1 or connections.consensus is not None:
             raise InvalidInputError("streams need a consumer of one producer, without group= (not supported yet)")
         query = query_bytes(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
@@ -61,7 +62,7 @@ class StreamOpening:
                 heads=plan.heads, readers=plan.readers, hidden=plan.hidden, whole=True,
             )  # fmt: skip
 
-        link = state._links[0]
+        link = connections.links[0]
         reply = await link.call(
             build,
             confirm=False,
@@ -113,7 +114,7 @@ class StreamOpening:
         if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
             raise InvalidInputError(f"skip must be an int >= 0 (tokens the pools hold already), got {skip!r}")
         heads = None
-        producer_heads = self._state._links[0].core.heads
+        producer_heads = self._connections.links[0].core.heads
         if wanted is None and into.heads_said and producer_heads is not None:
             wanted = producer_heads  # a whole item of a producer that says which heads it holds
         if wanted is not None and into.geometry.kv == 2:
@@ -129,6 +130,6 @@ class StreamOpening:
             indexes_ready = torch.cuda.Event()
             indexes_ready.record(torch.cuda.current_stream(self.device))
         return PoolWriter(
-            Placement(into, replicas, slots), self._state.scatter_thread, self._state.scatter_stream, indexes_ready,
-            skip=skip, heads=heads,
+            Placement(into, replicas, slots), self._scatters.scatter_thread, self._scatters.scatter_stream,
+            indexes_ready, skip=skip, heads=heads,
         )  # fmt: skip

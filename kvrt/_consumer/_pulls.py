@@ -8,12 +8,11 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvrt import _messages as m
 from kvrt._consumer._lookups import Lookups
-from kvrt._consumer._state import ConsumerState
+from kvrt._consumer._state import Connections, Scatters
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -27,10 +26,11 @@ from kvrt.transports._base import Arrival, PoolLanding, caller_ready
 class Pulls:
     """Pulls into paged pools."""
 
-    def __init__(self, state: ConsumerState, lookups: Lookups) -> None:
-        self._state = state
+    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+        self._connections = connections
+        self._scatters = scatters
         self._lookups = lookups
-        self.device = state.device
+        self.device = device
 
     async def pull(
         self,
@@ -54,7 +54,7 @@ class Pulls:
         replicas, slots = checked_indexes(into, *given)
         wanted = head_range(heads, "pull: heads")
         pools = None
-        if len(self._state._links) == 1 and self._state._consensus is None and wanted is None:
+        if len(self._connections.links) == 1 and self._connections.consensus is None and wanted is None:
             # A transport that reads the producer's memory itself (nixl) lands K and V in the
             # slots in the same READ, with no scatter after it.
             pools = await self._pool_landing(into, *given)
@@ -90,7 +90,7 @@ class Pulls:
         landed.record(caller)
 
         def queue() -> torch.cuda.Event:
-            stream = self._state.scatter_stream()
+            stream = self._scatters.scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(landed)
                 for tensor in (item.key, item.value, slots, replicas):
@@ -100,7 +100,7 @@ class Pulls:
                 done.record(stream)
             return done
 
-        caller.wait_event(await asyncio.shield(asyncio.wrap_future(self._state.scatter_thread().submit(queue))))
+        caller.wait_event(await asyncio.shield(asyncio.wrap_future(self._scatters.scatter_thread().submit(queue))))
 
     async def _pull_pipelined(
         self, input_tokens: torch.Tensor, roi: torch.Tensor | None, timeout: float | None, into: PoolTable,
@@ -122,7 +122,7 @@ class Pulls:
             wait for that): each chunk's scatter waits on its landing, on the scatter stream."""
             count = min(key.shape[1], slots.numel())
             segments = transfer_segments(deliver.segments, deliver.payload_bytes)
-            stream = self._state.scatter_stream()
+            stream = self._scatters.scatter_stream()
             with torch.cuda.stream(stream):
                 stream.wait_event(indexes_ready)
                 for tensor in (key, value, slots, replicas):
@@ -140,7 +140,7 @@ class Pulls:
         def scatter_as_it_lands(deliver: m.Deliver, arrival: Arrival) -> None:
             assert arrival.early is not None
             _, _, key, value, _ = arrival.early
-            queued.append(self._state.scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
+            queued.append(self._scatters.scatter_thread().submit(queue_scatters, deliver, key, value, arrival.landed))
 
         try:
             item = await self._lookups.lookup(
@@ -161,14 +161,7 @@ class Pulls:
         ready = caller_ready(self.device)
         if replicas.device.type == "cpu" and slots.device.type == "cpu":
             return PoolLanding(ready, table=into, replicas=replicas.numpy(), slots=slots.numpy())
-        receiver = self._state._links[0].receiver
-        if receiver is None or not receiver.writes_in_place:
+        receiver = self._connections.links[0].receiver
+        if receiver is None:
             return PoolLanding(ready, table=into, replicas=None, slots=None)
-        assert ready is not None  # indexes on a device
-
-        def read_back() -> tuple[np.ndarray, np.ndarray]:
-            ready.synchronize()
-            return replicas.cpu().numpy(), slots.cpu().numpy()
-
-        host_replicas, host_slots = await asyncio.to_thread(read_back)
-        return PoolLanding(ready, table=into, replicas=host_replicas, slots=host_slots)
+        return await receiver.pools_in_place(ready, into, replicas, slots)

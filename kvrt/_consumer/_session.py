@@ -1,8 +1,9 @@
-"""A link's session with its producer: the pending calls (one `PendingCall` record each) and
-their replies, the handshake (join over the transport the welcome names), leases and receipts
-(sent by `_sends`), the receives it has posted, and giving the producer up. `_Link` (in
-`_link`) is a session with its task; its arrivals (`_arrivals`) and streams (`_streams`) act
-through the methods here. The consumer's lookups call `call` and `settle`.
+"""A link's session with its producer: the pending calls (one `PendingCall` record each, made
+by `_calls`) and their replies, the handshake (join over the transport the welcome names),
+leases and receipts (sent by `_sends`), the receives it has posted, and giving the producer
+up. `_Link` (in `_link`) holds a session and its task; its calls (`_calls`), arrivals
+(`_arrivals`) and streams (`_streams`) are handed the session and act through its methods here.
+The consumer's lookups call the link's `call` and `settle`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ from kvrt._errors import (
     LeaseExpiredError,
     RemoteProtocolError,
     fresh_copy,
+    translate_zmq_error,
 )
 from kvrt._item import KVItem, Landing
 from kvrt._protocol import (
@@ -121,6 +122,27 @@ class PendingCall:
     """No reply timeout runs for it (the producer may wait for ever before it answers)."""
 
 
+def _dealer(
+    context: zmq.Context[zmq.Socket[bytes]], core: ConsumerCore, heartbeat_s: float, curve: CurveKeys | None
+) -> zmq.Socket[bytes]:
+    """A link's socket, not connected yet."""
+    socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    # One identity for the link's whole life: after a reconnect the producer still knows
+    # whose receipts it reads (a new connection would otherwise get a new identity).
+    socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    # The producer keeps a stopped consumer's connection (and what it holds) as long as
+    # it may keep its items for it.
+    zmtp_heartbeats(socket, heartbeat_s, core.timeout_s, core.timeout_s * SILENT_HOLD_LEASES)
+    # Replies to its own requests only: never let libzmq stop reading them (an engine whose input
+    # is stopped, when its connection fails, trips libzmq's heartbeat timer into an assertion).
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_PAYLOAD_FRAME_BYTES)
+    if curve is not None:
+        secure_client(socket, curve)
+    return socket
+
+
 class LinkSession:
     """One consumer's session with one producer: calls, leases, the handshake, ordered sends."""
 
@@ -142,7 +164,8 @@ class LinkSession:
         self.endpoint = endpoint
         self.metrics = metrics
         self._transfer_timeout_s = transfer_timeout_s
-        self._reply_timeout_s = reply_timeout_s
+        self.reply_timeout_s = reply_timeout_s
+        """How long past what a call lets the producer wait it waits for the answer (`_calls`)."""
         self.device = device
         self.core = ConsumerCore(
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()
@@ -155,123 +178,22 @@ class LinkSession:
         self.sessions_lost = 0
         """Counts the times the link gave its producer up: a receive posted before the last of
         them belongs to calls that failed then, whatever it lands."""
-        self._socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # One identity for the link's whole life: after a reconnect the producer still knows
-        # whose receipts it reads (a new connection would otherwise get a new identity).
-        self._socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        # The producer keeps a stopped consumer's connection (and what it holds) as long as
-        # it may keep its items for it.
-        zmtp_heartbeats(self._socket, heartbeat_s, self.core.timeout_s, self.core.timeout_s * SILENT_HOLD_LEASES)
-        # Replies to its own requests only: never let libzmq stop reading them (an engine whose input
-        # is stopped, when its connection fails, trips libzmq's heartbeat timer into an assertion).
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, m.MAX_PAYLOAD_FRAME_BYTES)
-        if curve is not None:
-            secure_client(self._socket, curve)
+        self._socket = _dealer(context, self.core, heartbeat_s, curve)
         self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)
-        self._io = SocketIO(self._socket, self._monitor)
-        self.sends = OrderedSends(self._io, self.core, endpoint)
+        self.io = SocketIO(self._socket, self._monitor)
+        self.sends = OrderedSends(self.io, self.core, endpoint)
         self.leases: dict[int, int] = {}
         """The lease number of each item delivered and not settled yet."""
         self.open_streams: dict[int, ConsumerStream] = {}
         self.calls: dict[int, PendingCall] = {}
-        self._welcomed = asyncio.Event()
         self.connected = asyncio.Event()
         """Set while the producer is connected (welcomed), cleared when it is lost."""
-        self._refused: KVRTError | None = None
         self._task: asyncio.Task[None] | None = None
-        self.rejected_frames = 0
-        """Messages from the producer dropped because they did not decode or could not be handled."""
+        """The link's task, which reads what the producer sends (see `own_task`)."""
         self.unread_in_session = 0
         """Of those, the ones that did not decode in this session: one may have been an answer
         (a delivery whose header was damaged on the way), whose item the producer keeps for
         this session until it ends."""
-
-    async def call(
-        self,
-        build: Callable[[int], m.Message],
-        *,
-        confirm: bool = True,
-        on_landing: OnLanding | None = None,
-        writer: PoolWriter | None = None,
-        waits_s: float | None = 0.0,
-        into: Landing | None = None,
-        in_place: InPlace | None = None,
-    ) -> _Reply:
-        """Send a request and wait for its answer (or for the link to fail).
-
-        A delivered item is confirmed to the producer when this returns it (unless `confirm`
-        is False: then the caller must `settle` it), and given back if the caller is
-        cancelled first, so an item is never freed without reaching someone; one that this
-        link's lease no longer covers when it is handed over is given back, and the call
-        raises `LeaseExpiredError`. `on_landing` is called once the item's receive is posted,
-        if the transport hands out its tensors before they land (GPU): a pull queues its
-        scatters there. A stream's layers are written by `writer` into the pools, if given.
-        `waits_s` is how long the producer may wait before it answers (None: for ever): with
-        no answer `reply_timeout_s` after that, the call fails with `KVRTTimeoutError`.
-        `into`: the caller's buffers; an item that does not fit them is given back and the
-        call raises `InvalidInputError`. `in_place`: the pools of a pull or the buffers of
-        `into`, for a transport that lands the item there itself (`Receiver.receive_in_place`).
-        """
-        if self._task is not None and self._task.done():
-            raise ClosedError(f"the link to {self.endpoint} stopped") from self._task_failure()
-        await self.joining.joined()
-        loop = asyncio.get_running_loop()
-        request_id, message = self.core.start_request(build, loop.time())
-        future: asyncio.Future[_Reply] = loop.create_future()
-        asked_at = time.perf_counter() if self.metrics is not None else 0.0
-        self.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at, waits_s is None)
-        overdue = None
-        if waits_s is not None:
-            overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
-        try:
-            if not self._io.send_nowait([m.encode(message)]):
-                await self._io.send([m.encode(message)])
-            reply = await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                for item_id in _item_ids(future.result().message):
-                    self.settle(item_id, keep=False)
-            else:
-                cancel = self.core.abandon(request_id)
-                if cancel is not None:
-                    self.sends.nowait(cancel)
-            raise
-        finally:
-            if overdue is not None:
-                overdue.cancel()
-            del self.calls[request_id]
-        if confirm:
-            kept = [self.settle(item_id, keep=True, send=False) for item_id in _item_ids(reply.message)]
-            self.sends.send_receipts()
-            if not all(kept):
-                raise self.lease_error()
-        return reply
-
-    def _reply_overdue(self, request_id: int, waits_s: float) -> None:
-        """A request's answer did not come in time: the call fails; a late answer is a stray."""
-        call = self.calls.get(request_id)
-        if call is None or call.future.done() or not self.core.is_pending(request_id):
-            return  # answered (its bytes may still be landing: `transfer_timeout_s` has those)
-        cancel = self.core.abandon(request_id)
-        if cancel is not None:
-            self.sends.nowait(cancel)
-        overdue = KVRTTimeoutError(
-            f"the producer at {self.endpoint} did not answer within {waits_s + self._reply_timeout_s:.3g} s "
-            f"(the call let it wait {waits_s:.3g} s, plus reply_timeout_s)",
-            phase="reply",
-        )
-        call.future.set_exception(overdue)
-        if self.unread_in_session:
-            # Its answer may have been the message that could not be read: a delivery whose
-            # item the producer keeps for this session. A new session gives such items back.
-            self.new_session(
-                KVRTTimeoutError(
-                    f"{overdue} after a message from it could not be read; the link started a new session",
-                    phase="reply",
-                )
-            )
 
     @property
     def receiver(self) -> Receiver | None:
@@ -306,10 +228,40 @@ class LinkSession:
         self.sends.in_order(m.Release(item_id=item_id, lease=lease))
         return not keep
 
+    def connect(self) -> None:
+        """Connect the socket to the producer (ZeroMQ then keeps it connected); raises the
+        translated error, the socket closed, if the address cannot be used."""
+        try:
+            self._socket.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            self.io.close()
+            self._socket.close()
+            raise translate_zmq_error(exc, endpoint=self.endpoint) from None
+
+    def stopped(self) -> BaseException | None:
+        """Why a call cannot be made any more: `ClosedError` once the link's task stopped."""
+        if self._task is not None and self._task.done():
+            return ClosedError(f"the link to {self.endpoint} stopped")
+        return None
+
+    def task_failure(self) -> BaseException | None:
+        """What the link's task failed with, if it did."""
+        return None if self._task is None or self._task.cancelled() else self._task.exception()
+
+    def own_task(self, task: asyncio.Task[None]) -> None:
+        """The link's task runs for this session: a call fails once it stopped, closing cancels
+        it, and an error it did not expect fails every call (`_run_ended`)."""
+        self._task = task
+        task.add_done_callback(self._run_ended)
+
+    def unreadable(self) -> None:
+        """A message from the producer did not decode in this session (see `unread_in_session`)."""
+        self.unread_in_session += 1
+
     async def aclose(self) -> None:
         if self.core.state is not LinkState.CLOSED:
             was_ready = self.core.state is LinkState.READY
-            self._fail_all(self.core.close())
+            self.fail_all(self.core.close())
             if was_ready:
                 # Receipts still waiting for their flush leave before the bye: after it, the
                 # producer would put those items back in its buffer and deliver them again.
@@ -329,7 +281,7 @@ class LinkSession:
         for transport in self.joining.transports.values():
             await transport.aclose()
         self.checks.close()
-        self._io.close()
+        self.io.close()
         if self._monitor is not None:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
@@ -377,7 +329,7 @@ class LinkSession:
         self.unread_in_session = 0
         lost, hello = self.core.start_afresh(error, self._now())
         self.connected.clear()
-        self._fail_all(lost)
+        self.fail_all(lost)
         self.sends.in_order(hello)
 
     def own_arrival(self, arriving: asyncio.Future[Any], landed: Callable[[asyncio.Future[Any]], None]) -> None:
@@ -411,7 +363,7 @@ class LinkSession:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _fail_all(self, lost: Lost) -> None:
+    def fail_all(self, lost: Lost) -> None:
         """Every call of the link fails: those waiting for their answer (`lost.request_ids`)
         and those whose item is still landing, whose bytes cannot be trusted any more (over
         cuda_ipc, `abandon` lets their copies read whatever a dead producer left). Receipts of
@@ -435,10 +387,12 @@ class LinkSession:
         failure = task.exception()
         log.error("the link to %s stopped: %r", self.endpoint, failure, extra={"endpoint": self.endpoint})
         error = ClosedError(f"the link to {self.endpoint} stopped: {type(failure).__name__}: {failure}")
-        self._fail_all(Lost(error, tuple(self.calls)))
+        self.fail_all(Lost(error, tuple(self.calls)))
 
-    def _task_failure(self) -> BaseException | None:
-        return None if self._task is None or self._task.cancelled() else self._task.exception()
+    def _now(self) -> float:
+        return loop_time()
 
-    def _now(self) -> float:  # the loop's clock, which the protocol core is given
-        return asyncio.get_running_loop().time()
+
+def loop_time() -> float:
+    """The loop's clock, which the protocol core is given."""
+    return asyncio.get_running_loop().time()

@@ -1,6 +1,7 @@
-"""What every part of a consumer shares: the fields set up from the constructor's arguments,
-their checks, its counters, the scatter thread and stream, and `_check_open`. `Consumer` is a
-`ConsumerState`; its parts (`Lookups`, `Pulls`, `StreamOpening`) are given it.
+"""What the parts of a consumer share, each handed what it uses: the constructor's arguments
+checked (`ConsumerConfig`), its links to its producers and its TP group's agreement
+(`Connections`), and the thread and stream that scatter into the caller's pools (`Scatters`).
+`Consumer` makes them and hands them to its parts (`Lookups`, `Pulls`, `StreamOpening`).
 """
 
 from __future__ import annotations
@@ -8,28 +9,37 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import zmq
 
 from kvrt import _metrics
-from kvrt._arguments import endpoint, seconds, usable_device
+from kvrt._arguments import endpoint, seconds
 from kvrt._auth import CurveKeys
-from kvrt._consensus import GroupConsensus
+from kvrt._consensus import GroupConsensus, count_sharing
 from kvrt._consumer._link import _Link
-from kvrt._consumer._session import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REPLY_TIMEOUT_S, DEFAULT_TRANSFER_TIMEOUT_S
+from kvrt._consumer._session import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    LinkSession,
+)
+from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
     PeerLostError,
 )
 from kvrt._messages import MAX_READERS
-from kvrt._metrics import ConsumerCounters
-from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
+from kvrt._protocol import _heartbeat
 from kvrt._threads import gpu_worker
+from kvrt.transports import Receiver
 from kvrt.transports.select import transport_preference
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_REPLY_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S"]
 
 
 def _seconds(value: object, name: str) -> float:
@@ -38,49 +48,43 @@ def _seconds(value: object, name: str) -> float:
     return checked
 
 
-class ConsumerState:
-    """The fields of a consumer and the helpers every part of it calls."""
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """A consumer's constructor arguments, checked (see `Consumer`)."""
 
-    def __init__(
-        self,
-        connect: str | Sequence[str],
-        device: torch.device | str = "cpu",
-        *,
-        group: dist.ProcessGroup | None = None,
-        transport: str | None = None,
-        curve: CurveKeys | None = None,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-        transfer_timeout_s: float | None = DEFAULT_TRANSFER_TIMEOUT_S,
-        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
-        name: str | None = None,
-        readers: int | None = None,
-    ) -> None:
+    endpoints: tuple[str, ...]
+    device: torch.device
+    group: dist.ProcessGroup | None
+    transport_names: tuple[str, ...]
+    curve: CurveKeys | None
+    heartbeat_s: float
+    connect_timeout_s: float
+    transfer_timeout_s: float | None
+    reply_timeout_s: float
+    name: str
+    readers: int | None
+
+    @staticmethod
+    def checked(
+        connect: object, device: torch.device | str, *, group: dist.ProcessGroup | None, transport: str | None,
+        curve: object, heartbeat_s: object, connect_timeout_s: object, transfer_timeout_s: object,
+        reply_timeout_s: object, name: str | None, readers: object,
+    ) -> ConsumerConfig:  # fmt: skip
+        """The arguments checked, in the order the constructor always checked them."""
         endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
         if not endpoints:
             raise InvalidInputError(
                 f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
             )
         endpoints = [endpoint(address, "connect", binding=False) for address in endpoints]
-        heartbeat_s = _heartbeat(heartbeat_s)
-        connect_timeout_s = _seconds(connect_timeout_s, "connect_timeout_s")
-        reply_timeout_s = _seconds(reply_timeout_s, "reply_timeout_s")
-        transfer_timeout_s = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
+        checked_heartbeat = _heartbeat(heartbeat_s)
+        checked_connect = _seconds(connect_timeout_s, "connect_timeout_s")
+        checked_reply = _seconds(reply_timeout_s, "reply_timeout_s")
+        checked_transfer = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        self._reply_timeout_s = reply_timeout_s
-        self._transfer_timeout_s = transfer_timeout_s
-        self.device = usable_device(device)
-        self._endpoints = endpoints
-        self._transport_names = transport_preference(transport, self.device)
-        self._curve = curve
-        self._name = name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._heartbeat_s = heartbeat_s
-        self._connect_timeout_s = connect_timeout_s
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._links: list[_Link] = []
-        self._group = group
-        self._consensus: GroupConsensus | None = None
+        usable = usable_device(device)
+        names = tuple(transport_preference(transport, usable))
         if readers is not None and (
             group is not None or not isinstance(readers, int) or not 1 <= readers <= MAX_READERS
         ):
@@ -88,34 +92,109 @@ class ConsumerState:
                 f"readers must be None or an int from 1 to {MAX_READERS}, and only without group= (a group counts "
                 f"them), got {readers!r}"
             )
-        self._readers: list[int] = [readers or 1] * len(endpoints)
+        return ConsumerConfig(
+            endpoints=tuple(endpoints), device=usable, group=group, transport_names=names, curve=curve,
+            heartbeat_s=checked_heartbeat, connect_timeout_s=checked_connect, transfer_timeout_s=checked_transfer,
+            reply_timeout_s=checked_reply, name=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            readers=readers,
+        )  # fmt: skip
+
+
+class Connections:
+    """A consumer's links, one per producer (in `connect` order), its TP group's agreement,
+    and how many consumers read pieces of each producer's items."""
+
+    def __init__(
+        self, config: ConsumerConfig, metrics: _metrics.ConsumerMetrics, receivers: Callable[[], dict[str, Receiver]]
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._receivers = receivers
+        """Makes one link's receivers (each link has its own)."""
+        self.links: list[_Link] = []
+        self.consensus: GroupConsensus | None = None
+        self.readers: list[int] = [config.readers or 1] * len(config.endpoints)
         """Per producer, how many consumers take pieces of its items (`heads=`): the ranks of
         the group that connect to it, counted at start; without a group `readers` (1)."""
-        self._readers_unknown: PeerLostError | None = None
+        self.readers_unknown: PeerLostError | None = None
         """Why the group could not count them at start (a head range then cannot be asked)."""
-        self._pull_stream: torch.cuda.Stream | None = None
-        """Where pulls scatter what lands (GPU): the caller's stream waits only for the writes."""
-        self._scatters: concurrent.futures.ThreadPoolExecutor | None = None
-        """Queues a pull's scatters, in order, off the loop (see `pull`)."""
-        self.counters = ConsumerCounters()
-        self.metrics = _metrics.ConsumerMetrics()
-        """Lookups by outcome, lookup waits and transfers (see `kvrt._metrics`)."""
-        self._closed = False
+        self.context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("the consumer is closed")
+        if self.context is None:
+            raise ClosedError("the consumer is not started: use `async with` or `await start()`")
+
+    async def start(self) -> None:
+        """Connect to every producer, in order; a group counts the readers of each."""
+        config = self._config
+        context = self.context = zmq.Context()
+        if config.group is not None:
+            self.consensus = GroupConsensus(config.group)
+            self.consensus.start()
+        for address in config.endpoints:
+            link = _Link(LinkSession(
+                address,
+                device=config.device,
+                context=context,
+                name=config.name,
+                heartbeat_s=config.heartbeat_s,
+                transports=self._receivers(),
+                connect_timeout_s=config.connect_timeout_s,
+                curve=config.curve,
+                transfer_timeout_s=config.transfer_timeout_s,
+                reply_timeout_s=config.reply_timeout_s,
+                metrics=self._metrics,
+            ))  # fmt: skip
+            self.links.append(link)
+            await link.start()
+        if config.group is not None:
+            # Each producer learns from every piece request how many ranks take pieces of its
+            # items: the ranks of the group that connect to it. A group that cannot tell
+            # (a rank died) fails the lookups that need it, and the group's agreement the rest.
+            names = [link.core.producer_id or link.endpoint for link in self.links]
+            try:
+                self.readers = await count_sharing(config.group, names, config.connect_timeout_s)
+            except PeerLostError as error:
+                self.readers_unknown = error
+
+    async def aclose(self) -> None:
+        self.closed = True
+        if self.consensus is not None:
+            await self.consensus.aclose()
+        for link in self.links:
+            await link.aclose()
+
+    def terminate(self) -> None:
+        """The ZeroMQ context goes, once every link closed."""
+        if self.context is not None:
+            self.context.term()
+
+
+class Scatters:
+    """Where pulls and streams write what lands into the caller's pools: one thread that
+    queues the scatters in order, off the loop, and (GPU) a stream the caller's waits only for
+    the writes; each made when first needed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     def scatter_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread that queues pulls' and streams' scatters, in order, off the loop."""
-        if self._scatters is None:
-            self._scatters = gpu_worker(self.device, "kvrt-scatter")
-        return self._scatters
+        if self._thread is None:
+            self._thread = gpu_worker(self._device, "kvrt-scatter")
+        return self._thread
 
     def scatter_stream(self) -> torch.cuda.Stream:
         """Where scatters into the caller's pools run (GPU)."""
-        if self._pull_stream is None:
-            self._pull_stream = torch.cuda.Stream(self.device)
-        return self._pull_stream
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        return self._stream
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the consumer is closed")
-        if self._context is None:
-            raise ClosedError("the consumer is not started: use `async with` or `await start()`")
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)  # queued scatters still run: they only enqueue GPU work

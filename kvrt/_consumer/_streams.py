@@ -13,7 +13,6 @@ import torch
 import zmq
 
 from kvrt import _messages as m
-from kvrt._buffer import TensorsSum
 from kvrt._checksum import (
     HIDDEN_POSITION,
     stream_start_checksum,
@@ -22,6 +21,7 @@ from kvrt._checksum import (
     tensors_seed,
 )
 from kvrt._consumer._session import LinkSession, _Reply
+from kvrt._devices import translate_torch_error
 from kvrt._errors import (
     IntegrityError,
     InvalidInputError,
@@ -29,8 +29,8 @@ from kvrt._errors import (
     ProtocolError,
     RemoteProtocolError,
     StreamAbortedError,
-    translate_torch_error,
 )
+from kvrt._item_bytes import TensorsSum
 from kvrt._streams import ConsumerStream
 from kvrt._tensors import unpack
 from kvrt._threads import CheckWorkers, outcome_seen
@@ -109,11 +109,21 @@ def _start_damaged(start: m.StreamStart, payload: Sequence[zmq.Frame]) -> bool:
     return computed != start.checksum
 
 
+def _tensor_metas(message: m.StreamLayer | m.StreamEnd | m.StreamAbort) -> tuple[m.TensorMeta, ...]:
+    """The tensors that follow a stream message: a layer's key and value, an end's hidden states."""
+    match message:
+        case m.StreamLayer(key=key_meta, value=value_meta):
+            return (key_meta, value_meta)
+        case m.StreamEnd(hidden=hidden_meta) if hidden_meta is not None:
+            return (hidden_meta,)
+    return ()
+
+
 class StreamLayers:
     """A link's streams: layers received as the producer sends them."""
 
-    def __init__(self, link: LinkSession) -> None:
-        self._link = link
+    def __init__(self, session: LinkSession) -> None:
+        self._session = session
 
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
@@ -126,55 +136,52 @@ class StreamLayers:
                 "checksum of its ids, match, lease, layers and tokens (damaged on the way): nothing was taken, and "
                 "the producer takes it back in a new session"
             )
-            self._link.start_afresh(future, error)
+            self._session.start_afresh(future, error)
             return
-        self._link.leases[start.item_id] = start.lease
+        self._session.leases[start.item_id] = start.lease
         try:
             if len(payload) != 1 or payload[0].buffer.nbytes != start.payload_bytes:
                 raise RemoteProtocolError("stream_start needs one payload frame of payload_bytes")
             input_tokens, roi = unpack((start.input_tokens, start.roi), payload[0].buffer)
             assert input_tokens is not None
         except ProtocolError as exc:
-            self._link.release([start.item_id])
+            self._session.release([start.item_id])
             if future is not None and not future.done():
                 future.set_exception(exc)
             return
         if future is None or future.done():
-            self._link.release([start.item_id])
+            self._session.release([start.item_id])
             return
-        if not self._link.lease_holds():
-            self._link.release([start.item_id])
-            future.set_exception(self._link.lease_error())
+        if not self._session.lease_holds():
+            self._session.release([start.item_id])
+            future.set_exception(self._session.lease_error())
             return
-        call = self._link.calls.get(start.request_id)
+        call = self._session.calls.get(start.request_id)
         writer = None if call is None else call.writer
         if writer is not None and start.layers != writer.placement.pools.layers:
-            self._link.release([start.item_id])
+            self._session.release([start.item_id])
             future.set_exception(
                 InvalidInputError(f"the stream has {start.layers} layers, the pools {writer.placement.pools.layers}")
             )
             return
 
         def confirm() -> KVRTError | None:
-            self._link.open_streams.pop(start.item_id, None)
-            return None if self._link.settle(start.item_id, keep=True) else self._link.lease_error()
+            self._session.open_streams.pop(start.item_id, None)
+            return None if self._session.settle(start.item_id, keep=True) else self._session.lease_error()
 
         stream = ConsumerStream(input_tokens, roi, start.matched, start.layers, confirm, writer)
-        self._link.open_streams[start.item_id] = stream
+        self._session.open_streams[start.item_id] = stream
         future.set_result(_Reply(start, stream=stream))
 
     def on_streamed(self, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]) -> None:
-        stream = self._link.open_streams.get(message.item_id)
-        transport = self._link.receiver
-        out_of_band = transport is not None and transport.out_of_band
-        if stream is not None and not self._link.lease_holds():  # the stream may be another reader's by now
-            self._stream_lost(message.item_id, self._link.lease_error())
+        stream = self._session.open_streams.get(message.item_id)
+        transport = self._session.receiver
+        if stream is not None and not self._session.lease_holds():  # the stream may be another reader's by now
+            self._stream_lost(message.item_id, self._session.lease_error())
             stream = None
         if stream is None:  # a stream this side gave back
-            if out_of_band and transport is not None:
-                self._receive_stray(transport, message, payload)
-            elif transport is not None:
-                transport.discard(payload)
+            if transport is not None:
+                self._skip(transport, message, payload)
             return
         try:
             match message:
@@ -187,18 +194,19 @@ class StreamLayers:
                     assert transport is not None
                     self._receive_end(stream, transport, message, payload)
                 case m.StreamAbort(reason=reason):
-                    self._link.open_streams.pop(message.item_id, None)
-                    self._link.leases.pop(message.item_id, None)
-                    stream.fail(StreamAbortedError(f"producer at {self._link.endpoint} aborted the stream: {reason}"))
+                    self._session.open_streams.pop(message.item_id, None)
+                    self._session.leases.pop(message.item_id, None)
+                    endpoint = self._session.endpoint
+                    stream.fail(StreamAbortedError(f"producer at {endpoint} aborted the stream: {reason}"))
         except (ProtocolError, IntegrityError, IndexError) as exc:
-            self._link.open_streams.pop(message.item_id, None)
+            self._session.open_streams.pop(message.item_id, None)
             error = exc if isinstance(exc, ProtocolError | IntegrityError) else RemoteProtocolError(str(exc))
             self._count(error)
             stream.fail(error)
-            if out_of_band:  # its bytes are on the way: the pair is out of step
-                self._link.start_afresh(None, error)
+            if transport is not None:  # its item goes back (or, its bytes on the way, the session: see `refuse_stream`)
+                transport.refuse_stream(self._session, message.item_id, error)
             else:
-                self._link.release([message.item_id])
+                self._session.release([message.item_id])
 
     def _receive_layer(
         self, stream: ConsumerStream, item_id: int, transport: Receiver, layer: int,
@@ -211,7 +219,7 @@ class StreamLayers:
         arrival = transport.receive_tensors((key_meta, value_meta), payload)
         stream.arriving = arrival.complete
         summed = checksum is None and self._producer_checksums()
-        checks = self._link.checks
+        checks = self._session.checks
         if arrival.landed is not None:
             key, value = arrival.tensors
             if summed:  # queued before the reader gets it: what landed, not what it made of it
@@ -240,7 +248,7 @@ class StreamLayers:
                     stream.sums[layer] = _summing(checks, (key, value), (key_meta, value_meta), layer, None)
                 self._deliver_layer(stream, item_id, layer, key, value)
 
-        self._link.own_arrival(arrival.complete, landed)
+        self._session.own_arrival(arrival.complete, landed)
 
     def _deliver_layer(
         self, stream: ConsumerStream, item_id: int, layer: int, key: torch.Tensor, value: torch.Tensor,
@@ -264,7 +272,7 @@ class StreamLayers:
             else:
                 stream.deliver_layer(layer, key, value, written.result())
 
-        self._link.own_arrival(written, delivered)
+        self._session.own_arrival(written, delivered)
 
     def _receive_end(
         self, stream: ConsumerStream, transport: Receiver, end: m.StreamEnd, payload: Sequence[zmq.Frame]
@@ -319,7 +327,7 @@ class StreamLayers:
             sums = [stream.sums[layer] for layer in expected]
             if hidden is not None and hidden_meta is not None and end.device_checksum is not None:
                 expected[HIDDEN_POSITION] = end.device_checksum
-                sums.append(_summing(self._link.checks, (hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
+                sums.append(_summing(self._session.checks, (hidden,), (hidden_meta,), HIDDEN_POSITION, hidden_landed))
             if not expected:
                 stream.finish(hidden)
                 return
@@ -334,16 +342,18 @@ class StreamLayers:
                 if error is not None:
                     self._stream_lost(item_id, translate_torch_error(error, what=f"checking stream {item_id}"))
                     return
-                checks = self._link.checks.executor
+                checks = self._session.checks.executor
                 checked = asyncio.get_running_loop().run_in_executor(checks, _read_sums, queued.result())
-                self._link.own_arrival(checked, lambda sums: self._end_checked(stream, item_id, expected, sums, hidden))
+                self._session.own_arrival(
+                    checked, lambda sums: self._end_checked(stream, item_id, expected, sums, hidden)
+                )
 
-            self._link.own_arrival(queued, read)
+            self._session.own_arrival(queued, read)
 
         if last is None:
             landed(last)
         elif hidden_meta is not None:
-            self._link.own_arrival(last, landed)
+            self._session.own_arrival(last, landed)
         else:
             # Owned already: it is a layer's. Done or not, the end follows that layer's own
             # callback (scheduled first), so the stream never ends before its last layer.
@@ -355,7 +365,7 @@ class StreamLayers:
     ) -> None:  # fmt: skip
         """The checksums of what landed of a GPU producer's stream are known: it finishes if
         every one matches what its end carried, else it fails and its item goes back whole."""
-        if computed.cancelled() or self._link.open_streams.get(item_id) is not stream:
+        if computed.cancelled() or self._session.open_streams.get(item_id) is not stream:
             return  # the link closed, or the stream failed meanwhile
         error = computed.exception()
         if error is not None:
@@ -376,34 +386,30 @@ class StreamLayers:
         stream.finish(hidden)
 
     def _producer_checksums(self) -> bool:
-        return m.Capability.CHECKSUM in self._link.core.producer_capabilities
+        return m.Capability.CHECKSUM in self._session.core.producer_capabilities
 
-    def _receive_stray(
+    def _skip(
         self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
     ) -> None:
-        """The tensors of a stream this side gave back are on their way all the same (out of
-        band): they are received and dropped, or the next receive on the pair would take them."""
-        metas: tuple[m.TensorMeta, ...]
-        match message:
-            case m.StreamLayer(key=key_meta, value=value_meta):
-                metas = (key_meta, value_meta)
-            case m.StreamEnd(hidden=hidden_meta) if hidden_meta is not None:
-                metas = (hidden_meta,)
-            case _:
-                return
+        """A message of a stream this side gave back: what came with it is dropped, or, its bytes
+        still on their way (out of band), received and dropped (`Receiver.skip`), or the next
+        receive on the pair would take them."""
         try:
-            self._link.own_arrival(transport.receive_tensors(metas, payload).complete, outcome_seen)
+            arriving = transport.skip(_tensor_metas(message), payload)
         except ProtocolError as exc:
-            self._link.start_afresh(None, exc)
+            self._session.start_afresh(None, exc)
+            return
+        if arriving is not None:
+            self._session.own_arrival(arriving, outcome_seen)
 
     def _count(self, error: BaseException) -> None:
-        if isinstance(error, IntegrityError) and self._link.metrics is not None:
-            self._link.metrics.integrity_failures += 1
+        if isinstance(error, IntegrityError) and self._session.metrics is not None:
+            self._session.metrics.integrity_failures += 1
 
     def _stream_lost(self, item_id: int, error: KVRTError) -> None:
         """A stream's receive failed: it fails, and its item goes back to the producer."""
-        stream = self._link.open_streams.pop(item_id, None)
+        stream = self._session.open_streams.pop(item_id, None)
         self._count(error)
         if stream is not None:
-            self._link.release([item_id])
+            self._session.release([item_id])
             stream.fail(error)

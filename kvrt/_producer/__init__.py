@@ -7,13 +7,14 @@ holds more than `buffer_bytes`, copies the tensors, and gives the item to the co
 
 The package, one job a module:
 
-- `_state`: the fields every part shares, argument checks and defaults
+- `_state`: what the parts share, each handed what it uses: the checked arguments, the gate
+  (open, room in the buffer), the worker threads, the items' bytes beside the core's records
 - `_serve`: `ServeLoop`: control frames in, replies and deliveries out, peers
 - `_insert`: `Inserter`: `insert`, buffering an item for the core
 - `_gathers`: a published item's gathers, queued off the loop
 - `_publish`: `Publisher`: `register_pools`, `publish`
 - `_streams`: `StreamPublisher`: `open_stream`, a layer at a time
-- `_producer`: `Producer`: the public calls, given to the parts it holds; start, close, stats
+- `_producer`: `Producer`: makes its parts and gives its public calls to them; start, close, stats
 """
 
 from kvrt._errors import KVRTError

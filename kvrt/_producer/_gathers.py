@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrt._buffer import GathersFailed
+from kvrt._item_bytes import GathersFailed
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
     from kvrt.kernels.paged_kv import PreparedGather

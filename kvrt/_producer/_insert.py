@@ -1,5 +1,5 @@
-"""`insert`: the caller's tensors copied into a `BufferedItem` and handed to the core, once
-the buffer has room (an event, never a poll). Runs in the caller's task.
+"""`insert`: the caller's tensors copied into an item's bytes, its record handed to the core,
+once the buffer has room (an event, never a poll). Runs in the caller's task.
 """
 
 from __future__ import annotations
@@ -7,24 +7,30 @@ from __future__ import annotations
 import torch
 
 from kvrt import _metrics
-from kvrt._buffer import BufferedItem
 from kvrt._heads import check_heads
 from kvrt._item import (
+    NewItem,
     buffered_item,
     check_item,
     check_timeout,
 )
+from kvrt._messages import HeadRange
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import ProducerState
+from kvrt._producer._state import Gate, ItemKeeper, loop_time
+from kvrt._protocol import ProducerCore
 
 
 class Inserter:
     """`insert`, and buffering an item for the core (also used by publish and streams)."""
 
-    def __init__(self, state: ProducerState, serving: ServeLoop) -> None:
-        self._state = state
-        self._core = state._core
+    def __init__(
+        self, core: ProducerCore, gate: Gate, items: ItemKeeper, serving: ServeLoop, *, heads: HeadRange | None
+    ) -> None:
+        self._core = core
+        self._gate = gate
+        self._items = items
         self._serving = serving
+        self._heads = heads
 
     async def insert(
         self,
@@ -38,24 +44,26 @@ class Inserter:
         stream: torch.cuda.Stream | None = None,
     ) -> None:
         """See `Producer.insert`."""
-        self._state._check_open()
+        self._gate.check_open()
         timer = _metrics.Timer("insert")
         check_item(input_tokens, roi, key, value, hidden)
-        check_heads(self._state.heads, key, value, what="insert")
+        check_heads(self._heads, key, value, what="insert")
         check_timeout(timeout, what="insert")
-        await self._state._wait_for_room(timeout)
+        await self._gate.wait_for_room(timeout)
         self._serving.reclaim()
         item = buffered_item(
             (input_tokens, roi, key, value, hidden),
-            self._state.device,
+            self._items.device,
             item_id=self._core.new_item_id(),
             seq=self._core.buffer.next_seq(),
-            allocate=self._state._allocate,
+            allocate=self._items.allocate,
         )
         await self.buffer(item)
         timer.done()
 
-    async def buffer(self, item: BufferedItem) -> None:
-        """Hand a built item to the transports and the core (room was waited for already)."""
-        self._state._prepare(item)
-        await self._serving.perform(self._core.insert(item, self._state._now()))
+    async def buffer(self, item: NewItem) -> None:
+        """Hand a built item to the transports and the core (room was waited for already); its
+        bytes are kept beside its record."""
+        record = self._items.keep(item)
+        self._items.prepare(record, item.bytes)
+        await self._serving.perform(self._core.insert(record, loop_time()))

@@ -1,6 +1,7 @@
-"""The producer (prefill side): `Producer` holds the shared fields (`_state`) and its parts:
-the serve loop (`_serve`), the inserter (`_insert`), the publisher (`_publish`) and the stream
-publisher (`_streams`), to which its public calls go; and it starts, closes and reports.
+"""The producer (prefill side): `Producer` makes its parts and hands each what it uses (the
+shared ones in `_state`): the serve loop (`_serve`), the inserter (`_insert`), the publisher
+(`_publish`) and the stream publisher (`_streams`), to which its public calls go; and it
+starts, closes and reports.
 """
 
 from __future__ import annotations
@@ -8,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from functools import cached_property
-from typing import Self
+from typing import Any, Self
 
 import torch
 import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
-from kvrt._auth import secure_server
+from kvrt._auth import CurveKeys, secure_server
 from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import (
     ClosedError,
@@ -28,13 +28,25 @@ from kvrt._pools import PoolTable
 from kvrt._producer._insert import Inserter
 from kvrt._producer._publish import Publisher
 from kvrt._producer._serve import ServeLoop, _host_of
-from kvrt._producer._state import DEFAULT_CHUNK_BYTES, PRODUCER_IO_THREADS, ProducerState
+from kvrt._producer._state import (
+    DEFAULT_CHUNK_BYTES,
+    PRODUCER_IO_THREADS,
+    Gate,
+    ItemKeeper,
+    ProducerConfig,
+    RegisteredPools,
+    Workers,
+    loop_time,
+)
 from kvrt._producer._streams import StreamPublisher
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore
 from kvrt._service import AsyncService
 from kvrt._streams import ProducerStream
 from kvrt._zmqio import RouterOutboxes, SocketIO
+from kvrt.transports import Sender
 from kvrt.transports._arena import SLAB_BYTES
-from kvrt.transports.select import make_senders
+from kvrt.transports.cuda_ipc import host_identity
+from kvrt.transports.select import SAME_HOST_ONLY, make_senders
 
 log = logging.getLogger("kvrt.producer")
 
@@ -42,7 +54,7 @@ _BYE_LINGER_MS = 200
 """How long closing waits for its Bye messages to leave."""
 
 
-class Producer(ProducerState, AsyncService):
+class Producer(AsyncService):
     """Buffers the KV of finished prefills and hands each to the consumer that asks for it.
 
     Use it as an async context manager (or `await start()` ... `await aclose()`):
@@ -68,6 +80,68 @@ class Producer(ProducerState, AsyncService):
     inserted into host memory (`device="cpu"`), delivered one at a time; published prefills,
     streams, pieces and `drop_select_many` batches carry none yet.
     """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        device: torch.device | str = "cpu",
+        buffer_bytes: int = 1 << 30,
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        name: str | None = None,
+        transport: str | None = None,
+        item_ttl_s: float | None = None,
+        curve: CurveKeys | None = None,
+        heads: slice | None = None,
+        checksum: bool | None = None,
+    ) -> None:
+        config = ProducerConfig.checked(
+            bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
+            item_ttl_s=item_ttl_s, curve=curve, heads=heads, checksum=checksum,
+        )  # fmt: skip
+        self._config = config
+        self.device = config.device
+        self.buffer_bytes = config.buffer_bytes
+        self.heads = config.heads
+        """The model's KV heads this producer's items hold (a prefill TP rank's share), if told."""
+        self.checksum = config.checksum
+        """Whether each inserted item carries a checksum of its bytes (`KVRT_CHECKSUM` if None)."""
+        self._transport_names = config.transport_names
+        """What it offers its consumers, preferred first."""
+        self._transports: dict[str, Sender] = {}
+        """The producer's senders, by name (filled by `start`)."""
+        self._workers = Workers(config.device)
+        self._bytes = ItemKeeper(
+            config.device, checksum=config.checksum, transports=self._transports, workers=self._workers
+        )
+        self._core = ProducerCore(
+            producer_id=config.producer_id, heartbeat_s=config.heartbeat_s, transports=config.transport_names,
+            buffer_limit_bytes=config.buffer_bytes, item_ttl_s=config.item_ttl_s, host=host_identity(),
+            same_host_only=SAME_HOST_ONLY, cut=self._bytes.cut, heads=config.heads, checksum=config.checksum,
+        )  # fmt: skip
+        self._gate = Gate(self._core.buffer, config.buffer_bytes)
+        registered = RegisteredPools()
+        self._serving = ServeLoop(self._core, self._gate, self._bytes, self._transports)
+        self._inserter = Inserter(self._core, self._gate, self._bytes, self._serving, heads=config.heads)
+        self._publisher = Publisher(
+            self._core, self._gate, self._bytes, self._workers, registered, self._inserter, self._serving
+        )
+        self._stream_publisher = StreamPublisher(
+            self._core, self._gate, self._bytes, self._workers, registered, self._serving
+        )
+        self._authenticator: Any = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._io: SocketIO | None = None
+        self._endpoint: str | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The address actually bound (with the real port when `bind` asked for port 0)."""
+        if self._endpoint is None:
+            raise ClosedError("the producer is not started: use `async with` or `await start()`")
+        return self._endpoint
 
     # -- the prefill engine's calls, each given to the part whose job it is -------------------
 
@@ -168,30 +242,14 @@ class Producer(ProducerState, AsyncService):
             input_tokens, roi, layers=layers, slots=slots, replica=replica, timeout=timeout, stream=stream
         )
 
-    @cached_property
-    def _serving(self) -> ServeLoop:
-        return ServeLoop(self)
-
-    @cached_property
-    def _inserter(self) -> Inserter:
-        return Inserter(self, self._serving)
-
-    @cached_property
-    def _publisher(self) -> Publisher:
-        return Publisher(self, self._inserter, self._serving)
-
-    @cached_property
-    def _stream_publisher(self) -> StreamPublisher:
-        return StreamPublisher(self, self._inserter, self._serving)
-
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> Self:
         """Bind the endpoint and start serving; returns once `endpoint` is known."""
-        if self._socket is not None or self._closed:
+        if self._socket is not None or self._gate.closed:
             raise ClosedError("a producer starts once; create a new one")
         keep_freed_memory()
-        await self.warm_device_checksums()
+        await self._bytes.warm_device_checksums()
         # Two I/O threads: handshakes and ZMTP heartbeats of many connections (a storm of them)
         # do not queue every consumer's bytes behind one thread.
         self._context = zmq.Context(io_threads=PRODUCER_IO_THREADS)
@@ -207,31 +265,35 @@ class Producer(ProducerState, AsyncService):
         # whose input is stopped when its connection fails (libzmq 4.3's `out_event` checks
         # `!_io_error`): a peer that floods a producer and then drops its connection would
         # abort the producer's process.
-        if self._curve is not None:
-            self._authenticator = secure_server(self._context, socket, self._curve)
+        config = self._config
+        if config.curve is not None:
+            self._authenticator = secure_server(self._context, socket, config.curve)
         try:
-            socket.bind(self._bind)
+            socket.bind(config.bind)
         except zmq.ZMQError as exc:
             socket.close()
             if self._authenticator is not None:
                 self._authenticator.stop()
             self._context.term()
-            raise translate_zmq_error(exc, endpoint=self._bind) from None
+            raise translate_zmq_error(exc, endpoint=config.bind) from None
         self._socket = socket
-        self._core.started_at = self._now()
+        self._core.started_at = loop_time()
         self._io = SocketIO(socket)
-        self._outboxes = RouterOutboxes(self._io, stall_s=self._core.peer_timeout_s)
         self._endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._transports = make_senders(
-            self._transport_names,
-            self.device,
-            store_host=_host_of(self._endpoint),
-            # Room for a full buffer and the one insert that may pass it, and a slab to spare.
-            registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
+        self._serving.bind(self._io, RouterOutboxes(self._io, stall_s=self._core.peer_timeout_s), self._endpoint)
+        self._gate.started = True
+        self._transports.update(
+            make_senders(
+                self._transport_names,
+                self.device,
+                store_host=_host_of(self._endpoint),
+                # Room for a full buffer and the one insert that may pass it, and a slab to spare.
+                registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
+            )
         )
         for transport in self._transports.values():
             await transport.start()
-        self._update_room()
+        self._gate.update_room()
         _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serving.run(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serving.ended)
@@ -239,10 +301,9 @@ class Producer(ProducerState, AsyncService):
 
     async def aclose(self) -> None:
         """Say Bye to every consumer, fail every pending insert with `ClosedError`, and stop."""
-        if self._closed:
+        if self._gate.closed:
             return
-        self._closed = True
-        self._room.set()  # wake waiting inserts: they see `_closed` and fail
+        self._gate.close()  # waiting inserts wake up and fail
         if self._io is not None:
             for out in self._core.close("producer closed"):
                 with contextlib.suppress(zmq.ZMQError):  # a consumer already gone needs no Bye
@@ -250,11 +311,8 @@ class Producer(ProducerState, AsyncService):
         self._serving.release_departed()
         for transport in self._transports.values():
             await transport.aclose()
-        if self._gathers is not None:
-            self._gathers.shutdown(wait=False)
-        if self._checksums is not None:
-            self._checksums.shutdown(wait=False)
-        self._host_copies.close()
+        self._workers.close()
+        self._serving.host_copies.close()
         if self._serve_task is not None:
             self._serve_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -275,7 +333,7 @@ class Producer(ProducerState, AsyncService):
     def stats(self) -> ProducerStats:
         buffer = self._core.buffer
         return ProducerStats(
-            endpoint=self._endpoint or self._bind,
+            endpoint=self._endpoint or self._config.bind,
             items=len(buffer),
             buffer_bytes=buffer.nbytes,
             in_flight=buffer.held,

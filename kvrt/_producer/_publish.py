@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvrt._buffer import GathersFailed, all_gathers_queued
 from kvrt._errors import (
     InvalidInputError,
     KVRTError,
@@ -22,11 +21,13 @@ from kvrt._item import (
     item_from_packed,
     masked_tokens,
 )
+from kvrt._item_bytes import GathersFailed, all_gathers_queued
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._producer._gathers import _Gathers
 from kvrt._producer._insert import Inserter
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import DEFAULT_CHUNK_BYTES, ProducerState
+from kvrt._producer._state import DEFAULT_CHUNK_BYTES, Gate, ItemKeeper, RegisteredPools, Workers
+from kvrt._protocol import ProducerCore
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack_empty
 
 if TYPE_CHECKING:  # the kernels import Triton: only when pools are used
@@ -85,21 +86,27 @@ def _to_host(values: torch.Tensor) -> Callable[[], np.ndarray]:
 class Publisher:
     """Publishing from paged pools."""
 
-    def __init__(self, state: ProducerState, inserter: Inserter, serving: ServeLoop) -> None:
-        self._state = state
-        self._core = state._core
+    def __init__(
+        self, core: ProducerCore, gate: Gate, items: ItemKeeper, workers: Workers, registered: RegisteredPools,
+        inserter: Inserter, serving: ServeLoop,
+    ) -> None:  # fmt: skip
+        self._core = core
+        self._gate = gate
+        self._items = items
+        self._workers = workers
+        self._registered = registered
         self._inserter = inserter
         self._serving = serving
 
     def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
         """See `Producer.register_pools`."""
-        if pools.device != self._state.device:
-            raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self._state.device}")
+        if pools.device != self._items.device:
+            raise InvalidInputError(f"the pools are on {pools.device}, this producer is on {self._items.device}")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidInputError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-        self._state._pools = pools
-        self._state._chunk_bytes = chunk_bytes
-        self._state._taper = bool(taper)
+        self._registered.pools = pools
+        self._registered.chunk_bytes = chunk_bytes
+        self._registered.taper = bool(taper)
 
     async def publish(
         self,
@@ -112,7 +119,7 @@ class Publisher:
         stream: torch.cuda.Stream | None = None,
     ) -> None:
         """See `Producer.publish`."""
-        pools = self._state._pools
+        pools = self._registered.pools
         if pools is None:
             raise InvalidInputError("publish needs pools: call register_pools first")
         check_tokens(input_tokens, roi, what="publish")
@@ -121,12 +128,12 @@ class Publisher:
         replicas = per_token(replica, slots)
         if slots.numel() != input_tokens.numel():
             raise InvalidInputError(f"publish: {slots.numel()} slots for {input_tokens.numel()} tokens")
-        self._state._check_open()
+        self._gate.check_open()
         check_timeout(timeout, what="publish")
-        await self._state._wait_for_room(timeout)
+        await self._gate.wait_for_room(timeout)
         self._serving.reclaim()
         read_back = None
-        if self._state.device.type == "cuda":
+        if self._items.device.type == "cuda":
             ranges = None
             if slots.device.type == "cpu" and replicas.device.type == "cpu":
                 # Indexes on the host, as an engine's scheduler holds a request's pages: checked
@@ -147,8 +154,8 @@ class Publisher:
         packed = pack_empty(
             [(input_tokens.shape, input_tokens.dtype), None if roi is None else (roi.shape, roi.dtype),
              (kv_shape, pools.dtype), (value_shape, pools.dtype), None],
-            self._state.device,
-            self._state._allocate,
+            self._items.device,
+            self._items.allocate,
         )  # fmt: skip
         item_tokens, item_roi, key, value, _ = packed.tensors
         _, _, key_meta, value_meta, _ = packed.metas
@@ -158,8 +165,8 @@ class Publisher:
             if into is not None and source is not None:
                 copy_into(into, source)
         layer_bytes = (key.nbytes + value.nbytes) // max(1, pools.layers)
-        per_chunk = max(1, self._state._chunk_bytes // max(1, layer_bytes))
-        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._state._taper)
+        per_chunk = max(1, self._registered.chunk_bytes // max(1, layer_bytes))
+        chunks = chunk_plan(pools.layers, per_chunk, small_last=self._registered.taper)
         segments, segment_chunks = layer_segments(key_meta, value_meta, packed.storage.numel(), chunks)
         gathers: _Gathers | None = None
         if read_back is not None:
@@ -183,7 +190,7 @@ class Publisher:
             # Deliver header has left (the consumer posts its receives meanwhile); a first
             # launch compiles, for about a second, in a worker thread. They are planned now
             # while index ranges travel back from the device, else after the header left.
-            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self._state.device), self._state._gather_thread)
+            gathers = _Gathers(plan, ready, torch.cuda.current_stream(self._items.device), self._workers.gather_thread)
             if ranges is not None:
                 gathers.plan()
             masked, read_ranges = read_back()
@@ -193,22 +200,22 @@ class Publisher:
             masked = masked_tokens(input_tokens, roi)
             # On the gather thread, as a stream's layers are (see `gathered_layer`).
             await asyncio.wrap_future(
-                self._state._gather_thread().submit(gather_into_any, pools, replicas, slots, key, value)
+                self._workers.gather_thread().submit(gather_into_any, pools, replicas, slots, key, value)
             )
         item = item_from_packed(
-            packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked
-        )
-        item.segments = segments
+            packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq(), masked=masked,
+            segments=segments,
+        )  # fmt: skip
         if gathers is not None:
-            item.segment_ready = [ready[gather] for gather in segment_gathers]
-            item.segment_gathers = segment_gathers
-            item.gathers = gathers
+            item.bytes.segment_ready = [ready[gather] for gather in segment_gathers]
+            item.bytes.segment_gathers = segment_gathers
+            item.bytes.gathers = gathers
         # Buffered before the other gathers are queued: a waiting pull gets its Deliver header
         # first and posts its receives while they are queued.
         await self._inserter.buffer(item)
         if gathers is not None:
             try:
-                await all_gathers_queued(item)
+                await all_gathers_queued(item.bytes)
             except GathersFailed as failed:
-                await self._serving.perform(self._core.discard(item))
-                raise KVRTError(f"publish: queuing the gathers on {self._state.device} failed: {failed}") from failed
+                await self._serving.perform(self._core.discard(item.record))
+                raise KVRTError(f"publish: queuing the gathers on {self._items.device} failed: {failed}") from failed

@@ -1,25 +1,28 @@
-"""What every part of a producer shares: the fields set up from the constructor's
-arguments, their defaults and checks, and the few helpers each part calls (`_now`,
-`_check_open`, waiting for room). `Producer` and its parts derive from `ProducerState`.
+"""What the parts of a producer share, each handed what it uses: the constructor's arguments
+checked (`ProducerConfig`), whether the producer serves and whether its buffer has room
+(`Gate`), its worker threads (`Workers`), the items' bytes beside the core's records
+(`ItemKeeper`), the engine's registered pools (`RegisteredPools`). `Producer` makes them and
+hands them to its parts; no part reaches into another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, Final
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 import torch
-import zmq
 
 from kvrt import _messages as m
-from kvrt._arguments import byte_count, endpoint, seconds, usable_device
+from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys
-from kvrt._buffer import BufferedItem, TensorsSum, all_gathers_queued
 from kvrt._checksum import (
     HIDDEN_POSITION,
     checksum_wanted,
@@ -28,21 +31,23 @@ from kvrt._checksum import (
     tensors_device_checksum,
     tensors_seed,
 )
+from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
     InvalidInputError,
     KVRTTimeoutError,
 )
-from kvrt._heads import fill_piece, head_range, piece_of
+from kvrt._heads import fill_piece, first_head, head_range, piece_of
+from kvrt._item import NewItem
+from kvrt._item_bytes import ItemBytes, TensorsSum, all_gathers_queued
 from kvrt._pools import PoolTable
-from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
+from kvrt._protocol import _heartbeat
+from kvrt._protocol.buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._tensors import tensor_meta
 from kvrt._threads import gpu_worker, host_worker
-from kvrt._zmqio import RouterOutboxes, SocketIO
-from kvrt.transports import HostCopies, Sender
-from kvrt.transports.cuda_ipc import host_identity
-from kvrt.transports.select import SAME_HOST_ONLY, transport_preference
+from kvrt.transports import Sender
+from kvrt.transports.select import transport_preference
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """K and V bytes per chunk of a published request (see `register_pools`)."""
@@ -51,131 +56,84 @@ DEFAULT_CHUNK_BYTES = 1 << 30
 PRODUCER_IO_THREADS: Final = 2
 
 
-class _RateLimit:
-    """At most one log line per `per_s` for a kind of event a peer can cause at will (a flood
-    of refused messages must not become a flood of log lines); the others are counted."""
-
-    def __init__(self, per_s: float) -> None:
-        self._per_s = per_s
-        self._next = 0.0
-        self._suppressed = 0
-
-    def allows(self, now: float) -> bool:
-        if now >= self._next:
-            self._next = now + self._per_s
-            return True
-        self._suppressed += 1
-        return False
-
-    def suppressed_note(self) -> str:
-        note = f" ({self._suppressed} more not logged)" if self._suppressed else ""
-        self._suppressed = 0
-        return note
+def loop_time() -> float:
+    """The running loop's clock: the `now` every call into the protocol core is given."""
+    return asyncio.get_running_loop().time()
 
 
-class ProducerState:
-    """The fields of a producer and the helpers every part of it calls."""
+@dataclass(frozen=True, slots=True)
+class ProducerConfig:
+    """A producer's constructor arguments, checked (see `Producer`)."""
 
-    def __init__(
-        self,
-        bind: str = "tcp://127.0.0.1:0",
-        device: torch.device | str = "cpu",
-        buffer_bytes: int = 1 << 30,
-        *,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        name: str | None = None,
-        transport: str | None = None,
-        item_ttl_s: float | None = None,
-        curve: CurveKeys | None = None,
-        heads: slice | None = None,
-        checksum: bool | None = None,
-    ) -> None:
-        buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
-        self.checksum = checksum_wanted(checksum)
-        """Whether each inserted item carries a checksum of its bytes (`KVRT_CHECKSUM` if None)."""
-        heartbeat_s = _heartbeat(heartbeat_s)
-        item_ttl_s = seconds(item_ttl_s, "item_ttl_s", none=True)
-        bind = endpoint(bind, "bind", binding=True)
+    bind: str
+    device: torch.device
+    buffer_bytes: int
+    heartbeat_s: float
+    producer_id: str
+    transport_names: tuple[str, ...]
+    item_ttl_s: float | None
+    curve: CurveKeys | None
+    heads: m.HeadRange | None
+    checksum: bool
+    """Whether each inserted item carries a checksum of its bytes (`KVRT_CHECKSUM` if None)."""
+
+    @staticmethod
+    def checked(
+        bind: object, device: torch.device | str, buffer_bytes: object, *, heartbeat_s: object, name: str | None,
+        transport: str | None, item_ttl_s: object, curve: object, heads: object, checksum: bool | None,
+    ) -> ProducerConfig:  # fmt: skip
+        """The arguments checked, in the order the constructor always checked them."""
+        checked_bytes = byte_count(buffer_bytes, "buffer_bytes")
+        wanted = checksum_wanted(checksum)
+        checked_heartbeat = _heartbeat(heartbeat_s)
+        ttl = seconds(item_ttl_s, "item_ttl_s", none=True)
+        address = endpoint(bind, "bind", binding=True)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        self.device = usable_device(device)
-        self.buffer_bytes = buffer_bytes
-        self._bind = bind
-        self._curve = curve
-        self._authenticator: Any = None
-        self._transport_names = transport_preference(transport, self.device)
-        self._transports: dict[str, Sender] = {}
-        self.heads = head_range(heads, "heads")
-        """The model's KV heads this producer's items hold (a prefill TP rank's share), if told."""
-        self._core = ProducerCore(
+        usable = usable_device(device)
+        return ProducerConfig(
+            bind=address, device=usable, buffer_bytes=checked_bytes, heartbeat_s=checked_heartbeat,
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            heartbeat_s=heartbeat_s,
-            transports=self._transport_names,
-            buffer_limit_bytes=buffer_bytes,
-            item_ttl_s=item_ttl_s,
-            host=host_identity(),
-            same_host_only=SAME_HOST_ONLY,
-            cut=self._cut_piece,
-            heads=self.heads,
-            checksum=self.checksum,
-        )
-        self._send_lock = asyncio.Lock()
-        self._refusal_log = _RateLimit(per_s=1.0)
-        self._peer_log = _RateLimit(per_s=0.1)
-        """Consumers joining and leaving: a storm of connections must not become one of log lines."""
-        self._departed_since_trim = 0
-        self._pools: PoolTable | None = None
-        self._chunk_bytes = DEFAULT_CHUNK_BYTES
-        self._taper = False
-        """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
-        self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
-        """Queues a publish's gathers off the loop (see `publish`); on the host, runs them."""
-        self._checksums: concurrent.futures.ThreadPoolExecutor | None = None
-        """Computes GPU items' checksums off the loop, on a stream of its own (see `device_checksum`)."""
-        self._checksum_stream: torch.cuda.Stream | None = None
-        self._host_copies = HostCopies()
-        """A stream's head (its tokens) as host frames (see `ServeLoop._send_one`)."""
-        self._peer_left = asyncio.Event()
-        """Set whenever a consumer left and its pair was released (tests and metrics await it)."""
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._socket: zmq.Socket[bytes] | None = None
-        self._io: SocketIO | None = None
-        self._outboxes: RouterOutboxes | None = None
-        self._endpoint: str | None = None
-        self._serve_task: asyncio.Task[None] | None = None
+            transport_names=tuple(transport_preference(transport, usable)), item_ttl_s=ttl, curve=curve,
+            heads=head_range(heads, "heads"), checksum=wanted,
+        )  # fmt: skip
+
+
+class Gate:
+    """Whether the producer serves (started, closed, failed) and whether its buffer has room:
+    what every call checks first, and what an insert waits on (an event, never a poll)."""
+
+    def __init__(self, buffer: LookupBuffer, buffer_bytes: int) -> None:
+        self._buffer = buffer
+        self.buffer_bytes = buffer_bytes
         self._room = asyncio.Event()
-        self._closed = False
-        self._failure: BaseException | None = None
+        self.started = False
+        self.closed = False
+        self.failure: BaseException | None = None
+        """Why the serve loop ended, if it failed (every later call says so)."""
 
-    # -- API ------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        if self.closed or not self.started:
+            reason = "closed" if self.closed else "not started: use `async with` or `await start()`"
+            raise ClosedError(f"the producer is {reason}") from self.failure
 
-    @property
-    def endpoint(self) -> str:
-        """The address actually bound (with the real port when `bind` asked for port 0)."""
-        if self._endpoint is None:
-            raise ClosedError("the producer is not started: use `async with` or `await start()`")
-        return self._endpoint
+    def close(self, failure: BaseException | None = None) -> None:
+        """No call is served any more; waiting inserts wake up and fail."""
+        self.closed = True
+        if failure is not None:
+            self.failure = failure
+        self._room.set()
 
-    # -- internals ------------------------------------------------------------------------
-
-    def _now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    def _check_open(self) -> None:
-        if self._closed or self._socket is None:
-            reason = "closed" if self._closed else "not started: use `async with` or `await start()`"
-            raise ClosedError(f"the producer is {reason}") from self._failure
-
-    def _update_room(self) -> None:
-        if self._core.buffer.nbytes <= self.buffer_bytes:
+    def update_room(self) -> None:
+        if self._buffer.nbytes <= self.buffer_bytes:
             self._room.set()
         else:
             self._room.clear()
 
-    async def _wait_for_room(self, timeout: float | None) -> None:
+    async def wait_for_room(self, timeout: float | None) -> None:
         try:
             async with asyncio.timeout(timeout):
-                while self._core.buffer.nbytes > self.buffer_bytes and not self._closed:
+                while self._buffer.nbytes > self.buffer_bytes and not self.closed:
                     await self._room.wait()
         except TimeoutError:
             raise KVRTTimeoutError(
@@ -183,40 +141,115 @@ class ProducerState:
                 "no consumer is taking items; check that decode instances are connected",
                 phase="insert",
             ) from None
-        self._check_open()
+        self.check_open()
 
-    def _cut_piece(self, item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
+
+class Workers:
+    """The producer's worker threads, each started when first needed: the one that queues a
+    publish's gathers (on the host, runs them) and the one that computes GPU items' checksums,
+    on a stream of its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._gathers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checksums: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checksum_stream: torch.cuda.Stream | None = None
+
+    def gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that queues a GPU producer's gathers, or runs a host's: either way off
+        the loop, which answers every other call meanwhile."""
+        if self._gathers is None:
+            if self._device.type == "cuda":
+                self._gathers = gpu_worker(self._device, "kvrt-gather")
+            else:
+                self._gathers = host_worker("kvrt-gather")
+        return self._gathers
+
+    def checksum_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._checksums is None:
+            self._checksums = gpu_worker(self._device, "kvrt-checksum")
+        return self._checksums
+
+    def checksum_stream_on(self, device: torch.device) -> torch.cuda.Stream:
+        if self._checksum_stream is None:
+            self._checksum_stream = torch.cuda.Stream(device)
+        return self._checksum_stream
+
+    def close(self) -> None:
+        for pool in (self._gathers, self._checksums):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+
+@dataclass(slots=True)
+class RegisteredPools:
+    """The engine's KV pools that `publish` and streams of the pools read (`register_pools`
+    writes them), and how a published request is cut into chunks."""
+
+    pools: PoolTable | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    taper: bool = False
+    """Whether the first and the last chunk of a publish are small (see `register_pools`)."""
+
+
+class ItemKeeper:
+    """Each item's bytes beside the record the core keeps (they live exactly as long as the
+    record is referenced: buffered, in flight, or a delivery still being sent), and what is
+    done with them once written: checksums, the event GPU sends wait on, the transports told;
+    pieces cut for the core."""
+
+    def __init__(
+        self, device: torch.device, *, checksum: bool, transports: Mapping[str, Sender], workers: Workers
+    ) -> None:
+        self.device = device
+        self.checksum = checksum
+        self._transports = transports
+        """The producer's senders (filled when it starts)."""
+        self._workers = workers
+        self._bytes: weakref.WeakKeyDictionary[BufferedItem, ItemBytes] = weakref.WeakKeyDictionary()
+
+    def __getitem__(self, record: BufferedItem) -> ItemBytes:
+        """The bytes of the item `record` names."""
+        return self._bytes[record]
+
+    def keep(self, new: NewItem) -> BufferedItem:
+        """Keep a new item's bytes beside its record, for as long as the record lives."""
+        self._bytes[new.record] = new.bytes
+        return new.record
+
+    def cut(self, item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
         """A piece of `item` for the core (see `kvrt._protocol.Cut`): its memory now, its bytes
         copied by its `fill`, on the send path, once the item's own bytes are written."""
-        piece = piece_of(item, asked.heads, asked.hidden, item_id=item_id, allocate=self._allocate)
-        piece.fill = self._fill_piece
-        return piece
+        source = self._bytes[item]
+        piece = piece_of(item, source, asked.heads, asked.hidden, item_id=item_id, allocate=self.allocate)
+        piece.bytes.fill = functools.partial(self._fill_piece, first=first_head(source, asked.heads))
+        return self.keep(piece)
 
-    def _fill_piece(self, piece: BufferedItem) -> None:
+    def _fill_piece(self, piece: BufferedItem, piece_bytes: ItemBytes, *, first: int) -> None:
         """Copy a piece's bytes out of its item (on a GPU, on the current stream, after the
         item's writes), then note when they are written, as an insert does."""
-        item = piece.parent
-        assert item is not None
+        assert piece.parent is not None
+        item = self._bytes[piece.parent]
         if item.written is not None:
             torch.cuda.current_stream(item.storage.device).wait_event(item.written)
-        fill_piece(piece, item)
-        self._prepare(piece)
+        fill_piece(piece_bytes, item, first)
+        self.prepare(piece, piece_bytes)
 
-    def _prepare(self, item: BufferedItem) -> None:
+    def prepare(self, record: BufferedItem, item: ItemBytes) -> None:
         """An item's bytes were written (inserted, published, cut as a piece, a finished stream
         stacked): its checksum, if this producer checksums, from the bytes where they were
         written. A GPU item's were written on the current stream: the event every GPU send of
         it waits on (recorded once, for all transports), and after which the memory a transport
         allocated for it may be reused."""
         if self.checksum and item.storage.device.type == "cpu":  # a GPU item's: `device_checksum`
-            item.checksum = storage_checksum(item.storage, item.metas)
+            record.checksum = storage_checksum(item.storage, record.metas)
         if item.storage.device.type == "cuda":
             item.ready_event = torch.cuda.Event()
             item.ready_event.record(torch.cuda.current_stream(item.storage.device))
             for transport in self._transports.values():
                 transport.note_written(item)
 
-    def _allocate(self, nbytes: int) -> torch.Tensor | None:
+    def allocate(self, nbytes: int) -> torch.Tensor | None:
         """An item's packed buffer in memory a transport registered (None: none does)."""
         for transport in self._transports.values():
             storage = transport.allocate(nbytes)
@@ -224,23 +257,25 @@ class ProducerState:
                 return storage
         return None
 
-    async def device_checksum(self, item: BufferedItem) -> None:
+    async def device_checksum(self, record: BufferedItem) -> None:
         """A GPU item's checksum (`kvrt.kernels.checksum`), once its bytes are written: in a
         kvrt thread, on a stream of its own that waits for the writes; the loop waits for
         neither the kernel (a first launch compiles) nor its result."""
         from kvrt.kernels.checksum import queue_checksum
 
+        item = self._bytes[record]
         await all_gathers_queued(item)
-        written, storage, seed = item.written, item.storage, metas_seed(item.metas)
+        written, storage, seed = item.written, item.storage, metas_seed(record.metas)
 
         def compute() -> int:
-            stream = self._checksum_stream_on(storage.device)
+            stream = self._workers.checksum_stream_on(storage.device)
             with torch.cuda.stream(stream):
                 if written is not None:
                     stream.wait_event(written)
                 return queue_checksum(storage, seed).result()
 
-        item.device_checksum = await asyncio.get_running_loop().run_in_executor(self._checksum_thread(), compute)
+        checksums = self._workers.checksum_thread()
+        item.device_checksum = await asyncio.get_running_loop().run_in_executor(checksums, compute)
 
     def queue_tensors_checksum(
         self, tensors: Sequence[torch.Tensor], metas: Sequence[m.TensorMeta | None], position: int,
@@ -255,15 +290,16 @@ class ProducerState:
         seed = tensors_seed(metas, position)
 
         def queue() -> Callable[[], int]:
-            stream = self._checksum_stream_on(tensors[0].device)
+            stream = self._workers.checksum_stream_on(tensors[0].device)
             sums = queue_checksums_after(tensors, seed, stream, ready)  # the store may free them meanwhile
             return lambda: tensors_device_checksum(sums(), seed)
 
-        return self._checksum_thread().submit(queue)
+        return self._workers.checksum_thread().submit(queue)
 
-    async def stream_end_checksums(self, end: m.StreamEnd, whole: BufferedItem) -> m.StreamEnd:
+    async def stream_end_checksums(self, end: m.StreamEnd, record: BufferedItem) -> m.StreamEnd:
         """A GPU stream's end with the checksum of each layer as it was sent (queued as its
         prefill published them, or now over the whole item's layers) and of its hidden states."""
+        whole = self._bytes[record]
         layers = whole.key.shape[0]
         sums = whole.layer_sums
         if sums is None or len(sums) != layers:  # read whole as a stream: its storage is written
@@ -279,15 +315,10 @@ class ProducerState:
             sums = [*sums, self.queue_tensors_checksum((whole.hidden,), (end.hidden,), HIDDEN_POSITION, whole.written)]
         readers = [await asyncio.wrap_future(queued) for queued in sums]
         values = await asyncio.get_running_loop().run_in_executor(
-            self._checksum_thread(), lambda: [read() for read in readers]
+            self._workers.checksum_thread(), lambda: [read() for read in readers]
         )
         hidden = values.pop() if len(values) > layers else None
         return msgspec.structs.replace(end, layer_checksums=values, device_checksum=hidden)
-
-    def _checksum_stream_on(self, device: torch.device) -> torch.cuda.Stream:
-        if self._checksum_stream is None:
-            self._checksum_stream = torch.cuda.Stream(device)
-        return self._checksum_stream
 
     async def warm_device_checksums(self) -> None:
         """On a GPU, with checksums on: compile the checksum kernel (about a second) before
@@ -295,19 +326,4 @@ class ProducerState:
         if self.checksum and self.device.type == "cuda":
             from kvrt.kernels.checksum import warm_up
 
-            await asyncio.get_running_loop().run_in_executor(self._checksum_thread(), warm_up, self.device)
-
-    def _checksum_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._checksums is None:
-            self._checksums = gpu_worker(self.device, "kvrt-checksum")
-        return self._checksums
-
-    def _gather_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The thread that queues a GPU producer's gathers, or runs a host's: either way off
-        the loop, which answers every other call meanwhile."""
-        if self._gathers is None:
-            if self.device.type == "cuda":
-                self._gathers = gpu_worker(self.device, "kvrt-gather")
-            else:
-                self._gathers = host_worker("kvrt-gather")
-        return self._gathers
+            await asyncio.get_running_loop().run_in_executor(self._workers.checksum_thread(), warm_up, self.device)

@@ -9,7 +9,6 @@ import asyncio
 import torch
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, StreamState
 from kvrt._checksum import tensors_checksum
 from kvrt._errors import (
     InvalidInputError,
@@ -20,33 +19,31 @@ from kvrt._item import (
     item_from_packed,
     item_from_tokens,
 )
+from kvrt._item_bytes import ItemBytes
 from kvrt._pools import checked_indexes, per_token
-from kvrt._producer._insert import Inserter
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import ProducerState
+from kvrt._producer._state import Gate, ItemKeeper, RegisteredPools, Workers, loop_time
+from kvrt._protocol import ProducerCore
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import copy_into, pack, pack_empty, tensor_meta
 from kvrt._threads import launch_on
 
 
-def _release_layers(stream: StreamState) -> None:
-    """Free an ended stream's own copies of its layers, though the caller may keep its handle
-    (a transfer still reading one holds it until it ran)."""
-    stream.keys.clear()
-    stream.values.clear()
-    stream.ready.clear()
-
-
 class StreamPublisher:
     """Streams of layers, opened by the prefill engine."""
 
-    def __init__(self, state: ProducerState, inserter: Inserter, serving: ServeLoop) -> None:
-        self._state = state
-        self._core = state._core
-        self._inserter = inserter
+    def __init__(
+        self, core: ProducerCore, gate: Gate, items: ItemKeeper, workers: Workers, registered: RegisteredPools,
+        serving: ServeLoop,
+    ) -> None:  # fmt: skip
+        self._core = core
+        self._gate = gate
+        self._items = items
+        self._registered = registered
         self._serving = serving
-        self.device = state.device
-        self.gather_thread = state._gather_thread
+        self.device = items.device
+        self.gather_thread = workers.gather_thread
 
     async def open_stream(
         self,
@@ -60,7 +57,7 @@ class StreamPublisher:
         stream: torch.cuda.Stream | None = None,
     ) -> ProducerStream:
         """See `Producer.open_stream`."""
-        self._state._check_open()
+        self._gate.check_open()
         check_tokens(input_tokens, roi, what="open_stream")
         check_timeout(timeout, what="open_stream")
         placement = None
@@ -71,15 +68,15 @@ class StreamPublisher:
             layers = placement.pools.layers
         if not isinstance(layers, int) or not 0 < layers <= m.MAX_LAYERS:
             raise InvalidInputError(f"layers must be an int in [1, {m.MAX_LAYERS}], got {layers!r}")
-        await self._state._wait_for_room(timeout)
+        await self._gate.wait_for_room(timeout)
         packed = pack((input_tokens, roi), torch.device("cpu"))
-        item = item_from_tokens(packed, item_id=self._core.new_item_id(), seq=self._core.buffer.next_seq())
-        item.stream = StreamState(layers)
-        await self._serving.perform(self._core.open_stream(item, self._state._now()))
+        item_id, seq = self._core.new_item_id(), self._core.buffer.next_seq()
+        item = self._items.keep(item_from_tokens(packed, item_id=item_id, seq=seq, layers=layers))
+        await self._serving.perform(self._core.open_stream(item, loop_time()))
         return ProducerStream(self, item, layers, int(input_tokens.numel()), placement)
 
     def _placement(self, input_tokens: torch.Tensor, slots: torch.Tensor, replica: torch.Tensor | int) -> Placement:
-        pools = self._state._pools
+        pools = self._registered.pools
         if pools is None:
             raise InvalidInputError("a stream of the pools needs them: call register_pools first")
         replicas = per_token(replica, slots)
@@ -105,14 +102,14 @@ class StreamPublisher:
         if pools.device.type != "cuda":
             # On the gather thread: on a busy host a layer's gather can take a tenth of a
             # second and a step's gathers seconds, which no lookup or ping may wait behind.
-            gathering = self._state._gather_thread().submit(
+            gathering = self.gather_thread().submit(
                 gather_layer_into_any, pools, placement.replicas, placement.slots, layer, key, value
             )
             await asyncio.wrap_future(gathering)
             return key, value, None
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
-        await launch_on(prepared, caller, self._state._gather_thread)
+        await launch_on(prepared, caller, self.gather_thread)
         ready = torch.cuda.Event()
         ready.record(caller)
         return key, value, ready
@@ -122,28 +119,29 @@ class StreamPublisher:
     ) -> None:
         """The core records the layer; its tensors go in the stream's store, where the send
         path reads them (GPU: once `ready` fired)."""
-        stream = item.stream
-        assert stream is not None
+        store = self._items[item].store
+        assert store is not None
         metas = tensor_meta(key), tensor_meta(value)
-        if self._state.checksum and key.device.type == "cpu":
-            stream.checksums.append(tensors_checksum((key, value), metas, len(stream.keys)))
-        elif self._state.checksum:  # its end carries it: the layer leaves before it is written
-            stream.layer_sums.append(self._state.queue_tensors_checksum((key, value), metas, len(stream.keys), ready))
+        if self._items.checksum and key.device.type == "cpu":
+            store.checksums.append(tensors_checksum((key, value), metas, len(store.keys)))
+        elif self._items.checksum:  # its end carries it: the layer leaves before it is written
+            store.layer_sums.append(self._items.queue_tensors_checksum((key, value), metas, len(store.keys), ready))
         out = self._core.stream_layer(item, *metas)
-        stream.keys.append(key)
-        stream.values.append(value)
-        stream.ready.append(ready)
+        store.keys.append(key)
+        store.values.append(value)
+        store.ready.append(ready)
         await self._serving.perform(out)
 
     async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
         nobody read it): its layers stacked straight into the item's buffer, one copy."""
-        stream = item.stream
-        assert stream is not None
-        first_key, first_value = stream.keys[0], stream.values[0]
+        stream, opened = item.stream, self._items[item]
+        store = opened.store
+        assert stream is not None and store is not None
+        first_key, first_value = store.keys[0], store.values[0]
         packed = pack_empty(
-            [(item.input_tokens.shape, item.input_tokens.dtype),
-             None if item.roi is None else (item.roi.shape, item.roi.dtype),
+            [(opened.input_tokens.shape, opened.input_tokens.dtype),
+             None if opened.roi is None else (opened.roi.shape, opened.roi.dtype),
              ((stream.layers, *first_key.shape), first_key.dtype),
              ((stream.layers, *first_value.shape), first_value.dtype),
              None if hidden is None else (hidden.shape, hidden.dtype)],
@@ -151,14 +149,15 @@ class StreamPublisher:
         )  # fmt: skip
         tokens, roi, key, value, whole_hidden = packed.tensors
         assert tokens is not None and key is not None and value is not None
-        for into, source in ((tokens, item.input_tokens), (roi, item.roi), (whole_hidden, hidden)):
+        for into, source in ((tokens, opened.input_tokens), (roi, opened.roi), (whole_hidden, hidden)):
             if into is not None and source is not None:
                 copy_into(into, source)
-        whole = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
-        whole.layer_sums = stream.layer_sums or None
-        keys, values, written = list(stream.keys), list(stream.values), list(stream.ready)
+        new = item_from_packed(packed, item_id=item.item_id, seq=item.seq, masked=item.masked_tokens)
+        whole, whole_bytes = self._items.keep(new), new.bytes
+        whole_bytes.layer_sums = store.layer_sums or None
+        keys, values, written = list(store.keys), list(store.values), list(store.ready)
 
-        def fill(whole: BufferedItem) -> None:
+        def fill(whole: BufferedItem, whole_bytes: ItemBytes) -> None:
             """The layers stacked straight into the item's buffer (one copy), on the current
             stream, after the streams that wrote them; the transports then prepare it."""
             if self.device.type == "cuda":
@@ -170,13 +169,13 @@ class StreamPublisher:
                     tensor.record_stream(current)  # freed with this closure, maybe before the stack ran
             torch.stack(keys, out=key)
             torch.stack(values, out=value)
-            self._state._prepare(whole)
+            self._items.prepare(whole, whole_bytes)
 
         if stream.reader is None and self.device.type == "cuda":
-            fill(whole)
+            fill(whole, whole_bytes)
         elif stream.reader is None:  # on the host the stack copies every layer: off the loop
             try:
-                await asyncio.wrap_future(self._state._gather_thread().submit(fill, whole))
+                await asyncio.wrap_future(self.gather_thread().submit(fill, whole, whole_bytes))
             except asyncio.CancelledError:  # a prefill that gave up its finish ends its stream
                 await self.abort_stream(item, "the prefill's finish was cancelled")
                 raise
@@ -185,15 +184,15 @@ class StreamPublisher:
             # travel whole after all (its reader leaves before confirming it). Stacking every
             # layer now would share the producer's GPU with the last layers' sends (a 1 GiB
             # stack slowed the last send of `kvrt bench stream` from ~0.11 to ~0.26 ms).
-            whole.fill = fill
+            whole_bytes.fill = fill
             if self.device.type == "cuda":  # the end's hidden states are written on this stream
-                whole.ready_event = torch.cuda.Event()
-                whole.ready_event.record(torch.cuda.current_stream(self.device))
-        await self._serving.perform(self._core.finish_stream(item, whole, self._state._now()))
-        _release_layers(stream)
+                whole_bytes.ready_event = torch.cuda.Event()
+                whole_bytes.ready_event.record(torch.cuda.current_stream(self.device))
+        await self._serving.perform(self._core.finish_stream(item, whole, loop_time()))
+        store.release()
 
     async def abort_stream(self, item: BufferedItem, reason: str) -> None:
-        stream = item.stream
+        store = self._items[item].store
         await self._serving.perform(self._core.abort_stream(item, reason))
-        if stream is not None:
-            _release_layers(stream)
+        if store is not None:
+            store.release()

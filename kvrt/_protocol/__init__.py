@@ -2,7 +2,7 @@
 
 `ProducerCore` is the producer's side: control frames and inserts in, messages to send out.
 `ConsumerCore` is one consumer's side of one producer link: frames in, events out.
-Neither reads a clock, sleeps or touches a socket: the caller passes `now` (seconds on a
+Neither reads a clock, sleeps, touches a socket or imports torch: the caller passes `now` (seconds on a
 monotonic clock), asks `next_deadline()` when it should call `expire(now)` again, and moves
 the messages. The ZeroMQ drivers (`_producer/`, `_consumer/`) do exactly that, and the
 tests wire two cores together in memory. Everything a peer may not send in its state is
@@ -10,6 +10,8 @@ answered with an `ErrorReply`.
 
 The package, one job a module:
 
+- `buffer`: the items' records (no bytes: the driver keeps those), the lookup buffer and its
+  prefix index
 - `heartbeats`: how long either side waits for a silent peer (the heartbeat, the lease)
 - `waiting`: the drop-selects parked until an insert matches them, and their bounds
 - `commands`: health, stats, probes, the item list and evict, answered from the buffer

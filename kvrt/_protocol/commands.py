@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, LookupBuffer
 from kvrt._errors import NotFoundError
+from kvrt._protocol.buffer import BufferedItem, LookupBuffer
 
 Command = m.Health | m.Stats | m.Probe | m.ProbeMany | m.ListItems | m.Evict
 """The messages answered here."""

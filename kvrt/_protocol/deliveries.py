@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, Match
 from kvrt._errors import ErrorCode, ProtocolError
+from kvrt._protocol.buffer import BufferedItem, Match
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.lifecycle import UNCONFIRMED_SHARE, Lifecycle
 from kvrt._protocol.outgoing import (

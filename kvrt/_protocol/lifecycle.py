@@ -23,12 +23,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvrt._buffer import BufferedItem, ItemState, LookupBuffer, Pieces
 from kvrt._messages import TensorMeta
+from kvrt._protocol.buffer import BufferedItem, ItemState, LookupBuffer, Pieces
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.timers import TimerKind, Timers
 from kvrt._protocol.waiting import WaitingRequests
-from kvrt._tensors import meta_nbytes
+from kvrt._sizes import meta_nbytes
 
 UNCONFIRMED_SHARE: Final = 0.5
 """Most of the buffer's limit one consumer may hold delivered and not confirmed: one that
@@ -223,19 +223,21 @@ class Lifecycle:
     def drop(self, item: BufferedItem) -> None:
         """A buffered item goes for good (evicted, or its time to live ran out)."""
         _move(item, Event.DROP)
+        if item.pieces is not None:  # the pieces out stay valid: they no longer count against it
+            item.pieces.dropped = True
         self.buffer.drop(item)
 
     def expire(self, item: BufferedItem) -> None:
         """Its time to live ran out: dropped if it is still buffered (unclaimed, or some readers'
         pieces never asked for: those out stay valid)."""
-        if item.buffered:
+        if self.buffer.holds(item):
             self.drop(item)
             self._counters.expired_items += 1
 
     def discard(self, item: BufferedItem, now: float) -> BufferedItem | None:
         """An item whose bytes can never be sent, buffered or in flight, goes for good; as
         `give_back` for what waiting requests may now take."""
-        if item.buffered:
+        if self.buffer.holds(item):
             self.drop(item)
             return None
         if item.state not in (ItemState.OUT, ItemState.PIECE) or self.held(item.holder, item.item_id) is not item:
@@ -256,8 +258,8 @@ class Lifecycle:
             pieces = item.pieces = Pieces(readers)
             self.buffer.split(item)
         _move(item, Event.CUT)
+        assert piece.seq == item.seq, "a piece has its item's age"
         piece.parent = item
-        piece.seq = item.seq
         piece.inserted_at = item.inserted_at
         pieces.takers.add(peer)
         if len(pieces.takers) == pieces.readers:
@@ -291,7 +293,7 @@ class Lifecycle:
         _move(item, Event.PIECE_BACK)
         if pieces.dropped:
             return None
-        if not item.buffered:
+        if not self.buffer.holds(item):
             self.buffer.reopen(item)
         if not pieces.takers:
             _move(item, Event.WHOLE_AGAIN)
@@ -309,13 +311,15 @@ class Lifecycle:
         self.streams.add(item)
 
     def grew(self, item: BufferedItem, key: TensorMeta, value: TensorMeta) -> tuple[int, bytes | None]:
-        """An open stream has one more layer (the driver keeps its tensors in the stream's
-        store): its number, and the stream's reader if any."""
+        """An open stream has one more layer (the driver keeps its tensors beside the record):
+        its number, and the stream's reader if any."""
         stream = item.stream
         assert item.state in (ItemState.OPEN, ItemState.READ) and stream is not None
         assert len(stream.metas) < stream.layers
         stream.metas.append((key, value))
-        self.streams.grow(item, meta_nbytes(key) + meta_nbytes(value))
+        nbytes = meta_nbytes(key) + meta_nbytes(value)
+        stream.nbytes += nbytes
+        self.streams.grow(item, nbytes)
         return len(stream.metas) - 1, stream.reader
 
     def finish(self, item: BufferedItem, whole: BufferedItem, now: float) -> bytes | None:

@@ -9,23 +9,23 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem
 from kvrt._errors import ErrorCode
+from kvrt._protocol.buffer import BufferedItem
 from kvrt._protocol.commands import ProducerCounters
-from kvrt._tensors import meta_end
+from kvrt._sizes import meta_end
 
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A message for the driver to send to `peer`, and the item whose bytes follow it: a
-    Deliver's or a stream start's (for a DeliverMany, `items`); for a stream's layer, the open
-    stream whose store holds it (`StreamState`) or the whole item it is a layer of; for a
-    stream's end, the whole item (whose hidden states follow it, if it has them)."""
+    """A message for the driver to send to `peer`, and the record of the item whose bytes
+    follow it (the driver keeps the bytes): a Deliver's or a stream start's (for a DeliverMany,
+    `items`); for a stream's layer, the open stream that published it or the whole item it is
+    a layer of; for a stream's end, the whole item (whose hidden states follow it, if it has
+    them)."""
 
     peer: bytes
     message: m.Message
     item: BufferedItem | None = None
-    """GPU: the event after which `tensors` hold their bytes (a send waits on it)."""
     items: tuple[BufferedItem, ...] = ()
     """A DeliverMany's hits, in order."""
 
@@ -71,7 +71,7 @@ def deliver_message(request_id: int, item: BufferedItem, matched: int) -> m.Deli
         key=key,
         value=value,
         hidden=hidden,
-        payload_bytes=item.nbytes,
+        payload_bytes=item.packed_bytes,
         segments=item.segments,
         lease=item.lease,
         checksum=item.checksum,
@@ -82,8 +82,9 @@ def hit(item: BufferedItem, matched: int, offset: int) -> m.Hit:
     input_tokens, roi, key, value, hidden = item.metas
     assert input_tokens is not None and key is not None and value is not None
     return m.Hit(
-        item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.nbytes, item.lease, item.checksum
-    )
+        item.item_id, matched, input_tokens, roi, key, value, hidden, offset, item.packed_bytes, item.lease,
+        item.checksum,
+    )  # fmt: skip
 
 
 def whole_as_stream(peer: bytes, request_id: int, item: BufferedItem, matched: int) -> list[Outgoing]:
@@ -125,9 +126,9 @@ def _tokens_bytes(item: BufferedItem) -> int:
 
 
 def layer_outgoing(peer: bytes, item: BufferedItem, layer: int, key: m.TensorMeta, value: m.TensorMeta) -> Outgoing:
-    """A stream's layer, of an open stream (its store holds the layer's tensors and the event
-    after which they are written) or of a whole item (written once the item is:
-    `BufferedItem.written`, known once its gathers or its fill were queued)."""
+    """A stream's layer, of an open stream (the driver keeps the layer's tensors and the event
+    after which they are written) or of a whole item (written once the item is: known once its
+    gathers or its fill were queued)."""
     return Outgoing(peer, m.StreamLayer(item_id=item.item_id, layer=layer, key=key, value=value), item)
 
 

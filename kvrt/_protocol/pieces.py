@@ -12,16 +12,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvrt._buffer import BufferedItem, Match
 from kvrt._errors import ErrorCode, InvalidInputError
+from kvrt._protocol.buffer import BufferedItem, Match
 from kvrt._protocol.lifecycle import Lifecycle
 from kvrt._protocol.outgoing import Outgoing, Refusals, deliver, whole_as_stream
 from kvrt._protocol.waiting import PieceAsked, Waiter, WaitingRequests
 
 Cut = Callable[[BufferedItem, PieceAsked, int], BufferedItem]
 """The driver's: a piece of an item (its heads `heads`, with or without its hidden states) as
-a new item with this id, its storage allocated; `BufferedItem.fill` writes its bytes before it
-is sent. Raises `InvalidInputError` for heads the item does not have."""
+the record of a new item with this id and the item's age (`seq`), its bytes allocated beside
+it and written before it is sent. Raises `InvalidInputError` for heads the item does not have."""
 
 
 def no_cut(item: BufferedItem, asked: PieceAsked, item_id: int) -> BufferedItem:
@@ -92,7 +92,7 @@ class PieceDeliveries:
         matches, while it has readers' places free."""
         out: list[Outgoing] = []
         passed: list[Waiter] = []  # waiters this item is not for: out of the index meanwhile
-        while item.pieces is not None and item.buffered:
+        while item.pieces is not None and self._lifecycle.buffer.holds(item):
             found = self._waiting.oldest_piece_waiter(item.masked_tokens)
             if found is None:
                 break

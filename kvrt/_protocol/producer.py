@@ -30,12 +30,12 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvrt import _messages as m
-from kvrt._buffer import BufferedItem, LookupBuffer
 from kvrt._errors import ErrorCode, NotFoundError, ProtocolError
 from kvrt._protocol import commands
+from kvrt._protocol.buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.deliveries import Deliveries
-from kvrt._protocol.heartbeats import HEARTBEAT_MISSES, SILENT_HOLD_LEASES
+from kvrt._protocol.heartbeats import HEARTBEAT_MISSES
 from kvrt._protocol.lifecycle import Lifecycle
 from kvrt._protocol.outgoing import Departure, Outgoing, Refusals, end_outgoing, layer_outgoing
 from kvrt._protocol.pieces import Cut, PieceDeliveries, no_cut
@@ -278,19 +278,7 @@ class ProducerCore:
         for kind, key in self._timers.due(now):
             if kind is TimerKind.PEER:
                 assert isinstance(key, bytes)
-                session = self.sessions.peers.get(key)
-                if session is None:
-                    continue
-                expires = max(session.last_seen + self.lease_s, self._hold_leases_until)
-                if expires > now:
-                    self._timers.add(expires, TimerKind.PEER, key)
-                    continue
-                held_until = max(session.last_seen + self.lease_s * SILENT_HOLD_LEASES, self._hold_leases_until)
-                if held_until > now and self.lifecycle.holds_items(key) and connected(key):
-                    out += self.sessions.unreachable(key, now, "it is silent past its lease, its connection up")
-                    self._timers.add(min(held_until, now + self.heartbeat_s), TimerKind.PEER, key)
-                    continue
-                out += self.sessions.forget(key, now)
+                out += self.sessions.lease_due(key, now, self._hold_leases_until, connected)
             elif kind is TimerKind.ITEM:
                 assert isinstance(key, BufferedItem)
                 self.lifecycle.expire(key)

@@ -9,7 +9,7 @@ the buffer; a consumer back under its share of unconfirmed bytes is served again
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,6 +18,7 @@ import msgspec
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode
 from kvrt._protocol.deliveries import Deliveries
+from kvrt._protocol.heartbeats import SILENT_HOLD_LEASES
 from kvrt._protocol.lifecycle import Lifecycle
 from kvrt._protocol.outgoing import Departure, Outgoing, Refusals
 from kvrt._protocol.timers import TimerKind, Timers
@@ -92,6 +93,28 @@ class Sessions:
     def __len__(self) -> int:
         """Every session, also those dropped and holding items until their lease ends."""
         return len(self.peers)
+
+    def lease_due(
+        self, peer: bytes, now: float, held_until: float, connected: Callable[[bytes], bool]
+    ) -> list[Outgoing]:
+        """`peer`'s lease timer fell due (see `ProducerCore.expire`): its lease runs on from its
+        last message, and not before `held_until` (after a stall of this process); one silent
+        past it is forgotten, unless it holds items and is still `connected`, which keeps them,
+        served no more, for up to `SILENT_HOLD_LEASES` leases, asked again each heartbeat."""
+        session = self.peers.get(peer)
+        if session is None:
+            return []
+        lease_s = self._welcome.lease_s
+        expires = max(session.last_seen + lease_s, held_until)
+        if expires > now:
+            self._timers.add(expires, TimerKind.PEER, peer)
+            return []
+        hold_until = max(session.last_seen + lease_s * SILENT_HOLD_LEASES, held_until)
+        if hold_until > now and self._lifecycle.holds_items(peer) and connected(peer):
+            out = self.unreachable(peer, now, "it is silent past its lease, its connection up")
+            self._timers.add(min(hold_until, now + self._welcome.heartbeat_s), TimerKind.PEER, peer)
+            return out
+        return self.forget(peer, now)
 
     def state(self, peer: bytes) -> PeerState:
         session = self.peers.get(peer)

@@ -22,7 +22,7 @@ from typing import Final
 import numpy as np
 
 from kvrt import _messages as m
-from kvrt._buffer import RadixIndex, _Node
+from kvrt._protocol.buffer import RadixIndex
 
 MAX_WAITING_REQUESTS: Final = 65536
 """Most drop-selects one producer keeps waiting for an insert, over all consumers."""
@@ -51,7 +51,7 @@ class PieceAsked:
         return PieceAsked(request.heads, request.readers, request.hidden)
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)
+@dataclass(eq=False, slots=True)
 class Waiter:
     """A drop-select waiting for an insert; indexed by its query (see `_Index`)."""
 
@@ -66,9 +66,6 @@ class Waiter:
     whole: bool = False
     """A streaming request that takes a finished item as one `deliver` (`DropSelect.whole`)."""
     masked_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
-    generation: int = 0
-    buffered: bool = False
-    node: _Node | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +91,7 @@ class _Index:
     def remove(self, waiter: Waiter) -> None:
         if waiter.query is None:
             self.takers.pop((waiter.peer, waiter.request_id), None)
-        elif waiter.buffered:
+        elif waiter in self.by_query:
             self.by_query.remove(waiter)
 
     def reorder_takers(self) -> None:

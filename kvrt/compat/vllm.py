@@ -302,7 +302,8 @@ def _given(item: KVItem) -> list[torch.Tensor | None]:
 def _held_seed_bytes(producer: Producer) -> int:
     """The seed's byte count of the items `producer` buffers (read on its loop): the last
     size of each item's empty `value` (see the module docstring)."""
-    return sum(int(item.value.shape[3]) for item in producer._core.buffer.items() if item.value.dim() == 4)
+    values = (item.metas[3] for item in producer._core.buffer.items())
+    return sum(int(value.shape[3]) for value in values if value is not None and len(value.shape) == 4)
 
 
 def _view(block: torch.Tensor, meta: TensorMeta) -> torch.Tensor:

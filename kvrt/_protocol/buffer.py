@@ -22,50 +22,18 @@ producer's event loop is the only caller.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import enum
 import heapq
 import itertools
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, cast
 
 import numpy as np
-import torch
 
 from kvrt._messages import TensorMeta
 
-TensorsSum = concurrent.futures.Future[Callable[[], int]]
-"""A GPU checksum of a stream's layer or hidden states, queued: its future gives what reads
-the result (waiting for the GPU; see `ProducerState.queue_tensors_checksum`)."""
-
 _COMPACT_SLACK = 16
 """A heap is rebuilt once it holds more than twice its live entries plus this many."""
-
-
-class GathersFailed(Exception):
-    """A published item's gathers could not be queued: its bytes will never exist."""
-
-
-class ChunkGathers(Protocol):
-    """How a published item's gathers are queued, one after the other in send order (a chunk
-    of layers, or its keys then its values), each followed by its event (`kvrt._producer._gathers`
-    makes it)."""
-
-    def prepare(self) -> concurrent.futures.Future[None] | None:
-        """Work the launches out (once). None: the caller's thread queues them, one by one,
-        through `queue_through`; else a worker thread queues them all (a launch must compile
-        first), and the future is done when it did. Raises `GathersFailed`."""
-
-    def queue_through(self, gather: int | None) -> None:
-        """Queue now the gathers up to `gather` (None: all) not queued yet; after
-        a worker thread queued them, check that it succeeded. Raises `GathersFailed`."""
-
-    @property
-    def failed(self) -> bool:
-        """Whether working them out or queuing them failed (the item's bytes never come)."""
 
 
 class ItemState(enum.Enum):
@@ -93,54 +61,40 @@ class ItemState(enum.Enum):
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class BufferedItem:
-    """One inserted item, owned by the buffer while buffered or in flight to a consumer.
+    """One inserted item as the protocol core knows it: a record without its bytes, owned by
+    the buffer while buffered or in flight to a consumer. Its packed buffer (the five tensors,
+    laid out as `metas` says, `packed_bytes` in all) is kept apart by the producer's driver
+    (`kvrt._item_bytes.ItemBytes`), as long as this record lives.
 
-    Its five tensors are views into `storage`, one packed buffer that `metas` describes
-    (see `kvrt._tensors.pack`); `nbytes` is the size of that buffer.
+    Who writes what: the driver makes it (identity, tokens, metas, sizes, segments, a stream's
+    record) and writes `checksum` once its bytes are written; `kvrt._protocol.lifecycle.Lifecycle`
+    writes the rest (`state`, `holder`, `lease`, `charged`, `inserted_at`, `pieces`, `parent`).
     """
 
     item_id: int
     seq: int
+    """Its age: the buffer's insertion order (a piece has its item's)."""
     masked_tokens: np.ndarray
-    storage: torch.Tensor
     metas: tuple[TensorMeta | None, ...]
-    input_tokens: torch.Tensor
-    roi: torch.Tensor | None
-    key: torch.Tensor
-    value: torch.Tensor
-    hidden: torch.Tensor | None
+    """Its five tensors (input_tokens, roi, key, value, hidden) as they lie in its packed buffer."""
+    packed_bytes: int
+    """The size of its packed buffer."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """(offset, nbytes) ranges the packed buffer travels in, in order (see `Deliver.segments`);
+    empty: one transfer of the whole buffer."""
+    stream: StreamRecord | None = None
+    """Set while this is an open stream: a prefill still publishing its layers."""
+    checksum: int | None = None
+    """XXH3-64 of its packed buffer in host memory, computed once its bytes were written
+    when its producer checksums (`Producer(checksum=True)`); sent with every delivery of it."""
     inserted_at: float = 0.0
     """Loop time of the insert (for ages in listings and for time-to-live)."""
-    ready_event: torch.cuda.Event | None = None
-    """Recorded on the inserting caller's stream after packing; GPU sends wait on it."""
-    segments: list[tuple[int, int]] = field(default_factory=list)
-    """(offset, nbytes) ranges the storage travels in, in order (see `Deliver.segments`);
-    empty: one transfer of the whole storage."""
-    segment_ready: list[torch.cuda.Event] = field(default_factory=list)
-    """One per segment when set: a GPU send of that segment waits on it (its gather's end)."""
-    segment_gathers: list[int] = field(default_factory=list)
-    """With `segment_ready`: the gather (of `gathers`, in their order) that writes each
-    segment's bytes."""
-    gathers: ChunkGathers | None = None
-    """Set for a published item: queues its gathers, which record `segment_ready`. No send
-    may read the storage, or wait on those events, before their gathers are queued."""
-    stream: StreamState | None = None
-    """Set while this is an open stream: a prefill still publishing its layers."""
-    fill: Callable[[BufferedItem], None] | None = None
-    """Set for a finished stream that its reader received layer by layer: its storage's layers
-    are written (and the transports prepare it) only if it must be sent whole after all, when
-    the reader left before confirming it. Call it (once) before anything reads the storage."""
+    state: ItemState = ItemState.NEW
+    """Where it is in its lifecycle (`kvrt._protocol.lifecycle.TRANSITIONS` moves it)."""
+    holder: bytes = b""
+    """The consumer it is in flight to (`Lifecycle` writes it, with `lease` and `charged`)."""
     lease: int = 0
     """The number of its current delivery (see `Deliver.lease`); 0 while never delivered."""
-    checksum: int | None = None
-    """XXH3-64 of its packed storage in host memory, computed once its bytes were written
-    when its producer checksums (`Producer(checksum=True)`); sent with every delivery of it."""
-    device_checksum: int | None = None
-    """The same for an item in GPU memory (`kvrt.kernels.checksum`), computed on the GPU
-    before its first delivery leaves."""
-    layer_sums: list[TensorsSum] | None = None
-    """A finished GPU stream's, when its producer checksums: each layer's checksum, queued as
-    it was published (`StreamState.layer_sums`), for its end to carry."""
     charged: int = 0
     """The bytes its consumer was charged when it was delivered (see `UNCONFIRMED_SHARE`)."""
     pieces: Pieces | None = None
@@ -148,30 +102,11 @@ class BufferedItem:
     in the buffer's piece index, for pieces only, until each reader has one."""
     parent: BufferedItem | None = None
     """Set for a piece: the item it was cut from (its other heads stay there)."""
-    holder: bytes = b""
-    """The consumer it is in flight to (`Lifecycle` writes it, with `lease` and `charged`)."""
-    state: ItemState = ItemState.NEW
-    """Where it is in its lifecycle (`kvrt._protocol.lifecycle.TRANSITIONS` moves it)."""
-    first_head: int = 0
-    """A piece's first head, in its item's numbering."""
-    generation: int = 0
-    buffered: bool = False
-    node: _Node | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.storage.nbytes) + (0 if self.stream is None else self.stream.nbytes)
-
-    @property
-    def written(self) -> torch.cuda.Event | None:
-        """GPU: the event after which the whole storage holds its bytes: a published item's
-        last gather (the gathers run in order on one stream; wait on it only once they are
-        queued), else `ready_event`."""
-        return self.segment_ready[-1] if self.segment_ready else self.ready_event
-
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The five tensors in wire order (input_tokens, roi, key, value, hidden)."""
-        return (self.input_tokens, self.roi, self.key, self.value, self.hidden)
+        """The bytes it holds: its packed buffer, and an open stream's layers so far."""
+        return self.packed_bytes + (0 if self.stream is None else self.stream.nbytes)
 
 
 @dataclass(eq=False, slots=True)
@@ -189,30 +124,17 @@ class Pieces:
 
 
 @dataclass(eq=False, slots=True)
-class StreamState:
-    """The layers an open stream has published so far ([tokens, heads, head_dim] each), how many
-    it will have, and who is reading it. The layers' tensors (`keys`, `values`, `ready`: the
-    store) are the producer's driver's to write; the core records their metas."""
+class StreamRecord:
+    """An open stream as the protocol core knows it: the layers published so far (their metas
+    as they travel), how many it will have, and who is reading it. `Lifecycle` writes it; the
+    layers' tensors are the driver's (`kvrt._item_bytes.StreamStore`)."""
 
     layers: int
     metas: list[tuple[TensorMeta, TensorMeta]] = field(default_factory=list)
-    """Per layer published so far, its key's and value's metas as they travel (the record:
-    the protocol core writes it)."""
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    ready: list[torch.cuda.Event | None] = field(default_factory=list)
-    """GPU: per layer, the event after which its key and value hold their bytes (recorded on
-    the prefill's stream); a GPU send of the layer waits on it, the prefill never waits."""
-    checksums: list[int] = field(default_factory=list)
-    """Per layer, its checksum as `put_layer` wrote it (a producer that checksums)."""
-    layer_sums: list[TensorsSum] = field(default_factory=list)
-    """The same on a GPU, queued there after the layer's writes: its end carries them
-    (`StreamEnd.layer_checksums`), as its layers leave before they are written."""
+    """Per layer published so far, its key's and value's metas as they travel."""
+    nbytes: int = 0
+    """The bytes of the layers published so far."""
     reader: bytes | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(tensor.nbytes) for tensor in (*self.keys, *self.values))
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,66 +144,61 @@ class Match:
 
 
 class Indexed(Protocol):
-    """What a radix index keeps of an entry: its masked tokens, its age (`seq`), and the
-    bookkeeping the index writes (`generation`, `buffered`, `node`)."""
+    """What a radix index keeps an entry by: its masked tokens and its age (`seq`). Its
+    bookkeeping (where the entry stands in the tree) is the index's own (`RadixIndex`)."""
 
     seq: int
     masked_tokens: np.ndarray
-    generation: int
-    buffered: bool
-    node: _Node | None
 
 
 T = TypeVar("T", bound=Indexed)
 
-_HeapEntry = tuple[int, int, weakref.ref[Indexed]]
-"""(seq, generation, entry). Weak: an entry left behind by lazy removal must not keep a
-delivered item's tensors alive (GPU items hold gigabytes) until the next compaction."""
-
-
-def _alive(entry: _HeapEntry) -> bool:
-    _, generation, ref = entry
-    item = ref()
-    return item is not None and item.buffered and item.generation == generation
+_HeapEntry = tuple[int, int]
+"""(seq, generation): an entry's age, and the number the index gave it when it was added
+(alive while the index still holds that number; see `RadixIndex._live`). A stale entry left
+behind by lazy removal holds two ints, not the entry (a delivered item's bytes go with it)."""
 
 
 class _Heap:
-    """Oldest-first heap of entries with lazy removal and a live count."""
+    """Oldest-first heap of entries with lazy removal and a live count; `alive` is its index's
+    entries by generation."""
 
-    __slots__ = ("entries", "live")
+    __slots__ = ("alive", "entries", "live")
 
-    def __init__(self, entries: list[_HeapEntry] | None = None, live: int = 0) -> None:
+    def __init__(self, alive: dict[int, Indexed], entries: list[_HeapEntry] | None = None, live: int = 0) -> None:
+        self.alive = alive
         self.entries: list[_HeapEntry] = entries if entries is not None else []
         self.live = live
 
-    def push(self, item: Indexed) -> None:
-        heapq.heappush(self.entries, (item.seq, item.generation, weakref.ref(item)))
+    def push(self, seq: int, generation: int) -> None:
+        heapq.heappush(self.entries, (seq, generation))
         self.live += 1
 
     def discard(self) -> None:
         """One of the entries is no longer alive (it is removed lazily)."""
         self.live -= 1
         if len(self.entries) > 2 * self.live + _COMPACT_SLACK:
-            self.entries = [entry for entry in self.entries if _alive(entry)]
+            alive = self.alive
+            self.entries = [entry for entry in self.entries if entry[1] in alive]
             heapq.heapify(self.entries)
 
     def oldest(self) -> Indexed | None:
-        entries = self.entries
-        while entries and not _alive(entries[0]):
+        entries, alive = self.entries, self.alive
+        while entries and entries[0][1] not in alive:
             heapq.heappop(entries)
-        return entries[0][2]() if entries else None
+        return alive[entries[0][1]] if entries else None
 
     def copy(self) -> _Heap:
-        return _Heap(list(self.entries), self.live)
+        return _Heap(self.alive, list(self.entries), self.live)
 
 
 @dataclass(eq=False, slots=True)
 class _Node:
     label: np.ndarray
     parent: _Node | None
+    own: _Heap
+    subtree: _Heap
     children: dict[int, _Node] = field(default_factory=dict)
-    own: _Heap = field(default_factory=_Heap)
-    subtree: _Heap = field(default_factory=_Heap)
 
 
 def _common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
@@ -308,11 +225,19 @@ class RadixIndex(Generic[T]):
     one root-to-leaf path, whatever the number of entries."""
 
     def __init__(self) -> None:
-        self._root = _Node(label=np.empty(0, dtype=np.int64), parent=None)
+        self._live: dict[int, Indexed] = {}
+        """The entries held, by the generation each was added under."""
+        self._places: dict[T, tuple[int, _Node]] = {}
+        """Each entry held: its generation, and the node it ends at."""
+        self._generations = itertools.count(1)
+        self._root = self._node(np.empty(0, dtype=np.int64), None)
         self.count = 0
 
     def __len__(self) -> int:
         return self.count
+
+    def __contains__(self, entry: T) -> bool:
+        return entry in self._places
 
     def add(self, entry: T) -> None:
         self._index(entry)
@@ -325,7 +250,8 @@ class RadixIndex(Generic[T]):
 
     def entries(self) -> list[T]:
         """Every entry, oldest first (O(n log n))."""
-        live = [entry for heap_entry in self._root.subtree.entries if _alive(heap_entry) and (entry := heap_entry[2]())]
+        alive = self._live
+        live = [alive[generation] for _, generation in self._root.subtree.entries if generation in alive]
         return sorted(cast(list[T], live), key=lambda entry: entry.seq)
 
     def best_match(self, query: np.ndarray | None) -> tuple[T, int] | None:
@@ -388,9 +314,13 @@ class RadixIndex(Generic[T]):
 
     # -- the radix tree -------------------------------------------------------------------
 
+    def _node(self, label: np.ndarray, parent: _Node | None, subtree: _Heap | None = None) -> _Node:
+        live = self._live
+        return _Node(label, parent, own=_Heap(live), subtree=_Heap(live) if subtree is None else subtree)
+
     def _index(self, item: T) -> None:
-        item.generation += 1
-        item.buffered = True
+        assert item not in self._places, "entry is indexed already"
+        generation = next(self._generations)
         tokens = item.masked_tokens
         node, depth = self._root, 0
         path = [node]
@@ -398,7 +328,7 @@ class RadixIndex(Generic[T]):
             first = int(tokens[depth])
             child = node.children.get(first)
             if child is None:
-                child = _Node(label=tokens[depth:], parent=node)
+                child = self._node(tokens[depth:], node)
                 node.children[first] = child
                 node, depth = child, len(tokens)
             else:
@@ -407,17 +337,18 @@ class RadixIndex(Generic[T]):
                     child = self._split(child, common)
                 node, depth = child, depth + common
             path.append(node)
-        item.node = node
-        node.own.push(item)
+        self._live[generation] = item
+        self._places[item] = (generation, node)
+        node.own.push(item.seq, generation)
         for ancestor in path:
-            ancestor.subtree.push(item)
+            ancestor.subtree.push(item.seq, generation)
         self.count += 1
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; return the new node standing at the cut."""
         parent = child.parent
         assert parent is not None  # the root has no edge and is never split
-        middle = _Node(label=child.label[:at], parent=parent, subtree=child.subtree.copy())
+        middle = self._node(child.label[:at], parent, subtree=child.subtree.copy())
         parent.children[int(middle.label[0])] = middle
         child.label = child.label[at:]
         child.parent = middle
@@ -425,10 +356,10 @@ class RadixIndex(Generic[T]):
         return middle
 
     def _unindex(self, item: T) -> None:
-        node = item.node
-        assert node is not None and item.buffered, "entry is not indexed"
-        item.buffered = False
-        item.node = None
+        place = self._places.pop(item, None)
+        assert place is not None, "entry is not indexed"
+        generation, node = place
+        del self._live[generation]
         self.count -= 1
         node.own.discard()
         walker: _Node | None = node
@@ -470,6 +401,10 @@ class LookupBuffer:
 
     def __len__(self) -> int:
         return len(self._index) + len(self._split)
+
+    def holds(self, item: BufferedItem) -> bool:
+        """Whether `item` is buffered here (whole, or split and taken in pieces)."""
+        return item in self._index or item in self._split
 
     @property
     def buffered(self) -> int:
@@ -514,7 +449,6 @@ class LookupBuffer:
         if item.pieces is not None:
             self._split.remove(item)
             del self._by_id[item.item_id]
-            item.pieces.dropped = True
         else:
             self._remove(item)
         self.nbytes -= item.nbytes
@@ -574,24 +508,3 @@ class LookupBuffer:
     def _remove(self, item: BufferedItem) -> None:
         self._index.remove(item)
         del self._by_id[item.item_id]
-
-
-async def gathers_prepared(item: BufferedItem) -> None:
-    """A published item's gathers queued already if a worker thread queues them (at once for
-    other items). Raises `GathersFailed`."""
-    if item.gathers is None:
-        return
-    in_thread = item.gathers.prepare()
-    if in_thread is not None:
-        try:
-            await asyncio.wrap_future(in_thread)
-        except Exception as exc:
-            raise GathersFailed(str(exc)) from exc
-
-
-async def all_gathers_queued(item: BufferedItem) -> None:
-    """Every gather of a published item queued (at once for other items): before anything
-    reads the whole storage, or waits on `BufferedItem.written`. Raises `GathersFailed`."""
-    await gathers_prepared(item)
-    if item.gathers is not None:
-        item.gathers.queue_through(None)
