@@ -196,12 +196,16 @@ def main(args: argparse.Namespace) -> int:
     try:
         endpoint = from_child(control, 900)
         decode.register(kv_cache_pools(vllm_cache(max(shape.blocks for shape in shapes), device), spec()))
+        runs = [
+            ("one request, read as a stream", one_stream, False),
+            ("one request, fetched", one_fetch, True),
+            ("a step of 32 requests, fetched", step, True),
+        ]
         measured = {
-            "one request, read as a stream": (one_stream, load_steps(decode, endpoint, one_stream, device, published=False)),
-            "one request, fetched": (one_fetch, load_steps(decode, endpoint, one_fetch, device, published=True)),
-            "a step of 32 requests, fetched": (step, load_steps(decode, endpoint, step, device, published=True)),
-        }  # fmt: skip
-        references = {name: copy_ms(_bytes(shape) * shape.per_step, device, 20) for name, (shape, _) in measured.items()}
+            name: (shape, load_steps(decode, endpoint, shape, device, published=published))
+            for name, shape, published in runs
+        }
+        references = {name: copy_ms(_bytes(shape) * shape.per_step, device, 20) for name, shape, _ in runs}
     finally:
         decode.close()
         control.send("stop")
