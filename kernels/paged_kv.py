@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -654,20 +655,120 @@ def scatter_layer_reference(
                 rows[_at(table, slots[chosen], slice(first, end))] = source[:tokens][chosen]
 
 
-# -- the path the runtime takes: Triton on GPUs, the references on CPU ------------------------
+# -- on the host: block by block ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """A request's slots in one replica's block pools as runs: `full` blocks (a run of all of
+    a block's slots in order, starting at its first) moved by one `index_copy_` a layer, each
+    at tokens [i * block_size, ...) of the request, and the other runs one slice each:
+    (first token, block, first offset, length)."""
+
+    full: torch.Tensor
+    full_tokens: torch.Tensor
+    partial: list[tuple[int, int, int, int]]
+    in_order: bool
+    """Whether the full blocks' tokens follow each other (one `index_copy_` moves them all)."""
+
+
+MAX_PARTIAL_RUNS: Final = 8
+"""Runs shorter than a block that a host move copies one by one (a request's are its first
+and last block at most); slots that fall into more runs move element by element instead."""
+
+
+def _block_runs(table: PoolTable, replica: torch.Tensor, slots: torch.Tensor) -> _Runs | None:
+    """`slots` as runs of blocks, where the pools are in blocks, of one replica, and the slots
+    run through them in order (a serving engine's pages); None otherwise."""
+    block_size = table.geometry.block_size
+    in_blocks = table.layout in (Layout.BLOCK, Layout.BLOCK_HEAD_MAJOR, Layout.BHNC) or (
+        table.layout is Layout.MLA and table.pools[0][0][0].dim() == 4
+    )
+    if not in_blocks or table.replicas != 1 or not slots.numel() or replica.device.type != "cpu":
+        return None
+    at = slots.to(device="cpu", dtype=torch.int64).numpy()
+    blocks, offsets = at // block_size, at % block_size
+    starts = np.flatnonzero((blocks[1:] != blocks[:-1]) | (offsets[1:] != offsets[:-1] + 1)) + 1
+    bounds = np.concatenate(([0], starts, [len(at)]))
+    lengths = np.diff(bounds)
+    first_offsets = offsets[bounds[:-1]]
+    whole = (lengths == block_size) & (first_offsets == 0)
+    if len(lengths) - int(whole.sum()) > MAX_PARTIAL_RUNS:
+        return None
+    full_starts = bounds[:-1][whole]
+    partial = [
+        (int(start), int(blocks[start]), int(offsets[start]), int(length))
+        for start, length, is_whole in zip(bounds[:-1], lengths, whole, strict=True)
+        if not is_whole
+    ]
+    in_order = bool(np.all(np.diff(full_starts) == block_size))
+    return _Runs(torch.from_numpy(blocks[full_starts]), torch.from_numpy(full_starts), partial, in_order)
+
+
+def _rows_in_blocks(table: PoolTable, pool: torch.Tensor, kv: int) -> torch.Tensor:
+    """`_rows` of a pool in blocks, always as [blocks, block_size, heads, head_dim]."""
+    rows = _rows(table, pool, kv)
+    if table.layout is Layout.BLOCK:
+        return rows.view(-1, table.geometry.block_size, *rows.shape[1:])
+    return rows
+
+
+def _move_runs(
+    table: PoolTable, runs: _Runs, sources: Sequence[torch.Tensor], heads: tuple[int, int], *, scatter: bool,
+    layers: range,
+) -> None:  # fmt: skip
+    """Scatter `sources` ([layers, tokens, heads, head_dim] each: K, and V unless MLA) into the
+    runs' slots, or gather the runs' slots into them, layer by layer, block by block."""
+    block_size = table.geometry.block_size
+    first, end = heads
+    full = runs.full.numel()
+    for index, layer in enumerate(layers):
+        for kv, source in enumerate(sources):
+            tokens = source[index]
+            for copy in range(table.copies if scatter else 1):
+                rows = _rows_in_blocks(table, table.pools[0][copy][layer], kv)[:, :, first:end]
+                if full and runs.in_order:
+                    first_token = int(runs.full_tokens[0])
+                    run = tokens[first_token : first_token + full * block_size]
+                    blocks = run.view(full, block_size, *tokens.shape[1:])
+                    if scatter:
+                        rows.index_copy_(0, runs.full, blocks)
+                    else:
+                        blocks.copy_(rows.index_select(0, runs.full))
+                elif full:
+                    for block, start in zip(runs.full.tolist(), runs.full_tokens.tolist(), strict=True):
+                        _move_one(rows[block], tokens[start : start + block_size], scatter)
+                for start, block, offset, length in runs.partial:
+                    _move_one(rows[block, offset : offset + length], tokens[start : start + length], scatter)
+
+
+def _move_one(rows: torch.Tensor, tokens: torch.Tensor, scatter: bool) -> None:
+    if scatter:
+        rows.copy_(tokens)
+    else:
+        tokens.copy_(rows)
+
+
+# -- the path the runtime takes: Triton on GPUs, block by block (or the references) on CPU ------
 
 
 def gather_into_any(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """`gather_into` where Triton runs (CUDA), through its torch reference elsewhere (CPU)."""
+    """`gather_into` where Triton runs (CUDA); on the host block by block where the slots run
+    through blocks in order (`_block_runs`), else through its torch reference."""
     if table.device.type == "cuda":
         gather_into(table, replica, slots, key, value)
         return
     check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), _head_range(table, None))
-    staging = gather_reference(table, replica, slots)
     tokens = slots.numel()
+    runs = _block_runs(table, replica, slots)
+    if runs is not None:
+        sources = [key[:, :tokens], value[:, :tokens]][: table.geometry.kv]
+        _move_runs(table, runs, sources, _head_range(table, None), scatter=False, layers=range(table.layers))
+        return
+    staging = gather_reference(table, replica, slots)
     key[:, :tokens] = staging[:, :, 0]
     if table.geometry.kv == 2:
         value[:, :tokens] = staging[:, :, 1]
@@ -677,7 +778,8 @@ def scatter_from_any(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
     heads: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
-    """`scatter_from` where Triton runs (CUDA), through its torch reference elsewhere (CPU)."""
+    """`scatter_from` where Triton runs (CUDA); on the host block by block where the slots run
+    through blocks in order (`_block_runs`), else through its torch reference."""
     if table.device.type == "cuda":
         scatter_from(table, key, value, replica, slots, heads=heads)
         return
@@ -685,20 +787,30 @@ def scatter_from_any(
     _check_split(table, key, value, slots.numel(), _head_range(table, heads))
     tokens = slots.numel()
     parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]
+    runs = _block_runs(table, replica, slots)
+    if runs is not None:
+        _move_runs(table, runs, parts, _head_range(table, heads), scatter=True, layers=range(table.layers))
+        return
     scatter_reference(table, torch.stack(parts, dim=2), replica, slots, heads=heads)
 
 
 def gather_layer_into_any(
     table: PoolTable, replica: torch.Tensor, slots: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """One layer's gather (`prepare_gather_layer`, launched) where Triton runs (CUDA), through
-    its torch reference elsewhere; the indexes are not checked."""
+    """One layer's gather (`prepare_gather_layer`, launched) where Triton runs (CUDA); on the
+    host block by block or through its torch reference, as `gather_into_any`; the indexes are
+    not checked."""
     if table.device.type == "cuda":
         prepare_gather_layer(table, replica, slots, layer, key, value).launch()
         return
     _check_layer(table, key, value, slots.numel(), layer)
-    gathered_key, gathered_value = gather_layer_reference(table, replica, slots, layer)
     tokens = slots.numel()
+    runs = _block_runs(table, replica, slots)
+    if runs is not None:
+        sources = [key[None, :tokens], value[None, :tokens]][: table.geometry.kv]
+        _move_runs(table, runs, sources, _head_range(table, None), scatter=False, layers=range(layer, layer + 1))
+        return
+    gathered_key, gathered_value = gather_layer_reference(table, replica, slots, layer)
     key[:tokens] = gathered_key
     if table.geometry.kv == 2:
         value[:tokens] = gathered_value
@@ -708,9 +820,16 @@ def scatter_layer_from_any(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, layer: int,
     *, heads: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
-    """`scatter_layer_from` (indexes not checked) where Triton runs, its torch reference elsewhere."""
+    """`scatter_layer_from` (indexes not checked) where Triton runs; on the host block by block
+    or through its torch reference, as `scatter_from_any`."""
     if table.device.type == "cuda":
         scatter_layer_from(table, key, value, replica, slots, layer, heads=heads, check=False)
         return
     _check_layer(table, key, value, slots.numel(), layer, _head_range(table, heads))
+    runs = _block_runs(table, replica, slots)
+    if runs is not None:
+        tokens = slots.numel()
+        sources = [key[None, :tokens], value[None, :tokens]][: table.geometry.kv]
+        _move_runs(table, runs, sources, _head_range(table, heads), scatter=True, layers=range(layer, layer + 1))
+        return
     scatter_layer_reference(table, key, value, replica, slots, layer, heads=heads)

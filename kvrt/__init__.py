@@ -12,7 +12,7 @@ Everything public is re-exported here; modules with a leading underscore are int
 from kvrt import blocking
 from kvrt._auth import CurveKeys, make_keys
 from kvrt._client import Client
-from kvrt._consumer import Consumer
+from kvrt._consumer import Consumer, Fetch
 from kvrt._errors import (
     AuthError,
     CapacityError,
@@ -53,6 +53,7 @@ __all__ = [
     "ConsumerStream",
     "CurveKeys",
     "ErrorCode",
+    "Fetch",
     "InvalidInputError",
     "JsonFormatter",
     "KVBuffers",

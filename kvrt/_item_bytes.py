@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 TensorsSum = concurrent.futures.Future[Callable[[], int]]
 """A GPU checksum of a stream's layer or hidden states, queued: its future gives what reads
-the result (waiting for the GPU; see `ProducerState.queue_tensors_checksum`)."""
+the result (waiting for the GPU; see `ItemKeeper.queue_tensors_checksum` in `kvrt._producer._parts`)."""
 
 
 class GathersFailed(Exception):

@@ -2,9 +2,12 @@
 objects each own one, and the vLLM connector's scheduler and worker sides theirs.
 
 A caller either waits for a coroutine's result (`call`: interrupted or timed out, it cancels
-the coroutine on the loop) or hands one over and goes on (`submit`: a concurrent future it may
-look at later). Every coroutine runs inside the loop's `BlockingPortal`, whose task group
-owns it: `stop` cancels what still runs.
+the coroutine on the loop) or hands one over and goes on: `post` returns at once, whatever
+the loop is doing (an engine's hot path: the scheduler's and the workers' hooks); `submit`
+returns once the loop has taken the coroutine (anyio's `start_task_soon`: for rare calls).
+Both give a concurrent future the caller may look at later. The loop thread owns every
+coroutine it runs (the portal's task group, or its set of posts): `stop` cancels what still
+runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from kvrt._errors import ClosedError, KVRTError
+from kvrt._threads import host_ops_on_this_thread
 
 log = logging.getLogger("kvrt.blocking")
 
@@ -37,6 +41,8 @@ class LoopThread:
         self._kind = kind
         started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
         started = concurrent.futures.Future()
+        self._posts: set[asyncio.Task[None]] | None = set()
+        """On the loop: the posted coroutines still running (None once stopping), which it owns."""
         # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
         # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
         self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
@@ -45,12 +51,17 @@ class LoopThread:
         self._stopping = threading.Lock()
         self._stopped = False
 
-    @staticmethod
-    def _run(started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+    def _run(self, started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+        host_ops_on_this_thread()
+
         async def serve() -> None:
             async with BlockingPortal() as portal:
                 started.set_result((portal, asyncio.get_running_loop()))
                 await portal.sleep_until_stopped()
+                posts, self._posts = self._posts or set(), None
+                for task in posts:
+                    task.cancel()
+                await asyncio.gather(*posts, return_exceptions=True)
 
         try:
             anyio.run(serve, backend="asyncio")
@@ -92,6 +103,31 @@ class LoopThread:
                 pass  # the loop has ended: nothing runs on it any more
             raise
 
+    def post(self, function: Callable[[], Awaitable[_T]], what: str) -> concurrent.futures.Future[_T]:
+        """Hand `function` to the loop and return at once, without waiting for the loop's thread
+        (which may be busy, or waiting for the GIL): its future, done when it is (cancelled when
+        the loop stops first; with `ClosedError` once it stopped). Posts run in the order they
+        were posted."""
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        closed = f"{what}: the {self._kind} is closed"
+
+        def start() -> None:  # on the loop
+            if not future.set_running_or_notify_cancel():
+                return
+            if self._posts is None:  # stopping: no more are taken
+                future.set_exception(ClosedError(closed))
+                return
+            task = self._event_loop.create_task(_run_into(function, future, closed), name=what)
+            self._posts.add(task)
+            task.add_done_callback(self._posts.discard)
+
+        try:
+            self._event_loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop has ended
+            future.set_running_or_notify_cancel()
+            future.set_exception(ClosedError(closed))
+        return future
+
     def submit(self, function: Callable[[], Awaitable[_T]], what: str) -> concurrent.futures.Future[_T]:
         """Start `function` on the loop and return at once: its future, done when it is (with
         `ClosedError` once the loop stopped)."""
@@ -115,6 +151,20 @@ class LoopThread:
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
                 log.warning("kvrt's loop thread %s did not end within %s s", self._thread.name, CLOSE_TIMEOUT_S)
+
+
+async def _run_into(function: Callable[[], Awaitable[_T]], future: concurrent.futures.Future[_T], closed: str) -> None:
+    """Run a posted coroutine and hand its outcome to its caller's future: its error too (the
+    caller's to read), `ClosedError(closed)` when the loop stops first."""
+    try:
+        result = await function()
+    except asyncio.CancelledError:
+        future.set_exception(ClosedError(closed))
+        raise
+    except Exception as exc:  # the caller's, through its future
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 class CancellableCall(Generic[_T]):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
+import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -18,12 +21,58 @@ from kvrt._errors import TransportUnavailableError
 _T = TypeVar("_T")
 
 
+_OPENMP_RUNTIMES: Final = ("libgomp", "libiomp5", "libomp")
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch runs its host operations on, as loaded in this process."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if any(runtime in os.path.basename(path) for runtime in _OPENMP_RUNTIMES):
+            with contextlib.suppress(OSError, AttributeError):
+                runtime = ctypes.CDLL(path)
+                runtime.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return runtime
+    return None
+
+
+def host_ops_on_this_thread() -> None:
+    """Make torch's host operations on the calling thread (one of kvrt's) run on it alone.
+
+    kvrt moves a request's bytes on the host in copies of tens of kilobytes to a few
+    megabytes, which torch splits over its OpenMP team. In an engine's process that team's
+    other threads are the engine's (bound to its cores, busy with forward passes): a copy
+    waits at the team's barrier for a thread the OS has not scheduled, tens of milliseconds
+    on a busy host where alone it takes tens of microseconds. OpenMP's thread count is a
+    setting of each thread, so this changes kvrt's own threads and none of the engine's
+    (`torch.set_num_threads` would change the count new threads start with too)."""
+    torch.get_num_threads()  # torch sets a thread's count at its first use: before, not after this
+    runtime = _openmp()
+    if runtime is not None:
+        runtime.omp_set_num_threads(1)
+
+
 def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPoolExecutor:
     """One thread, for work that must stay in order, with `device` current for good (made
     current once, not switched per call). It queues kernels without the loop waiting: a
     first Triton launch compiles, for about a second."""
+
+    def start() -> None:
+        host_ops_on_this_thread()
+        torch.cuda.set_device(device)
+
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start)
+
+
+def host_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread, for host work that must stay in order (its torch operations on it alone)."""
     return concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=torch.cuda.set_device, initargs=(device,)
+        max_workers=1, thread_name_prefix=name, initializer=host_ops_on_this_thread
     )
 
 
@@ -42,7 +91,9 @@ class CheckWorkers:
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="kvrt-check")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                CHECK_WORKERS, thread_name_prefix="kvrt-check", initializer=host_ops_on_this_thread
+            )
         return self._pool
 
     def submit(self, job: Callable[[], _T]) -> concurrent.futures.Future[_T]:

@@ -105,14 +105,15 @@ def publish(
 
 def load(
     decodes: Sequence[WorkerSide], endpoints: list[str], tokens: list[int], block_ids: list[int], block_size: int,
-    layers: int, *, skip: int = 0,
+    layers: int, *, skip: int = 0, published: bool = False,
 ) -> list[set[str]]:  # fmt: skip
-    """What the decode ranks do in the step that loads the prompt: every rank opens its load,
-    each attention layer waits for its own layer, the step ends. Each rank's failed loads."""
+    """What the decode ranks do in the step that loads the prompt: every rank opens its load
+    (fetched, when the prefill's word planned it: `published`; else a stream), each attention
+    layer waits for its own layer, the step ends. Each rank's failed loads."""
     first_block, end_block = skip // block_size, -(-len(tokens) // block_size)
     request = Load(
         "request", tuple(endpoints), tokens, skip, slots_of(block_ids, block_size, skip, len(tokens)),
-        block_ids[first_block:end_block],
+        block_ids[first_block:end_block], published=published,
     )
     for side in decodes:
         side.start_loads([request])

@@ -2,8 +2,9 @@
 vLLM's own code), built on the GPU as vLLM builds it and moved bit for bit from a prefill
 process to a decode process through the connector's worker side, layer by layer: the same
 layout, between layouts and block sizes, and prefill TP 2 -> decode TP 1 (a piece of the
-heads from each prefill rank) and TP 1 -> 2. Over cuda_ipc and nixl, both processes on cuda:0
-when the host has one GPU; the Triton kernels gather and scatter the pages."""
+heads from each prefill rank) and TP 1 -> 2, fetched (as the prefill's word plans a load) or
+read as a stream (as a probe's). Over cuda_ipc and nixl, both processes on cuda:0 when the
+host has one GPU; the Triton kernels gather and scatter the pages."""
 
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def test_every_vllm_gpu_layout_moves_bit_for_bit_through_the_connectors_worker_s
             try:
                 entry = scenario.decode[0]
                 block_ids = blocks(entry, 500 + index)
+                # Every other scenario fetched as the prefill's word plans it, the others read as streams.
                 failed = load([side for side, _ in decodes], endpoints, tokens, block_ids, entry["block_size"],
-                              entry["layers"])  # fmt: skip
+                              entry["layers"], published=index % 2 == 0)  # fmt: skip
                 torch.cuda.synchronize(CONSUMER_DEVICE)
                 if failed != [set()] * tp:
                     wrong.append(f"{scenario.name}: the load failed")

@@ -66,7 +66,7 @@ def slots(entry: dict[str, Any], blocks: list[int], tokens: range) -> list[int]:
 
 def moved(
     sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], source: dict[str, Any], target: dict[str, Any], *,
-    skip: int = 0,
+    skip: int = 0, published: bool = False,
 ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], list[torch.Tensor]]:  # fmt: skip
     """A prompt published from a prefill cache of `source` and loaded into a decode cache of
     `target`: the prefill's caches and blocks, the decode's caches and blocks, and the decode's
@@ -78,7 +78,9 @@ def moved(
     from_blocks, into_blocks = blocks_for(source, TOKENS, 3), blocks_for(target, TOKENS, 4)
     publish([prefill], tokens, from_blocks, source["block_size"], source["layers"])
     endpoints = endpoints_of([prefill])
-    failed = load([decode], endpoints, tokens, into_blocks, target["block_size"], target["layers"], skip=skip)
+    failed = load(
+        [decode], endpoints, tokens, into_blocks, target["block_size"], target["layers"], skip=skip, published=published
+    )
     assert failed == [set()]
     return prefill_caches, from_blocks, decode_caches, into_blocks, before
 
@@ -112,18 +114,26 @@ CONVERSIONS = [
 ]
 
 
+PATHS = pytest.mark.parametrize("published", [False, True], ids=["streamed", "fetched"])
+"""A load the prefill's word planned is fetched with its step's others; one a probe found, read
+as a stream."""
+
+
+@PATHS
 @pytest.mark.parametrize(("source", "target"), CONVERSIONS, ids=lambda entry: cache_id(entry))
 def test_a_prompt_moves_between_layouts_and_block_sizes_token_for_token(
-    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], source: dict[str, Any], target: dict[str, Any]
-) -> None:
-    assert_landed(source, target, moved(sides, source, target), range(TOKENS))
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], source: dict[str, Any], target: dict[str, Any],
+    published: bool,
+) -> None:  # fmt: skip
+    assert_landed(source, target, moved(sides, source, target, published=published), range(TOKENS))
 
 
+@PATHS
 def test_a_decode_that_holds_a_prefix_has_only_the_rest_written(
-    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], published: bool
 ) -> None:
     entry = cache_named("FLASH_ATTN", "LBNHC")
-    result = moved(sides, entry, entry, skip=32)
+    result = moved(sides, entry, entry, skip=32, published=published)
     assert_landed(entry, entry, result, range(32, TOKENS))
     _, _, decode_caches, into_blocks, before = result
     prefix_slots = slots(entry, into_blocks, range(32))
@@ -140,9 +150,10 @@ def per_rank(tp: int, *, layout: str = "LBNHC", block_size: int = 16) -> dict[st
     return cache_named("FLASH_ATTN", layout, block_size=block_size, kv_heads=TOTAL_HEADS // tp)
 
 
+@PATHS
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_each_decode_rank_takes_its_heads_from_the_prefill_ranks_that_hold_them(
-    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], prefill_tp: int, decode_tp: int
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], prefill_tp: int, decode_tp: int, published: bool
 ) -> None:
     source = per_rank(prefill_tp)
     target = per_rank(decode_tp, layout="LBHNC", block_size=32) if decode_tp == 1 else per_rank(decode_tp)
@@ -159,7 +170,7 @@ def test_each_decode_rank_takes_its_heads_from_the_prefill_ranks_that_hold_them(
     publish([side for side, _ in prefills], tokens, from_blocks, source["block_size"], source["layers"])
     failed = load(
         [side for side, _ in decodes], endpoints_of([side for side, _ in prefills]), tokens, into_blocks,
-        target["block_size"], target["layers"],
+        target["block_size"], target["layers"], published=published,
     )  # fmt: skip
     assert failed == [set()] * decode_tp
     # The model's heads side by side, as the prefill ranks hold them and as the decode ranks do.
@@ -174,8 +185,9 @@ def test_each_decode_rank_takes_its_heads_from_the_prefill_ranks_that_hold_them(
         assert side._producer is None or side._producer.stats().items == 0  # every piece was taken
 
 
+@PATHS
 def test_a_latent_is_published_by_prefill_rank_zero_and_read_whole_by_every_decode_rank(
-    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], published: bool
 ) -> None:
     entry = cache_named("TRITON_MLA", "LBNHC")
     prefills = [sides(entry, produces=True, rank=rank, tp=2, seed=30) for rank in range(2)]  # the same latents
@@ -184,7 +196,8 @@ def test_a_latent_is_published_by_prefill_rank_zero_and_read_whole_by_every_deco
     tokens = list(range(3000, 3000 + TOKENS))
     from_blocks, into_blocks = blocks_for(entry, TOKENS, 7), blocks_for(entry, TOKENS, 8)
     publish([side for side, _ in prefills], tokens, from_blocks, 16, entry["layers"])
-    failed = load([side for side, _ in decodes], endpoints_of([s for s, _ in prefills]), tokens, into_blocks, 16, 4)
+    endpoints = endpoints_of([s for s, _ in prefills])
+    failed = load([side for side, _ in decodes], endpoints, tokens, into_blocks, 16, 4, published=published)
     assert failed == [set(), set()]
     sent = token_rows(entry, prefills[0][1], slots(entry, from_blocks, range(TOKENS)))
     for _, caches in decodes:
@@ -235,7 +248,8 @@ def _fields(spec: CacheSpec) -> dict[str, Any]:
     return {name: getattr(spec, name) for name in CacheSpec.__slots__}  # type: ignore[attr-defined]
 
 
-def test_a_producer_gone_fails_one_steps_loads_within_the_timeout_and_the_next_at_once() -> None:
+@PATHS
+def test_a_producer_gone_fails_one_steps_loads_within_the_timeout_and_the_next_at_once(published: bool) -> None:
     import socket
     import time
     from dataclasses import replace
@@ -249,7 +263,7 @@ def test_a_producer_gone_fails_one_steps_loads_within_the_timeout_and_the_next_a
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             gone = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        load = Load("r", (gone,), list(range(40)), 0, list(range(40)), [0, 1, 2])
+        load = Load("r", (gone,), list(range(40)), 0, list(range(40)), [0, 1, 2], published=published)
         started = time.monotonic()
         side.start_loads([load])
         first = side.end_step()

@@ -19,11 +19,13 @@ The package, one job a module:
 - `_agreed`: a lookup (or a batch) agreed with the other ranks of a TP group
 - `_drop_selects`: `DropSelects`: `drop_select`, `drop_select_many`, composed of the three above
 - `_pulls`: `Pulls`: `pull` into paged pools
+- `_fetches`: `Fetches`: `fetch`, a step's requests into paged pools in two phases
 - `_open_stream`: `StreamOpening`: `open_stream`, its layers landed into tensors or pools
 - `_consumer`: `Consumer`: the public calls, given to the parts it holds; start, close
 """
 
 from kvrt._consumer._consumer import Consumer
+from kvrt._consumer._fetches import Fetch
 from kvrt._consumer._link import _Link as _Link
 from kvrt._consumer._session import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -40,6 +42,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_REPLY_TIMEOUT_S",
     "DEFAULT_TRANSFER_TIMEOUT_S",
+    "Fetch",
     "LinkSession",
     "OnLanding",
 ]

@@ -27,6 +27,7 @@ from kvrt._consumer._connections import (
     Scatters,
 )
 from kvrt._consumer._drop_selects import DropSelects
+from kvrt._consumer._fetches import Fetch, Fetches
 from kvrt._consumer._link import _Link
 from kvrt._consumer._open_stream import StreamOpening
 from kvrt._consumer._pulls import Pulls
@@ -135,6 +136,7 @@ class Consumer(AsyncService):
         self._drop_selects = DropSelects(self._connections, config.device, self.counters, self.metrics)
         self._pulls = Pulls(self._connections, self._scatters, self._drop_selects, config.device)
         self._opening = StreamOpening(self._connections, self._scatters, self._drop_selects, config.device)
+        self._fetches = Fetches(self._connections, self._scatters, self._drop_selects, config.device)
 
     @lands_on_caller_stream
     @takes(DropSelects.drop_select)
@@ -246,6 +248,28 @@ class Consumer(AsyncService):
         return await self._opening.open_stream(*args, **kwargs)
 
 
+    @takes(Fetches.fetch)
+    def fetch(self, *args: Any, **kwargs: Any) -> Fetch:
+        """Start taking a scheduler step's requests into the caller's pools, and return at once:
+        the first of two phases (the second: `await fetch.landed()`).
+
+        Called by a serving engine once a step, on this consumer's event loop (not a coroutine:
+        the request is on its way when it returns). The queries (token tensors, up to 256)
+        travel to the one producer in one message and its items come back in one answer, each
+        matched as `drop_select` matches (timeout 0); query i's item is written into the pools
+        `into` as it lands: its tokens from `skip[i]` (those the pools hold already are not
+        written) at `slots[i]` of replica `replica`, as far as the match and the slots go.
+        `heads`: only those KV heads, as for `drop_select`, for every query.
+
+        Bad queries, slots outside the pools or pools on another device raise
+        `InvalidInputError` here, before anything is taken. A consumer of several producers or
+        in a group raises it too (fetch one producer's requests a consumer). What happens
+        later (a miss, a producer gone, a reply late) is told by `Fetch.landed`. Memory: the
+        pools are the caller's, and kvrt writes only the slots given. On a GPU, work queued on
+        `stream` (None: the calling thread's current stream) after `landed` returns reads the
+        requests as they landed."""
+        return self._fetches.fetch(*args, **kwargs)
+
     async def start(self) -> Self:
         """Connect and handshake with the producer; returns once it answered."""
         connections = self._connections
@@ -264,6 +288,7 @@ class Consumer(AsyncService):
         """End every pending call with `ClosedError`, say Bye, and stop."""
         if self._connections.closed:
             return
+        await self._fetches.aclose()
         await self._connections.aclose()
         self._scatters.close()
         self._connections.terminate()

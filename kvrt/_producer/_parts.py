@@ -38,7 +38,7 @@ from kvrt._pools import PoolTable
 from kvrt._protocol.lookup_buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._tensors import tensor_meta
-from kvrt._threads import gpu_worker
+from kvrt._threads import gpu_worker, host_worker
 from kvrt.transports import Sender
 
 DEFAULT_CHUNK_BYTES = 1 << 30
@@ -133,7 +133,7 @@ class Workers:
             if self._device.type == "cuda":
                 self._gathers = gpu_worker(self._device, "kvrt-gather")
             else:
-                self._gathers = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-gather")
+                self._gathers = host_worker("kvrt-gather")
         return self._gathers
 
     def checksum_thread(self) -> concurrent.futures.ThreadPoolExecutor:

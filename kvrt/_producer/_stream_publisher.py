@@ -145,7 +145,7 @@ class StreamPublisher:
              ((stream.layers, *first_key.shape), first_key.dtype),
              ((stream.layers, *first_value.shape), first_value.dtype),
              None if hidden is None else (hidden.shape, hidden.dtype)],
-            self.device,
+            self.device, self._items.allocate,  # registered memory: a consumer maps it once, not per item
         )  # fmt: skip
         tokens, roi, key, value, whole_hidden = packed.tensors
         assert tokens is not None and key is not None and value is not None

@@ -77,13 +77,16 @@ def _block_hasher() -> Any:
 
 def make_request(
     request_id: str, prompt: list[int], endpoint: str | None = None, *, max_tokens: int = 2,
-    remote_decode: bool = False,
+    remote_decode: bool = False, params: dict[str, Any] | None = None,
 ) -> Request:  # fmt: skip
-    """A greedy request, its KV at `endpoint` (its `kv_transfer_params`) when one is named; a
+    """A greedy request, its KV at `endpoint` (its `kv_transfer_params`) when one is named, or
+    with `params` as its `kv_transfer_params` (a prefill's, as a router hands them on); a
     prefill request whose KV a decode instance will take, with `remote_decode` (as a router
     sends it)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    if endpoint is not None:
+    if params is not None:
+        sampling.extra_args = {"kv_transfer_params": params}
+    elif endpoint is not None:
         sampling.extra_args = {"kv_transfer_params": {"kvrt_endpoint": endpoint}}
     elif remote_decode:
         sampling.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}

@@ -5,6 +5,7 @@ holds the scheduler."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -19,7 +20,9 @@ from vllm.v1.request import RequestStatus
 
 import kvrt.blocking
 from kvrt.integrations.vllm import _scheduler as decode_scheduler
+from kvrt.integrations.vllm._config import DEFAULT_ITEM_TTL_S
 from kvrt.integrations.vllm._scheduler import IDLE_WAIT_S
+from kvrt.integrations.vllm._word import Word, tokens_digest
 from kvrt.integrations.vllm.connector import KvrtConnectorMetadata
 from tests._relay import DelayingRelay
 from tests.vllm.scheduler import (
@@ -396,12 +399,114 @@ def test_a_finished_prefill_names_its_producer_and_keeps_the_kv_for_the_decode(
     meta = output.kv_connector_metadata
     assert isinstance(meta, KvrtConnectorMetadata) and [save.tokens for save in meta.saves] == [PROMPT]
     hold(producer, PROMPT)  # what the worker publishes in that step
+    before = time.time()
     (done,) = finish(scheduler, output)
-    assert done.kv_transfer_params == {  # type: ignore[attr-defined]
-        "kvrt_endpoint": producer.endpoint, "kvrt_endpoints": [producer.endpoint]
-    }
+    params = done.kv_transfer_params  # type: ignore[attr-defined]
+    word = params.pop("kvrt_published")
+    assert params == {"kvrt_endpoint": producer.endpoint, "kvrt_endpoints": [producer.endpoint]}
+    assert word.pop("held_until") >= before + DEFAULT_ITEM_TTL_S
+    assert word == {"v": 1, "endpoints": [producer.endpoint], "tokens": len(PROMPT), "digest": tokens_digest(PROMPT)}
     assert holds(producer) == 1
     assert_empty(scheduler)
+
+
+def test_a_decode_plans_the_load_a_prefills_word_names_in_the_step_that_first_sees_it_asking_nothing(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    prefill = schedulers("kv_producer", bind=producer.endpoint)
+    prefill.add_request(make_request("prefill", PROMPT, max_tokens=1, remote_decode=True))
+    output = prefill.schedule()
+    hold(producer, PROMPT)
+    (done,) = finish(prefill, output)
+    decode = schedulers("kv_consumer")
+    decode.add_request(make_request("decode", PROMPT, params=done.kv_transfer_params))  # type: ignore[attr-defined]
+    first = decode.schedule()
+    assert loads(first) == [("decode", len(PROMPT) - 1)]
+    assert first.num_scheduled_tokens == {"decode": 1}  # the last prompt token, computed in this step
+    assert connector(decode)._decode.counters["lookups"] == 0  # type: ignore[union-attr]
+    assert producer.stats().peers == 0  # nobody asked it anything
+    finish(decode, first)
+    assert_empty(decode)
+
+
+def test_a_word_for_a_prefix_of_the_prompt_loads_that_prefix(schedulers: Callable[..., Scheduler]) -> None:
+    # The router's first token at once: the decode's prompt is the prefill's and its first token.
+    word = Word.of(["tcp://127.0.0.1:9"], PROMPT, None)
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("longer", [*PROMPT, 5], params={"kvrt_published": word.params()}))
+    assert loads(scheduler.schedule()) == [("longer", len(PROMPT))]
+
+
+def forged(**changes: Any) -> dict[str, Any]:
+    """The params of a word for `PROMPT` with `changes` made to it (None: the field removed)."""
+    word = Word.of(["tcp://127.0.0.1:9"], PROMPT, 60.0).params()
+    for name, value in changes.items():
+        if value is None:
+            del word[name]
+        else:
+            word[name] = value
+    return {"kvrt_published": word}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        forged(digest=tokens_digest(PROMPT[:-1])),
+        forged(tokens=len(PROMPT) + 1),
+        forged(tokens=0),
+        forged(tokens=True),
+        forged(endpoints=["tcp://127.0.0.1:9"] * 257),
+        forged(endpoints=["ipc:///tmp/x"]),
+        forged(endpoints=[["tcp://127.0.0.1:9"]]),
+        forged(held_until="soon"),
+        forged(held_until=float("nan")),
+        forged(v=0),
+        forged(extra=1),
+        forged(digest=None),
+        {"kvrt_published": "x" * 100_000},
+        {"kvrt_published": functools.reduce(lambda inner, _: {"v": inner}, range(500), {})},
+    ],
+    ids=[
+        "another-prompts-digest", "more-tokens-than-the-prompt", "no-tokens", "a-bool-for-tokens",
+        "too-many-endpoints", "not-tcp", "a-nested-endpoint", "a-string-for-held-until", "nan-held-until",
+        "version-0", "an-unknown-field", "no-digest", "a-string-word", "deep-nesting",
+    ],
+)
+def test_a_word_that_cannot_be_read_is_refused_and_its_prompt_computed_here(
+    schedulers: Callable[..., Scheduler], params: dict[str, Any]
+) -> None:
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("forged", PROMPT, params=params))
+    output = scheduler.schedule()
+    assert loads(output) == [] and output.num_scheduled_tokens == {"forged": len(PROMPT)}
+    assert connector(scheduler)._decode.counters["refused_words"] == 1  # type: ignore[union-attr]
+    finish(scheduler, output)
+    assert_empty(scheduler)
+
+
+def test_a_word_past_its_time_is_computed_here_and_releases_nothing(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    hold(producer, PROMPT)
+    params = forged(endpoints=[producer.endpoint], held_until=time.time() - 1.0)
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("late", PROMPT, params=params, max_tokens=1))
+    output = scheduler.schedule()
+    assert loads(output) == [] and output.num_scheduled_tokens == {"late": len(PROMPT)}
+    finish(scheduler, output)
+    assert released(scheduler, producer, 1)
+    assert producer.stats().peers == 0
+
+
+def test_a_word_of_a_later_version_is_not_read_and_the_producer_is_asked(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
+) -> None:
+    hold(producer, PROMPT)
+    params = {**forged(v=2, extra="what a later release adds"), "kvrt_endpoint": producer.endpoint}
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("later", PROMPT, params=params))
+    assert loads(scheduler.schedule()) == []  # asked: answered next step
+    assert loads(schedule_answered(scheduler)) == [("later", len(PROMPT) - 1)]
 
 
 def test_a_prefill_request_that_asks_for_no_remote_decode_publishes_nothing(

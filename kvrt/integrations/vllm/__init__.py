@@ -22,16 +22,21 @@ Producer (the prefill instance, `kv_producer` or `kv_both`):
     publishes each layer from the pages as the forward pass writes it. `wait_for_save` ends
     the stream; nobody read it by then, and it stays in the producer as an item (a producer
     over its `buffer_bytes` publishes nothing: the decode then computes the prompt). Once a
-    request finished, `request_finished` names the producers in its `kv_transfer_params`
-    (`{"kvrt_endpoint": ..., "kvrt_endpoints": [...]}`) for the router to hand to the decode
-    instance. An aborted request's KV is released from the producers.
+    request finished, `request_finished` gives its word in its `kv_transfer_params` for the
+    router to hand to the decode instance: what it published, on which producers, until when
+    (`{"kvrt_published": {...}, "kvrt_endpoints": [...], "kvrt_endpoint": ...}`, see `_word`).
+    An aborted request's KV is released from the producers.
 
 Consumer (the decode instance, `kv_consumer` or `kv_both`):
-    The scheduler asks the producer named by the request's `kv_transfer_params` (or `connect`)
-    how much of the prompt it holds, without waiting: `get_num_new_matched_tokens` answers
-    None ("ask again next step") until the answer came; a step's lookups travel to each
-    producer as one message. It takes at most all tokens but the last (vLLM computes the last
-    one itself, for its logits), and none of those vLLM holds in its own prefix cache. After
+    The scheduler reads what the prefill's word in the request's `kv_transfer_params` says its
+    producers hold, and `get_num_new_matched_tokens` answers from it in the step that first
+    sees the request; a word that cannot be read (forged, damaged, for another prompt) is
+    refused and the prompt computed here. Without a word (no router, a prefill of the previous
+    release), it asks the producer the params name (or `connect`) without waiting:
+    `get_num_new_matched_tokens` answers None ("ask again next step") until the answer came;
+    a step's lookups travel to each producer as one message. It takes at most all tokens but
+    the last (vLLM computes the last one itself, for its logits), and none of those vLLM holds
+    in its own prefix cache. After
     vLLM allocated the request's blocks (`update_state_after_alloc`) the load travels to the
     workers in the step's metadata. There `start_load_kv`, before the forward pass, takes the
     request's stream from the producer with vLLM's blocks as its destination; kvrt writes each
@@ -44,7 +49,7 @@ Consumer (the decode instance, `kv_consumer` or `kv_both`):
     released from its producer; what nobody takes leaves with the producer's `item_ttl_s`.
 
 The parts: `connector` (the only module that imports vLLM), `layouts` (vLLM's pages as kvrt
-pools), `_config` (settings), `_scheduler` and `_lookups` (the scheduler side), `_worker` (the
+pools), `_config` (settings), `_scheduler`, `_word` and `_lookups` (the scheduler side), `_worker` (the
 worker side). `_config`'s docstring lists the settings of `kv_connector_extra_config`.
 """
 

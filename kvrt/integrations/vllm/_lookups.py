@@ -7,8 +7,9 @@ reads the answer at a later step (`answer`: None while it is on its way, vLLM's 
 next step"). Releases of KV that no load will take (`release`) go the same way and are never
 waited for. Only a step that scheduled nothing, every request waiting for a lookup, waits
 briefly for the first answer (`wait_answer`): the engine has no other work then. All network
-work runs on one kvrt loop thread that this object owns; the scheduler's thread only queues
-work and looks at futures.
+work runs on one kvrt loop thread that this object owns; the scheduler's thread only posts
+work there (`LoopThread.post`: it never waits for that thread, however busy) and looks at
+futures.
 
 A producer that does not answer within `timeout_s` (gone, stalled, unreachable) answers 0 for
 the requests it was asked about, and is not asked again for a while (`SILENT_BACKOFF_S`):
@@ -112,7 +113,7 @@ class Lookups:
             for start in range(0, len(request_ids), MAX_BATCH):
                 chosen = request_ids[start : start + MAX_BATCH]
                 prompts = [probes[request_id] for request_id in chosen]
-                batch = _Batch(endpoint, self._loop.submit(functools.partial(self._probe, endpoint, prompts), "lookup"))
+                batch = _Batch(endpoint, self._loop.post(functools.partial(self._probe, endpoint, prompts), "lookup"))
                 for index, request_id in enumerate(chosen):
                     self._asked[request_id] = (batch, index)
 
@@ -173,7 +174,7 @@ class Lookups:
         if len(self._releases) >= MAX_RELEASES:
             log.warning("%d releases on their way already: this one is left to the item's TTL", len(self._releases))
             return
-        release = self._loop.submit(functools.partial(self._release, endpoint, prompt), "release")
+        release = self._loop.post(functools.partial(self._release, endpoint, prompt), "release")
         self._releases.add(release)
         release.add_done_callback(self._releases.discard)
 

@@ -5,8 +5,14 @@ out (request ids, token lists, block ids): `connector.py` maps vLLM's objects on
 A decode request's life here, one record (`_Wanted`) from the first lookup to its end:
 
     event (who calls)                          what happens
-    matched (get_num_new_matched_tokens)       first call: its probe is queued; until the
-                                               answer came: None ("ask again next step")
+    matched (get_num_new_matched_tokens)       first call: the prefill's word in its params
+                                               (`_word`) says what its producers hold: the
+                                               tokens to load, in this very step; a word that
+                                               cannot be read is refused and the prompt
+                                               computed here; params without a word (no
+                                               router, a prefill of the previous release):
+                                               its probe is queued and, until the answer
+                                               came, None ("ask again next step")
     step end (build_connector_meta)            the step's probes leave, one message a producer;
                                                a step that scheduled nothing, every request
                                                waiting for a lookup, waits for the first
@@ -26,20 +32,26 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
 
 A prefill request whose `kv_transfer_params` ask for a remote decode (`do_remote_decode`, as
 routers send it): the step that computes its last prompt token publishes it (`Save`), once;
-when it finishes, its producers are named in its `kv_transfer_params`, or, aborted, its KV is
-released there. A request that asks for nothing is served as by an instance without a
-connector: none of the producer's buffer goes to KV nobody will take.
+when it finishes, its `kv_transfer_params` carry its word (what it published, on which
+producers, until when: `_word`) and name its producers, or, aborted, its KV is released
+there. A request that asks for nothing is served as by an instance without a connector: none
+of the producer's buffer goes to KV nobody will take.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvrt.integrations.vllm._lookups import Lookups
 from kvrt.integrations.vllm._tp import publishes
+from kvrt.integrations.vllm._word import WORD_PARAM, TransferParamsError, Word, read_word
+
+log = logging.getLogger("kvrt.integrations.vllm")
 
 ENDPOINT_PARAM: Final = "kvrt_endpoint"
 """The key of a request's `kv_transfer_params` that names the producer holding its KV (the
@@ -61,6 +73,9 @@ request that arrives meanwhile starts this much later at most."""
 
 MAX_AWAITING: Final = 4096
 """Finished requests whose load outcome is awaited, at most (the oldest are dropped)."""
+
+REFUSAL_LOG_EVERY_S: Final = 1.0
+"""At most one log line this often for words refused (a client decides what they say)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +100,10 @@ class Load:
     skip: int
     slots: list[int]
     block_ids: list[int]
+    published: bool = False
+    """Planned from the prefill's word, which says its KV is whole on its producers: the
+    worker fetches it with the step's other such loads from that producer, in one message.
+    Else (a probe found it: a prefill may still be publishing it) it is read as a stream."""
 
 
 def slots_of(block_ids: Sequence[int], block_size: int, first: int, end: int) -> list[int]:
@@ -119,6 +138,8 @@ class _Wanted:
     settled: bool = False
     """The workers reported its load's outcome."""
     failed: bool = False
+    published: bool = False
+    """Found by the prefill's word: its KV is whole on its producers (fetched, not streamed)."""
 
 
 class DecodeScheduler:
@@ -138,14 +159,15 @@ class DecodeScheduler:
         self._awaiting: collections.OrderedDict[str, _Wanted] = collections.OrderedDict()
         """Finished requests with a load whose outcome the workers have not reported yet."""
         self.counters: collections.Counter[str] = collections.Counter()
-        """lookups, hits, loads, loaded_tokens, failed_loads, releases."""
+        """lookups, words (prefills' words read), refused_words, expired_words, hits, loads,
+        loaded_tokens, failed_loads, releases."""
+        self._next_refusal_log = 0.0
 
     def matched(self, request_id: str, prompt: list[int], params: dict[str, Any] | None, local: int) -> int | None:
         """Tokens to load past the `local` ones vLLM holds; None while the lookup is out."""
         wanted = self._wanted.get(request_id)
         if wanted is None:
-            wanted = _Wanted(endpoints_of(params, self._default), prompt)
-            self._wanted[request_id] = wanted
+            wanted = self._wanted[request_id] = self._first_sight(request_id, prompt, params)
         if wanted.planned or not wanted.endpoints or len(prompt) < 2:
             return 0
         if wanted.found is None:
@@ -169,6 +191,31 @@ class DecodeScheduler:
         # The last prompt token is always computed here: its logits give the first output token.
         return max(0, min(wanted.found, len(prompt) - 1) - local)
 
+    def _first_sight(self, request_id: str, prompt: list[int], params: dict[str, Any] | None) -> _Wanted:
+        """A request's record when the scheduler first shows it: found at once where the
+        prefill's word says what its producers hold."""
+        try:
+            word = read_word(params, prompt)
+        except TransferParamsError as exc:
+            self.counters["refused_words"] += 1
+            self._log_refusal(request_id, exc)
+            return _Wanted((), prompt, found=0)
+        if word is None:
+            return _Wanted(endpoints_of(params, self._default), prompt)
+        self.counters["words"] += 1
+        if not word.held():
+            self.counters["expired_words"] += 1
+            return _Wanted((), prompt, found=0)  # dropped by its producer: nothing to load or release
+        self.counters["hits"] += 1
+        return _Wanted(word.endpoints, prompt, asked=True, found=word.tokens, published=True)
+
+    def _log_refusal(self, request_id: str, error: TransferParamsError) -> None:
+        now = time.monotonic()
+        if now >= self._next_refusal_log:
+            self._next_refusal_log = now + REFUSAL_LOG_EVERY_S
+            log.warning("request %s: its kv_transfer_params are refused, its prompt is computed here: %s "
+                        "(%d refused so far)", request_id, error, self.counters["refused_words"])  # fmt: skip
+
     def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> None:
         """vLLM gave the request its blocks, `external` tokens of them to load."""
         wanted = self._wanted.get(request_id)
@@ -178,7 +225,9 @@ class DecodeScheduler:
         first, end = wanted.local, wanted.local + external
         blocks = list(block_ids[first // self._block_size : -(-end // self._block_size)])
         slots = slots_of(block_ids, self._block_size, first, end)
-        self._loads.append(Load(request_id, wanted.endpoints, wanted.prompt[:end], first, slots, blocks))
+        self._loads.append(
+            Load(request_id, wanted.endpoints, wanted.prompt[:end], first, slots, blocks, published=wanted.published)
+        )
         self.counters["loads"] += 1
         self.counters["loaded_tokens"] += external
 
@@ -262,10 +311,13 @@ class PrefillScheduler:
     """The prefill instance's half of the scheduler side (one thread: vLLM's scheduler)."""
 
     def __init__(
-        self, lookups: Lookups, *, block_size: int, endpoints: tuple[str, ...], total_heads: int = 1, mla: bool = False
-    ) -> None:
+        self, lookups: Lookups, *, block_size: int, endpoints: tuple[str, ...], total_heads: int = 1, mla: bool = False,
+        item_ttl_s: float | None = None,
+    ) -> None:  # fmt: skip
         self._lookups = lookups
         self._block_size = block_size
+        self._item_ttl_s = item_ttl_s
+        """How long the producers hold what nobody takes: the word's `held_until`."""
         self.endpoints = endpoints
         """Every rank's producer, in rank order: what a finished request names."""
         self._publishing = [
@@ -314,4 +366,5 @@ class PrefillScheduler:
             for endpoint in self._publishing:
                 self._lookups.release(endpoint, prompt)
             return None
-        return {ENDPOINT_PARAM: self.endpoints[0], ENDPOINTS_PARAM: list(self.endpoints)}
+        word = Word.of(self.endpoints, prompt, self._item_ttl_s)
+        return {ENDPOINT_PARAM: self.endpoints[0], ENDPOINTS_PARAM: list(self.endpoints), WORD_PARAM: word.params()}

@@ -5,39 +5,55 @@ maps vLLM's calls onto it, so a test drives it with no vLLM installed (on a GPU 
 Who calls what, each from vLLM's model-runner thread, once a step in this order:
 
     start_loads(loads)         before the forward pass: every load's stream opened at once
-                               (one message each, all in flight together), into vLLM's blocks
+                               (one message each, all in flight together), into vLLM's blocks;
+                               posted to kvrt's loop: returns at once
     wait_layer(i)              before attention of layer i: returns once layer i of every load
                                is written (on a GPU: the caller's stream waits for the writes)
     save_layer(saves, i)       after layer i is written: layer i of the step's finished
-                               prompts published from the pages (the first layer opens them)
+                               prompts published from the pages (the first layer opens them);
+                               posted: returns at once
     end_step() -> StepOutcome  after the forward pass: the step's streams ended; which loads
                                failed, whose blocks vLLM recomputes
 
-All of kvrt's work runs on one loop thread this object owns; each call above is one hop to
-it and back (none when the step has nothing to move). The pools are vLLM's own pages, read
-and written in place: nothing here copies them aside.
+All of kvrt's work runs on one loop thread this object owns. The calls that start work post it
+there and return at once (`LoopThread.post`: they never wait for that thread); only the two
+waits vLLM's interface documents wait for it, `wait_layer` (`wait_for_layer_load`) and
+`end_step` (`wait_for_save`), each bounded. The pools are vLLM's own pages, read and written
+in place: nothing here copies them aside.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 
 import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
+from kvrt._messages import MAX_BATCH
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt.integrations.vllm._lookups import SILENT_BACKOFF_S
 from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
 log = logging.getLogger("kvrt.integrations.vllm")
+
+OPEN_BOUND_FACTOR: Final = 3
+OPEN_BOUND_SLACK_S: Final = 10.0
+"""The longest `wait_layer` waits for the step's loads to be opened: a consumer's handshake and
+its open each answer within the lookup timeout, so this many of them and the slack (a loop
+thread that waits for the GIL on a busy host) bound it; past it, kvrt's loop is stuck."""
+
+END_BOUND_FACTOR: Final = 6
+"""As `OPEN_BOUND_FACTOR` for `end_step`, which also waits for the loads' ends and the saves'."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +132,17 @@ class WorkerSide:
         self._lost: dict[str, tuple[float, float]] = {}
         """Per producer that failed a load: until when its loads fail at once, and the backoff."""
         self._reading: list[_Reading] = []
+        """On the loop: the step's loads, once opened."""
+        self._opening: concurrent.futures.Future[None] | None = None
+        """The step's loads being opened (posted by `start_loads`), until `end_step`."""
         self._writing: list[kvrt.ProducerStream] = []
+        """On the loop: the streams of the step's saves."""
+        self._saving = False
+        """Whether the step posted saves (their streams end in `end_step`)."""
+        self._last_post: concurrent.futures.Future[None] | None = None
+        """What `_post_in_order` posted last."""
+        self._open_bound_s = OPEN_BOUND_FACTOR * settings.connect_timeout_s + OPEN_BOUND_SLACK_S
+        self._end_bound_s = END_BOUND_FACTOR * settings.connect_timeout_s + OPEN_BOUND_SLACK_S
         self._outcome = StepOutcome()
         self.counters: collections.Counter[str] = collections.Counter()
         """Since the last `take_counters`: loads, failed_loads, loaded_tokens, saves, refused_saves."""
@@ -149,21 +175,123 @@ class WorkerSide:
     # -- loads (decode) ------------------------------------------------------------------------
 
     def start_loads(self, loads: Sequence[Load]) -> None:
+        """Post the opening of the step's loads (their streams, into vLLM's blocks) and return."""
         if not loads:
             return
-        self._loop.call(lambda: self._open_all(loads, caller_stream(None, self._device())), "start_loads")
+        stream = caller_stream(None, self._device())  # the model runner's: the writes wait for its work
+        self._opening = self._post_in_order(lambda: self._open_all(loads, stream), "start_load_kv")
+
+    def _post_in_order(self, function: Callable[[], Awaitable[None]], what: str) -> concurrent.futures.Future[None]:
+        """Post `function` to run once what was posted before it ended (the layers of a save in
+        their order, the step's end after them), and return at once."""
+        previous = self._last_post
+
+        async def in_order() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.wait([asyncio.wrap_future(previous)])  # whatever came of it
+            await function()
+
+        self._last_post = self._loop.post(in_order, what)
+        return self._last_post
 
     def _device(self) -> torch.device:
         assert self._pools is not None, "vLLM registers its KV cache before the first step"
         return self._pools.device
 
+    def _opened(self) -> None:
+        """Wait for the step's loads to be opened (bounded: each open is, by the lookup timeout;
+        `OPEN_BOUND_S` beyond it), after which `_reading` holds them."""
+        opening = self._opening
+        if opening is None or opening.done():
+            return
+        try:
+            opening.result(self._open_bound_s)
+        except concurrent.futures.TimeoutError:
+            raise kvrt.KVRTTimeoutError(
+                f"the step's loads were not opened within {self._open_bound_s:.0f} s (kvrt's loop thread is held): "
+                "raise lookup_timeout_s on a host whose cores are all busy", phase="reply",
+            ) from None  # fmt: skip
+
     async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
-        opened = await asyncio.gather(*(self._open(load, stream) for load in loads))
+        published = [load for load in loads if load.published]
+        streamed = [load for load in loads if not load.published]
+        fetching = self._fetch_all(published, stream)
+        outcomes = await asyncio.gather(*(self._open(load, stream) for load in streamed), return_exceptions=True)
+        opened = await fetching
+        for load, outcome in zip(streamed, outcomes, strict=True):
+            if isinstance(outcome, BaseException):  # a bug: the load fails, the others go on
+                log.error("opening the load of request %s failed", load.request_id, exc_info=outcome)
+                outcome = _Reading(load, [])
+                self._fail(outcome, f"{type(outcome).__name__}")
+            opened.append(outcome)
         for reading in opened:
             landed = [piece.landed_layers() for piece in reading.streams]
             if not reading.failed and all(events is not None for events in landed):
                 reading.landed = [events for events in landed if events is not None]
         self._reading += opened
+
+    async def _fetch_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> list[_Reading]:
+        """The step's loads that the prefills' words name, fetched into vLLM's blocks: one
+        `Consumer.fetch` per producer (and head range), all started before any is waited for.
+        A load fails when a piece of it did not land whole."""
+        if not loads:
+            return []
+        settings = self._settings
+        readings = [_Reading(load, [], landed=[]) for load in loads]
+        groups: dict[tuple[str, int, int], tuple[Piece, list[_Reading]]] = {}
+        for reading in readings:
+            self.counters["loads"] += 1
+            self._outcome.settled.add(reading.load.request_id)
+            prefill_tp = len(reading.load.endpoints)
+            for piece in pieces_for(settings.rank, settings.tp, prefill_tp, settings.total_heads, mla=settings.mla):
+                key = (reading.load.endpoints[piece.prefill_rank], piece.prefill_rank, prefill_tp)
+                groups.setdefault(key, (piece, []))[1].append(reading)
+        started = [self._fetch(key[0], piece, members, stream) for key, (piece, members) in groups.items()]
+        await asyncio.gather(*started)
+        return readings
+
+    async def _fetch(
+        self, endpoint: str, piece: Piece, readings: list[_Reading], stream: torch.cuda.Stream | None
+    ) -> None:
+        """One producer's share of the step's fetched loads (one head range of each)."""
+        assert self._pools is not None
+        lost = self._lost.get(endpoint)
+        if lost is not None and time.monotonic() < lost[0]:
+            for reading in readings:
+                self._fail(reading, f"the producer at {endpoint} was unreachable moments ago")
+            return
+        try:
+            consumer = await self._consumer(endpoint, piece.readers)
+            fetches = [
+                consumer.fetch(
+                    [torch.tensor(reading.load.tokens, dtype=torch.int64) for reading in chunk],
+                    into=self._pools,
+                    slots=[torch.tensor(reading.load.slots, dtype=torch.int64) for reading in chunk],
+                    skip=[reading.load.skip for reading in chunk],
+                    heads=piece.heads,
+                    stream=stream,
+                )
+                for chunk in _chunks(readings, MAX_BATCH)
+            ]
+            # Every one ended before the step goes on, failed or not: no write lands later.
+            outcomes = await asyncio.gather(*(fetch.landed() for fetch in fetches), return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            found = [matched for outcome in outcomes if isinstance(outcome, list) for matched in outcome]
+        except kvrt.KVRTError as exc:
+            if isinstance(exc, kvrt.PeerLostError | kvrt.ClosedError | kvrt.KVRTTimeoutError):
+                await self._drop_consumer((endpoint, piece.readers))
+                self._lose(endpoint)
+            for reading in readings:
+                self._fail(reading, f"{endpoint}: {exc}")
+            return
+        self._lost.pop(endpoint, None)
+        for reading, matched in zip(readings, found, strict=True):
+            if matched < len(reading.load.tokens):
+                wanted = len(reading.load.tokens)
+                why = "nothing matched" if not matched else f"only {matched} of {wanted} tokens matched"
+                self._fail(reading, f"{why} at {endpoint}: the KV was taken or evicted since the prefill's word")
 
     async def _open(self, load: Load, stream: torch.cuda.Stream | None) -> _Reading:
         """Every piece of a load's stream opened at once; a load with a piece that failed is
@@ -270,6 +398,7 @@ class WorkerSide:
         caller's stream waits for the writes). Loads whose layers are all there (finished
         items) are waited for here, on the caller's thread; others on kvrt's loop."""
         stream = caller_stream(None, self._device())
+        self._opened()
         streaming = False
         for reading in self._reading:
             if reading.failed:
@@ -299,9 +428,11 @@ class WorkerSide:
 
     def save_layer(self, saves: Sequence[Save], layer: int) -> None:
         """Publish layer `layer` of the step's finished prompts (the first layer opens them)."""
-        if self._producer is None or (not saves and not self._writing):
+        if self._producer is None or (not saves and not self._saving):
             return
-        self._loop.call(lambda: self._save_layer(saves, layer, caller_stream(None, self._device())), "save_kv_layer")
+        self._saving = True
+        stream = caller_stream(None, self._device())
+        self._post_in_order(lambda: self._save_layer(saves, layer, stream), "save_kv_layer")
 
     async def _save_layer(self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None) -> None:
         producer = self._producer
@@ -333,12 +464,25 @@ class WorkerSide:
 
     def end_step(self) -> StepOutcome:
         """End the step's streams; what its loads came to."""
-        if self._writing or self._reading:
-            self._loop.call(lambda: self._end_step(caller_stream(None, self._device())), "wait_for_save")
+        if self._saving or self._opening is not None:
+            stream = caller_stream(None, self._device())
+            opening, self._opening, self._saving = self._opening, None, False
+            ending = self._post_in_order(lambda: self._end_step(opening, stream), "wait_for_save")
+            try:
+                ending.result(self._end_bound_s)
+            except TimeoutError:
+                raise kvrt.KVRTTimeoutError(
+                    f"the step's loads and saves did not end within {self._end_bound_s:.0f} s (kvrt's loop thread is "
+                    "held): raise lookup_timeout_s on a host whose cores are all busy", phase="transfer",
+                ) from None  # fmt: skip
         outcome, self._outcome = self._outcome, StepOutcome()
         return outcome
 
-    async def _end_step(self, stream: torch.cuda.Stream | None) -> None:
+    async def _end_step(
+        self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None
+    ) -> None:
+        if opening is not None:  # posted before: started already; bounded by the lookup timeout
+            await asyncio.wrap_future(opening)
         writing, self._writing = self._writing, []
         for written in writing:
             try:
@@ -382,3 +526,7 @@ class WorkerSide:
         if self._producer is not None:
             await self._producer.aclose()
             self._producer = None
+
+
+def _chunks(readings: list[_Reading], size: int) -> list[list[_Reading]]:
+    return [readings[start : start + size] for start in range(0, len(readings), size)]

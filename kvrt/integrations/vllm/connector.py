@@ -155,7 +155,7 @@ class KvrtConnector(KVConnectorBase_V1):
             if self._settings.produces:
                 self._prefill = PrefillScheduler(
                     self._lookups, block_size=self._block_size, endpoints=self._settings.endpoints(),
-                    total_heads=self._total_heads, mla=self._mla,
+                    total_heads=self._total_heads, mla=self._mla, item_ttl_s=self._settings.item_ttl_s,
                 )  # fmt: skip
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
