@@ -23,7 +23,7 @@ from kvrt._errors import InvalidInputError
 from kvrt._item import KVItem, NewItem, item_from_packed, truncate
 from kvrt._item_bytes import ItemBytes
 from kvrt._messages import MAX_HEADS, HeadRange
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._tensors import Allocate, copy_into, pack_empty
 
 

@@ -22,7 +22,7 @@ from kvrt._arguments import seconds
 from kvrt._errors import InvalidInputError
 from kvrt._item_bytes import ItemBytes, StreamStore
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
-from kvrt._protocol.buffer import BufferedItem, StreamRecord
+from kvrt._protocol.lookup_buffer import BufferedItem, StreamRecord
 from kvrt._tensors import Allocate, Packed, pack
 
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"

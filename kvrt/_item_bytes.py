@@ -1,5 +1,5 @@
 """An item's bytes, as the producer's driver keeps them beside the protocol core's record of
-it (`kvrt._protocol.buffer.BufferedItem`): its packed buffer and the five tensors viewed in it,
+it (`kvrt._protocol.lookup_buffer.BufferedItem`): its packed buffer and the five tensors viewed in it,
 the events after which a GPU wrote them, a published item's gathers, an open stream's layers,
 the fill of an item written only when it is sent, and GPU checksums.
 
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from kvrt._protocol.buffer import BufferedItem
+    from kvrt._protocol.lookup_buffer import BufferedItem
 
 TensorsSum = concurrent.futures.Future[Callable[[], int]]
 """A GPU checksum of a stream's layer or hidden states, queued: its future gives what reads
-the result (waiting for the GPU; see `ProducerState.queue_tensors_checksum`)."""
+the result (waiting for the GPU; see `ItemKeeper.queue_tensors_checksum` in `kvrt._producer._parts`)."""
 
 
 class GathersFailed(Exception):

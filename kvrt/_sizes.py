@@ -69,7 +69,7 @@ PACK_ALIGN_BYTES: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class PackedLayout:
     """Where tensors lie in one packed buffer: a meta each (None stays None), and its size."""
 
     metas: tuple[TensorMeta | None, ...]
@@ -78,7 +78,7 @@ class Layout:
 
 def packed_layout(
     specs: Sequence[tuple[Sequence[int], str] | None], element_bytes: Callable[[str], int] = item_bytes
-) -> Layout:
+) -> PackedLayout:
     """Tensors of these shapes and dtypes (None stays None) laid out one after the other in
     one packed buffer, each at a multiple of `PACK_ALIGN_BYTES` (see `kvrt._tensors.pack`);
     `element_bytes` gives the size of a dtype's element (a wire dtype's by default)."""
@@ -92,4 +92,4 @@ def packed_layout(
         offset = -(-end // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
         metas.append(TensorMeta(dtype=dtype, shape=list(shape), offset=offset))
         end = offset + math.prod(shape) * element_bytes(dtype)
-    return Layout(tuple(metas), end)
+    return PackedLayout(tuple(metas), end)

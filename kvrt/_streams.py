@@ -40,7 +40,7 @@ from kvrt._caller_stream import on_caller_stream
 from kvrt._errors import InvalidInputError, KVRTError, RemoteProtocolError
 from kvrt._item_bytes import TensorsSum
 from kvrt._pools import PoolTable
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._tensors import copy_into
 from kvrt._threads import launch_on
 

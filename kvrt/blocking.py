@@ -38,27 +38,25 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, ParamSpec, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from kvrt import _client, _consumer, _producer
-from kvrt._auth import CurveKeys
 from kvrt._caller_stream import caller_stream
 from kvrt._errors import ClosedError, KVRTError
-from kvrt._item import KVBuffers, KVItem
+from kvrt._item import KVItem
 from kvrt._loop_thread import CLOSE_TIMEOUT_S, LoopThread
 from kvrt._messages import Evicted, ItemList, Probed, ProbeReply, StatsReply
-from kvrt._producer import DEFAULT_CHUNK_BYTES, DEFAULT_HEARTBEAT_S, ProducerStats
+from kvrt._producer import ProducerStats
+from kvrt._signatures import takes
 from kvrt._streams import ConsumerStream as _AsyncConsumerStream
 from kvrt._streams import ProducerStream as _AsyncProducerStream
 
 if TYPE_CHECKING:
     from kvrt._consumer import ConsumerCounters
-    from kvrt.kernels.paged_kv import PoolTable
 
 log = logging.getLogger("kvrt.blocking")
 
@@ -130,6 +128,10 @@ class _Blocking(Generic[_Service]):
         """The calling thread's stream for this object's device (see the module docstring)."""
         return caller_stream(stream, self.device)
 
+    def _streamed(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's keyword arguments with `stream=` the calling thread's (see `_stream`)."""
+        return {**kwargs, "stream": self._stream(kwargs.get("stream"))}
+
     def close(self) -> None:
         """End every call still waiting with `ClosedError`, say bye to the peers, stop the
         thread. From any thread; idempotent; returns within `CLOSE_TIMEOUT_S`."""
@@ -157,85 +159,36 @@ class Producer(_Blocking[_producer.Producer]):
 
     _what = "producer"
 
-    def __init__(
-        self,
-        bind: str = "tcp://127.0.0.1:0",
-        device: torch.device | str = "cpu",
-        buffer_bytes: int = 1 << 30,
-        *,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        name: str | None = None,
-        transport: str | None = None,
-        item_ttl_s: float | None = None,
-        curve: CurveKeys | None = None,
-        heads: slice | None = None,
-        checksum: bool | None = None,
-    ) -> None:
+    @takes(_producer.Producer.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         async def start() -> _producer.Producer:
-            producer = _producer.Producer(
-                bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
-                item_ttl_s=item_ttl_s, curve=curve, heads=heads, checksum=checksum,
-            )  # fmt: skip
-            return await producer.start()
+            return await _producer.Producer(*args, **kwargs).start()
 
         super().__init__(start, "kvrt-producer")
         self.endpoint: str = self._service.endpoint
         """The address actually bound (with the real port when `bind` asked for port 0)."""
         self.buffer_bytes: int = self._service.buffer_bytes
 
-    def insert(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        *,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    @takes(_producer.Producer.insert)
+    def insert(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.Producer.insert`: returns once the item is buffered, waiting while the buffer
         is full (`timeout` bounds that wait)."""
-        self._call(
-            self._service.insert, input_tokens, roi, key, value, hidden, timeout=timeout, stream=self._stream(stream)
-        )
+        self._call(self._service.insert, *args, **self._streamed(kwargs))
 
-    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
+    @takes(_producer.Producer.register_pools)
+    def register_pools(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.Producer.register_pools`."""
-        self._read(functools.partial(self._service.register_pools, pools, chunk_bytes=chunk_bytes, taper=taper))
+        self._read(functools.partial(self._service.register_pools, *args, **kwargs))
 
-    def publish(
-        self,
-        input_tokens: torch.Tensor,
-        slots: torch.Tensor,
-        replica: torch.Tensor | int = 0,
-        roi: torch.Tensor | None = None,
-        *,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    @takes(_producer.Producer.publish)
+    def publish(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.Producer.publish`: a finished prefill from the registered pools."""
-        self._call(
-            self._service.publish, input_tokens, slots, replica, roi, timeout=timeout, stream=self._stream(stream)
-        )
+        self._call(self._service.publish, *args, **self._streamed(kwargs))
 
-    def open_stream(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None = None,
-        *,
-        layers: int | None = None,
-        slots: torch.Tensor | None = None,
-        replica: torch.Tensor | int = 0,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> ProducerStream:
+    @takes(_producer.Producer.open_stream)
+    def open_stream(self, *args: Any, **kwargs: Any) -> ProducerStream:
         """`kvrt.Producer.open_stream`: a prefill that publishes its KV layer by layer."""
-        opened = self._call(
-            self._service.open_stream, input_tokens, roi, layers=layers, slots=slots, replica=replica,
-            timeout=timeout, stream=self._stream(stream),
-        )  # fmt: skip
-        return ProducerStream(self, opened)
+        return ProducerStream(self, self._call(self._service.open_stream, *args, **self._streamed(kwargs)))
 
     def stats(self) -> ProducerStats:
         """`kvrt.Producer.stats`: a snapshot of what the producer holds and has done."""
@@ -260,23 +213,20 @@ class ProducerStream:
         """Layers published so far."""
         return self._stream.published
 
-    def put_layer(
-        self,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        *,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    @takes(_AsyncProducerStream.put_layer)
+    def put_layer(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.ProducerStream.put_layer`: publish the next layer."""
-        self._owner._call(self._stream.put_layer, key, value, stream=self._owner._stream(stream))
+        self._owner._call(self._stream.put_layer, *args, **self._owner._streamed(kwargs))
 
-    def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:
+    @takes(_AsyncProducerStream.finish)
+    def finish(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.ProducerStream.finish`: end the stream after its last layer."""
-        self._owner._call(self._stream.finish, hidden, stream=self._owner._stream(stream))
+        self._owner._call(self._stream.finish, *args, **self._owner._streamed(kwargs))
 
-    def abort(self, reason: str = "the prefill failed") -> None:
+    @takes(_AsyncProducerStream.abort)
+    def abort(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.ProducerStream.abort`: fail the stream; its reader gets StreamAbortedError."""
-        self._owner._call(self._stream.abort, reason)
+        self._owner._call(self._stream.abort, *args, **kwargs)
 
 
 class Consumer(_Blocking[_consumer.Consumer]):
@@ -285,28 +235,10 @@ class Consumer(_Blocking[_consumer.Consumer]):
 
     _what = "consumer"
 
-    def __init__(
-        self,
-        connect: str | Sequence[str],
-        device: torch.device | str = "cpu",
-        *,
-        group: dist.ProcessGroup | None = None,
-        transport: str | None = None,
-        curve: CurveKeys | None = None,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        connect_timeout_s: float = _consumer.DEFAULT_CONNECT_TIMEOUT_S,
-        transfer_timeout_s: float | None = _consumer.DEFAULT_TRANSFER_TIMEOUT_S,
-        reply_timeout_s: float = _consumer.DEFAULT_REPLY_TIMEOUT_S,
-        name: str | None = None,
-        readers: int | None = None,
-    ) -> None:
+    @takes(_consumer.Consumer.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         async def start() -> _consumer.Consumer:
-            consumer = _consumer.Consumer(
-                connect, device, group=group, transport=transport, curve=curve, heartbeat_s=heartbeat_s,
-                connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                reply_timeout_s=reply_timeout_s, name=name, readers=readers,
-            )  # fmt: skip
-            return await consumer.start()
+            return await _consumer.Consumer(*args, **kwargs).start()
 
         super().__init__(start, "kvrt-consumer")
 
@@ -334,73 +266,27 @@ class Consumer(_Blocking[_consumer.Consumer]):
 
         return self._read(snapshot)
 
-    def drop_select(
-        self,
-        input_tokens: torch.Tensor | None,
-        roi: torch.Tensor | None = None,
-        timeout: float | None = 0.0,
-        *,
-        stream: torch.cuda.Stream | None = None,
-        into: KVBuffers | None = None,
-        heads: slice | None = None,
-    ) -> KVItem | None:
+    @takes(_consumer.Consumer.drop_select)
+    def drop_select(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """`kvrt.Consumer.drop_select`: the best match, or None; `timeout` is how long to wait
         for one to be inserted (0 answers at once, None waits until one is or either side closes);
         `into`, the caller's buffers to land it in; `heads`, only that range of its KV heads."""
-        return self._call(
-            self._service.drop_select, input_tokens, roi, timeout, stream=self._stream(stream), into=into, heads=heads
-        )
+        return self._call(self._service.drop_select, *args, **self._streamed(kwargs))
 
-    def drop_select_many(
-        self,
-        queries: Sequence[torch.Tensor | None],
-        rois: Sequence[torch.Tensor | None] | None = None,
-        *,
-        stream: torch.cuda.Stream | None = None,
-        into: Sequence[KVBuffers | None] | None = None,
-        heads: slice | None = None,
-    ) -> list[KVItem | None]:
+    @takes(_consumer.Consumer.drop_select_many)
+    def drop_select_many(self, *args: Any, **kwargs: Any) -> list[KVItem | None]:
         """`kvrt.Consumer.drop_select_many`: several lookups answered at once (`into`: buffers per query)."""
-        return self._call(
-            self._service.drop_select_many, queries, rois, stream=self._stream(stream), into=into, heads=heads
-        )
+        return self._call(self._service.drop_select_many, *args, **self._streamed(kwargs))
 
-    def pull(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None = None,
-        *,
-        into: PoolTable,
-        slots: torch.Tensor,
-        replica: torch.Tensor | int = 0,
-        timeout: float | None = 0.0,
-        stream: torch.cuda.Stream | None = None,
-        heads: slice | None = None,
-    ) -> KVItem | None:
+    @takes(_consumer.Consumer.pull)
+    def pull(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """`kvrt.Consumer.pull`: take a published prefill and write it into `into` at `slots`."""
-        return self._call(
-            self._service.pull, input_tokens, roi, into=into, slots=slots, replica=replica, timeout=timeout,
-            stream=self._stream(stream), heads=heads,
-        )  # fmt: skip
+        return self._call(self._service.pull, *args, **self._streamed(kwargs))
 
-    def open_stream(
-        self,
-        input_tokens: torch.Tensor | None,
-        roi: torch.Tensor | None = None,
-        timeout: float | None = 0.0,
-        *,
-        into: PoolTable | None = None,
-        slots: torch.Tensor | None = None,
-        replica: torch.Tensor | int = 0,
-        stream: torch.cuda.Stream | None = None,
-        heads: slice | None = None,
-        skip: int = 0,
-    ) -> ConsumerStream | None:
+    @takes(_consumer.Consumer.open_stream)
+    def open_stream(self, *args: Any, **kwargs: Any) -> ConsumerStream | None:
         """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
-        opened = self._call(
-            self._service.open_stream, input_tokens, roi, timeout, into=into, slots=slots, replica=replica,
-            stream=self._stream(stream), heads=heads, skip=skip,
-        )  # fmt: skip
+        opened = self._call(self._service.open_stream, *args, **self._streamed(kwargs))
         return None if opened is None else ConsumerStream(self, opened)
 
 
@@ -415,10 +301,11 @@ class ConsumerStream:
         self.matched = stream.matched
         self.layers = stream.layers
 
-    def layer(self, index: int, *, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @takes(_AsyncConsumerStream.layer)
+    def layer(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """`kvrt.ConsumerStream.layer`: layer `index`'s key and value once it arrived; on a GPU
         `stream` (None: the calling thread's current stream) waits for its landing."""
-        return self._owner._call(_layer, self._stream, index, self._owner._stream(stream))
+        return self._owner._call(_layer, self._stream, *args, **self._owner._streamed(kwargs))
 
     def layer_event(self, index: int) -> torch.cuda.Event | None:
         """`kvrt.ConsumerStream.layer_event`."""
@@ -443,55 +330,47 @@ class Client(_Blocking[_client.Client]):
 
     _what = "client"
 
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        connect_timeout_s: float = _consumer.DEFAULT_CONNECT_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        name: str | None = None,
-        curve: CurveKeys | None = None,
-        reply_timeout_s: float = _consumer.DEFAULT_REPLY_TIMEOUT_S,
-    ) -> None:
+    @takes(_client.Client.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         async def start() -> _client.Client:
-            client = _client.Client(
-                endpoint, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, name=name, curve=curve,
-                reply_timeout_s=reply_timeout_s,
-            )  # fmt: skip
-            return await client.start()
+            return await _client.Client(*args, **kwargs).start()
 
         super().__init__(start, "kvrt-client")
         self.endpoint: str = self._service.endpoint
 
-    def probe(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None = None) -> ProbeReply:
+    @takes(_client.Client.probe)
+    def probe(self, *args: Any, **kwargs: Any) -> ProbeReply:
         """`kvrt.Client.probe`: what a drop_select with these tokens would take, without taking it."""
-        return self._call(self._service.probe, input_tokens, roi)
+        return self._call(self._service.probe, *args, **kwargs)
 
-    def probe_many(self, queries: Sequence[torch.Tensor | None]) -> list[Probed]:
+    @takes(_client.Client.probe_many)
+    def probe_many(self, *args: Any, **kwargs: Any) -> list[Probed]:
         """`kvrt.Client.probe_many`: a probe for each query, in one message."""
-        return self._call(self._service.probe_many, queries)
+        return self._call(self._service.probe_many, *args, **kwargs)
 
     def stats(self) -> StatsReply:
         """`kvrt.Client.stats`."""
         return self._call(self._service.stats)
 
-    def list_items(self, limit: int = 100) -> ItemList:
+    @takes(_client.Client.list_items)
+    def list_items(self, *args: Any, **kwargs: Any) -> ItemList:
         """`kvrt.Client.list_items`."""
-        return self._call(self._service.list_items, limit)
+        return self._call(self._service.list_items, *args, **kwargs)
 
-    def evict(self, item_id: int) -> Evicted:
+    @takes(_client.Client.evict)
+    def evict(self, *args: Any, **kwargs: Any) -> Evicted:
         """`kvrt.Client.evict`: drop a buffered item; `NotFoundError` if it is not buffered."""
-        return self._call(self._service.evict, item_id)
+        return self._call(self._service.evict, *args, **kwargs)
 
 
 async def _layer(
-    stream: _AsyncConsumerStream, index: int, on: torch.cuda.Stream | None
+    source: _AsyncConsumerStream, index: int, *, stream: torch.cuda.Stream | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer for a caller on another thread: `on` waits for its landing, and for what the
-    loop's thread queued on its own stream for it (a layer that came as frames)."""
-    key, value = await stream.layer(index, stream=on)
-    if on is not None and key.device.type == "cuda":
-        on.wait_stream(torch.cuda.current_stream(key.device))
+    """A layer of `source` for a caller on another thread: `stream` waits for its landing, and
+    for what the loop's thread queued on its own stream for it (a layer that came as frames)."""
+    key, value = await source.layer(index, stream=stream)
+    if stream is not None and key.device.type == "cuda":
+        stream.wait_stream(torch.cuda.current_stream(key.device))
     return key, value
 
 

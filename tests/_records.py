@@ -10,7 +10,7 @@ import numpy as np
 
 from kvrt._errors import InvalidInputError
 from kvrt._messages import TensorMeta
-from kvrt._protocol.buffer import BufferedItem, StreamRecord
+from kvrt._protocol.lookup_buffer import BufferedItem, StreamRecord
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._sizes import meta_nbytes, packed_layout
 

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvrt._bench.vllm_simple_buffer import SimpleBuffer
 from kvrt._item import masked_tokens
-from kvrt._protocol.buffer import BufferedItem, LookupBuffer, prefix_match_length
+from kvrt._protocol.lookup_buffer import BufferedItem, LookupBuffer, prefix_match_length
 
 VOCAB = 4
 """A tiny vocabulary, so that random sequences share prefixes often (and stay far below the

@@ -18,7 +18,7 @@ from kvrt import Layout, PoolTable
 from kvrt import _messages as m
 from kvrt._checksum import CHECKSUM_ENV, checksum_wanted, item_checksum, metas_seed, payload_checksum
 from kvrt._item_bytes import ItemBytes
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt.transports.paired import PairedReceiver
 from tests._checks import damage_the_first, flip_one_landed_byte, read_as_published, read_whole
 
@@ -116,7 +116,7 @@ async def test_an_item_a_gpu_checksummed_is_checked_on_a_host_consumer_with_the_
     """A GPU producer's items carry `device_checksum` (`kvrt.kernels.checksum`) in place of
     XXH3; over TCP into host memory the consumer checks it with the kernel's torch reference.
     Here a CPU producer computes it as a GPU producer would, with that reference."""
-    from kvrt._producer._state import ItemKeeper
+    from kvrt._producer._parts import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
     prepare = ItemKeeper.prepare
@@ -622,7 +622,7 @@ async def test_a_large_item_is_checked_off_the_event_loop_which_goes_on_serving_
     import time
 
     from kvrt._consumer import _consumer
-    from kvrt._producer._state import ItemKeeper
+    from kvrt._producer._parts import ItemKeeper
     from kvrt.kernels.checksum import checksum_reference
 
     prepare = ItemKeeper.prepare

@@ -207,7 +207,7 @@ async def test_a_layer_that_comes_twice_fails_the_stream_and_it_comes_back_whole
     """A second copy of a layer (a peer's bug, a replayed message) is refused, never taken in
     place of the first: the reader may hold the first already, and with a GPU producer's
     checksums in its end, the second copy's checksum would stand for what the reader has."""
-    from kvrt._consumer._streams import StreamLayers
+    from kvrt._consumer._stream_layers import StreamLayers
 
     on_streamed, repeated = StreamLayers.on_streamed, []
 

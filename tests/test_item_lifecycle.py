@@ -38,7 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvrt import _messages as m
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._protocol.buffer import BufferedItem, ItemState
+from kvrt._protocol.lookup_buffer import BufferedItem, ItemState
 from tests._records import item_record, layer_meta, piece_record, stream_record, whole_of
 
 HEARTBEAT_S = 1.0

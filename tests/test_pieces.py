@@ -16,7 +16,7 @@ from kvrt._heads import fill_piece, first_head, piece_of
 from kvrt._item import NewItem, buffered_item
 from kvrt._item_bytes import ItemBytes
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._protocol.waiting import PieceAsked
 
 HEADS = 8

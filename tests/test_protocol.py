@@ -23,7 +23,7 @@ from kvrt._protocol import (
     Stray,
     Welcomed,
 )
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from tests._records import item_record
 
 HEARTBEAT_S = 1.0

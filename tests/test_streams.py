@@ -94,7 +94,7 @@ async def test_a_reader_that_iterated_every_layer_holds_the_stream_and_no_second
     """Iterating a stream ends once its end came and was confirmed, not at its last layer: a
     reader that leaves right after its loop does not hand its KV to the next reader. Here the
     end is handled 50 ms after the last layer, as a busy loop might."""
-    from kvrt._consumer._streams import StreamLayers
+    from kvrt._consumer._stream_layers import StreamLayers
 
     on_streamed = StreamLayers.on_streamed
 
@@ -456,7 +456,7 @@ async def test_a_finish_cancelled_while_the_host_stacks_the_layers_aborts_the_st
     import threading
     import time
 
-    from kvrt._producer._state import ItemKeeper
+    from kvrt._producer._parts import ItemKeeper
 
     prepare, stacking = ItemKeeper.prepare, threading.Event()
 

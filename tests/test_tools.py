@@ -156,3 +156,19 @@ def test_the_consensus_round_costs_diagnostic_times_kvrt_rounds_from_its_trace_e
     assert re.fullmatch(rf"kvrt\s+\| {number}\s+\| {number}\s+\| {number}", rows["kvrt"]), result.stdout
     assert re.fullmatch(rf"minimal loop\s+\| {number}\s+\| {number}\s+\| {number}", rows["minimal loop"])
     assert re.fullmatch(rf"sync\s+\| {number}\s+\| -\s+\| -", rows["sync"])
+
+
+@pytest.mark.timeout(120)
+def test_the_route_tool_lists_the_files_a_request_passes_through_and_the_guide_walks_each() -> None:
+    result = subprocess.run(
+        [sys.executable, str(TOOLS / "route.py")], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    route, touched = result.stdout.split("touched: ")
+    files = re.findall(r"^  (\S+\.py): ", route, re.MULTILINE)
+    assert route.startswith(f"route: {len(files)} files")
+    assert {"kvrt/_producer/_producer.py", "kvrt/_consumer/_consumer.py", "transports/tcp.py"} <= set(files)
+    assert set(files) <= set(re.findall(r"^  (\S+\.py): ", touched, re.MULTILINE))
+    guide = (ROOT / "docs" / "guide.md").read_text().split("## Where a byte goes")[1].split("\n## ")[0]
+    walked = re.findall(r"^\d+\. `(\S+\.py)`", guide, re.MULTILINE)
+    assert sorted(walked) == sorted(files), "the guide's route is not the one the trace sees"

@@ -10,14 +10,14 @@ The package, one job a module:
 - `_session`: a link's session: pending calls, leases, handshake, ordered sends
 - `_calls`: a link's calls: a request sent, its answer awaited
 - `_arrivals`: items arriving on a link
-- `_streams`: a link's streams: their layers arriving
+- `_stream_layers`: a link's streams: their layers arriving
 - `_link`: a link: its session, its arrivals and its streams' layers, and the task that
   hands them what comes
-- `_state`: what the parts of a consumer share: its checked arguments, its links, its scatters
+- `_connections`: what the parts of a consumer share: its checked arguments, its links, its scatters
 - `_batch`: a step's lookups cut into batch requests
 - `_across`: one lookup over several producers, or its pieces from several, not yet confirmed
 - `_agreed`: a lookup (or a batch) agreed with the other ranks of a TP group
-- `_lookups`: `Lookups`: `drop_select`, `drop_select_many`, composed of the three above
+- `_drop_selects`: `DropSelects`: `drop_select`, `drop_select_many`, composed of the three above
 - `_pulls`: `Pulls`: `pull` into paged pools
 - `_fetches`: `Fetches`: `fetch`, a step's requests into paged pools in two phases
 - `_open_stream`: `StreamOpening`: `open_stream`, its layers landed into tensors or pools

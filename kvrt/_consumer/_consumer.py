@@ -1,26 +1,24 @@
 """The consumer (decode side): `Consumer` makes its parts and hands each what it uses (the
-shared ones in `_state`: its links, one `_Link` per producer, and its scatters): its lookups
-(`_lookups`), its pulls (`_pulls`) and its stream opening (`_open_stream`), to which its public
+shared ones in `_connections`: its links, one `_Link` per producer, and its scatters): its lookups
+(`_drop_selects`), its pulls (`_pulls`) and its stream opening (`_open_stream`), to which its public
 calls go; and it starts, closes and reports.
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Sequence
-from typing import Self
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 
 from kvrt import _metrics
+from kvrt._arguments import endpoint, seconds
 from kvrt._auth import CurveKeys
 from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
-from kvrt._consumer._fetches import Fetch, Fetches
-from kvrt._consumer._link import _Link
-from kvrt._consumer._lookups import Lookups
-from kvrt._consumer._open_stream import StreamOpening
-from kvrt._consumer._pulls import Pulls
-from kvrt._consumer._state import (
+from kvrt._consumer._connections import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
@@ -28,16 +26,29 @@ from kvrt._consumer._state import (
     ConsumerConfig,
     Scatters,
 )
-from kvrt._errors import ClosedError
+from kvrt._consumer._drop_selects import DropSelects
+from kvrt._consumer._fetches import Fetch, Fetches
+from kvrt._consumer._link import _Link
+from kvrt._consumer._open_stream import StreamOpening
+from kvrt._consumer._pulls import Pulls
+from kvrt._devices import usable_device
+from kvrt._errors import ClosedError, InvalidInputError
 from kvrt._heap import keep_freed_memory
-from kvrt._item import KVBuffers, KVItem
+from kvrt._item import KVItem
+from kvrt._messages import MAX_READERS
 from kvrt._metrics import ConsumerCounters
-from kvrt._pools import PoolTable
-from kvrt._protocol import DEFAULT_HEARTBEAT_S
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
 from kvrt._service import AsyncService
+from kvrt._signatures import takes
 from kvrt._streams import ConsumerStream
 from kvrt.transports import Receiver
-from kvrt.transports.select import make_receivers
+from kvrt.transports.select import make_receivers, transport_preference
+
+
+def _seconds(value: object, name: str) -> float:
+    checked = seconds(value, name)
+    assert checked is not None
+    return checked
 
 
 class Consumer(AsyncService):
@@ -84,10 +95,32 @@ class Consumer(AsyncService):
         name: str | None = None,
         readers: int | None = None,
     ) -> None:
-        config = ConsumerConfig.checked(
-            connect, device, group=group, transport=transport, curve=curve, heartbeat_s=heartbeat_s,
-            connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
-            reply_timeout_s=reply_timeout_s, name=name, readers=readers,
+        endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
+        if not endpoints:
+            raise InvalidInputError(
+                f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
+            )
+        endpoints = [endpoint(address, "connect", binding=False) for address in endpoints]
+        heartbeat_s = _heartbeat(heartbeat_s)
+        connect_timeout_s = _seconds(connect_timeout_s, "connect_timeout_s")
+        reply_timeout_s = _seconds(reply_timeout_s, "reply_timeout_s")
+        transfer_timeout_s = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
+        usable = usable_device(device)
+        transport_names = tuple(transport_preference(transport, usable))
+        if readers is not None and (
+            group is not None or not isinstance(readers, int) or not 1 <= readers <= MAX_READERS
+        ):
+            raise InvalidInputError(
+                f"readers must be None or an int from 1 to {MAX_READERS}, and only without group= (a group counts "
+                f"them), got {readers!r}"
+            )
+        config = ConsumerConfig(
+            endpoints=tuple(endpoints), device=usable, group=group, transport_names=transport_names, curve=curve,
+            heartbeat_s=heartbeat_s, connect_timeout_s=connect_timeout_s, transfer_timeout_s=transfer_timeout_s,
+            reply_timeout_s=reply_timeout_s, name=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            readers=readers,
         )  # fmt: skip
         self._config = config
         self.device = config.device
@@ -100,22 +133,14 @@ class Consumer(AsyncService):
             config, self.metrics, lambda: _checking(make_receivers(self._transport_names, self.device))
         )
         self._scatters = Scatters(config.device)
-        self._lookups = Lookups(self._connections, config.device, self.counters, self.metrics)
-        self._pulls = Pulls(self._connections, self._scatters, self._lookups, config.device)
-        self._opening = StreamOpening(self._connections, self._scatters, self._lookups, config.device)
-        self._fetches = Fetches(self._connections, self._scatters, self._lookups, config.device)
+        self._drop_selects = DropSelects(self._connections, config.device, self.counters, self.metrics)
+        self._pulls = Pulls(self._connections, self._scatters, self._drop_selects, config.device)
+        self._opening = StreamOpening(self._connections, self._scatters, self._drop_selects, config.device)
+        self._fetches = Fetches(self._connections, self._scatters, self._drop_selects, config.device)
 
     @lands_on_caller_stream
-    async def drop_select(
-        self,
-        input_tokens: torch.Tensor | None,
-        roi: torch.Tensor | None = None,
-        timeout: float | None = 0.0,
-        *,
-        stream: torch.cuda.Stream | None = None,
-        into: KVBuffers | None = None,
-        heads: slice | None = None,
-    ) -> KVItem | None:
+    @takes(DropSelects.drop_select)
+    async def drop_select(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
 
         Called by the decode engine once per request, from its event loop; many calls may be
@@ -148,18 +173,11 @@ class Consumer(AsyncService):
         of latents (MLA, an empty value) comes whole for any range. `hidden` comes with the
         piece of the first producer.
         """
-        return await self._lookups.drop_select(input_tokens, roi, timeout, into=into, heads=heads)
+        return await self._drop_selects.drop_select(*args, **kwargs)
 
     @lands_on_caller_stream
-    async def drop_select_many(
-        self,
-        queries: Sequence[torch.Tensor | None],
-        rois: Sequence[torch.Tensor | None] | None = None,
-        *,
-        stream: torch.cuda.Stream | None = None,
-        into: Sequence[KVBuffers | None] | None = None,
-        heads: slice | None = None,
-    ) -> list[KVItem | None]:
+    @takes(DropSelects.drop_select_many)
+    async def drop_select_many(self, *args: Any, **kwargs: Any) -> list[KVItem | None]:
         """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
         order; `stream` as for `drop_select`.
 
@@ -177,21 +195,11 @@ class Consumer(AsyncService):
         `drop_select`; one item that does not fit sends every item of the call back. `heads`:
         as for `drop_select`, for every query.
         """
-        return await self._lookups.drop_select_many(queries, rois, into=into, heads=heads)
+        return await self._drop_selects.drop_select_many(*args, **kwargs)
 
     @lands_on_caller_stream
-    async def pull(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None = None,
-        *,
-        into: PoolTable,
-        slots: torch.Tensor,
-        replica: torch.Tensor | int = 0,
-        timeout: float | None = 0.0,
-        stream: torch.cuda.Stream | None = None,
-        heads: slice | None = None,
-    ) -> KVItem | None:
+    @takes(Pulls.pull)
+    async def pull(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """Take a published prefill (matched as `drop_select` matches) and write its KV into
         the caller's pools `into`: the item's token i lands at `slots[i]` of replica `replica`
         (or `replica[i]`), for as many tokens as both have. Returns the item (None on a miss,
@@ -214,24 +222,11 @@ class Consumer(AsyncService):
         Over `nixl` (one producer, no group) K and V are READ straight into the slots where the
         runs of consecutive slots are long enough (pages of block pools): the returned item's
         `key` and `value` are then meta tensors (shape and dtype, no bytes)."""
-        return await self._pulls.pull(
-            input_tokens, roi, into=into, slots=slots, replica=replica, timeout=timeout, heads=heads
-        )
+        return await self._pulls.pull(*args, **kwargs)
 
     @on_caller_stream
-    async def open_stream(
-        self,
-        input_tokens: torch.Tensor | None,
-        roi: torch.Tensor | None = None,
-        timeout: float | None = 0.0,
-        *,
-        into: PoolTable | None = None,
-        slots: torch.Tensor | None = None,
-        replica: torch.Tensor | int = 0,
-        stream: torch.cuda.Stream | None = None,
-        heads: slice | None = None,
-        skip: int = 0,
-    ) -> ConsumerStream | None:
+    @takes(StreamOpening.open_stream)
+    async def open_stream(self, *args: Any, **kwargs: Any) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
         finished item. Matching, `timeout` and the result are as for drop_select; the stream's
         layers are awaited with `layer(i)` or `async for`. None on a miss.
@@ -250,21 +245,11 @@ class Consumer(AsyncService):
         finished item: a request for one takes a prefill that is still running once it ended.
         Into pools that hold some of the model's heads (`PoolTable(..., heads=)`), the piece
         lands at its heads' place among them."""
-        return await self._opening.open_stream(
-            input_tokens, roi, timeout, into=into, slots=slots, replica=replica, heads=heads, skip=skip
-        )
+        return await self._opening.open_stream(*args, **kwargs)
 
-    def fetch(
-        self,
-        queries: Sequence[torch.Tensor],
-        *,
-        into: PoolTable,
-        slots: Sequence[torch.Tensor],
-        skip: Sequence[int] | None = None,
-        replica: torch.Tensor | int = 0,
-        heads: slice | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> Fetch:
+
+    @takes(Fetches.fetch)
+    def fetch(self, *args: Any, **kwargs: Any) -> Fetch:
         """Start taking a scheduler step's requests into the caller's pools, and return at once:
         the first of two phases (the second: `await fetch.landed()`).
 
@@ -283,9 +268,7 @@ class Consumer(AsyncService):
         pools are the caller's, and kvrt writes only the slots given. On a GPU, work queued on
         `stream` (None: the calling thread's current stream) after `landed` returns reads the
         requests as they landed."""
-        return self._fetches.fetch(
-            queries, into=into, slots=slots, skip=skip, replica=replica, heads=heads, stream=stream
-        )
+        return self._fetches.fetch(*args, **kwargs)
 
     async def start(self) -> Self:
         """Connect and handshake with the producer; returns once it answered."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrt._caller_stream import caller_stream
-from kvrt._consumer._lookups import Lookups
-from kvrt._consumer._state import Connections, Scatters
+from kvrt._consumer._connections import Connections, Scatters
+from kvrt._consumer._drop_selects import DropSelects
 from kvrt._errors import ClosedError, InvalidInputError
 from kvrt._heads import head_range
 from kvrt._item import KVItem, query_bytes
@@ -68,7 +68,9 @@ class Fetch:
 class Fetches:
     """`fetch`, and the fetches on their way (ended when the consumer closes)."""
 
-    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+    def __init__(
+        self, connections: Connections, scatters: Scatters, lookups: DropSelects, device: torch.device
+    ) -> None:
         self._connections = connections
         self._scatters = scatters
         self._lookups = lookups
@@ -76,10 +78,16 @@ class Fetches:
         self._going: set[asyncio.Task[list[int]]] = set()
 
     def fetch(
-        self, queries: Sequence[torch.Tensor], *, into: PoolTable, slots: Sequence[torch.Tensor],
-        skip: Sequence[int] | None, replica: torch.Tensor | int, heads: slice | None,
-        stream: torch.cuda.Stream | None,
-    ) -> Fetch:  # fmt: skip
+        self,
+        queries: Sequence[torch.Tensor],
+        *,
+        into: PoolTable,
+        slots: Sequence[torch.Tensor],
+        skip: Sequence[int] | None = None,
+        replica: torch.Tensor | int = 0,
+        heads: slice | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> Fetch:
         """See `Consumer.fetch`."""
         connections = self._connections
         connections.check_open()

@@ -1,6 +1,6 @@
 """The link: a ZeroMQ DEALER around a `ConsumerCore`, one per producer. The link holds its
 session (`_session`: calls, leases, the handshake, ordered sends) and hands it to the parts that
-take what arrives: the arrivals (`_arrivals`) and the streams' layers (`_streams`). One task per
+take what arrives: the arrivals (`_arrivals`) and the streams' layers (`_stream_layers`). One task per
 link, owned by the link, reads frames, feeds the core, and hands each event to the session or
 to those parts; it pings and sends the receipts that let the producer free delivered items.
 Many calls may be pending on one link at once; replies are matched to them by request id, in
@@ -21,7 +21,7 @@ from kvrt._auth import handshake_failure
 from kvrt._consumer._arrivals import Arrivals
 from kvrt._consumer._calls import Calls
 from kvrt._consumer._session import LinkSession, _Reply, loop_time
-from kvrt._consumer._streams import StreamLayers
+from kvrt._consumer._stream_layers import StreamLayers
 from kvrt._errors import (
     KVRTError,
     KVRTTimeoutError,

@@ -1,6 +1,6 @@
 """`Consumer.open_stream` (`StreamOpening`): a stream asked for by its tokens, its layers landed as they come,
 into the caller's tensors or, through a pool writer, into its paged pools. The link's part of
-a stream (its layers arriving) is `_streams`.
+a stream (its layers arriving) is `_stream_layers`.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from kvrt import _messages as m
+from kvrt._consumer._connections import Connections, Scatters
+from kvrt._consumer._drop_selects import DropSelects
 from kvrt._consumer._link import _Link
-from kvrt._consumer._lookups import Lookups
 from kvrt._consumer._session import _Reply
-from kvrt._consumer._state import Connections, Scatters
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -24,7 +24,9 @@ from kvrt._streams import ConsumerStream, Placement, PoolWriter
 class StreamOpening:
     """`open_stream`, and the pool writer that lands its layers."""
 
-    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+    def __init__(
+        self, connections: Connections, scatters: Scatters, lookups: DropSelects, device: torch.device
+    ) -> None:
         self._connections = connections
         self._scatters = scatters
         self._lookups = lookups

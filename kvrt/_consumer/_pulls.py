@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from kvrt import _messages as m
-from kvrt._consumer._lookups import Lookups
-from kvrt._consumer._state import Connections, Scatters
+from kvrt._consumer._connections import Connections, Scatters
+from kvrt._consumer._drop_selects import DropSelects
 from kvrt._errors import (
     InvalidInputError,
 )
@@ -26,7 +26,9 @@ from kvrt.transports._base import Arrival, PoolLanding, caller_ready
 class Pulls:
     """Pulls into paged pools."""
 
-    def __init__(self, connections: Connections, scatters: Scatters, lookups: Lookups, device: torch.device) -> None:
+    def __init__(
+        self, connections: Connections, scatters: Scatters, lookups: DropSelects, device: torch.device
+    ) -> None:
         self._connections = connections
         self._scatters = scatters
         self._lookups = lookups

@@ -2,7 +2,7 @@
 by `_calls`) and their replies, the handshake (join over the transport the welcome names),
 leases and receipts (sent by `_sends`), the receives it has posted, and giving the producer
 up. `_Link` (in `_link`) holds a session and its task; its calls (`_calls`), arrivals
-(`_arrivals`) and streams (`_streams`) are handed the session and act through its methods here.
+(`_arrivals`) and streams (`_stream_layers`) are handed the session and act through its methods here.
 The consumer's lookups call the link's `call` and `settle`.
 """
 

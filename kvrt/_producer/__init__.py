@@ -7,22 +7,22 @@ holds more than `buffer_bytes`, copies the tensors, and gives the item to the co
 
 The package, one job a module:
 
-- `_state`: what the parts share, each handed what it uses: the checked arguments, the gate
+- `_parts`: what the parts share, each handed what it uses: the checked arguments, the gate
   (open, room in the buffer), the worker threads, the items' bytes beside the core's records
 - `_serve`: `ServeLoop`: control frames in, replies and deliveries out, peers
 - `_insert`: `Inserter`: `insert`, buffering an item for the core
 - `_gathers`: a published item's gathers, queued off the loop
 - `_publish`: `Publisher`: `register_pools`, `publish`
-- `_streams`: `StreamPublisher`: `open_stream`, a layer at a time
+- `_stream_publisher`: `StreamPublisher`: `open_stream`, a layer at a time
 - `_producer`: `Producer`: makes its parts and gives its public calls to them; start, close, stats
 """
 
 from kvrt._errors import KVRTError
 from kvrt._metrics import ProducerStats
 from kvrt._producer._gathers import _Gathers as _Gathers
+from kvrt._producer._parts import DEFAULT_CHUNK_BYTES
 from kvrt._producer._producer import Producer
 from kvrt._producer._publish import _lookup_key_and as _lookup_key_and
-from kvrt._producer._state import DEFAULT_CHUNK_BYTES
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, MAX_HEARTBEAT_S
 
 __all__ = ["KVRTError", "DEFAULT_CHUNK_BYTES", "DEFAULT_HEARTBEAT_S", "MAX_HEARTBEAT_S", "Producer", "ProducerStats"]

@@ -15,8 +15,8 @@ from kvrt._item import (
     check_timeout,
 )
 from kvrt._messages import HeadRange
+from kvrt._producer._parts import Gate, ItemKeeper, loop_time
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import Gate, ItemKeeper, loop_time
 from kvrt._protocol import ProducerCore
 
 

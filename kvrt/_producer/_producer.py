@@ -1,6 +1,6 @@
 """The producer (prefill side): `Producer` makes its parts and hands each what it uses (the
-shared ones in `_state`): the serve loop (`_serve`), the inserter (`_insert`), the publisher
-(`_publish`) and the stream publisher (`_streams`), to which its public calls go; and it
+shared ones in `_parts`): the serve loop (`_serve`), the inserter (`_insert`), the publisher
+(`_publish`) and the stream publisher (`_stream_publisher`), to which its public calls go; and it
 starts, closes and reports.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import uuid
 from typing import Any, Self
 
 import torch
@@ -16,20 +18,17 @@ import zmq
 
 from kvrt import _messages as m
 from kvrt import _metrics
+from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys, secure_server
 from kvrt._caller_stream import on_caller_stream
-from kvrt._errors import (
-    ClosedError,
-    translate_zmq_error,
-)
+from kvrt._checksum import checksum_wanted
+from kvrt._devices import usable_device
+from kvrt._errors import ClosedError, InvalidInputError, translate_zmq_error
+from kvrt._heads import head_range
 from kvrt._heap import keep_freed_memory
 from kvrt._metrics import ProducerStats
-from kvrt._pools import PoolTable
 from kvrt._producer._insert import Inserter
-from kvrt._producer._publish import Publisher
-from kvrt._producer._serve import ServeLoop, _host_of
-from kvrt._producer._state import (
-    DEFAULT_CHUNK_BYTES,
+from kvrt._producer._parts import (
     PRODUCER_IO_THREADS,
     Gate,
     ItemKeeper,
@@ -38,15 +37,18 @@ from kvrt._producer._state import (
     Workers,
     loop_time,
 )
-from kvrt._producer._streams import StreamPublisher
-from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore
+from kvrt._producer._publish import Publisher
+from kvrt._producer._serve import ServeLoop, _host_of
+from kvrt._producer._stream_publisher import StreamPublisher
+from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._service import AsyncService
+from kvrt._signatures import takes
 from kvrt._streams import ProducerStream
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import Sender
 from kvrt.transports._arena import SLAB_BYTES
 from kvrt.transports.cuda_ipc import host_identity
-from kvrt.transports.select import SAME_HOST_ONLY, make_senders
+from kvrt.transports.select import SAME_HOST_ONLY, make_senders, transport_preference
 
 log = logging.getLogger("kvrt.producer")
 
@@ -95,9 +97,19 @@ class Producer(AsyncService):
         heads: slice | None = None,
         checksum: bool | None = None,
     ) -> None:
-        config = ProducerConfig.checked(
-            bind, device, buffer_bytes, heartbeat_s=heartbeat_s, name=name, transport=transport,
-            item_ttl_s=item_ttl_s, curve=curve, heads=heads, checksum=checksum,
+        buffer_bytes = byte_count(buffer_bytes, "buffer_bytes")
+        wanted = checksum_wanted(checksum)
+        heartbeat_s = _heartbeat(heartbeat_s)
+        item_ttl_s = seconds(item_ttl_s, "item_ttl_s", none=True)
+        bind = endpoint(bind, "bind", binding=True)
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
+        usable = usable_device(device)
+        config = ProducerConfig(
+            bind=bind, device=usable, buffer_bytes=buffer_bytes, heartbeat_s=heartbeat_s,
+            producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            transport_names=tuple(transport_preference(transport, usable)), item_ttl_s=item_ttl_s, curve=curve,
+            heads=head_range(heads, "heads"), checksum=wanted,
         )  # fmt: skip
         self._config = config
         self.device = config.device
@@ -146,17 +158,8 @@ class Producer(AsyncService):
     # -- the prefill engine's calls, each given to the part whose job it is -------------------
 
     @on_caller_stream
-    async def insert(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        *,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    @takes(Inserter.insert)
+    async def insert(self, *args: Any, **kwargs: Any) -> None:
         """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
 
         Waits while the buffer is over `buffer_bytes`; `timeout` bounds that wait (None: until
@@ -165,9 +168,10 @@ class Producer(AsyncService):
         tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
-        await self._inserter.insert(input_tokens, roi, key, value, hidden, timeout=timeout, stream=stream)
+        await self._inserter.insert(*args, **kwargs)
 
-    def register_pools(self, pools: PoolTable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, taper: bool = False) -> None:
+    @takes(Publisher.register_pools)
+    def register_pools(self, *args: Any, **kwargs: Any) -> None:
         """Register the engine's KV pools (every replica, copy and layer) that `publish` reads.
 
         Called by the engine once, after it allocated its pools and before the first
@@ -180,19 +184,11 @@ class Producer(AsyncService):
         Raises `InvalidInputError` for pools on another device or a `chunk_bytes` that is not
         a positive int. The pools stay the engine's: kvrt keeps a reference to the table and
         reads the pools only inside `publish` (see there), never writes them."""
-        self._publisher.register_pools(pools, chunk_bytes=chunk_bytes, taper=taper)
+        self._publisher.register_pools(*args, **kwargs)
 
     @on_caller_stream
-    async def publish(
-        self,
-        input_tokens: torch.Tensor,
-        slots: torch.Tensor,
-        replica: torch.Tensor | int = 0,
-        roi: torch.Tensor | None = None,
-        *,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    @takes(Publisher.publish)
+    async def publish(self, *args: Any, **kwargs: Any) -> None:
         """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
         `drop_select`).
 
@@ -210,20 +206,11 @@ class Producer(AsyncService):
         writes) before this returns, so writes the engine queues on that stream afterwards come
         after the gathers read the pools (writes from another stream must wait for it); on the
         CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
-        await self._publisher.publish(input_tokens, slots, replica, roi, timeout=timeout, stream=stream)
+        await self._publisher.publish(*args, **kwargs)
 
     @on_caller_stream
-    async def open_stream(
-        self,
-        input_tokens: torch.Tensor,
-        roi: torch.Tensor | None = None,
-        *,
-        layers: int | None = None,
-        slots: torch.Tensor | None = None,
-        replica: torch.Tensor | int = 0,
-        timeout: float | None = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> ProducerStream:
+    @takes(StreamPublisher.open_stream)
+    async def open_stream(self, *args: Any, **kwargs: Any) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
         layer (`put_layer`), so that a consumer can read layer i while later ones are computed.
         A reader paired over NCCL gets each layer over NCCL as soon as the prefill's stream
@@ -238,9 +225,7 @@ class Producer(AsyncService):
         Waits while the buffer is over `buffer_bytes`, as `insert` does; `timeout` bounds that
         wait (0: a prefill that must not wait is refused at once with `KVRTTimeoutError`, phase
         "insert", and publishes nothing)."""
-        return await self._stream_publisher.open_stream(
-            input_tokens, roi, layers=layers, slots=slots, replica=replica, timeout=timeout, stream=stream
-        )
+        return await self._stream_publisher.open_stream(*args, **kwargs)
 
     # -- lifecycle ------------------------------------------------------------------------
 

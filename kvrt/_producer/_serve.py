@@ -23,9 +23,9 @@ from kvrt._errors import (
 )
 from kvrt._heap import trim_heap
 from kvrt._item_bytes import GathersFailed, ItemBytes, all_gathers_queued
-from kvrt._producer._state import Gate, ItemKeeper, loop_time
+from kvrt._producer._parts import Gate, ItemKeeper, loop_time
 from kvrt._protocol import Outgoing, ProducerCore
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO
 from kvrt.transports import HostCopies, Sender, Transfer
 

@@ -10,7 +10,7 @@ answered with an `ErrorReply`.
 
 The package, one job a module:
 
-- `buffer`: the items' records (no bytes: the driver keeps those), the lookup buffer and its
+- `lookup_buffer`: the items' records (no bytes: the driver keeps those), the lookup buffer and its
   prefix index
 - `heartbeats`: how long either side waits for a silent peer (the heartbeat, the lease)
 - `waiting`: the drop-selects parked until an insert matches them, and their bounds

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvrt import _messages as m
 from kvrt._errors import NotFoundError
-from kvrt._protocol.buffer import BufferedItem, LookupBuffer
+from kvrt._protocol.lookup_buffer import BufferedItem, LookupBuffer
 
 Command = m.Health | m.Stats | m.Probe | m.ProbeMany | m.ListItems | m.Evict
 """The messages answered here."""

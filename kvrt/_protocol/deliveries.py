@@ -14,9 +14,9 @@ import numpy as np
 
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode, ProtocolError
-from kvrt._protocol.buffer import BufferedItem, Match
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.lifecycle import UNCONFIRMED_SHARE, Lifecycle
+from kvrt._protocol.lookup_buffer import BufferedItem, Match
 from kvrt._protocol.outgoing import (
     Outgoing,
     Refusals,

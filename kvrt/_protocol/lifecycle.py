@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvrt._messages import TensorMeta
-from kvrt._protocol.buffer import BufferedItem, ItemState, LookupBuffer, Pieces
 from kvrt._protocol.commands import ProducerCounters
+from kvrt._protocol.lookup_buffer import BufferedItem, ItemState, LookupBuffer, Pieces
 from kvrt._protocol.timers import TimerKind, Timers
 from kvrt._protocol.waiting import WaitingRequests
 from kvrt._sizes import meta_nbytes

@@ -10,8 +10,8 @@ from typing import Final
 
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode
-from kvrt._protocol.buffer import BufferedItem
 from kvrt._protocol.commands import ProducerCounters
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._sizes import meta_end
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvrt._errors import ErrorCode, InvalidInputError
-from kvrt._protocol.buffer import BufferedItem, Match
 from kvrt._protocol.lifecycle import Lifecycle
+from kvrt._protocol.lookup_buffer import BufferedItem, Match
 from kvrt._protocol.outgoing import Outgoing, Refusals, deliver, whole_as_stream
 from kvrt._protocol.waiting import PieceAsked, Waiter, WaitingRequests
 

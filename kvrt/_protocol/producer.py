@@ -32,11 +32,11 @@ from typing import Final
 from kvrt import _messages as m
 from kvrt._errors import ErrorCode, NotFoundError, ProtocolError
 from kvrt._protocol import commands
-from kvrt._protocol.buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.deliveries import Deliveries
 from kvrt._protocol.heartbeats import HEARTBEAT_MISSES
 from kvrt._protocol.lifecycle import Lifecycle
+from kvrt._protocol.lookup_buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.outgoing import Departure, Outgoing, Refusals, end_outgoing, layer_outgoing
 from kvrt._protocol.pieces import Cut, PieceDeliveries, no_cut
 from kvrt._protocol.sessions import ACCEPTS, PeerState, Sessions

@@ -22,7 +22,7 @@ from typing import Final
 import numpy as np
 
 from kvrt import _messages as m
-from kvrt._protocol.buffer import RadixIndex
+from kvrt._protocol.lookup_buffer import RadixIndex
 
 MAX_WAITING_REQUESTS: Final = 65536
 """Most drop-selects one producer keeps waiting for an insert, over all consumers."""

@@ -17,8 +17,8 @@ from kvrt import _metrics
 from kvrt._consumer._across import Taken, landing, take_best, take_pieces
 from kvrt._consumer._agreed import agree_batch, agree_one
 from kvrt._consumer._batch import batch_request, batches, chunks
+from kvrt._consumer._connections import Connections
 from kvrt._consumer._session import OnLanding
-from kvrt._consumer._state import Connections
 from kvrt._errors import InvalidInputError, KVRTError, fresh_copy
 from kvrt._heads import PiecePlan, head_range, plan_pieces
 from kvrt._item import KVBuffers, KVItem, check_buffers, check_buffers_apart, check_timeout, land_in, query_bytes
@@ -27,7 +27,7 @@ from kvrt._metrics import ConsumerCounters
 from kvrt.transports._base import BufferLanding, InPlace, PoolLanding, caller_ready
 
 
-class Lookups:
+class DropSelects:
     """Lookups among a consumer's producers, agreed in its TP group if it has one."""
 
     def __init__(
@@ -40,17 +40,30 @@ class Lookups:
         self._metrics = metrics
 
     async def drop_select(
-        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, timeout: float | None, *,
-        into: KVBuffers | None, heads: slice | None,
-    ) -> KVItem | None:  # fmt: skip
+        self,
+        input_tokens: torch.Tensor | None,
+        roi: torch.Tensor | None = None,
+        timeout: float | None = 0.0,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        into: KVBuffers | None = None,
+        heads: slice | None = None,
+    ) -> KVItem | None:
+        """See `Consumer.drop_select` (`stream` is the caller's: current while this runs)."""
         buffers = check_buffers(into, self._device, what="drop_select")
         wanted = head_range(heads, "drop_select: heads")
         return await self.lookup(input_tokens, roi, timeout, what="drop_select", into=buffers, heads=wanted)
 
     async def drop_select_many(
-        self, queries: Sequence[torch.Tensor | None], rois: Sequence[torch.Tensor | None] | None, *,
-        into: Sequence[KVBuffers | None] | None, heads: slice | None,
-    ) -> list[KVItem | None]:  # fmt: skip
+        self,
+        queries: Sequence[torch.Tensor | None],
+        rois: Sequence[torch.Tensor | None] | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        into: Sequence[KVBuffers | None] | None = None,
+        heads: slice | None = None,
+    ) -> list[KVItem | None]:
+        """See `Consumer.drop_select_many` (`stream` is the caller's: current while this runs)."""
         connections = self._connections
         connections.check_open()
         what = "drop_select_many"

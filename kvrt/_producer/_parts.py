@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import os
-import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,33 +19,27 @@ import msgspec
 import torch
 
 from kvrt import _messages as m
-from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys
 from kvrt._checksum import (
     HIDDEN_POSITION,
-    checksum_wanted,
     metas_seed,
     storage_checksum,
     tensors_device_checksum,
     tensors_seed,
 )
-from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
-    InvalidInputError,
     KVRTTimeoutError,
 )
-from kvrt._heads import fill_piece, first_head, head_range, piece_of
+from kvrt._heads import fill_piece, first_head, piece_of
 from kvrt._item import NewItem
 from kvrt._item_bytes import ItemBytes, TensorsSum, all_gathers_queued
 from kvrt._pools import PoolTable
-from kvrt._protocol import _heartbeat
-from kvrt._protocol.buffer import BufferedItem, LookupBuffer
+from kvrt._protocol.lookup_buffer import BufferedItem, LookupBuffer
 from kvrt._protocol.waiting import PieceAsked
 from kvrt._tensors import tensor_meta
 from kvrt._threads import gpu_worker, host_worker
 from kvrt.transports import Sender
-from kvrt.transports.select import transport_preference
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """K and V bytes per chunk of a published request (see `register_pools`)."""
@@ -76,27 +68,6 @@ class ProducerConfig:
     heads: m.HeadRange | None
     checksum: bool
     """Whether each inserted item carries a checksum of its bytes (`KVRT_CHECKSUM` if None)."""
-
-    @staticmethod
-    def checked(
-        bind: object, device: torch.device | str, buffer_bytes: object, *, heartbeat_s: object, name: str | None,
-        transport: str | None, item_ttl_s: object, curve: object, heads: object, checksum: bool | None,
-    ) -> ProducerConfig:  # fmt: skip
-        """The arguments checked, in the order the constructor always checked them."""
-        checked_bytes = byte_count(buffer_bytes, "buffer_bytes")
-        wanted = checksum_wanted(checksum)
-        checked_heartbeat = _heartbeat(heartbeat_s)
-        ttl = seconds(item_ttl_s, "item_ttl_s", none=True)
-        address = endpoint(bind, "bind", binding=True)
-        if curve is not None and not isinstance(curve, CurveKeys):
-            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        usable = usable_device(device)
-        return ProducerConfig(
-            bind=address, device=usable, buffer_bytes=checked_bytes, heartbeat_s=checked_heartbeat,
-            producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            transport_names=tuple(transport_preference(transport, usable)), item_ttl_s=ttl, curve=curve,
-            heads=head_range(heads, "heads"), checksum=wanted,
-        )  # fmt: skip
 
 
 class Gate:

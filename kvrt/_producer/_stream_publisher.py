@@ -21,10 +21,10 @@ from kvrt._item import (
 )
 from kvrt._item_bytes import ItemBytes
 from kvrt._pools import checked_indexes, per_token
+from kvrt._producer._parts import Gate, ItemKeeper, RegisteredPools, Workers, loop_time
 from kvrt._producer._serve import ServeLoop
-from kvrt._producer._state import Gate, ItemKeeper, RegisteredPools, Workers, loop_time
 from kvrt._protocol import ProducerCore
-from kvrt._protocol.buffer import BufferedItem
+from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._streams import Placement, ProducerStream
 from kvrt._tensors import copy_into, pack, pack_empty, tensor_meta
 from kvrt._threads import launch_on

@@ -7,9 +7,7 @@ checked (`ConsumerConfig`), its links to its producers and its TP group's agreem
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +15,7 @@ import torch.distributed as dist
 import zmq
 
 from kvrt import _metrics
-from kvrt._arguments import endpoint, seconds
+from kvrt._arguments import seconds
 from kvrt._auth import CurveKeys
 from kvrt._consensus import GroupConsensus, count_sharing
 from kvrt._consumer._link import _Link
@@ -27,17 +25,12 @@ from kvrt._consumer._session import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     LinkSession,
 )
-from kvrt._devices import usable_device
 from kvrt._errors import (
     ClosedError,
-    InvalidInputError,
     PeerLostError,
 )
-from kvrt._messages import MAX_READERS
-from kvrt._protocol import _heartbeat
 from kvrt._threads import gpu_worker
 from kvrt.transports import Receiver
-from kvrt.transports.select import transport_preference
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_REPLY_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S"]
 
@@ -63,41 +56,6 @@ class ConsumerConfig:
     reply_timeout_s: float
     name: str
     readers: int | None
-
-    @staticmethod
-    def checked(
-        connect: object, device: torch.device | str, *, group: dist.ProcessGroup | None, transport: str | None,
-        curve: object, heartbeat_s: object, connect_timeout_s: object, transfer_timeout_s: object,
-        reply_timeout_s: object, name: str | None, readers: object,
-    ) -> ConsumerConfig:  # fmt: skip
-        """The arguments checked, in the order the constructor always checked them."""
-        endpoints = [connect] if isinstance(connect, str) else list(connect) if isinstance(connect, Sequence) else []
-        if not endpoints:
-            raise InvalidInputError(
-                f"connect must be a ZeroMQ address such as 'tcp://host:port', or a list of them; got {connect!r}"
-            )
-        endpoints = [endpoint(address, "connect", binding=False) for address in endpoints]
-        checked_heartbeat = _heartbeat(heartbeat_s)
-        checked_connect = _seconds(connect_timeout_s, "connect_timeout_s")
-        checked_reply = _seconds(reply_timeout_s, "reply_timeout_s")
-        checked_transfer = seconds(transfer_timeout_s, "transfer_timeout_s", none=True)
-        if curve is not None and not isinstance(curve, CurveKeys):
-            raise InvalidInputError(f"curve must be None or kvrt.CurveKeys, got {type(curve).__name__}")
-        usable = usable_device(device)
-        names = tuple(transport_preference(transport, usable))
-        if readers is not None and (
-            group is not None or not isinstance(readers, int) or not 1 <= readers <= MAX_READERS
-        ):
-            raise InvalidInputError(
-                f"readers must be None or an int from 1 to {MAX_READERS}, and only without group= (a group counts "
-                f"them), got {readers!r}"
-            )
-        return ConsumerConfig(
-            endpoints=tuple(endpoints), device=usable, group=group, transport_names=names, curve=curve,
-            heartbeat_s=checked_heartbeat, connect_timeout_s=checked_connect, transfer_timeout_s=checked_transfer,
-            reply_timeout_s=checked_reply, name=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            readers=readers,
-        )  # fmt: skip
 
 
 class Connections:
