@@ -33,6 +33,7 @@ stream is not the engine's (`kvrt._caller_stream`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -46,7 +47,7 @@ import torch
 
 from kvrt import _client, _consumer, _producer
 from kvrt._caller_stream import caller_stream
-from kvrt._errors import ClosedError, KVRTError
+from kvrt._errors import ClosedError, KVRTError, KVRTTimeoutError
 from kvrt._item import KVItem
 from kvrt._loop_thread import CLOSE_TIMEOUT_S, LoopThread
 from kvrt._messages import Evicted, ItemList, Probed, ProbeReply, StatsReply
@@ -288,6 +289,60 @@ class Consumer(_Blocking[_consumer.Consumer]):
         """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
         opened = self._call(self._service.open_stream, *args, **self._streamed(kwargs))
         return None if opened is None else ConsumerStream(self, opened)
+
+
+    @takes(_consumer.Consumer.fetch)
+    def fetch(self, *args: Any, **kwargs: Any) -> Fetch:
+        """`kvrt.Consumer.fetch`: a step's requests into pools, started; returns at once, without
+        waiting for kvrt's thread (the second phase: `Fetch.landed`). What it refuses is raised
+        by `landed`."""
+        if self._closed:
+            raise ClosedError(f"fetch: the {self._what} is closed")
+        service, kwargs = self._service, self._streamed(kwargs)
+
+        async def start() -> _consumer.Fetch:
+            return service.fetch(*args, **kwargs)
+
+        return Fetch(self, self._loop.post(start, "fetch"))
+
+
+class Fetch:
+    """`kvrt.Fetch` for synchronous callers, made by `Consumer.fetch`."""
+
+    def __init__(self, owner: Consumer, started: concurrent.futures.Future[_consumer.Fetch]) -> None:
+        self._owner = owner
+        self._started = started
+
+    def landed(self, timeout: float | None = None) -> list[int]:
+        """`kvrt.Fetch.landed`: per query, the tokens its item matched, once every item was
+        written; waits `timeout` seconds at most (None: until the fetch ends, which its own
+        timeouts bound), then raises `KVRTTimeoutError` and the fetch goes on."""
+        try:
+            started = self._started.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise KVRTTimeoutError(f"fetch: not started within {timeout} s", phase="reply") from None
+
+        async def landed() -> list[int]:
+            return await started.landed()
+
+        try:
+            return self._owner._loop.call(landed, "landed", timeout_s=timeout)
+        except concurrent.futures.TimeoutError:
+            raise KVRTTimeoutError(f"fetch: its items did not land within {timeout} s", phase="transfer") from None
+
+    def done(self) -> bool:
+        """Whether `landed` would return (or raise) at once."""
+        started = self._started
+        return started.done() and (started.exception() is not None or started.result().done())
+
+    def cancel(self) -> None:
+        """`kvrt.Fetch.cancel`: items whose bytes had not come go back to their producer."""
+        started = self._started
+
+        async def cancel() -> None:
+            (await asyncio.wrap_future(started)).cancel()
+
+        self._owner._loop.post(cancel, "cancel")
 
 
 class ConsumerStream:

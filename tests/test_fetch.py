@@ -130,3 +130,18 @@ async def test_a_fetch_on_its_way_when_the_consumer_closes_ends_with_closed_erro
                 await asyncio.wait_for(fetch.landed(), 10)
         finally:
             os.kill(process.pid, signal.SIGCONT)
+
+
+def test_a_synchronous_engine_fetches_in_two_phases_through_the_blocking_api() -> None:
+    pools = pages(5)
+    tokens, key, value = request(5, 10)
+    with kvrt.blocking.Producer() as producer, kvrt.blocking.Consumer(connect=producer.endpoint) as consumer:
+        producer.insert(tokens, None, key, value)
+        missing = torch.arange(3) + 90_000
+        fetch = consumer.fetch([tokens, missing], into=pools, slots=[slots_in([2, 4, 6], 0, 10), slots_in([8], 0, 3)])
+        assert fetch.landed(timeout=10) == [10, 0]
+        assert fetch.done()
+        with pytest.raises(kvrt.InvalidInputError, match="slot"):
+            consumer.fetch([tokens], into=pools, slots=[torch.tensor([BLOCKS * BLOCK])]).landed(timeout=10)
+    landed = written(pools, slots_in([2, 4, 6], 0, 10))
+    assert same_bits(landed[:, :, 0], key) and same_bits(landed[:, :, 1], value)
