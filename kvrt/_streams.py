@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -438,17 +439,29 @@ class ProducerStream:
         if self.placement is not None:
             if key is not None or value is not None:
                 raise InvalidInputError("a stream of the pools gathers its layers there: put_layer() takes no tensors")
-            gathered = await self._producer.gathered_layer(self.placement, self.published)
+        else:
+            for name, tensor in (("key", key), ("value", value)):
+                if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
+                    raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
+        layer = self.published
+        try:
+            if self.placement is not None:
+                layer_tensors = await self._producer.gathered_layer(self.placement, layer)
+            else:
+                assert key is not None and value is not None
+                layer_tensors = await _owned(key, value, self._producer.device, self._producer.gather_thread)
             self.published += 1
-            await self._producer.stream_layer(self._item, *gathered)
-            return
-        for name, tensor in (("key", key), ("value", value)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.tokens:
-                raise InvalidInputError(f"put_layer: {name} must be [tokens={self.tokens}, heads, head_dim]")
-        assert key is not None and value is not None
-        owned = await _owned(key, value, self._producer.device, self._producer.gather_thread)
-        self.published += 1
-        await self._producer.stream_layer(self._item, *owned)
+            await self._producer.stream_layer(self._item, *layer_tensors)
+        except KVRTError:
+            raise
+        except Exception as exc:
+            # Something of kvrt's own broke as the layer went out (a bug, an error no boundary
+            # translated): the prefill gets one of kvrt's errors, and the stream's reader fails
+            # now instead of waiting for a layer that will not come.
+            why = f"publishing layer {layer} failed inside kvrt ({type(exc).__name__}: {exc})"
+            with contextlib.suppress(Exception):
+                await self.abort(why)
+            raise KVRTError(f"put_layer: {why}; the stream was aborted") from exc
 
     @on_caller_stream
     async def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:

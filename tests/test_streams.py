@@ -479,3 +479,28 @@ async def test_a_finish_cancelled_while_the_host_stacks_the_layers_aborts_the_st
         assert await consumer.drop_select(tokens) is None
         assert await consumer.open_stream(tokens, timeout=0) is None
         assert (producer.stats().items, producer.stats().in_flight) == (0, 0)
+
+
+async def test_a_failure_of_kvrts_own_while_sending_a_layer_reaches_put_layer_typed_and_fails_the_reader(
+    producer: kvrt.Producer, consumer: kvrt.Consumer, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever breaks inside kvrt as a layer goes out (a bug, an error no boundary translated)
+    # reaches the prefill as one of kvrt's errors, never as the bare exception, and the stream is
+    # aborted: its reader fails at once rather than wait for a layer that never comes.
+    tokens = torch.arange(400, 400 + TOKENS)
+    stream = await producer.open_stream(tokens, layers=LAYERS)
+    await stream.put_layer(*layer_kv(0))
+    reader = await consumer.open_stream(tokens)
+    assert reader is not None
+    await reader.layer(0)
+    sender = type(producer._transports[transport])
+
+    async def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("a bug in the send path")
+
+    monkeypatch.setattr(sender, "send", broken)
+    with pytest.raises(kvrt.KVRTError, match="layer 1") as raised:
+        await stream.put_layer(*layer_kv(1))
+    assert not isinstance(raised.value, RuntimeError)
+    with pytest.raises(kvrt.StreamAbortedError):
+        await asyncio.wait_for(reader.layer(1), 10)
