@@ -283,6 +283,10 @@ class ConsumerStream:
         """Layer `layer`'s write into the pools is under way: the end waits for its delivery."""
         self._writing.add(layer)
 
+    def every_layer_came(self) -> bool:
+        """Whether every layer was delivered (only the end is still to come)."""
+        return not self._writing and all(future.done() for future in self._layers)
+
     def first_missing_layer(self) -> int | None:
         """The first layer that neither came nor is being written (a layer message lost or
         misdirected on the way); None when every layer did."""

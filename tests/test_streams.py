@@ -9,12 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 import kvrt
 from kvrt import _messages as m
-from tests._checks import caught_up, collected
+from tests._checks import caught_up, collected, damage_the_first, reads_whole_again
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
@@ -504,3 +505,35 @@ async def test_a_failure_of_kvrts_own_while_sending_a_layer_reaches_put_layer_ty
     assert not isinstance(raised.value, RuntimeError)
     with pytest.raises(kvrt.StreamAbortedError):
         await asyncio.wait_for(reader.layer(1), 10)
+
+
+async def test_an_end_that_never_reaches_its_stream_fails_the_reader_after_the_transfer_timeout_and_it_goes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The stream's end comes with its item id damaged into another valid one (no checksums
+    # here to tell): it reaches no stream. Its reader, every layer in hand, waits for the end
+    # as long as a transfer may take, then fails, and the item goes back whole.
+    tokens = torch.arange(500, 500 + TOKENS)
+    damaged = damage_the_first(
+        monkeypatch,
+        lambda message: msgspec.structs.replace(message, item_id=message.item_id + 1000)
+        if isinstance(message, m.StreamEnd) else None,
+    )  # fmt: skip
+    async with (
+        kvrt.Producer() as producer,
+        kvrt.Consumer(connect=producer.endpoint, transfer_timeout_s=1.0) as consumer,
+    ):
+        stream = await producer.open_stream(tokens, layers=LAYERS)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+        for layer in range(LAYERS):
+            await stream.put_layer(*layer_kv(layer))
+        await stream.finish()
+        for layer in range(LAYERS):
+            await reader.layer(layer)
+        with pytest.raises(kvrt.KVRTTimeoutError, match="end"):
+            await asyncio.wait_for(reader.finished(), 10)
+        assert damaged
+        keys = torch.stack([layer_kv(layer)[0] for layer in range(LAYERS)])
+        values = torch.stack([layer_kv(layer)[1] for layer in range(LAYERS)])
+        await reads_whole_again(consumer, tokens, keys, values)

@@ -196,6 +196,11 @@ class LinkSession:
         this session until it ends."""
 
     @property
+    def transfer_timeout_s(self) -> float | None:
+        """How long bytes may take to land once their header came (None: for ever)."""
+        return self._transfer_timeout_s
+
+    @property
     def receiver(self) -> Receiver | None:
         return self.joining.receiver  # (None before the first welcome)
 

@@ -26,6 +26,7 @@ from kvrt._errors import (
     IntegrityError,
     InvalidInputError,
     KVRTError,
+    KVRTTimeoutError,
     ProtocolError,
     RemoteProtocolError,
     StreamAbortedError,
@@ -124,6 +125,8 @@ class StreamLayers:
 
     def __init__(self, session: LinkSession) -> None:
         self._session = session
+        self._ends_due: dict[int, asyncio.TimerHandle] = {}
+        """Per stream whose every layer came, when its end is overdue (`_end_overdue`)."""
 
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
@@ -259,6 +262,7 @@ class StreamLayers:
         writer = stream.writer
         if writer is None:
             stream.deliver_layer(layer, key, value, landed)
+            self._await_end(stream, item_id)
             return
         stream.writing(layer)
         written = writer.write(layer, key, value, landed)
@@ -271,6 +275,7 @@ class StreamLayers:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"writing layer {layer} into the pools"))
             else:
                 stream.deliver_layer(layer, key, value, written.result())
+                self._await_end(stream, item_id)
 
         self._session.own_arrival(written, delivered)
 
@@ -281,6 +286,9 @@ class StreamLayers:
         states last, and (from a producer on a GPU) the checksums of its layers and hidden
         states match what landed."""
         item_id, hidden_meta, checksum = end.item_id, end.hidden, end.checksum
+        due = self._ends_due.pop(item_id, None)
+        if due is not None:
+            due.cancel()
         if end.layer_checksums is not None and len(end.layer_checksums) != stream.layers:
             raise RemoteProtocolError(
                 f"a stream of {stream.layers} layers ended with {len(end.layer_checksums)} layer checksums"
@@ -406,8 +414,34 @@ class StreamLayers:
         if isinstance(error, IntegrityError) and self._session.metrics is not None:
             self._session.metrics.integrity_failures += 1
 
+    def _await_end(self, stream: ConsumerStream, item_id: int) -> None:
+        """Once every layer of a stream came, its end is waited for as long as a transfer may
+        take (`transfer_timeout_s`): an end that reaches no stream (its id damaged into another
+        valid one) must not leave its reader waiting for ever."""
+        bound = self._session.transfer_timeout_s
+        if bound is None or item_id in self._ends_due or not stream.every_layer_came():
+            return
+        self._ends_due[item_id] = asyncio.get_running_loop().call_later(bound, self._end_overdue, item_id, stream)
+
+    def _end_overdue(self, item_id: int, stream: ConsumerStream) -> None:
+        self._ends_due.pop(item_id, None)
+        if self._session.open_streams.get(item_id) is not stream:
+            return  # ended, failed or given back meanwhile
+        bound = self._session.transfer_timeout_s
+        self._stream_lost(
+            item_id,
+            KVRTTimeoutError(
+                f"every layer of a stream from the producer at {self._session.endpoint} came, and its end did not "
+                f"within {bound} s after them (lost, or misdirected on the way): it went back to the producer",
+                phase="transfer",
+            ),
+        )
+
     def _stream_lost(self, item_id: int, error: KVRTError) -> None:
         """A stream's receive failed: it fails, and its item goes back to the producer."""
+        due = self._ends_due.pop(item_id, None)
+        if due is not None:
+            due.cancel()
         stream = self._session.open_streams.pop(item_id, None)
         self._count(error)
         if stream is not None:
