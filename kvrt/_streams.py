@@ -248,7 +248,11 @@ class ConsumerStream:
         """Layers whose receive was posted: each comes once."""
         self._end_waits: tuple[torch.Tensor | None] | None = None
         loop = asyncio.get_running_loop()
-        self._layers: list[asyncio.Future[_Layer]] = [loop.create_future() for _ in range(layers)]
+        self._layers: dict[int, asyncio.Future[_Layer]] = {}
+        """Per layer delivered or waited for, its future (made as first needed: a stream of
+        tens of thousands of layers costs nothing up front)."""
+        self._delivered = 0
+        """Layers delivered so far."""
         self._end: asyncio.Future[torch.Tensor | None] = loop.create_future()
         self._error: KVRTError | None = None
         self.sums: dict[int, TensorsSum] = {}
@@ -264,8 +268,9 @@ class ConsumerStream:
         self, layer: int, key: torch.Tensor, value: torch.Tensor, landed: torch.cuda.Event | None = None
     ) -> None:
         """Layer `layer` is here (or, with `landed`, will be once that event fired)."""
-        if 0 <= layer < self.layers and not self._layers[layer].done():
-            self._layers[layer].set_result((key, value, landed))
+        if 0 <= layer < self.layers and not (future := self._layer(layer)).done():
+            future.set_result((key, value, landed))
+            self._delivered += 1
         self._writing.discard(layer)
         if not self._writing and self._end_waits is not None:
             self.finish(*self._end_waits)
@@ -283,17 +288,30 @@ class ConsumerStream:
         """Layer `layer`'s write into the pools is under way: the end waits for its delivery."""
         self._writing.add(layer)
 
+    def _layer(self, index: int) -> asyncio.Future[_Layer]:
+        """Layer `index`'s future (made now if nobody needed it yet; failed if the stream did)."""
+        future = self._layers.get(index)
+        if future is None:
+            future = self._layers[index] = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                future.set_exception(self._error)
+                future.exception()
+        return future
+
     def every_layer_came(self) -> bool:
         """Whether every layer was delivered (only the end is still to come)."""
-        return not self._writing and all(future.done() for future in self._layers)
+        return self._delivered == self.layers and not self._writing
 
     def first_missing_layer(self) -> int | None:
         """The first layer that neither came nor is being written (a layer message lost or
         misdirected on the way); None when every layer did."""
         return next(
-            (index for index, future in enumerate(self._layers) if not future.done() and index not in self._writing),
+            (
+                index for index in range(self.layers)
+                if not (index in self._layers and self._layers[index].done()) and index not in self._writing
+            ),
             None,
-        )
+        )  # fmt: skip
 
     def finish(self, hidden: torch.Tensor | None) -> None:
         if self._writing:  # every layer written is delivered before the end
@@ -305,7 +323,8 @@ class ConsumerStream:
             if refused is not None:  # the link's lease ended: the stream may be another reader's
                 self.fail(refused)
                 return
-            for index, future in enumerate(self._layers):
+            for index in range(self.layers):
+                future = self._layer(index)
                 if not future.done():  # a producer that ended early: nobody may wait for ever
                     future.set_exception(RemoteProtocolError(f"the stream ended without layer {index}"))
                     future.exception()
@@ -314,12 +333,12 @@ class ConsumerStream:
     def fail(self, error: KVRTError) -> None:
         """End the stream with `error`; the layers already received are dropped."""
         self._error = error
-        for index, future in enumerate(self._layers):
+        for index, future in list(self._layers.items()):
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._layers[index] = asyncio.get_running_loop().create_future()  # release the tensors
-            if not self._layers[index].done():
-                self._layers[index].set_exception(error)
-                self._layers[index].exception()  # retrieved: nobody may wait on every layer
+                del self._layers[index]  # release the tensors: a later wait gets the error
+            elif not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: nobody may wait on every layer
         if not self._end.done():
             self._end.set_exception(error)
             self._end.exception()
@@ -334,7 +353,7 @@ class ConsumerStream:
         the write is queued, with `stream` made to wait for it)."""
         if not 0 <= index < self.layers:
             raise InvalidInputError(f"layer {index} of a stream of {self.layers}")
-        key, value, landed = await asyncio.shield(self._layers[index])  # a cancelled waiter leaves it to others
+        key, value, landed = await asyncio.shield(self._layer(index))  # a cancelled waiter leaves it to others
         if landed is not None:
             (stream if stream is not None else torch.cuda.current_stream(key.device)).wait_event(landed)
         return key, value
@@ -347,7 +366,7 @@ class ConsumerStream:
         stream, another library's). None when the layer is already there (CPU, TCP)."""
         if not 0 <= index < self.layers:
             raise InvalidInputError(f"layer {index} of a stream of {self.layers}")
-        _, _, landed = await asyncio.shield(self._layers[index])
+        _, _, landed = await asyncio.shield(self._layer(index))
         return landed
 
     async def finished(self) -> torch.Tensor | None:
@@ -362,9 +381,9 @@ class ConsumerStream:
         arrived (a finished item read whole arrives at once); None while one is still to come
         or failed. For a caller on another thread that then waits on the events itself, with
         no hop to the loop per layer. Called on the loop."""
-        if not all(future.done() and not future.cancelled() and future.exception() is None for future in self._layers):
+        if self._error is not None or self._delivered != self.layers:
             return None
-        return [future.result()[2] for future in self._layers]
+        return [self._layers[index].result()[2] for index in range(self.layers)]
 
     async def writes_done(self, *, stream: torch.cuda.Stream | None = None) -> None:
         """For a reader of the pools: `stream` (default: the current one) waits for every

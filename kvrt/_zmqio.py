@@ -209,6 +209,12 @@ MAX_QUEUED_MESSAGES: Final = 4096
 """Most messages kept for one peer beyond what its ZeroMQ queue holds; past this the peer is
 dropped as one that does not read."""
 
+STREAM_BACKLOG_MESSAGES: Final = MAX_QUEUED_MESSAGES // 4
+"""A stream's messages waiting for its reader past which its prefill waits for room
+(`RouterOutboxes.room`): a reader slower than its prefill slows the prefill down instead of
+being dropped as one that does not read (which it is only once it reads nothing for
+`stall_s`)."""
+
 MAX_MUTED_PEERS: Final = 65536
 """Most dropped peers remembered as muted (the oldest are forgotten first)."""
 
@@ -253,8 +259,34 @@ class RouterOutboxes:
     stall_s: float
     _outboxes: dict[bytes, _Outbox] = field(default_factory=dict)
     _muted: dict[bytes, None] = field(default_factory=dict)
+    _rooms: dict[bytes, list[tuple[int, asyncio.Future[None]]]] = field(default_factory=dict)
+    """Per peer, who waits for its outbox to hold fewer messages than a bound (`room`)."""
     discarded: int = 0
     """Messages not sent because their peer was muted."""
+
+    async def room(self, peer: bytes, below: int) -> None:
+        """Return once fewer than `below` messages wait for `peer` (at once if so), or it was
+        dropped or left: what a sender waits for before it adds more to a slow reader's queue.
+        Bounded as the outbox is: one that moves nothing for `stall_s` is dropped."""
+        if self.waiting(peer) < below:
+            return
+        room = asyncio.get_running_loop().create_future()
+        waiters = self._rooms.setdefault(peer, [])
+        waiters.append((below, room))
+        try:
+            await room
+        finally:
+            if (below, room) in waiters:
+                waiters.remove((below, room))
+            if not waiters and self._rooms.get(peer) is waiters:
+                del self._rooms[peer]
+
+    def _made_room(self, peer: bytes) -> None:
+        """Wake who waits for room to `peer` (its outbox shrank, or it is gone)."""
+        waiting = self.waiting(peer)
+        for below, room in self._rooms.get(peer, ()):
+            if not room.done() and (waiting < below or peer not in self._outboxes):
+                room.set_result(None)
 
     def post(self, peer: bytes, frames: Frames, now: float) -> Dropped | None:
         """Send `frames` to `peer` now, or queue them behind its waiting messages."""
@@ -295,8 +327,10 @@ class RouterOutboxes:
                 continue
             if not outbox.messages:
                 del self._outboxes[peer]
+                self._made_room(peer)
                 continue
             if moved:
+                self._made_room(peer)
                 outbox.stalled_since, outbox.retry_in_s = now, FIRST_RETRY_S
             elif now - outbox.stalled_since >= self.stall_s:
                 dropped.append(self._drop(peer, f"it read nothing for {self.stall_s:.1f} s"))
@@ -329,6 +363,7 @@ class RouterOutboxes:
     def discard(self, peer: bytes) -> None:
         """Forget what waits for a peer that left."""
         self._outboxes.pop(peer, None)
+        self._made_room(peer)
 
     def unmute(self, peer: bytes) -> None:
         """`peer` starts a new session: send to it again."""
@@ -336,6 +371,7 @@ class RouterOutboxes:
 
     def _drop(self, peer: bytes, reason: str) -> Dropped:
         self._outboxes.pop(peer, None)
+        self._made_room(peer)
         self._muted[peer] = None
         if len(self._muted) > MAX_MUTED_PEERS:
             del self._muted[next(iter(self._muted))]  # the longest muted

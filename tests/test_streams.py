@@ -15,7 +15,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
-from tests._checks import caught_up, collected, damage_the_first, reads_whole_again
+from tests._checks import caught_up, collected, damage_the_first, read_whole, reads_whole_again
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 2, 8
@@ -537,3 +537,31 @@ async def test_an_end_that_never_reaches_its_stream_fails_the_reader_after_the_t
         keys = torch.stack([layer_kv(layer)[0] for layer in range(LAYERS)])
         values = torch.stack([layer_kv(layer)[1] for layer in range(LAYERS)])
         await reads_whole_again(consumer, tokens, keys, values)
+
+
+@pytest.mark.timeout(240)
+async def test_a_prefill_publishing_faster_than_its_reader_reads_waits_for_it_instead_of_dropping_it() -> None:
+    # Thousands of small layers published in a tight loop (the reader on the same event loop
+    # here, so it reads only while the prefill waits): more than a peer's outbox holds. The
+    # prefill waits for the reader to read instead of the producer dropping the reader as one
+    # that stopped reading; every layer arrives, once.
+    layers, tokens = 20_000, torch.arange(600, 602)
+    key = torch.arange(layers * 2, dtype=torch.float32).view(layers, 2, 1, 1)
+    async with (
+        kvrt.Producer() as producer,
+        kvrt.Consumer(connect=producer.endpoint) as consumer,
+    ):
+        stream = await producer.open_stream(tokens, layers=layers)
+        reader = await consumer.open_stream(tokens)
+        assert reader is not None
+
+        async def publish() -> None:
+            for layer in range(layers):
+                await stream.put_layer(key[layer], key[layer])
+            await stream.finish()
+
+        publishing = asyncio.ensure_future(publish())
+        keys, _ = await asyncio.wait_for(read_whole(reader), 180)
+        await publishing
+        assert torch.equal(keys, key)
+        assert producer.stats().peers == 1 and producer.stats().totals.delivered_items == 1

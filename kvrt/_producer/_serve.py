@@ -26,7 +26,7 @@ from kvrt._item_bytes import GathersFailed, ItemBytes, all_gathers_queued
 from kvrt._producer._parts import Gate, ItemKeeper, loop_time
 from kvrt._protocol import Outgoing, ProducerCore
 from kvrt._protocol.lookup_buffer import BufferedItem
-from kvrt._zmqio import MAX_BATCH, Dropped, RouterOutboxes, SocketIO
+from kvrt._zmqio import MAX_BATCH, STREAM_BACKLOG_MESSAGES, Dropped, RouterOutboxes, SocketIO
 from kvrt.transports import HostCopies, Sender, Transfer
 
 TRIM_AFTER_DEPARTURES: Final = 256
@@ -391,6 +391,14 @@ class ServeLoop:
             return
         self._post(peer, [header], dropped)
         self._post(peer, [_encoded(m.Payload(request_id=message.request_id)), *frames], dropped)
+
+    async def room_for(self, reader: bytes) -> None:
+        """Before a stream adds its next layer: wait while more than `STREAM_BACKLOG_MESSAGES`
+        of its messages wait for its reader, until half of them left (or the reader was dropped
+        or left). Bounded: a reader that reads nothing for the stall bound is dropped."""
+        outboxes = self.outboxes
+        if outboxes is not None and outboxes.waiting(reader) >= STREAM_BACKLOG_MESSAGES:
+            await outboxes.room(reader, STREAM_BACKLOG_MESSAGES // 2)
 
     def release_departed(self) -> None:
         departed = self._core.take_departed()

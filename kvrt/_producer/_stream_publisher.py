@@ -131,6 +131,10 @@ class StreamPublisher:
         store.values.append(value)
         store.ready.append(ready)
         await self._serving.perform(out)
+        reader = None if item.stream is None else item.stream.reader
+        if reader is not None:  # a reader slower than the prefill slows it down rather than be dropped
+            await self._serving.room_for(reader)
+        await asyncio.sleep(0)  # a yield: a prefill publishing in a tight loop leaves the loop to the others
 
     async def finish_stream(self, item: BufferedItem, hidden: torch.Tensor | None) -> None:
         """The stream as one whole item (what a reader confirms, or what `drop_select` takes if
