@@ -199,8 +199,9 @@ class WorkerSide:
         return self._pools.device
 
     def _opened(self) -> None:
-        """Wait for the step's loads to be opened (bounded: each open is, by the lookup timeout;
-        `OPEN_BOUND_S` beyond it), after which `_reading` holds them."""
+        """Wait for the step's loads to be opened (bounded: each open is, by the lookup timeout,
+        and this wait by `OPEN_BOUND_FACTOR` of them and the slack), after which `_reading`
+        holds them."""
         opening = self._opening
         if opening is None or opening.done():
             return
@@ -215,14 +216,14 @@ class WorkerSide:
     async def _open_all(self, loads: Sequence[Load], stream: torch.cuda.Stream | None) -> None:
         published = [load for load in loads if load.published]
         streamed = [load for load in loads if not load.published]
-        fetching = self._fetch_all(published, stream)
-        outcomes = await asyncio.gather(*(self._open(load, stream) for load in streamed), return_exceptions=True)
-        opened = await fetching
+        opening = asyncio.gather(*(self._open(load, stream) for load in streamed), return_exceptions=True)
+        opened, outcomes = await asyncio.gather(self._fetch_all(published, stream), opening)  # all at once
         for load, outcome in zip(streamed, outcomes, strict=True):
             if isinstance(outcome, BaseException):  # a bug: the load fails, the others go on
                 log.error("opening the load of request %s failed", load.request_id, exc_info=outcome)
-                outcome = _Reading(load, [])
-                self._fail(outcome, f"{type(outcome).__name__}")
+                failed = _Reading(load, [])
+                self._fail(failed, type(outcome).__name__)
+                outcome = failed
             opened.append(outcome)
         for reading in opened:
             landed = [piece.landed_layers() for piece in reading.streams]
