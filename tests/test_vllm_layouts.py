@@ -320,3 +320,32 @@ def test_a_load_whose_layers_fail_the_checksums_its_streams_end_carries_fails_an
     assert ends, "the load read the prompt as a stream"
     assert outcome.failed == {"request"} and outcome.failed_blocks == set(into_blocks)
     assert decode.take_counters().get("failed_loads") == 1
+
+
+def test_a_step_that_fetches_some_loads_and_streams_others_lands_them_all(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+) -> None:
+    from kvrt.integrations.vllm._scheduler import Load
+
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    prefill, prefill_caches = sides(entry, produces=True, seed=1)
+    decode, decode_caches = sides(entry, produces=False, seed=2)
+    prompts = [list(range(4000 + 100 * index, 4000 + 100 * index + TOKENS)) for index in range(4)]
+    sources = [blocks_for(entry, TOKENS, 10 + index) for index in range(4)]
+    for tokens, from_blocks in zip(prompts, sources, strict=True):
+        publish([prefill], tokens, from_blocks, entry["block_size"], entry["layers"])
+    order = random.Random(20).sample(range(entry["blocks"]), entry["blocks"])
+    per_load = -(-TOKENS // entry["block_size"])
+    targets = [order[index * per_load : (index + 1) * per_load] for index in range(4)]
+    endpoints = tuple(endpoints_of([prefill]))
+    loads = [
+        Load(f"r{index}", endpoints, tokens, 0, slots(entry, into, range(TOKENS)), into, published=index % 2 == 0)
+        for index, (tokens, into) in enumerate(zip(prompts, targets, strict=True))
+    ]
+    decode.start_loads(loads)
+    for layer in range(entry["layers"]):
+        decode.wait_layer(layer)
+    assert decode.end_step().failed == set()
+    for from_blocks, into in zip(sources, targets, strict=True):
+        sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
+        assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)
