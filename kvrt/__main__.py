@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport", choices=("nccl", "cuda_ipc", "tcp", "nixl"), default=None,
         help="the transport forced: nccl or cuda_ipc (nccl, pull, stream; default nccl), tcp or nixl (requests)",
     )  # fmt: skip
+    bench.add_argument(
+        "--rate-gbit", type=float, default=None, help="the link's rate between the two hosts (hosts; default 4)"
+    )
     bench.set_defaults(run=_bench)
     from kvrt._attack import SCENARIOS
 
