@@ -8,8 +8,12 @@ pages first touched (and zeroed) inside the request, and unmapped again when it 
 On a 2-core host that was a thousand page faults and about 1 ms of CPU a side for a 16 MiB
 item. `keep_freed_memory` has malloc serve allocations up to its ceiling for that (32 MiB)
 from its heap and keep up to `KEPT_FREE_BYTES` of freed memory for the next ones: after the
-first requests the pages are warm. Once per process, at the first producer or consumer;
-`KVRT_HEAP_TUNING=0` leaves malloc as it is (an engine that tunes it itself).
+first requests the pages are warm. A thread's heaps other than the main one are 64 MiB each,
+and a thread that needs more (libzmq's, receiving a large item in frames: `kvrt.transports.tcp`)
+makes another, which glibc unmaps whenever it empties unless `KEPT_FREE_BYTES` is also the
+padding it keeps at a heap's top: so it is, and such a heap stays. Once per process, at the
+first producer or consumer; `KVRT_HEAP_TUNING=0` leaves malloc as it is (an engine that tunes
+it itself).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 from typing import Final
 
 _M_TRIM_THRESHOLD: Final = -1
+_M_TOP_PAD: Final = -2
 _M_MMAP_THRESHOLD: Final = -3
 HEAP_ALLOCATIONS_UP_TO: Final = 32 << 20
 """The largest allocation malloc serves from its heap (glibc's ceiling for the setting)."""
@@ -53,6 +58,7 @@ def keep_freed_memory() -> None:
             return
         mallopt(_M_MMAP_THRESHOLD, HEAP_ALLOCATIONS_UP_TO)
         mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
+        mallopt(_M_TOP_PAD, KEPT_FREE_BYTES)
 
 
 def trim_heap() -> None:

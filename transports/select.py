@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvrt._errors import InvalidInputError
@@ -46,15 +48,17 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
 
 
 def make_senders(
-    names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0
-) -> dict[str, Sender]:
+    names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0,
+    takes_frames: Callable[[bytes], bool] | None = None,
+) -> dict[str, Sender]:  # fmt: skip
     """The producer's halves of the transports `names`, by name (`store_host`: where consumers
     reach the rendezvous of a paired transport; `registered_bytes`: the most memory cuda_ipc
-    or nixl keeps registered for items)."""
+    or nixl keeps registered for items; `takes_frames`: whether a consumer takes a TCP payload
+    in several frames, see `TcpSender`)."""
     senders: dict[str, Sender] = {}
     for name in names:
         if name == "tcp":
-            senders[name] = TcpSender(device)
+            senders[name] = TcpSender(device, takes_frames)
         elif name == "cuda_ipc":
             senders[name] = CudaIpcSender(device, registered_bytes)
         elif name == "nixl":

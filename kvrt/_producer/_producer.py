@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Self
 
 import torch
@@ -228,6 +228,7 @@ class Producer(ProducerState, AsyncService):
             store_host=_host_of(self._endpoint),
             # Room for a full buffer and the one insert that may pass it, and a slab to spare.
             registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
+            takes_frames=partial(self._core.takes, capability=m.Capability.TCP_FRAMES),
         )
         for transport in self._transports.values():
             await transport.start()
