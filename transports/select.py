@@ -47,6 +47,15 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
     return (*preferred, "tcp")
 
 
+def producer_transports(forced: str | None, device: torch.device) -> tuple[str, ...]:
+    """What a producer sends with, preferred first: `transport_preference`'s, and TCP behind a
+    forced NIXL. NIXL is a faster path for the consumers that ask for it, not a gate: the
+    clients that take no items and speak TCP (a router's probes, a decode's lookups, `kvrt`
+    commands) are still answered, and consumers that did not ask for NIXL take items over TCP."""
+    names = transport_preference(forced, device)
+    return (*names, "tcp") if names == ("nixl",) else names
+
+
 def make_senders(
     names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0,
     takes_frames: Callable[[bytes], bool] | None = None,

@@ -42,7 +42,7 @@ from kvrt._threads import gpu_worker
 from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import HostCopies, Sender
 from kvrt.transports.cuda_ipc import host_identity
-from kvrt.transports.select import SAME_HOST_ONLY, transport_preference
+from kvrt.transports.select import SAME_HOST_ONLY, producer_transports
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """K and V bytes per chunk of a published request (see `register_pools`)."""
@@ -103,7 +103,7 @@ class ProducerState:
         self._bind = bind
         self._curve = curve
         self._authenticator: Any = None
-        self._transport_names = transport_preference(transport, self.device)
+        self._transport_names = producer_transports(transport, self.device)
         self._transports: dict[str, Sender] = {}
         self.heads = head_range(heads, "heads")
         """The model's KV heads this producer's items hold (a prefill TP rank's share), if told."""
