@@ -16,12 +16,14 @@ from tests.test_protocol import PEER, Pair
 pytestmark = pytest.mark.timeout(60)
 
 FRAME_BYTES = 64 << 10
-"""Frames this small in the tests, so that a small item travels in many."""
+"""Frames this small in the tests (and payloads framed from that size), so that a small item
+travels in many."""
 
 
 @pytest.fixture
 def small_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """`tcp.FRAME_BYTES` made small; the number of frames each payload the sender cut went in."""
+    """`tcp.FRAME_BYTES` and `tcp.FRAMED_FROM_BYTES` made small; the number of frames each
+    payload the sender cut went in."""
     cuts: list[int] = []
     framed = tcp.framed
 
@@ -31,6 +33,7 @@ def small_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return pieces
 
     monkeypatch.setattr(tcp, "FRAME_BYTES", FRAME_BYTES)
+    monkeypatch.setattr(tcp, "FRAMED_FROM_BYTES", FRAME_BYTES)
     monkeypatch.setattr(tcp, "framed", counted)
     return cuts
 

@@ -12,12 +12,12 @@ libzmq receives each frame into memory it allocates with `malloc`, which glibc s
 memory it keeps only up to 32 MiB (`kvrt._heap`): a larger frame is a fresh mapping, its
 pages faulted in one by one inside the request (16,385 faults for 64 MiB, a few µs each on
 a virtual machine: the consumer's CPU for the item tripled) and unmapped when it is freed.
-So a payload of more than `FRAME_BYTES` goes to a consumer that takes it so
+So a payload of `FRAMED_FROM_BYTES` or more goes to a consumer that takes it so
 (`Capability.TCP_FRAMES`, in its hello) in frames of `FRAME_BYTES` (zero-copy slices of the
 item's storage), each received into kept memory, and the consumer copies them into a region
 of memory it keeps for the purpose (`RECEIVE_ARENA_BYTES`, reused once the item's tensors
-are gone): one copy at memory speed instead of a fault per page. A payload in one frame is
-still used where it landed, without a copy.
+are gone): one copy at memory speed instead of a fault per page. A smaller payload comes in
+one frame, which malloc serves from kept memory, and is used where it landed, without a copy.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
+from kvrt._heap import HEAP_ALLOCATIONS_UP_TO
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
 from kvrt._threads import CheckWorkers, pass_outcome
@@ -63,11 +64,14 @@ other call of the consumer."""
 MAX_FOLLOWING: Final = 4096
 """Most deliveries one link keeps waiting for their `payload` message."""
 
+FRAMED_FROM_BYTES: Final = HEAP_ALLOCATIONS_UP_TO - (1 << 20)
+"""Payloads of this size or more go in frames to a consumer that takes them so: glibc's
+malloc serves an allocation from memory it keeps only below `HEAP_ALLOCATIONS_UP_TO`, and
+libzmq's message and malloc's own headers come on top of the payload."""
 FRAME_BYTES: Final = 8 << 20
-"""The largest frame of a payload sent to a consumer that takes several: well inside what
-glibc's malloc serves from memory it keeps once kvrt tuned it (32 MiB, `kvrt._heap`), and
-large enough that a frame's own cost (a libzmq message, a Python object) is nothing beside
-its bytes."""
+"""The largest frame of a framed payload: well inside what malloc serves from kept memory,
+and large enough that a frame's own cost (a libzmq message, a Python object) is nothing
+beside its bytes."""
 RECEIVE_ARENA_BYTES: Final = 1 << 30
 """The most memory a consumer's TCP receiver keeps for payloads that came in several frames
 (slabs of `RECEIVE_SLAB_BYTES`, made as needed); past it such a payload lands in memory
@@ -80,8 +84,9 @@ def _never(peer: bytes) -> bool:
 
 
 def framed(frame: memoryview) -> list[memoryview]:
-    """`frame` cut into frames of at most `FRAME_BYTES` (zero-copy slices; an empty frame stays one)."""
-    if frame.nbytes <= FRAME_BYTES:
+    """`frame` cut into frames of at most `FRAME_BYTES` (zero-copy slices) if it has at least
+    `FRAMED_FROM_BYTES`; else `frame` alone."""
+    if frame.nbytes < FRAMED_FROM_BYTES:
         return [frame]
     flat = frame.cast("B")
     return [flat[start : start + FRAME_BYTES] for start in range(0, flat.nbytes, FRAME_BYTES)]
@@ -89,9 +94,9 @@ def framed(frame: memoryview) -> list[memoryview]:
 
 class TcpSender(Sender):
     """The producer's half: an item's packed bytes, framed at its first send, kept while the
-    item lives (in frames of `FRAME_BYTES` for a consumer that `takes_frames`, a call the
-    producer's driver answers from the consumer's hello); a stream message's tensors as host
-    frames."""
+    item lives (a payload of `FRAMED_FROM_BYTES` or more in frames of `FRAME_BYTES` for a
+    consumer that `takes_frames`, a call the producer's driver answers from the consumer's
+    hello); a stream message's tensors as host frames."""
 
     def __init__(self, device: torch.device | str = "cpu", takes_frames: Callable[[bytes], bool] | None = None) -> None:
         self.name = "tcp"
@@ -108,7 +113,7 @@ class TcpSender(Sender):
             return
         await transfer.written()
         frames = [self._frame(item) for item in transfer.items]
-        if self._takes_frames(peer) and any(frame.nbytes > FRAME_BYTES for frame in frames):
+        if self._takes_frames(peer) and any(frame.nbytes >= FRAMED_FROM_BYTES for frame in frames):
             frames = [piece for frame in frames for piece in framed(frame)]
         post(frames)
 
