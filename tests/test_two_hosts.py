@@ -15,6 +15,11 @@ from kvrt._bench import _netns, hosts
 pytestmark = pytest.mark.timeout(150)
 
 RATE_BITS_PER_S = int(hosts.DEFAULT_RATE_GBIT * 1e9)
+ROUNDS = 2
+
+
+def fastest(runs: list[hosts.Measured], case: hosts.Case) -> hosts.Measured:
+    return max(runs, key=lambda measured: measured.bytes_per_s(case))
 
 
 def namespaces() -> set[str]:
@@ -39,10 +44,15 @@ def link(can_make_namespaces: None) -> Iterator[_netns.Link]:
 def test_a_large_item_moves_between_two_hosts_at_the_rate_of_a_raw_tcp_stream_over_the_same_link(
     link: _netns.Link,
 ) -> None:
+    # An item of 64 MiB: above what malloc serves from the memory it keeps (see
+    # kvrt.transports.tcp). The faster of two turns of each (the raw stream, then kvrt, twice):
+    # a process that other work on the host held back for a moment says nothing of the link.
     case = hosts.Case("64 MiB, one at a time", 64 << 20, requests=4, in_flight=1)
-    raw = hosts.run_raw(link, case)
-    ours = hosts.run_kvrt(link, case)
-    row, met = hosts.report_row(case, raw, ours, hosts.DEFAULT_RATE_GBIT)
+    raw, ours = [], []
+    for _ in range(ROUNDS):
+        raw.append(hosts.run_raw(link, case))
+        ours.append(hosts.run_kvrt(link, case))
+    row, met = hosts.report_row(case, fastest(raw, case), fastest(ours, case), hosts.DEFAULT_RATE_GBIT)
     print(dict(zip(hosts.HEADER, row, strict=True)))  # the consumer's CPU a request, with the rates
     assert met, dict(zip(hosts.HEADER, row, strict=True))
 
