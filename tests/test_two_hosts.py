@@ -81,3 +81,11 @@ def test_namespaces_left_by_a_run_that_was_killed_are_removed_by_the_next(can_ma
         assert orphan not in namespaces()
     finally:
         subprocess.run(["ip", "netns", "delete", orphan], capture_output=True, timeout=20, check=False)
+
+
+def test_where_namespaces_cannot_be_made_the_reason_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_netns.os, "geteuid", lambda: 1000)
+    assert _netns.unavailable() == "making network namespaces needs root"
+    monkeypatch.setattr(_netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(_netns.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    assert _netns.unavailable() == "`tc` (iproute2) is not installed"

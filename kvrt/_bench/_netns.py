@@ -38,6 +38,7 @@ the rates used (4 Gbit/s: 500 KB), so that the bucket, not the timer tick, sets 
 QUEUE_LATENCY_MS: Final = 20
 """How long a packet may wait in the shaper's queue before it is dropped (its queue's size)."""
 COMMAND_S: Final = 20.0
+PROBE_RATE_BITS_PER_S: Final = 1_000_000_000
 _CLONE_NEWNET: Final = 0x40000000
 
 
@@ -65,18 +66,19 @@ def _checked(*command: str) -> None:
 
 
 def unavailable() -> str | None:
-    """Why two namespaces cannot be made here (not root, no `ip` or `tc`, or the kernel
-    refuses), or None when they can: a probe namespace is made and removed."""
+    """Why two hosts joined by a shaped link cannot be made here (not root, no `ip` or `tc`,
+    or the kernel refuses namespaces, veth pairs or `tbf`), or None when they can: a link is
+    made and removed to find out."""
     if os.geteuid() != 0:
         return "making network namespaces needs root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}{os.getpid()}p{secrets.token_hex(3)}"
-    made = _run("ip", "netns", "add", probe)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
-    _run("ip", "netns", "delete", probe)
+    try:
+        with shaped_link(PROBE_RATE_BITS_PER_S):
+            pass
+    except OSError as exc:
+        return str(exc)
     return None
 
 
