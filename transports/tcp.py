@@ -10,8 +10,9 @@ consumer's `Received`, and pyzmq holds a reference to the frame until libzmq sen
 
 libzmq receives each frame into memory it allocates with `malloc`, which glibc serves from
 memory it keeps only up to 32 MiB (`kvrt._heap`): a larger frame is a fresh mapping, its
-pages faulted in one by one inside the request (16,385 faults for 64 MiB, a few µs each on
-a virtual machine: the consumer's CPU for the item tripled) and unmapped when it is freed.
+pages faulted in one by one inside the request (16,385 faults for 64 MiB, 3-6 µs each on a
+virtual machine: 1.7 to 2.8 times the consumer's CPU for the item) and unmapped when it is
+freed.
 So a payload of `FRAMED_FROM_BYTES` or more goes to a consumer that takes it so
 (`Capability.TCP_FRAMES`, in its hello) in frames of `FRAME_BYTES` (zero-copy slices of the
 item's storage), each received into kept memory, and the consumer copies them into a region
