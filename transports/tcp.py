@@ -34,7 +34,7 @@ import zmq
 
 from kvrt._buffer import BufferedItem
 from kvrt._errors import IntegrityError, RemoteProtocolError
-from kvrt._heap import HEAP_ALLOCATIONS_UP_TO
+from kvrt._heap import HEAP_ALLOCATIONS_UP_TO, keep_extra_heaps
 from kvrt._messages import SPLIT_PAYLOAD_BYTES, Deliver, DeliverMany, Hit, Payload
 from kvrt._tensors import tensor_bytes, unpack
 from kvrt._threads import CheckWorkers, pass_outcome
@@ -267,6 +267,7 @@ class TcpReceiver(Receiver):
                 )
             into = None
             if len(group) > 1:
+                keep_extra_heaps()  # before the frames go back: libzmq's thread may have needed a heap more
                 into = self._kept.allocate(entry.payload_bytes)
                 if into is None:  # the kept memory is all held by tensors still alive
                     into = torch.empty(entry.payload_bytes, dtype=torch.uint8)
