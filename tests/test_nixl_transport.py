@@ -301,6 +301,20 @@ async def test_a_producer_whose_nixl_cannot_be_joined_gives_way_to_tcp_and_says_
     assert any("nixl" in text and "over tcp instead" in text for text in said), said
 
 
+async def test_a_producer_forced_to_nixl_answers_clients_and_consumers_that_speak_tcp() -> None:
+    """A router's probes and a decode's lookups (clients, which take no items) speak TCP."""
+    tokens = torch.arange(12)
+    key, value, hidden = make_kv(tokens)
+    async with kvrt.Producer(transport="nixl") as producer:
+        await producer.insert(tokens, None, key, value, hidden)
+        async with kvrt.Client(producer.endpoint) as client:
+            assert (await client.stats()).items == 1
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            assert consumer.transports == {producer.endpoint: "tcp"}
+            item = await consumer.drop_select(tokens)
+            assert item is not None and torch.equal(item.key, key)
+
+
 def test_forcing_nixl_where_it_is_not_installed_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(select, "nixl_unavailable", lambda: "NIXL is not installed (simulated)")
     with pytest.raises(kvrt.InvalidInputError, match=r"transport='nixl' cannot run here.*simulated"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvrt._errors import InvalidInputError
@@ -45,16 +47,27 @@ def transport_preference(forced: str | None, device: torch.device) -> tuple[str,
     return (*preferred, "tcp")
 
 
+def producer_transports(forced: str | None, device: torch.device) -> tuple[str, ...]:
+    """What a producer sends with, preferred first: `transport_preference`'s, and TCP behind a
+    forced NIXL. NIXL is a faster path for the consumers that ask for it, not a gate: the
+    clients that take no items and speak TCP (a router's probes, a decode's lookups, `kvrt`
+    commands) are still answered, and consumers that did not ask for NIXL take items over TCP."""
+    names = transport_preference(forced, device)
+    return (*names, "tcp") if names == ("nixl",) else names
+
+
 def make_senders(
-    names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0
-) -> dict[str, Sender]:
+    names: tuple[str, ...], device: torch.device, *, store_host: str, registered_bytes: int = 0,
+    takes_frames: Callable[[bytes], bool] | None = None,
+) -> dict[str, Sender]:  # fmt: skip
     """The producer's halves of the transports `names`, by name (`store_host`: where consumers
     reach the rendezvous of a paired transport; `registered_bytes`: the most memory cuda_ipc
-    or nixl keeps registered for items)."""
+    or nixl keeps registered for items; `takes_frames`: whether a consumer takes a TCP payload
+    in several frames, see `TcpSender`)."""
     senders: dict[str, Sender] = {}
     for name in names:
         if name == "tcp":
-            senders[name] = TcpSender(device)
+            senders[name] = TcpSender(device, takes_frames)
         elif name == "cuda_ipc":
             senders[name] = CudaIpcSender(device, registered_bytes)
         elif name == "nixl":

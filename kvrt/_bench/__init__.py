@@ -6,7 +6,8 @@ import argparse
 import importlib
 
 BENCHMARKS = (
-    "buffer", "checksum", "consensus", "heads", "nccl", "ipc", "kernels", "nixl", "pull", "requests", "stream", "vllm"
+    "buffer", "checksum", "consensus", "heads", "hosts", "nccl", "ipc", "kernels", "nixl", "pull", "requests", "stream",
+    "vllm",
 )  # fmt: skip
 """Each is a module with `main(args) -> int`: of this package, but those `ELSEWHERE` says."""
 

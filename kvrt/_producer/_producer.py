@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import uuid
+from functools import partial
 from typing import Any, Self
 
 import torch
@@ -48,7 +49,7 @@ from kvrt._zmqio import RouterOutboxes, SocketIO
 from kvrt.transports import Sender
 from kvrt.transports._arena import SLAB_BYTES
 from kvrt.transports.cuda_ipc import host_identity
-from kvrt.transports.select import SAME_HOST_ONLY, make_senders, transport_preference
+from kvrt.transports.select import SAME_HOST_ONLY, make_senders, producer_transports
 
 log = logging.getLogger("kvrt.producer")
 
@@ -108,7 +109,7 @@ class Producer(AsyncService):
         config = ProducerConfig(
             bind=bind, device=usable, buffer_bytes=buffer_bytes, heartbeat_s=heartbeat_s,
             producer_id=name or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            transport_names=tuple(transport_preference(transport, usable)), item_ttl_s=item_ttl_s, curve=curve,
+            transport_names=tuple(producer_transports(transport, usable)), item_ttl_s=item_ttl_s, curve=curve,
             heads=head_range(heads, "heads"), checksum=wanted,
         )  # fmt: skip
         self._config = config
@@ -274,6 +275,7 @@ class Producer(AsyncService):
                 store_host=_host_of(self._endpoint),
                 # Room for a full buffer and the one insert that may pass it, and a slab to spare.
                 registered_bytes=2 * self.buffer_bytes + SLAB_BYTES,
+                takes_frames=partial(self._core.takes, capability=m.Capability.TCP_FRAMES),
             )
         )
         for transport in self._transports.values():

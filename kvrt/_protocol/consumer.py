@@ -191,8 +191,11 @@ class ConsumerCore:
         self._hello_sent_at = now
         self._next_ping = now + self.heartbeat_s
         sent = self._sent_receipts
+        capabilities = list(self.transports)
+        if m.Capability.TCP in capabilities:
+            capabilities.append(m.Capability.TCP_FRAMES.value)
         return m.Hello(
-            version=m.PROTOCOL_VERSION, name=self.name, capabilities=list(self.transports), host=self.host,
+            version=m.PROTOCOL_VERSION, name=self.name, capabilities=capabilities, host=self.host,
             received=[item_id for item_id, _ in sent], received_leases=[lease for _, lease in sent],
             release=m.RELEASE,
         )  # fmt: skip

@@ -170,6 +170,10 @@ class ProducerCore:
         """The transport chosen at `peer`'s hello (None once it left)."""
         return self.sessions.transport_of(peer)
 
+    def takes(self, peer: bytes, capability: m.Capability) -> bool:
+        """Whether `peer`'s hello listed `capability` (False once it left)."""
+        return self.sessions.takes(peer, capability)
+
     def take_departed(self) -> list[Departure]:
         """Peers that left since the last call: the driver releases what their transports held."""
         departed, self.sessions.departed = self.sessions.departed, []

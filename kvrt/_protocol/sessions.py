@@ -63,6 +63,8 @@ class Session:
     last_seen: float
     gone: str | None = None
     """Why it was dropped (see `PeerState.GONE`); None while it is served."""
+    capabilities: frozenset[str] = frozenset()
+    """What its hello listed (transports, and `Capability` names beyond the base protocol)."""
 
 
 class Sessions:
@@ -131,6 +133,11 @@ class Sessions:
         session = self.peers.get(peer)
         return None if session is None or session.gone is not None else session.transport
 
+    def takes(self, peer: bytes, capability: m.Capability) -> bool:
+        """Whether `peer`'s hello listed `capability` (False once it left)."""
+        session = self.peers.get(peer)
+        return session is not None and session.gone is None and capability.value in session.capabilities
+
     # -- a session's messages ---------------------------------------------------------------
 
     def hello(self, peer: bytes, hello: m.Hello, now: float) -> list[Outgoing]:
@@ -153,7 +160,9 @@ class Sessions:
             if hello.received:
                 self.received(peer, hello.received, hello.received_leases, now, quiet=True)
             out += self.forget(peer, now)
-        self.peers[peer] = Session(identity=peer, name=hello.name, transport=transport, last_seen=now)
+        self.peers[peer] = Session(
+            identity=peer, name=hello.name, transport=transport, last_seen=now, capabilities=frozenset(offered)
+        )
         self._lifecycle.hold(peer)
         self._timers.add(now + self._welcome.lease_s, TimerKind.PEER, peer)
         capabilities = [*self.transports, *self._welcome.capabilities]

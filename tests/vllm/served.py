@@ -100,9 +100,12 @@ def connector_config(
 def server(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
     kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None,
+    namespace: str | None = None,
 ) -> Iterator[Server]:  # fmt: skip
     """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends (`env`:
-    more of its environment)."""
+    more of its environment; `namespace`: the network namespace it runs in, started there by
+    `ip netns exec`, which also gives it that namespace's /sys, where UCX finds its devices:
+    call it from a thread in that namespace, which waits for it on its loopback)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"{name}.log"
@@ -117,6 +120,8 @@ def server(
         command += ["--distributed-executor-backend", "mp"]
     if transfer is not None:
         command += ["--kv-transfer-config", transfer]
+    if namespace is not None:
+        command = ["ip", "netns", "exec", namespace, *command]
     # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
     bound = "0|1" if tp == 2 else "nobind"
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
