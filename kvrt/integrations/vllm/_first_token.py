@@ -189,6 +189,8 @@ class Continuation:
     asked_from: int = 0
     """How many output tokens the decode now answering was given in its prompt."""
     usage_sent: bool = False
+    prefilled: dict[str, Any] = field(default_factory=dict)
+    """The prefill's answer: a whole completion of one token."""
 
     @classmethod
     def of(cls, body: dict[str, Any], answer: dict[str, Any]) -> Continuation | None:
@@ -203,7 +205,7 @@ class Continuation:
         created = answer.get("created")
         going = cls(
             body, prompt, str(answer.get("id", "")), created if isinstance(created, int) else 0,
-            str(answer.get("model", body.get("model") or "")), list(tokens), text,
+            str(answer.get("model", body.get("model") or "")), list(tokens), text, prefilled=answer,
         )  # fmt: skip
         reason = choice.get("finish_reason")
         if reason == "stop" or (reason == "length" and going.max_tokens == 1):
@@ -287,11 +289,13 @@ class Continuation:
         return events + event_bytes("[DONE]")
 
     def ended_answer(self) -> dict[str, Any]:
-        """The whole answer of a completion that its first token ended (not streamed)."""
-        return {
-            **self._head(), "choices": [self._choice(self.text, self.tokens, first=True)], "service_tier": None,
-            "system_fingerprint": None, "usage": self._usage(), "kv_transfer_params": None,
-        }  # fmt: skip
+        """The whole answer of a completion that its first token ended (not streamed): the
+        prefill's, which is one, without its `kv_transfer_params` (nobody will take that KV)."""
+        choice = _first_choice(self.prefilled) or {}
+        return {**self.prefilled, "kv_transfer_params": None, "choices": [{
+            **choice, "token_ids": self.tokens if self._wants_tokens else None,
+            "prompt_token_ids": self.prompt if self._wants_tokens else None,
+        }]}  # fmt: skip
 
     def event(self, data: dict[str, Any]) -> dict[str, Any]:
         """A decode's stream chunk as the client reads it: of this completion (its id), the

@@ -58,9 +58,7 @@ class Instance:
 class Instances:
     """The instances of one kind (see the module docstring). One event loop: the router's."""
 
-    def __init__(
-        self, kind: str, urls: Sequence[str], *, on_change: Callable[[Instance], None] | None = None
-    ) -> None:
+    def __init__(self, kind: str, urls: Sequence[str], *, on_change: Callable[[Instance], None] | None = None) -> None:
         self.kind = kind
         self.all = [Instance(kind, url.rstrip("/")) for url in urls]
         self._turn = itertools.count()

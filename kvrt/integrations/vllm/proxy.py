@@ -94,9 +94,18 @@ PREFILL_TRIES: Final = 2
 """Prefill instances a request is sent to at most: one, and another if that one failed."""
 
 
+def _json(answer: dict[str, Any], status: int = 200) -> web.Response:
+    """`answer` as JSON, compact as vLLM's server writes it."""
+    return web.json_response(answer, status=status, dumps=_compact)
+
+
+def _compact(answer: Any) -> str:
+    return json.dumps(answer, separators=(",", ":"))
+
+
 def _error(message: str, status: int) -> web.Response:
     """An error as OpenAI's API (and vLLM's server) writes one, which clients know how to read."""
-    return web.json_response({"error": {"message": message}}, status=status)
+    return _json({"error": {"message": message}}, status=status)
 
 
 class _InstanceError(Exception):
@@ -357,7 +366,7 @@ class Router:
                 self.metrics.time_to_first_token.labels(route).observe(time.perf_counter() - arrived)
             if going.ended:  # no decode: what the prefill published is released below
                 if response is None:
-                    return web.json_response(going.ended_answer())
+                    return _json(going.ended_answer())
                 await _write_eof(response)
                 return response
             failure = ""
@@ -416,7 +425,7 @@ class Router:
         decoded = json.loads(raw)
         if not isinstance(decoded, dict):
             raise _InstanceError("answered what is no completion", "disconnected")
-        return web.json_response(going.answer(decoded)), True
+        return _json(going.answer(decoded)), True
 
     async def _decode_stream(
         self, instance: Instance, path: str, going: Continuation, params: dict[str, Any] | None,
@@ -504,7 +513,7 @@ class Router:
         serving = any(instance.up for instance in self.decodes.all)
         state = {"status": "ok" if serving else "no decode up", "prefill": self.prefills.view(),
                  "decode": self.decodes.view()}  # fmt: skip
-        return web.json_response(state, status=200 if serving else 503)
+        return _json(state, status=200 if serving else 503)
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})

