@@ -55,14 +55,30 @@ def states(view: dict[str, Any]) -> dict[str, str]:
     return {instance["url"]: instance["state"] for kind in ("prefill", "decode") for instance in view[kind]}
 
 
-def failures(url: str, instance: str) -> float:
-    """The requests the router counts as failed by `instance` (every kind of failure)."""
+def failures(url: str, instance: str, error: str = "") -> float:
+    """The requests the router counts as failed by `instance` (of one kind of failure, or all)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
         lines = answer.read().decode().splitlines()
     mine = [
-        line for line in lines if line.startswith("kvrt_router_failures_total{") and f'instance="{instance}"' in line
-    ]
+        line for line in lines
+        if line.startswith("kvrt_router_failures_total{") and f'instance="{instance}"' in line
+        and f'error="{error}' in line
+    ]  # fmt: skip
     return sum(float(line.rsplit(" ", 1)[1]) for line in mine)
+
+
+def kill_when_busy(url: str, victims: list[Server], bound_s: float = 30.0) -> None:
+    """Kill `victims` once the router has two requests or more on the last of them (a decode):
+    requests it was answering when it died."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        (busy,) = [instance["in_flight"] for instance in health(url)["decode"] if instance["url"] == victims[-1].url]
+        if busy >= 2:
+            break
+        assert time.monotonic() < deadline, "the decode to kill never had two requests in flight"
+        time.sleep(0.01)  # the router's own count, read from outside
+    for victim in victims:
+        kill(victim)
 
 
 def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list[list[int]]:
@@ -88,8 +104,7 @@ def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list
                     tokens = streamed_tokens(text) if stream else list(json.loads(text)["choices"][0]["token_ids"])
                 answered += 1
                 if answered == KILL_AFTER:
-                    for victim in victims:
-                        await asyncio.to_thread(kill, victim)
+                    await asyncio.to_thread(kill_when_busy, url, victims)
                 return tokens
 
             return list(await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(asked))))
@@ -128,6 +143,8 @@ def test_two_prefills_and_two_decodes_answer_every_request_while_one_of_each_is_
         assert [seen[victim.url] for victim in victims] == ["out", "out"]
         assert seen[fleet["prefill-1"].url] == seen[fleet["decode-1"].url] == "up"
         assert all(failures(routed.url, victim.url) > 0 for victim in victims)
+        # Requests the dead decode was answering went on at the other, from what their clients had.
+        assert failures(routed.url, victims[-1].url, "disconnected") > 0
 
         for name in killed:  # restarted where they were (the prefill's producer too)
             fleet[name] = stack.enter_context(running(start(model, folder, name, **options[name])))

@@ -576,7 +576,7 @@ async def _release_on(endpoints: Sequence[str], prompt: list[int]) -> None:
                 async with kvrt.Client(endpoint, connect_timeout_s=RELEASE_TIMEOUT_S) as client:
                     await evict_prompt(client, prompt)
         except (kvrt.KVRTError, TimeoutError) as exc:
-            log.warning("could not release KV at %s: %s", endpoint, exc)
+            log.warning("could not release KV at %s: %s: %s", endpoint, type(exc).__name__, exc)
 
 
 ROUTER: Final = web.AppKey("router", Router)
