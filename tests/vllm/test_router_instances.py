@@ -38,10 +38,13 @@ async def fleet(
     prefills: int = 2, decodes: int = 2, *, producer: kvrt.Producer | None = None,
     arrivals: asyncio.Queue[FakeInstance] | None = None,
 ) -> AsyncIterator[Fleet]:  # fmt: skip
-    params = {"kvrt_endpoint": producer.endpoint if producer is not None else "tcp://127.0.0.1:1"}
-    made = Fleet("", [FakeInstance(params=params, producer=producer) for _ in range(prefills)],
-                 [FakeInstance(arrivals=arrivals) for _ in range(decodes)], {})  # fmt: skip
     async with AsyncExitStack() as stack:
+        # A producer of its own where the test has none: what the router releases, it releases
+        # there (a release to an address nobody serves would wait for its connect timeout).
+        producer = producer or await stack.enter_async_context(kvrt.Producer())
+        params = {"kvrt_endpoint": producer.endpoint}
+        made = Fleet("", [FakeInstance(params=params, producer=producer) for _ in range(prefills)],
+                     [FakeInstance(arrivals=arrivals) for _ in range(decodes)], {})  # fmt: skip
         for fake in (*made.prefills, *made.decodes):
             made.urls[fake] = await stack.enter_async_context(serving(fake.app()))
         app = application([made.urls[fake] for fake in made.prefills], [made.urls[fake] for fake in made.decodes])

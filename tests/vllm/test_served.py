@@ -36,6 +36,9 @@ pytestmark = pytest.mark.timeout(300)
 LOOKUP_TIMEOUT_S = 30.0
 HEARTBEAT_S = 5.0
 REQUESTS, IN_FLIGHT = 64, 8
+PENALTY = {"frequency_penalty": 0.5}
+"""What a request asks that takes the router's plain path (the models have no tokenizer, which
+logprobs, stop strings and echo need)."""
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +140,9 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
     model: Path, folder: Path, bind: str, prefill_tp: int, decode_tp: int
 ) -> None:
     # The router answers each prefill's first token at once and the decode goes on from the
-    # prompt plus that token (half of them streamed); a few take the plain path (logprobs: the
-    # decode computes every output token), a few end at their first token (no decode).
+    # prompt plus that token (half of them streamed); a few take the plain path (a penalty on
+    # output tokens: the decode computes every output token), a few end at their first token
+    # (no decode).
     asked = prompts(REQUESTS, seed=prefill_tp * 10 + decode_tp)
     plain, first_only = prompts(4, seed=1), prompts(4, seed=2)
     half = REQUESTS // 2
@@ -146,10 +150,10 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
         with router([prefill.url], [decode.url], folder) as routed:
             through_kvrt = complete(routed.url, asked[:half], in_flight=IN_FLIGHT)
             through_kvrt += complete(routed.url, asked[half:], in_flight=IN_FLIGHT, stream=True)
-            plain_through = complete(routed.url, plain, in_flight=IN_FLIGHT, extra={"logprobs": 1})
+            plain_through = complete(routed.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
             first_through = complete(routed.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
         alone = complete(decode.url, asked, in_flight=IN_FLIGHT)  # no kv_transfer_params: computed there
-        assert plain_through == complete(decode.url, plain, in_flight=IN_FLIGHT)
+        assert plain_through == complete(decode.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
         assert first_through == complete(decode.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
         # Read after those: a rank's counters go out with a later step's output, and the
         # requests computed alone are the steps that carry the last loads' counts (they load

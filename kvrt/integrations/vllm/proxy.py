@@ -176,7 +176,11 @@ class Router:
         self.decodes.start(self._fresh_session)
 
     async def stop(self, _: web.Application) -> None:
-        self._stopping = True  # no release starts now; what is on its way is cancelled
+        # No release starts now; those on their way get `RELEASE_TIMEOUT_S` to end (what they
+        # free would wait for its TTL otherwise), then they and the prefills are cancelled.
+        self._stopping = True
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=RELEASE_TIMEOUT_S)
         pending: list[asyncio.Future[Any]] = [*self._prefills, *self._releases]
         for task in pending:
             task.cancel()
