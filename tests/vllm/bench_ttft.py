@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Final
@@ -107,6 +108,41 @@ async def measure(urls: dict[str, str], asked: list[list[int]], tag: str) -> dic
     return times
 
 
+ROUTER_SERIES: Final = {
+    "prefill": "kvrt_router_prefill_seconds",
+    "first token written (at once)": 'kvrt_router_time_to_first_token_seconds{route="first_token"}',
+    "first token written (from decode)": 'kvrt_router_time_to_first_token_seconds{route="decode"}',
+    "hand-off": "kvrt_router_handoff_seconds",
+}
+"""The router's own histograms: what it spends waiting for the prefill, what it takes to write
+the first token after the request came, what the hand-off to the decode takes."""
+
+
+def router_totals(url: str) -> dict[str, tuple[float, float]]:
+    """Each of the router's `ROUTER_SERIES` it has: (sum, count)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    found: dict[str, tuple[float, float]] = {}
+    for name, series in ROUTER_SERIES.items():
+        base, _, labels = series.partition("{")
+        labels = "{" + labels if labels else ""
+        total = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(f"{base}_sum{labels} ")]
+        count = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(f"{base}_count{labels} ")]
+        if total and count:
+            found[name] = (total[0], count[0])
+    return found
+
+
+def router_means(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The mean of each series over what it observed between two readings."""
+    means: dict[str, float] = {}
+    for name, (total, count) in after.items():
+        earlier_total, earlier_count = before.get(name, (0.0, 0.0))
+        if count > earlier_count:
+            means[name] = (total - earlier_total) / (count - earlier_count)
+    return means
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="prompts per pass (default 64)")
@@ -134,6 +170,7 @@ def main() -> None:
         from_decode = stack.enter_context(router([prefill.url], [decode.url], folder, first_token="decode"))
         urls = {"single": single.url, "at once": at_once.url, "from decode": from_decode.url}
         asyncio.run(measure(urls, prompts(8, -1, args.shortest, args.longest), "warm"))  # cold instances are slow
+        before = {target: router_totals(urls[target]) for target in ("at once", "from decode")}
         times: dict[str, list[float]] = {target: [] for target in TARGETS}
         for number in range(args.passes):
             measured = asyncio.run(
@@ -141,6 +178,7 @@ def main() -> None:
             )
             for target in TARGETS:
                 times[target] += measured[target]
+        inside = {target: router_means(router_totals(urls[target]), before[target]) for target in before}
     single_p50 = statistics.median(times["single"])
     rows: list[dict[str, Any]] = []
     print(f"{'client TTFT, streamed':>24} {'p50 ms':>8} {'p99 ms':>8} {'p50 / single':>13} {'goal':>8} {'met':>8}")
@@ -155,8 +193,11 @@ def main() -> None:
         rows.append({"target": target, "p50_s": p50, "p99_s": p99, "ratio_p50": ratio, "times_s": times[target]})
     print(f"{len(times['single'])} prompts of {args.shortest}-{args.longest - 1} tokens, {MAX_TOKENS} output tokens; "
           "every output (streamed and not) equal to the single instance's", flush=True)  # fmt: skip
+    for target, means in inside.items():
+        print(f"router ({target}), means: {', '.join(f'{name} {value * 1e3:.1f} ms' for name, value in means.items())}")
     if args.json:
-        args.json.write_text(json.dumps({"requests": args.requests, "passes": args.passes, "rows": rows}, indent=2))
+        record = {"requests": args.requests, "passes": args.passes, "rows": rows, "router_means_s": inside}
+        args.json.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

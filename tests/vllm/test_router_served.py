@@ -67,6 +67,25 @@ def failures(url: str, instance: str, error: str = "") -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in mine)
 
 
+def usage(url: str, prompt: list[int], *, stream: bool) -> dict[str, Any]:
+    """The `usage` of a greedy completion of `prompt` (streamed: its last chunk's)."""
+    body = {
+        "model": "", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "stream": stream, "stream_options": {"include_usage": True} if stream else None,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        text = answer.read().decode()
+    if not stream:
+        found: dict[str, Any] = json.loads(text)["usage"]
+        return found
+    chunks = [json.loads(event[len("data: ") :]) for event in text.split("\n\n") if event.startswith("data: {")]
+    last: dict[str, Any] = chunks[-1]["usage"]
+    return last
+
+
 def kill_when_busy(url: str, victims: list[Server], bound_s: float = 30.0) -> None:
     """Kill `victims` once the router has two requests or more on the last of them (a decode):
     requests it was answering when it died."""
@@ -160,6 +179,9 @@ def test_two_prefills_and_two_decodes_answer_every_request_while_one_of_each_is_
         alone = complete(fleet["decode-0"].url, asked, in_flight=IN_FLIGHT, max_tokens=MAX_TOKENS)
         assert through == alone
         assert after == alone[:8]
+        # The answer's usage counts the client's prompt, as the instance alone counts it.
+        for stream in (False, True):
+            assert usage(routed.url, asked[0], stream=stream) == usage(fleet["decode-0"].url, asked[0], stream=stream)
         deadline = time.monotonic() + 10.0  # releases are never waited for: they land a round trip later
         while producers_hold(binds[1], 1) != [0] or producers_hold(binds[0], 1) != [0]:
             assert time.monotonic() < deadline, (producers_hold(binds[0], 1), producers_hold(binds[1], 1))
