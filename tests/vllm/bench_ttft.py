@@ -5,13 +5,17 @@ token decode`: the client waits for the hand-off and the decode's first step), b
 instance (no connector, no router: a single instance as its users run it), for the same
 prompts in one run.
 
-Each prompt goes, streamed and one request at a time, to each of the three in turn (the order
-rotating from prompt to prompt, so that the host's drift falls on all three), then once more,
-not streamed, to each. The time to first token is the client's: from sending the request to
-reading the first event that holds a token. Every request carries a `cache_salt` of its own,
-so that no instance finds an earlier request's prompt in its prefix cache (the pair serves each
-prompt twice a pass). Each instance's threads are bound to a core of their own (the single one
-and the prefill share core 0, the decode has core 1); the router and the client are not pinned.
+One set-up is up at a time, in turns (the single instance, the pair, the pair, the single
+one, ...: `--rounds` rounds over fresh prompts, the same prompts for all three within a round),
+so that an idle instance's threads (vLLM's CPU workers spin a while after each step) take
+nothing from the one measured and the host's drift falls on both. Each prompt goes, streamed
+and one request at a time, to each target of the set-up (the pair's two routers taking turns
+prompt by prompt), then once more, not streamed. The time to first token is the client's: from
+sending the request to reading the first event that holds a token. Every request carries a
+`cache_salt` of its own, so that no instance finds an earlier request's prompt in its prefix
+cache (the pair serves each prompt four times). Each instance's threads are bound to a core of
+their own: the single instance and the prefill to core 0, the decode to core 1; the router and
+the client are not pinned.
 
 The goal: with the first token at once, p50 <= 1.15x the single instance's p50 (ratios of the
 same run). Every output, streamed and not, must equal the single instance's, or the benchmark
@@ -30,13 +34,14 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 
-from tests.vllm.served import Server, connector_config, free_port, router, server, streamed_tokens
+from tests.vllm.served import connector_config, free_port, router, server, streamed_tokens
 
 GOAL: Final = 1.15
 MAX_TOKENS: Final = 8
@@ -84,28 +89,47 @@ async def whole(session: aiohttp.ClientSession, url: str, prompt: list[int], sal
         return tokens
 
 
-async def measure(urls: dict[str, str], asked: list[list[int]], tag: str) -> dict[str, list[float]]:
-    """Every prompt to every target, streamed, then whole: the times to first token by target.
-    Stops at the first output unlike the single instance's."""
-    times: dict[str, list[float]] = {target: [] for target in TARGETS}
+async def measure(
+    urls: dict[str, str], asked: list[list[int]], tag: str
+) -> tuple[dict[str, list[float]], dict[str, list[list[list[int]]]]]:
+    """Every prompt to every target of `urls`, streamed, then whole: the times to first token
+    and the outputs (streamed, whole) by target, in prompt order."""
+    targets = list(urls)
+    times: dict[str, list[float]] = {target: [] for target in targets}
+    outputs: dict[str, list[list[list[int]]]] = {target: [] for target in targets}
     # A connection each: vLLM's server closes one idle for 5 s, and one kept alive would save
     # the single instance a connection the router's client pays (and the router keeps its own).
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
         for index, prompt in enumerate(asked):
-            order = TARGETS[index % 3 :] + TARGETS[: index % 3]
-            outputs: dict[str, list[list[int]]] = {}
+            order = targets[index % len(targets) :] + targets[: index % len(targets)]
             for target in order:
                 ttft, tokens = await streamed(session, urls[target], prompt, f"{tag}-{index}-{target}-s")
                 times[target].append(ttft)
-                outputs.setdefault(target, []).append(tokens)
+                outputs[target].append([tokens])
             for target in order:
-                outputs[target].append(await whole(session, urls[target], prompt, f"{tag}-{index}-{target}-w"))
-            reference = outputs["single"][0]
-            for target, got in outputs.items():
-                if any(tokens != reference for tokens in got):
-                    raise SystemExit(f"prompt {index}: {target}'s outputs {got} differ from the single's {reference}")
-    return times
+                outputs[target][-1].append(await whole(session, urls[target], prompt, f"{tag}-{index}-{target}-w"))
+    return times, outputs
+
+
+@contextmanager
+def set_up(which: str, model: Path, folder: Path) -> Iterator[dict[str, str]]:
+    """The single instance, or the pair and its two routers, up and warmed up: each target's URL."""
+    core = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    with ExitStack() as stack:
+        if which == "single":
+            urls = {"single": stack.enter_context(server(model, folder, "single", env=core[0])).url}
+        else:
+            bind = f"tcp://127.0.0.1:{free_port()}"
+            producer, consumer = connector_config("producer", bind=bind), connector_config("consumer")
+            prefill = stack.enter_context(server(model, folder, "prefill", transfer=producer, env=core[0]))
+            decode = stack.enter_context(server(model, folder, "decode", transfer=consumer, env=core[1]))
+            urls = {
+                first: stack.enter_context(router([prefill.url], [decode.url], folder, first_token=source)).url
+                for first, source in (("at once", "prefill"), ("from decode", "decode"))
+            }
+        asyncio.run(measure(urls, prompts(8, -1, 40, 200), "warm"))  # a cold instance's first passes are slow
+        yield urls
 
 
 ROUTER_SERIES: Final = {
@@ -145,8 +169,8 @@ def router_means(after: dict[str, tuple[float, float]], before: dict[str, tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64, help="prompts per pass (default 64)")
-    parser.add_argument("--passes", type=int, default=2, help="passes over fresh prompts (default 2)")
+    parser.add_argument("--requests", type=int, default=64, help="prompts per round (default 64)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over fresh prompts (default 2)")
     parser.add_argument("--shortest", type=int, default=40, help="prompt tokens at least (default 40)")
     parser.add_argument("--longest", type=int, default=200, help="prompt tokens below (default 200)")
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -156,29 +180,27 @@ def main() -> None:
     model = folder / "opt"
     command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(model), "--arch", "opt"]
     subprocess.run(command, check=True, timeout=120, capture_output=True)
-    bind = f"tcp://127.0.0.1:{free_port()}"
-    with ExitStack() as stack:
-        core = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
-        single: Server = stack.enter_context(server(model, folder, "single", env=core[0]))
-        prefill = stack.enter_context(
-            server(model, folder, "prefill", transfer=connector_config("producer", bind=bind), env=core[0])
-        )
-        decode = stack.enter_context(
-            server(model, folder, "decode", transfer=connector_config("consumer"), env=core[1])
-        )
-        at_once = stack.enter_context(router([prefill.url], [decode.url], folder, first_token="prefill"))
-        from_decode = stack.enter_context(router([prefill.url], [decode.url], folder, first_token="decode"))
-        urls = {"single": single.url, "at once": at_once.url, "from decode": from_decode.url}
-        asyncio.run(measure(urls, prompts(8, -1, args.shortest, args.longest), "warm"))  # cold instances are slow
-        before = {target: router_totals(urls[target]) for target in ("at once", "from decode")}
-        times: dict[str, list[float]] = {target: [] for target in TARGETS}
-        for number in range(args.passes):
-            measured = asyncio.run(
-                measure(urls, prompts(args.requests, number, args.shortest, args.longest), f"pass{number}")
-            )
+    times: dict[str, list[float]] = {target: [] for target in TARGETS}
+    inside: dict[str, dict[str, list[float]]] = {target: {} for target in TARGETS[1:]}
+    for number in range(args.rounds):
+        asked = prompts(args.requests, number, args.shortest, args.longest)
+        outputs: dict[str, list[list[list[int]]]] = {}
+        for which in ("single", "pair") if number % 2 == 0 else ("pair", "single"):
+            with set_up(which, model, folder) as urls:
+                before = {target: router_totals(url) for target, url in urls.items() if target != "single"}
+                measured, got = asyncio.run(measure(urls, asked, f"round{number}"))
+                for target, url in urls.items():
+                    times[target] += measured[target]
+                    outputs[target] = got[target]
+                    if target != "single":
+                        for name, mean in router_means(router_totals(url), before[target]).items():
+                            inside[target].setdefault(name, []).append(mean)
+        for index, reference in enumerate(output[0] for output in outputs["single"]):
             for target in TARGETS:
-                times[target] += measured[target]
-        inside = {target: router_means(router_totals(urls[target]), before[target]) for target in before}
+                if any(tokens != reference for tokens in outputs[target][index]):
+                    raise SystemExit(f"round {number}, prompt {index}: {target}'s outputs {outputs[target][index]} "
+                                     f"differ from the single instance's {reference}")  # fmt: skip
+        print(f"round {number}: outputs equal", flush=True)
     single_p50 = statistics.median(times["single"])
     rows: list[dict[str, Any]] = []
     print(f"{'client TTFT, streamed':>24} {'p50 ms':>8} {'p99 ms':>8} {'p50 / single':>13} {'goal':>8} {'met':>8}")
@@ -193,10 +215,11 @@ def main() -> None:
         rows.append({"target": target, "p50_s": p50, "p99_s": p99, "ratio_p50": ratio, "times_s": times[target]})
     print(f"{len(times['single'])} prompts of {args.shortest}-{args.longest - 1} tokens, {MAX_TOKENS} output tokens; "
           "every output (streamed and not) equal to the single instance's", flush=True)  # fmt: skip
-    for target, means in inside.items():
-        print(f"router ({target}), means: {', '.join(f'{name} {value * 1e3:.1f} ms' for name, value in means.items())}")
+    for target, series in inside.items():
+        means = ", ".join(f"{name} {statistics.mean(values) * 1e3:.1f} ms" for name, values in series.items())
+        print(f"router ({target}), means: {means}")
     if args.json:
-        record = {"requests": args.requests, "passes": args.passes, "rows": rows, "router_means_s": inside}
+        record = {"requests": args.requests, "rounds": args.rounds, "rows": rows, "router_means_s": inside}
         args.json.write_text(json.dumps(record, indent=2))
 
 
