@@ -13,9 +13,11 @@ and one request at a time, to each target of the set-up (the pair's two routers 
 prompt by prompt), then once more, not streamed. The time to first token is the client's: from
 sending the request to reading the first event that holds a token. Every request carries a
 `cache_salt` of its own, so that no instance finds an earlier request's prompt in its prefix
-cache (the pair serves each prompt four times). Each instance's threads are bound to a core of
-their own: the single instance and the prefill to core 0, the decode to core 1; the router and
-the client are not pinned.
+cache (the pair serves each prompt four times). Each instance runs on a core of its own, every
+process of it (`taskset`, and vLLM's threads bound there): the single instance and the prefill
+on core 0, the decode on core 1, as a deployment gives each instance its own cores (unpinned,
+the single instance's API server would have the second core to itself, which the pair's
+decode takes); the router and the client are not pinned.
 
 The goal: with the first token at once, p50 <= 1.15x the single instance's p50 (ratios of the
 same run). Every output, streamed and not, must equal the single instance's, or the benchmark
@@ -115,15 +117,14 @@ async def measure(
 @contextmanager
 def set_up(which: str, model: Path, folder: Path) -> Iterator[dict[str, str]]:
     """The single instance, or the pair and its two routers, up and warmed up: each target's URL."""
-    core = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
     with ExitStack() as stack:
         if which == "single":
-            urls = {"single": stack.enter_context(server(model, folder, "single", env=core[0])).url}
+            urls = {"single": stack.enter_context(server(model, folder, "single", core=0)).url}
         else:
             bind = f"tcp://127.0.0.1:{free_port()}"
             producer, consumer = connector_config("producer", bind=bind), connector_config("consumer")
-            prefill = stack.enter_context(server(model, folder, "prefill", transfer=producer, env=core[0]))
-            decode = stack.enter_context(server(model, folder, "decode", transfer=consumer, env=core[1]))
+            prefill = stack.enter_context(server(model, folder, "prefill", transfer=producer, core=0))
+            decode = stack.enter_context(server(model, folder, "decode", transfer=consumer, core=1))
             urls = {
                 first: stack.enter_context(router([prefill.url], [decode.url], folder, first_token=source)).url
                 for first, source in (("at once", "prefill"), ("from decode", "decode"))

@@ -99,9 +99,12 @@ def connector_config(
 def start(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
     kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None, port: int | None = None,
+    core: int | None = None,
 ) -> Server:  # fmt: skip
     """`vllm serve` of `model` (its OpenAI server) started on a free port (or `port`: one
-    restarted where it was), not waited for (`ready`); `env`: more of its environment."""
+    restarted where it was), not waited for (`ready`); `env`: more of its environment; `core`:
+    every process of the instance (API server, engine core, worker) on that core alone, as a
+    deployment gives each instance cores of its own."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"{name}.log"
@@ -118,6 +121,9 @@ def start(
         command += ["--kv-transfer-config", transfer]
     # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
     bound = "0|1" if tp == 2 else "nobind"
+    if core is not None:
+        command = ["taskset", "-c", str(core), *command]
+        bound = str(core)
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("ab") as out:  # a restarted instance's log goes on after the first one's
         process = subprocess.Popen(
