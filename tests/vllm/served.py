@@ -96,17 +96,18 @@ def connector_config(
     return json.dumps(config)
 
 
-@contextmanager
-def server(
+def start(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
-    kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None,
-    namespace: str | None = None,
-) -> Iterator[Server]:  # fmt: skip
-    """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends (`env`:
-    more of its environment; `namespace`: the network namespace it runs in, started there by
-    `ip netns exec`, which also gives it that namespace's /sys, where UCX finds its devices:
-    call it from a thread in that namespace, which waits for it on its loopback)."""
-    port = free_port()
+    kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None, port: int | None = None,
+    core: int | None = None, namespace: str | None = None,
+) -> Server:  # fmt: skip
+    """`vllm serve` of `model` (its OpenAI server) started on a free port (or `port`: one
+    restarted where it was), not waited for (`ready`); `env`: more of its environment; `core`:
+    every process of the instance (API server, engine core, worker) on that core alone, as a
+    deployment gives each instance cores of its own; `namespace`: the network namespace it runs
+    in, started there by `ip netns exec`, which also gives it that namespace's /sys, where UCX
+    finds its devices (wait for it from a thread in that namespace, on its loopback)."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"{name}.log"
     command = [
@@ -124,26 +125,56 @@ def server(
         command = ["ip", "netns", "exec", namespace, *command]
     # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
     bound = "0|1" if tp == 2 else "nobind"
+    if core is not None:
+        command = ["taskset", "-c", str(core), *command]
+        bound = str(core)
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with log.open("wb") as out:
+    with log.open("ab") as out:  # a restarted instance's log goes on after the first one's
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
         )
-    served = Server(url, process, log)
+    return Server(url, process, log)
+
+
+def ready(served: Server) -> Server:
+    """`served` once it answers its health check (bounded by `READY_S`)."""
+    _wait_ready(served.url, served.process, served.log, READY_S)
+    return served
+
+
+def kill(served: Server) -> None:
+    """Kill `served` at once, its whole process group (as a machine that fails would)."""
+    if served.process.poll() is None:
+        os.killpg(os.getpgid(served.process.pid), signal.SIGKILL)
+        served.process.wait(30)
+
+
+@contextmanager
+def running(served: Server) -> Iterator[Server]:
+    """`served` until the block ends, then stopped (if it still runs)."""
     try:
-        _wait_ready(url, process, log, READY_S)
         yield served
     finally:
         _stop(served)
 
 
 @contextmanager
-def router(prefills: Sequence[str], decodes: Sequence[str], folder: Path) -> Iterator[Server]:
-    """kvrt's router (`python -m kvrt.integrations.vllm.proxy`) in front of the instances."""
+def server(model: Path, folder: Path, name: str, **options: Any) -> Iterator[Server]:
+    """`vllm serve` of `model` (`start`'s options), ready, until the block ends."""
+    with running(start(model, folder, name, **options)) as served:
+        yield ready(served)
+
+
+@contextmanager
+def router(
+    prefills: Sequence[str], decodes: Sequence[str], folder: Path, *, first_token: str = "prefill"
+) -> Iterator[Server]:
+    """kvrt's router (`python -m kvrt.integrations.vllm.proxy`) in front of the instances
+    (`first_token`: its `--first-token`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"router-{port}.log"
-    command = [sys.executable, "-m", "kvrt.integrations.vllm.proxy", "--port", str(port)]
+    command = [sys.executable, "-m", "kvrt.integrations.vllm.proxy", "--port", str(port), "--first-token", first_token]
     command += [word for prefill in prefills for word in ("--prefill", prefill)]
     command += [word for decode in decodes for word in ("--decode", decode)]
     with log.open("wb") as out:
@@ -156,8 +187,12 @@ def router(prefills: Sequence[str], decodes: Sequence[str], folder: Path) -> Ite
         _stop(served)
 
 
-def complete(url: str, prompts: Sequence[list[int]], *, in_flight: int, max_tokens: int = 8) -> list[list[int]]:
-    """Greedy completions of `prompts` through `url`, `in_flight` at a time: each one's tokens."""
+def complete(
+    url: str, prompts: Sequence[list[int]], *, in_flight: int, max_tokens: int = 8, stream: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """Greedy completions of `prompts` through `url`, `in_flight` at a time (`stream`: each as a
+    stream of events; `extra`: more of each request's body): each one's tokens."""
 
     async def run() -> list[list[int]]:
         limit = asyncio.Semaphore(in_flight)
@@ -170,17 +205,30 @@ def complete(url: str, prompts: Sequence[list[int]], *, in_flight: int, max_toke
             async def one(prompt: list[int]) -> list[int]:
                 body = {
                     "model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                    "return_token_ids": True,
+                    "return_token_ids": True, "stream": stream, **(extra or {}),
                 }  # fmt: skip
                 async with limit, session.post(url + "/v1/completions", json=body) as answer:
                     text = await answer.text()
                     assert answer.status == 200, f"{answer.status}: {text[:500]}"
-                    tokens: list[int] = json.loads(text)["choices"][0]["token_ids"]
-                    return tokens
+                    return streamed_tokens(text) if stream else list(json.loads(text)["choices"][0]["token_ids"])
 
             return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
     return asyncio.run(run())
+
+
+def streamed_tokens(text: str) -> list[int]:
+    """The output tokens of a streamed completion (asked with `return_token_ids`); an error
+    event in it fails."""
+    tokens: list[int] = []
+    for event in text.split("\n\n"):
+        if not event.startswith("data: ") or event == "data: [DONE]":
+            continue
+        data = json.loads(event[len("data: ") :])
+        assert "error" not in data, data
+        for choice in data.get("choices") or []:
+            tokens += choice.get("token_ids") or []
+    return tokens
 
 
 def metrics(url: str, prefix: str = "vllm:kvrt_") -> dict[str, float]:

@@ -334,6 +334,26 @@ def test_a_load_the_workers_report_failed_is_recomputed_and_its_kv_released_on_t
     assert_empty(scheduler)
 
 
+@pytest.mark.parametrize("ends", ["its load failed", "aborted before the scheduler saw it"])
+def test_a_request_that_goes_on_from_the_prefills_first_token_loads_the_whole_prompt_and_releases_it_if_unloaded(
+    schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer, ends: str
+) -> None:
+    # The router answered the prefill's first token at once and asks for the prompt plus that
+    # token: the producer's item (the prompt) is a prefix of it, loaded whole, and released by
+    # the decode when no load took it, though its prompt is one token longer.
+    hold(producer, PROMPT)
+    scheduler = schedulers("kv_consumer")
+    scheduler.add_request(make_request("going-on", [*PROMPT, 7], producer.endpoint))
+    if ends == "its load failed":
+        output = schedule_answered(scheduler)
+        assert loads(output) == [("going-on", len(PROMPT))]
+        finish(scheduler, output, failed={"going-on"})
+    else:
+        scheduler.finish_requests("going-on", RequestStatus.FINISHED_ABORTED)
+    assert released(scheduler, producer, 0)
+    assert_empty(scheduler)
+
+
 def test_a_load_that_landed_releases_nothing(
     schedulers: Callable[..., Scheduler], producer: kvrt.blocking.Producer
 ) -> None:

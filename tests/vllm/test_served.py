@@ -36,6 +36,9 @@ pytestmark = pytest.mark.timeout(300)
 LOOKUP_TIMEOUT_S = 30.0
 HEARTBEAT_S = 5.0
 REQUESTS, IN_FLIGHT = 64, 8
+PENALTY = {"frequency_penalty": 0.5}
+"""What a request asks that takes the router's plain path (the models have no tokenizer, which
+logprobs, stop strings and echo need)."""
 
 
 @pytest.fixture(scope="module")
@@ -136,21 +139,33 @@ def served_pair(
 def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_tp_sizes(
     model: Path, folder: Path, bind: str, prefill_tp: int, decode_tp: int
 ) -> None:
+    # The router answers each prefill's first token at once and the decode goes on from the
+    # prompt plus that token (half of them streamed); a few take the plain path (a penalty on
+    # output tokens: the decode computes every output token), a few end at their first token
+    # (no decode).
     asked = prompts(REQUESTS, seed=prefill_tp * 10 + decode_tp)
+    plain, first_only = prompts(4, seed=1), prompts(4, seed=2)
+    half = REQUESTS // 2
     with served_pair(model, folder, bind, prefill_tp, decode_tp) as (prefill, decode):
         with router([prefill.url], [decode.url], folder) as routed:
-            through_kvrt = complete(routed.url, asked, in_flight=IN_FLIGHT)
+            through_kvrt = complete(routed.url, asked[:half], in_flight=IN_FLIGHT)
+            through_kvrt += complete(routed.url, asked[half:], in_flight=IN_FLIGHT, stream=True)
+            plain_through = complete(routed.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
+            first_through = complete(routed.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
         alone = complete(decode.url, asked, in_flight=IN_FLIGHT)  # no kv_transfer_params: computed there
+        assert plain_through == complete(decode.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
+        assert first_through == complete(decode.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
         # Read after those: a rank's counters go out with a later step's output, and the
         # requests computed alone are the steps that carry the last loads' counts (they load
         # nothing themselves).
         counted = metrics(decode.url)
         assert through_kvrt == alone
-        # The connector's own account: every rank loaded every prompt but its last token (but
-        # for prompts it says it could not load).
+        # The connector's own account: every rank loaded every prompt whole where the decode
+        # went on from the first token, all but its last token on the plain path (but for
+        # prompts it says it could not load); nothing for requests that ended at their first.
         assert counted["failed_loads"] == 0
-        loads, every_load = counted["loads"], REQUESTS * decode_tp
-        every_token = decode_tp * sum(len(prompt) - 1 for prompt in asked)
+        loads, every_load = counted["loads"], (REQUESTS + len(plain)) * decode_tp
+        every_token = decode_tp * (sum(map(len, asked)) + sum(len(prompt) - 1 for prompt in plain))
         if loads == every_load:
             assert counted["loaded_tokens"] == every_token
         else:
@@ -160,6 +175,7 @@ def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_t
             said = warnings_in(routed.log) + unanswered_lookups(decode.log)
             assert said and 0 < loads < every_load and loads % decode_tp == 0, (loads, said)
             assert 0 < counted["loaded_tokens"] < every_token
+        # What the first-token-only requests published, the router released.
         assert producers_hold(bind, prefill_tp) == [0] * prefill_tp
 
 
@@ -252,17 +268,24 @@ def test_clients_gone_mid_request_leave_nothing_held(opt: Path, folder: Path, bi
             async def abandon() -> None:
                 async with aiohttp.ClientSession() as session:
 
-                    async def one(prompt: list[int]) -> None:
+                    async def one(prompt: list[int], stream: bool) -> None:
+                        # Streamed: it leaves once the first token came (the decode may not have
+                        # the request yet); whole: after a second, wherever its request is.
                         body = {
-                            "model": "", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True
+                            "model": "", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True,
+                            "stream": stream,
                         }  # fmt: skip
                         try:
-                            async with asyncio.timeout(1.0), session.post(routed.url + "/v1/completions", json=body):
-                                pass
+                            async with (
+                                asyncio.timeout(1.0),
+                                session.post(routed.url + "/v1/completions", json=body) as answer,
+                            ):
+                                if stream:
+                                    await answer.content.readuntil(b"\n\n")
                         except TimeoutError:
                             pass  # gone: the router's request to the decode closes with it
 
-                    await asyncio.gather(*(one(prompt) for prompt in asked))
+                    await asyncio.gather(*(one(prompt, index % 2 == 1) for index, prompt in enumerate(asked)))
 
             asyncio.run(abandon())
             # Whatever each request reached, its KV is gone from the producer once the

@@ -59,11 +59,18 @@ class _Batch:
     """Its outcome was counted (a failure backs its producer off once, not once a request)."""
 
 
-async def evict_prompt(client: kvrt.Client, prompt: list[int]) -> None:
-    """Evict the item of exactly `prompt` on `client`'s producer, if it holds one (taken or
-    evicted meanwhile: nothing to do)."""
+CONTINUED_TOKENS: Final = 1
+"""Tokens a decode's prompt may hold past its prefill's: a router that answered the prefill's
+first token at once asks the decode to go on from the prompt plus that token."""
+
+
+async def evict_prompt(client: kvrt.Client, prompt: list[int], *, shorter_by: int = 0) -> None:
+    """Evict the item of exactly `prompt` on `client`'s producer, or, failing that, of `prompt`
+    less up to `shorter_by` last tokens, if it holds one (taken or evicted meanwhile: nothing to
+    do). A probe answers the longest item that is a prefix of the prompt, or that the prompt
+    begins: `matched` is the shorter one's length."""
     (found,) = await client.probe_many([torch.tensor(prompt, dtype=torch.int64)])
-    if found.item_id is not None and found.matched == len(prompt):
+    if found.item_id is not None and len(prompt) - shorter_by <= found.matched <= len(prompt):
         with contextlib.suppress(kvrt.NotFoundError):
             await client.evict(found.item_id)
 
@@ -167,14 +174,15 @@ class Lookups:
         for probes in self._queued.values():
             probes.pop(request_id, None)
 
-    def release(self, endpoint: str, prompt: list[int]) -> None:
-        """Evict the item of exactly `prompt` from `endpoint`, if it is there (a request that
-        will never take it); not waited for (a producer in its backoff is told too: a release
-        costs the scheduler nothing, and what it frees would otherwise wait for its TTL)."""
+    def release(self, endpoint: str, prompt: list[int], *, shorter_by: int = 0) -> None:
+        """Evict the item of exactly `prompt` from `endpoint`, or of `prompt` less up to
+        `shorter_by` last tokens, if it is there (a request that will never take it); not
+        waited for (a producer in its backoff is told too: a release costs the scheduler
+        nothing, and what it frees would otherwise wait for its TTL)."""
         if len(self._releases) >= MAX_RELEASES:
             log.warning("%d releases on their way already: this one is left to the item's TTL", len(self._releases))
             return
-        release = self._loop.post(functools.partial(self._release, endpoint, prompt), "release")
+        release = self._loop.post(functools.partial(self._release, endpoint, prompt, shorter_by), "release")
         self._releases.add(release)
         release.add_done_callback(self._releases.discard)
 
@@ -250,10 +258,10 @@ class Lookups:
             raise
         return [answer.matched for answer in answers]
 
-    async def _release(self, endpoint: str, prompt: list[int]) -> None:
+    async def _release(self, endpoint: str, prompt: list[int], shorter_by: int) -> None:
         try:
             with anyio.fail_after(self._timeout_s):
-                await evict_prompt(await self._client(endpoint), prompt)
+                await evict_prompt(await self._client(endpoint), prompt, shorter_by=shorter_by)
         except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
             with anyio.CancelScope(shield=True):

@@ -47,7 +47,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvrt.integrations.vllm._lookups import Lookups
+from kvrt.integrations.vllm._lookups import CONTINUED_TOKENS, Lookups
 from kvrt.integrations.vllm._tp import publishes
 from kvrt.integrations.vllm._word import WORD_PARAM, TransferParamsError, Word, read_word
 
@@ -293,7 +293,7 @@ class DecodeScheduler:
         tp = len(wanted.endpoints)
         for rank, endpoint in enumerate(wanted.endpoints):
             if publishes(rank, tp, self._total_heads, mla=self._mla):
-                self._lookups.release(endpoint, wanted.prompt)
+                self._lookups.release(endpoint, wanted.prompt, shorter_by=CONTINUED_TOKENS)
         self.counters["releases"] += 1
 
 
