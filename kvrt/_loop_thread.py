@@ -4,7 +4,9 @@ objects each own one, and the vLLM connector's scheduler and worker sides theirs
 A caller either waits for a coroutine's result (`call`: interrupted or timed out, it cancels
 the coroutine on the loop) or hands one over and goes on (`submit`: a concurrent future it may
 look at later). Every coroutine runs inside the loop's `BlockingPortal`, whose task group
-owns it: `stop` cancels what still runs.
+owns it: `stop` cancels what still runs. Each loop is watched while it runs
+(`kvrt._loop_watch`): its lag and its thread's time are metrics, and a turn that came late is
+logged with where the thread's time went.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Final, Generic, TypeVar
@@ -19,7 +22,8 @@ from typing import Final, Generic, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from kvrt._errors import ClosedError, KVRTError
+from kvrt._errors import ClosedError, InvalidInputError, KVRTError
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 
 log = logging.getLogger("kvrt.blocking")
 
@@ -33,24 +37,41 @@ _T = TypeVar("_T")
 class LoopThread:
     """One thread running an asyncio loop with a `BlockingPortal` in it, until `stop()`."""
 
-    def __init__(self, name: str, kind: str) -> None:
+    def __init__(self, name: str, kind: str, *, cores: frozenset[int] | None = None) -> None:
+        """`cores`: the CPU cores the thread runs on, and the threads it starts (ZeroMQ's I/O
+        threads, kvrt's workers) with it; None: those of the thread that makes it."""
         self._kind = kind
-        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, LoopWatch]]
         started = concurrent.futures.Future()
         # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
         # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
-        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(started, name, cores), name=name, daemon=True)
         self._thread.start()
-        self._portal, self._event_loop = started.result()
+        self._portal, self._event_loop, watch = started.result()
+        self.watch = watch
+        """The loop's lag and its thread's time (`kvrt._loop_watch`)."""
         self._stopping = threading.Lock()
         self._stopped = False
 
     @staticmethod
-    def _run(started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+    def _run(
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, LoopWatch]],
+        name: str,
+        cores: frozenset[int] | None,
+    ) -> None:
         async def serve() -> None:
-            async with BlockingPortal() as portal:
-                started.set_result((portal, asyncio.get_running_loop()))
-                await portal.sleep_until_stopped()
+            if cores is not None:
+                try:
+                    os.sched_setaffinity(0, cores)  # this thread's (on Linux 0 is the calling thread)
+                except OSError as exc:
+                    raise InvalidInputError(f"kvrt's threads cannot run on cores {sorted(cores)}: {exc}") from None
+            watch = watch_running_loop(name)
+            try:
+                async with BlockingPortal() as portal:
+                    started.set_result((portal, asyncio.get_running_loop(), watch))
+                    await portal.sleep_until_stopped()
+            finally:
+                unwatch(watch)
 
         try:
             anyio.run(serve, backend="asyncio")

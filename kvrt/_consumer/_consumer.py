@@ -26,6 +26,7 @@ from kvrt._errors import (
 )
 from kvrt._heap import keep_freed_memory
 from kvrt._item import KVBuffers, KVItem
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._pools import PoolTable
 from kvrt._service import AsyncService
 from kvrt._streams import ConsumerStream
@@ -61,6 +62,9 @@ class Consumer(ConsumerState, AsyncService):
     items (every decode rank reading that producer: an engine that plans its ranks' pieces
     itself, as the vLLM connector does); 1 by default. A group counts them at start instead.
     """
+
+    _watch: LoopWatch | None = None
+    """The loop it runs on, watched while it runs (`kvrt._loop_watch`)."""
 
     @lands_on_caller_stream
     async def drop_select(
@@ -230,6 +234,7 @@ class Consumer(ConsumerState, AsyncService):
         keep_freed_memory()
         self._context = zmq.Context()
         _metrics.track_consumer(self)
+        self._watch = watch_running_loop()
         try:
             if self._group is not None:
                 self._consensus = GroupConsensus(self._group)
@@ -269,6 +274,8 @@ class Consumer(ConsumerState, AsyncService):
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            unwatch(self._watch)
         if self._consensus is not None:
             await self._consensus.aclose()
         for link in self._links:

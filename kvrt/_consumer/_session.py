@@ -34,6 +34,7 @@ from kvrt._errors import (
     fresh_copy,
 )
 from kvrt._item import KVItem, Landing
+from kvrt._loop_watch import ListeningTimer
 from kvrt._protocol import (
     SILENT_HOLD_LEASES,
     ConsumerCore,
@@ -224,7 +225,8 @@ class LinkSession:
         self.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at, waits_s is None)
         overdue = None
         if waits_s is not None:
-            overdue = loop.call_later(waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
+            # Counted while this side listens: a stall of its own loop is not the producer's.
+            overdue = ListeningTimer(loop, waits_s + self._reply_timeout_s, self._reply_overdue, request_id, waits_s)
         try:
             if not self._io.send_nowait([m.encode(message)]):
                 await self._io.send([m.encode(message)])
@@ -388,9 +390,10 @@ class LinkSession:
         arriving.add_done_callback(self._arrivals.discard)
         arriving.add_done_callback(landed)
         if self._transfer_timeout_s is not None:
-            overdue = asyncio.get_running_loop().call_later(
-                self._transfer_timeout_s, self._transfer_overdue, arriving, self.sessions_lost
-            )
+            overdue = ListeningTimer(
+                asyncio.get_running_loop(), self._transfer_timeout_s, self._transfer_overdue, arriving,
+                self.sessions_lost,
+            )  # fmt: skip
             arriving.add_done_callback(lambda _: overdue.cancel())
 
     def _transfer_overdue(self, arriving: asyncio.Future[Any], session: int) -> None:

@@ -23,6 +23,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._heap import keep_freed_memory
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._metrics import ProducerStats
 from kvrt._pools import PoolTable
 from kvrt._producer._insert import Inserter
@@ -68,6 +69,9 @@ class Producer(ProducerState, AsyncService):
     inserted into host memory (`device="cpu"`), delivered one at a time; published prefills,
     streams, pieces and `drop_select_many` batches carry none yet.
     """
+
+    _watch: LoopWatch | None = None
+    """The loop it serves on, watched while it runs (`kvrt._loop_watch`)."""
 
     # -- the prefill engine's calls, each given to the part whose job it is -------------------
 
@@ -235,6 +239,7 @@ class Producer(ProducerState, AsyncService):
         _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serving.run(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serving.ended)
+        self._watch = watch_running_loop()
         return self
 
     async def aclose(self) -> None:
@@ -242,6 +247,8 @@ class Producer(ProducerState, AsyncService):
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            unwatch(self._watch)
         self._room.set()  # wake waiting inserts: they see `_closed` and fail
         if self._io is not None:
             for out in self._core.close("producer closed"):
