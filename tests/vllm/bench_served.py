@@ -20,13 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Final
 
-from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
+from tests.vllm.served import Server, complete, connector_config, free_port, metrics, prompt_tokens, router, server
 
 LEVELS: Final = (1, 8, 32)
 GOAL: Final = 1.0
@@ -44,19 +43,6 @@ def nixl_config(role: str) -> str:
     return json.dumps({**NIXL, "kv_role": "kv_both", "kv_buffer_device": "cpu"} | (
         {"kv_load_failure_policy": "recompute"} if role == "consumer" else {}
     ))  # fmt: skip
-
-
-def prompt_tokens(url: str) -> dict[str, float]:
-    """vLLM's count of an instance's prompt tokens by source (local_compute, local_cache_hit,
-    external_kv_transfer)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            found[source] = found.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
 
 
 @contextmanager

@@ -31,6 +31,7 @@ import torch
 
 import kvrt
 from kvrt._loop_thread import LoopThread
+from kvrt._loop_watch import WatchIntervals, fail_after_listening
 from kvrt._messages import MAX_BATCH
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 
@@ -77,6 +78,7 @@ class Lookups:
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
         self._loop = LoopThread("kvrt-lookups", "scheduler's lookups")
+        self._loop_intervals = WatchIntervals(self._loop.watch, "lookups_")
         self._queued: dict[str, dict[str, list[int]]] = {}
         """Per producer, the probes of this step not sent yet: request id -> prompt."""
         self._asked: dict[str, tuple[_Batch, int]] = {}
@@ -177,6 +179,10 @@ class Lookups:
         self._releases.add(release)
         release.add_done_callback(self._releases.discard)
 
+    def take_counters(self, every_s: float) -> dict[str, float]:
+        """The loop's figures since the last call, once `every_s` passed since it (`lookups_loop_*`)."""
+        return self._loop_intervals.take(every_s)
+
     def close(self) -> None:
         """Close the clients and stop the loop thread (what is in flight is cancelled)."""
         try:
@@ -238,7 +244,7 @@ class Lookups:
 
     async def _probe(self, endpoint: str, prompts: list[list[int]]) -> list[int]:
         try:
-            with anyio.fail_after(self._timeout_s):
+            with fail_after_listening(self._timeout_s):
                 client = await self._client(endpoint)
                 answers = await client.probe_many([torch.tensor(prompt, dtype=torch.int64) for prompt in prompts])
         except (kvrt.PeerLostError, kvrt.ClosedError):
@@ -251,7 +257,7 @@ class Lookups:
 
     async def _release(self, endpoint: str, prompt: list[int]) -> None:
         try:
-            with anyio.fail_after(self._timeout_s):
+            with fail_after_listening(self._timeout_s):
                 await evict_prompt(await self._client(endpoint), prompt)
         except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
