@@ -119,10 +119,12 @@ def connector_config(
 def server(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
     kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None,
-    cores: str | None = None,
+    cores: str | None = None, pin: frozenset[int] | None = None,
 ) -> Iterator[Server]:  # fmt: skip
     """`vllm serve` of `model` (its OpenAI server) on a free port, until the block ends (`env`:
-    more of its environment; `cores`: its `VLLM_CPU_OMP_THREADS_BIND`, each rank's cores)."""
+    more of its environment; `cores`: its `VLLM_CPU_OMP_THREADS_BIND`, each rank's cores;
+    `pin`: the cores every thread of the instance runs on, its API server's and engine's too,
+    as `taskset` or a container's cpuset gives a deployed instance)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = folder / f"{name}.log"
@@ -142,8 +144,9 @@ def server(
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("wb") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True,
+            preexec_fn=None if pin is None else lambda: os.sched_setaffinity(0, pin),
+        )  # fmt: skip
     served = Server(url, process, log)
     try:
         _wait_ready(url, process, log, READY_S)
