@@ -10,9 +10,10 @@ briefly for the first answer (`wait_answer`): the engine has no other work then.
 work runs on one kvrt loop thread that this object owns; the scheduler's thread only queues
 work and looks at futures.
 
-A producer that does not answer within `timeout_s` (gone, stalled, unreachable) answers 0 for
-the requests it was asked about, and is not asked again for a while (`SILENT_BACKOFF_S`):
-its requests are computed at once meanwhile.
+A producer that does not answer within `timeout_s` (gone, stalled, unreachable; its first
+lookup's handshake has as long again, counted apart) answers 0 for the requests it was asked
+about, and is not asked again for a while (`SILENT_BACKOFF_S`): its requests are computed at
+once meanwhile.
 """
 
 from __future__ import annotations
@@ -244,8 +245,10 @@ class Lookups:
 
     async def _probe(self, endpoint: str, prompts: list[list[int]]) -> list[int]:
         try:
+            # The handshake is bounded by the client's connect timeout; the lookup's own timeout
+            # counts from there: a producer's first lookup is not held to one bound for both.
+            client = await self._client(endpoint)
             with fail_after_listening(self._timeout_s):
-                client = await self._client(endpoint)
                 answers = await client.probe_many([torch.tensor(prompt, dtype=torch.int64) for prompt in prompts])
         except (kvrt.PeerLostError, kvrt.ClosedError):
             # The connection is gone: a new client reconnects. A producer that is only slow keeps
@@ -257,8 +260,9 @@ class Lookups:
 
     async def _release(self, endpoint: str, prompt: list[int]) -> None:
         try:
+            client = await self._client(endpoint)
             with fail_after_listening(self._timeout_s):
-                await evict_prompt(await self._client(endpoint), prompt)
+                await evict_prompt(client, prompt)
         except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
             with anyio.CancelScope(shield=True):
