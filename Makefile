@@ -68,7 +68,7 @@ test-vllm: $(VLLM_STAMP)
 demo-vllm: $(VLLM_STAMP)
 	timeout 600 $(VLLM_PY) -m tests.vllm.demo
 
-# Requests/s of a served pair with KvrtConnector beside vLLM's NixlConnector (about 15 minutes);
+# Requests/s of a served pair with KvrtConnector beside vLLM's NixlConnector, each instance on a core of its own (about 20 minutes);
 # NIXL's wheels only for this (their dependencies are vLLM's, already there).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"

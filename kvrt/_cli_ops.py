@@ -169,11 +169,12 @@ def add_commands(commands: Any) -> None:
         "item_id", type=_bounded_int(0, MAX_ITEM_ID, "item_id"), help="the item's id, as `kvrt list` shows it"
     )
     keys = commands.add_parser(
-        "keys", help="make a CURVE key pair (NAME.key to share, NAME.key_secret to keep)",
-        description="Make a ZeroMQ CURVE certificate pair for a producer, consumer or client.",
+        "keys", help="make a CURVE key pair in DIRECTORY: NAME.key to share, NAME.key_secret to keep",
+        description="Make a ZeroMQ CURVE certificate pair for a producer, consumer or client: DIRECTORY/NAME.key "
+        "(the public key, to share) and DIRECTORY/NAME.key_secret (to keep private).",
     )  # fmt: skip
-    keys.add_argument("directory")
-    keys.add_argument("name")
+    keys.add_argument("directory", help="where the two files are written (made if missing)")
+    keys.add_argument("name", help="the pair's name: the files' names, e.g. producer")
     keys.set_defaults(run=_keys)
 
 

@@ -7,7 +7,8 @@ the loop is doing (an engine's hot path: the scheduler's and the workers' hooks)
 returns once the loop has taken the coroutine (anyio's `start_task_soon`: for rare calls).
 Both give a concurrent future the caller may look at later. The loop thread owns every
 coroutine it runs (the portal's task group, or its set of posts): `stop` cancels what still
-runs.
+runs. Each loop is watched while it runs (`kvrt._loop_watch`): its lag and its thread's time
+are metrics, and a turn that came late is logged with where the thread's time went.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Final, Generic, TypeVar
@@ -22,7 +24,8 @@ from typing import Final, Generic, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from kvrt._errors import ClosedError, KVRTError
+from kvrt._errors import ClosedError, InvalidInputError, KVRTError
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._threads import host_ops_on_this_thread
 
 log = logging.getLogger("kvrt.blocking")
@@ -37,31 +40,49 @@ _T = TypeVar("_T")
 class LoopThread:
     """One thread running an asyncio loop with a `BlockingPortal` in it, until `stop()`."""
 
-    def __init__(self, name: str, kind: str) -> None:
+    def __init__(self, name: str, kind: str, *, cores: frozenset[int] | None = None) -> None:
+        """`cores`: the CPU cores the thread runs on, and the threads it starts (ZeroMQ's I/O
+        threads, kvrt's workers) with it; None: those of the thread that makes it."""
         self._kind = kind
-        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, LoopWatch]]
         started = concurrent.futures.Future()
         self._posts: set[asyncio.Task[None]] | None = set()
         """On the loop: the posted coroutines still running (None once stopping), which it owns."""
         # A daemon: a loop that a hung peer holds must not hold the interpreter's exit too.
         # It is stopped before that as a rule: by close(), by the owner's finalizer, at exit.
-        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(started, name, cores), name=name, daemon=True)
         self._thread.start()
-        self._portal, self._event_loop = started.result()
+        self._portal, self._event_loop, watch = started.result()
+        self.watch = watch
+        """The loop's lag and its thread's time (`kvrt._loop_watch`)."""
         self._stopping = threading.Lock()
         self._stopped = False
 
-    def _run(self, started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]) -> None:
+    def _run(
+        self,
+        started: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop, LoopWatch]],
+        name: str,
+        cores: frozenset[int] | None,
+    ) -> None:
         host_ops_on_this_thread()
 
         async def serve() -> None:
-            async with BlockingPortal() as portal:
-                started.set_result((portal, asyncio.get_running_loop()))
-                await portal.sleep_until_stopped()
-                posts, self._posts = self._posts or set(), None
-                for task in posts:
-                    task.cancel()
-                await asyncio.gather(*posts, return_exceptions=True)
+            if cores is not None:
+                try:
+                    os.sched_setaffinity(0, cores)  # this thread's (on Linux 0 is the calling thread)
+                except OSError as exc:
+                    raise InvalidInputError(f"kvrt's threads cannot run on cores {sorted(cores)}: {exc}") from None
+            watch = watch_running_loop(name)
+            try:
+                async with BlockingPortal() as portal:
+                    started.set_result((portal, asyncio.get_running_loop(), watch))
+                    await portal.sleep_until_stopped()
+                    posts, self._posts = self._posts or set(), None
+                    for task in posts:
+                        task.cancel()
+                    await asyncio.gather(*posts, return_exceptions=True)
+            finally:
+                unwatch(watch)
 
         try:
             anyio.run(serve, backend="asyncio")

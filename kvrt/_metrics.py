@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from kvrt._errors import InvalidInputError, KVRTError, KVRTTimeoutError
+from kvrt._loop_watch import LAG_BUCKETS_S, watches
 from kvrt._protocol import ProducerCore, ProducerCounters
 
 LATENCY_BUCKETS_S: Final = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -292,6 +293,39 @@ class _Collector:
         for op, histogram in list(_operations.items()):
             operations.add_metric([op], histogram.buckets(), histogram.sum)
         yield operations
+        yield from _loop_families()
+
+
+def _loop_families() -> Iterator[Any]:
+    """Each watched loop's lag and its thread's time (`kvrt._loop_watch`), labelled by the
+    loop's name and its thread's native id."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    labels = ["loop", "thread"]
+    lag = HistogramMetricFamily(
+        "kvrt_loop_lag_seconds", "How late each turn of the loop's watch timer ran (the loop was busy, or its "
+        "thread was not running)", labels=labels,
+    )  # fmt: skip
+    late = CounterMetricFamily(
+        "kvrt_loop_late_turns", "Turns later than the logged bound (LOOP_LAG_LOG_S)", labels=labels
+    )
+    cpu = CounterMetricFamily("kvrt_loop_cpu_seconds", "CPU time of the loop's thread", labels=labels)
+    runqueue = CounterMetricFamily(
+        "kvrt_loop_runqueue_seconds", "Time the loop's thread was ready to run and waited for a core (Linux)",
+        labels=labels,
+    )  # fmt: skip
+    for watch in watches():
+        names = [watch.name, str(watch.thread_id)]
+        counts, running, pairs = list(watch.lag_counts), 0, []
+        for bound, count in zip((*LAG_BUCKETS_S, float("inf")), counts, strict=True):
+            running += count
+            pairs.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        lag.add_metric(names, pairs, watch.lag_s)
+        late.add_metric(names, watch.late_turns)
+        cpu.add_metric(names, watch.cpu_s)
+        if watch.runqueue_s is not None:
+            runqueue.add_metric(names, watch.runqueue_s)
+    yield from (lag, late, cpu, runqueue)
 
 
 def _prometheus() -> Any:

@@ -134,6 +134,13 @@ def test_bench_writes_json_and_a_png_plot(tmp_path: pytest.TempPathFactory) -> N
     assert (plots / "consensus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_help_of_keys_names_the_directory_it_writes_to() -> None:
+    (line,) = [line for line in run_kvrt("--help").stdout.splitlines() if line.strip().startswith("keys")]
+    assert "DIRECTORY" in line
+    usage = run_kvrt("keys", "--help").stdout
+    assert "directory" in usage and "DIRECTORY/NAME.key" in usage and "where the two files are written" in usage
+
+
 def test_keys_makes_a_pair_the_api_can_load(tmp_path: pytest.TempPathFactory) -> None:
     result = run_kvrt("keys", str(tmp_path), "producer")
     assert result.returncode == 0 and "keep it private" in result.stdout

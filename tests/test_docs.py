@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +58,40 @@ def test_the_guide_names_every_kvrt_variable_the_settings_read_and_every_metric(
     metrics = set(re.findall(r'"(kvrt_[a-z_]+)"', (ROOT / "kvrt" / "_metrics.py").read_text()))
     counters = {"kvrt_producer_items", "kvrt_producer_bytes", "kvrt_producer_refusals", "kvrt_consumer_lookups",
                 "kvrt_consumer_items", "kvrt_consumer_bytes", "kvrt_consumer_errors",
-                "kvrt_integrity_failures"}  # fmt: skip
+                "kvrt_integrity_failures", "kvrt_loop_late_turns", "kvrt_loop_cpu_seconds",
+                "kvrt_loop_runqueue_seconds"}  # fmt: skip
     documented = {name + "_total" if name in counters else name for name in metrics}
     assert all(f"`{name}`" in guide for name in documented), documented
+
+
+@pytest.mark.timeout(180)
+def test_the_embedded_example_serves_its_producer_for_the_kvrt_command_until_stopped() -> None:
+    # "Outside the engine": a producer to try `kvrt stat` and `probe` on, as the guide says.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    example = subprocess.Popen(
+        [sys.executable, str(ROOT / "docs" / "examples" / "embedded.py"), "--serve", "--bind", endpoint],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert example.stdout is not None
+        for line in example.stdout:  # bounded by the test's timeout
+            if line.startswith("serving at"):
+                break
+        assert line.startswith(f"serving at {endpoint}, 3 items buffered"), line
+        kvrt_command = [sys.executable, "-m", "kvrt"]
+        found = subprocess.run([*kvrt_command, "probe", endpoint, "--tokens", "200,201,202"], timeout=60, check=False)
+        assert found.returncode == 0  # a match
+        stat = subprocess.run(
+            [*kvrt_command, "stat", endpoint, "--once", "--json"], capture_output=True, text=True, timeout=60,
+            check=True,
+        )  # fmt: skip
+        assert json.loads(stat.stdout)["stats"]["items"] == 3
+        example.send_signal(signal.SIGINT)  # Ctrl-C
+        rest, _ = example.communicate(timeout=60)
+        assert example.returncode == 0 and rest.strip().endswith("stopped")
+    finally:
+        if example.poll() is None:
+            example.kill()
+            example.wait()

@@ -343,3 +343,19 @@ def test_an_item_taken_in_pieces_is_listed_and_an_operator_can_evict_it() -> Non
     assert isinstance(late.message, m.Miss)
     producer.confirm(READERS[0], deliver)  # the piece out stays valid
     assert producer.core.buffer.nbytes == 0 and producer.core.buffer.held == 0
+
+
+def test_an_item_one_reader_took_its_piece_of_is_probed_and_evicted_by_its_prompt() -> None:
+    # A decode rank took its piece; another rank's load failed: the decode releases the prompt
+    # (probe, then evict by the id the probe names), and the pieces nobody will take go now,
+    # not with the item's time to live.
+    producer = Producer(item_ttl_s=120.0)
+    item = producer.insert([1, 2, 3])
+    first, _ = piece(producer.ask(READERS[0], [1, 2, 3], 0, 4))
+    producer.confirm(READERS[0], first)
+    (probed,) = producer.send(READERS[2], m.ProbeMany(request_id=98, queries=[m.tokens_to_bytes(np.array([1, 2, 3]))]))
+    assert isinstance(probed.message, m.ProbeManyReply)
+    assert probed.message.answers == [m.Probed(3, item.item_id)]
+    (evicted,) = producer.send(READERS[2], m.Evict(request_id=99, item_id=item.item_id))
+    assert isinstance(evicted.message, m.Evicted)
+    assert len(producer.core.buffer) == 0 and producer.core.buffer.nbytes == 0 and producer.core.buffer.held == 0

@@ -5,6 +5,7 @@ that does not answer backed off once per incident."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -110,6 +111,37 @@ def test_kv_a_failed_lookup_may_have_missed_is_released_when_its_request_ends(mo
         lookups.close()
 
 
+def test_kv_of_a_request_that_came_while_its_producer_was_backed_off_is_released_when_it_ends(
+    producer: kvrt.blocking.Producer, lookups: Lookups
+) -> None:
+    # A load from the producer failed moments ago: the next request is not looked up there (it
+    # is computed at once), but the router handed it KV that the prefill published all the
+    # same; nobody else will take it.
+    decode = DecodeScheduler(lookups, block_size=16, default_endpoint=producer.endpoint)
+    decode.outcome(set(), set(), lost={producer.endpoint})
+    assert not lookups.asks(producer.endpoint)
+    assert decode.matched("r", PROMPT, None, 0) == 0
+    decode.finished("r", aborted=False)
+    assert lookups.wait_settled(10)
+    assert producer.stats().items == 0
+
+
+def test_kv_of_a_load_that_failed_is_released_at_once_not_when_its_request_ends(
+    producer: kvrt.blocking.Producer, lookups: Lookups
+) -> None:
+    # The request computes its prompt and decodes on, for as long as its client asked: the KV
+    # its load did not take leaves the producer now, whatever the failure was.
+    decode = DecodeScheduler(lookups, block_size=16, default_endpoint=producer.endpoint)
+    assert decode.matched("r", PROMPT, None, 0) is None
+    decode.step()
+    assert lookups.wait_settled(10) and decode.matched("r", PROMPT, None, 0) == len(PROMPT) - 1
+    decode.allocated("r", list(range(5)), len(PROMPT) - 1)
+    assert len(decode.step()) == 1  # the load leaves with the step
+    decode.outcome({"r"}, {"r"})
+    assert lookups.wait_settled(10)
+    assert producer.stats().items == 0
+
+
 def test_a_wait_for_an_answer_ends_at_once_while_one_came_and_is_not_read_yet(
     producer: kvrt.blocking.Producer, lookups: Lookups
 ) -> None:
@@ -125,3 +157,29 @@ def test_a_wait_for_an_answer_ends_at_once_while_one_came_and_is_not_read_yet(
         assert time.monotonic() - started < 0.5
         assert lookups.answer("quick") == len(PROMPT) and lookups.answer("slow") is None
         assert lookups.wait_settled(10) and lookups.answer("slow") == len(PROMPT)
+
+
+def test_a_lookup_whose_own_loop_stalled_past_its_timeout_takes_the_answer_that_came_meanwhile(
+    producer: kvrt.blocking.Producer,
+) -> None:
+    # The scheduler's process starved (its lookups thread waited for a core, or for the GIL
+    # held by the scheduler) past the lookup timeout, while the producer answered at once: the
+    # answer sits unread, and the producer is not to blame.
+    timeout_s = 0.5
+    stalled = Lookups(timeout_s=timeout_s)
+    try:
+        stalled.ask("warm", producer.endpoint, PROMPT)  # the client's handshake, out of the way
+        stalled.send()
+        assert stalled.wait_settled(10) and stalled.answer("warm") == len(PROMPT)
+        stalled.ask("r", producer.endpoint, PROMPT)
+        stalled.send()  # its probe leaves on the lookups' loop, which then stalls
+
+        async def stall() -> None:
+            threading.Event().wait(3 * timeout_s)
+
+        stalled._loop.submit(stall, "stall")
+        assert stalled.wait_settled(10)
+        assert stalled.answer("r") == len(PROMPT)
+        assert stalled.asks(producer.endpoint)
+    finally:
+        stalled.close()

@@ -2,11 +2,17 @@
 
 Run it with `python docs/examples/embedded.py`. In a real deployment the two halves live in
 different processes (or hosts); only `producer.endpoint` has to travel from one to the other.
+
+With `--serve` the producer then stays up, holding a few prompts' KV, for the `kvrt` command
+to look at from another shell (`kvrt stat`, `probe`, `list`, `evict`) until Ctrl-C (or for
+`--serve SECONDS`); `--bind` names its address (default: a free port, printed).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import math
 
 import torch
 
@@ -24,8 +30,8 @@ def prefill(prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return key, value, hidden
 
 
-async def main() -> None:
-    async with kvrt.Producer(bind="tcp://127.0.0.1:0", buffer_bytes=256 << 20) as producer:
+async def main(bind: str, serve_s: float | None) -> None:
+    async with kvrt.Producer(bind=bind, buffer_bytes=256 << 20) as producer:
         prompt = torch.arange(100, 164)  # 64 token ids
         key, value, hidden = prefill(prompt)
         await producer.insert(prompt, None, key, value, hidden)  # roi None: every token counts
@@ -47,6 +53,34 @@ async def main() -> None:
             except kvrt.InvalidInputError as error:
                 print("refused:", error)
 
+        if serve_s is not None:
+            await serve(producer, serve_s)
+
+
+async def serve(producer: kvrt.Producer, serve_s: float) -> None:
+    """Hold three prompts' KV (tokens 200-263, 300-363, 400-463) and serve them for `serve_s`."""
+    for first in (200, 300, 400):
+        prompt = torch.arange(first, first + 64)
+        key, value, hidden = prefill(prompt)
+        await producer.insert(prompt, None, key, value, hidden)
+    endpoint = producer.endpoint
+    print(f"serving at {endpoint}, 3 items buffered; from another shell try:", flush=True)
+    print(f"  kvrt stat {endpoint} --once", flush=True)
+    print(f"  kvrt probe {endpoint} --tokens 200,201,202", flush=True)
+    print(f"  kvrt list {endpoint}", flush=True)
+    print("Ctrl-C stops it", flush=True)
+    await asyncio.sleep(serve_s)  # until Ctrl-C (or the time given): the producer serves meanwhile
+
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="the producer's address (default: a free port)")
+    parser.add_argument(
+        "--serve", nargs="?", type=float, const=math.inf, metavar="SECONDS",
+        help="then keep the producer up, holding three prompts' KV, until Ctrl-C (or for SECONDS)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    try:
+        asyncio.run(main(args.bind, args.serve))
+    except KeyboardInterrupt:
+        print("stopped")

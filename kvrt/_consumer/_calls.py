@@ -14,6 +14,7 @@ from kvrt import _messages as m
 from kvrt._consumer._session import LinkSession, OnLanding, PendingCall, _item_ids, _Reply
 from kvrt._errors import KVRTTimeoutError
 from kvrt._item import Landing
+from kvrt._loop_watch import ListeningTimer
 from kvrt._streams import PoolWriter
 from kvrt.transports._base import InPlace
 
@@ -62,7 +63,8 @@ class Calls:
         session.calls[request_id] = PendingCall(future, on_landing, writer, into, in_place, asked_at, waits_s is None)
         overdue = None
         if waits_s is not None:
-            overdue = loop.call_later(waits_s + session.reply_timeout_s, self._reply_overdue, request_id, waits_s)
+            # Counted while this side listens: a stall of its own loop is not the producer's.
+            overdue = ListeningTimer(loop, waits_s + session.reply_timeout_s, self._reply_overdue, request_id, waits_s)
         try:
             if not session.io.send_nowait([m.encode(message)]):
                 await session.io.send([m.encode(message)])

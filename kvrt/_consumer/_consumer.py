@@ -35,6 +35,7 @@ from kvrt._devices import usable_device
 from kvrt._errors import ClosedError, InvalidInputError
 from kvrt._heap import keep_freed_memory
 from kvrt._item import KVItem
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._messages import MAX_READERS
 from kvrt._metrics import ConsumerCounters
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, _heartbeat
@@ -79,6 +80,9 @@ class Consumer(AsyncService):
     items (every decode rank reading that producer: an engine that plans its ranks' pieces
     itself, as the vLLM connector does); 1 by default. A group counts them at start instead.
     """
+
+    _watch: LoopWatch | None = None
+    """The loop it runs on, watched while it runs (`kvrt._loop_watch`)."""
 
     def __init__(
         self,
@@ -277,6 +281,7 @@ class Consumer(AsyncService):
             raise ClosedError("a consumer starts once; create a new one")
         keep_freed_memory()
         _metrics.track_consumer(self)
+        self._watch = watch_running_loop()
         try:
             await connections.start()
         except BaseException:
@@ -288,6 +293,8 @@ class Consumer(AsyncService):
         """End every pending call with `ClosedError`, say Bye, and stop."""
         if self._connections.closed:
             return
+        if self._watch is not None:
+            unwatch(self._watch)
         await self._fetches.aclose()
         await self._connections.aclose()
         self._scatters.close()

@@ -35,6 +35,7 @@ from kvrt._errors import (
     translate_zmq_error,
 )
 from kvrt._item import KVItem, Landing
+from kvrt._loop_watch import ListeningTimer
 from kvrt._protocol import (
     SILENT_HOLD_LEASES,
     ConsumerCore,
@@ -345,9 +346,10 @@ class LinkSession:
         arriving.add_done_callback(self._arrivals.discard)
         arriving.add_done_callback(landed)
         if self._transfer_timeout_s is not None:
-            overdue = asyncio.get_running_loop().call_later(
-                self._transfer_timeout_s, self._transfer_overdue, arriving, self.sessions_lost
-            )
+            overdue = ListeningTimer(
+                asyncio.get_running_loop(), self._transfer_timeout_s, self._transfer_overdue, arriving,
+                self.sessions_lost,
+            )  # fmt: skip
             arriving.add_done_callback(lambda _: overdue.cancel())
 
     def _transfer_overdue(self, arriving: asyncio.Future[Any], session: int) -> None:

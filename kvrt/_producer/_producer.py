@@ -27,6 +27,7 @@ from kvrt._devices import usable_device
 from kvrt._errors import ClosedError, InvalidInputError, translate_zmq_error
 from kvrt._heads import head_range
 from kvrt._heap import keep_freed_memory
+from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._metrics import ProducerStats
 from kvrt._producer._insert import Inserter
 from kvrt._producer._parts import (
@@ -84,6 +85,8 @@ class Producer(AsyncService):
     streams, pieces and `drop_select_many` batches carry none yet.
     """
 
+    _watch: LoopWatch | None = None
+    """The loop it serves on, watched while it runs (`kvrt._loop_watch`)."""
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
@@ -284,12 +287,15 @@ class Producer(AsyncService):
         _metrics.track_producer(self)
         self._serve_task = asyncio.create_task(self._serving.run(), name=f"kvrt-producer-{self._endpoint}")
         self._serve_task.add_done_callback(self._serving.ended)
+        self._watch = watch_running_loop()
         return self
 
     async def aclose(self) -> None:
         """Say Bye to every consumer, fail every pending insert with `ClosedError`, and stop."""
         if self._gate.closed:
             return
+        if self._watch is not None:
+            unwatch(self._watch)
         self._gate.close()  # waiting inserts wake up and fail
         if self._io is not None:
             for out in self._core.close("producer closed"):

@@ -73,7 +73,7 @@ def answer(
                 totals=dataclasses.asdict(counters),
             )
         case m.Probe(request_id=request_id, tokens=tokens):
-            found = buffer.best_match(None if tokens is None else m.tokens_from_bytes(tokens))
+            found = buffer.held_match(None if tokens is None else m.tokens_from_bytes(tokens))
             if found is None:
                 return m.ProbeReply(request_id=request_id, matched=0)
             return m.ProbeReply(request_id, found.matched, found.item.item_id)
@@ -81,7 +81,7 @@ def answer(
             decoded = [None if tokens is None else m.tokens_from_bytes(tokens) for tokens in queries]
             answers = []
             for query in decoded:
-                found = buffer.best_match(query)
+                found = buffer.held_match(query)
                 answers.append(m.Probed(0) if found is None else m.Probed(found.matched, found.item.item_id))
             return m.ProbeManyReply(request_id=request_id, answers=answers)
         case m.ListItems(request_id=request_id, limit=limit):

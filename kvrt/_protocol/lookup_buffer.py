@@ -501,6 +501,16 @@ class LookupBuffer:
         found = self._index.best_match(query)
         return None if found is None else Match(*found)
 
+    def held_match(self, query: np.ndarray | None) -> Match | None:
+        """What a probe reports: the best match among the items held, whole or split (a split
+        item still holds the pieces its other readers have not taken; releasing it by its id
+        frees them)."""
+        found = [match for match in (self._index.best_match(query), self._split.best_match(query)) if match]
+        if not found:
+            return None
+        item, matched = max(found, key=lambda match: (match[1], -match[0].seq))
+        return Match(item, matched)
+
     def _add(self, item: BufferedItem) -> None:
         self._index.add(item)
         self._by_id[item.item_id] = item

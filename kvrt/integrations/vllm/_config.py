@@ -13,10 +13,13 @@ config, checked, and the endpoint of each tensor-parallel rank worked out.
     heartbeat_s        both      how often kvrt's peers hear from each other (1 s); a peer
                                  silent for ten is lost: raise it on a host whose cores are all
                                  busy with forward passes
+    cpu_cores          both      the CPU cores kvrt's threads run on in each worker (default:
+                                 every core of the instance, `instance_cores`)
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Final
@@ -29,6 +32,25 @@ DEFAULT_ITEM_TTL_S: Final = 120.0
 """An item that no decode takes (its request was routed elsewhere, its decode recomputed it)
 leaves the producer after this long."""
 DEFAULT_LOOKUP_TIMEOUT_S: Final = 2.0
+
+
+def instance_cores() -> frozenset[int] | None:
+    """The CPU cores this vLLM instance may use: those of the process that started this worker
+    (vLLM's engine), with this process's own; None where the platform does not say.
+
+    vLLM binds each worker's OpenMP threads to its rank's cores (`VLLM_CPU_OMP_THREADS_BIND`),
+    its main thread among them, and every thread the worker starts later inherits that binding.
+    kvrt's threads answer peers and land loads while the forward pass runs: bound to the
+    rank's cores they wait behind it (and, on a small host, behind another instance's forward
+    pass on the same core), for long enough to miss the peers' timeouts."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = set(os.sched_getaffinity(0))
+    try:
+        cores |= os.sched_getaffinity(os.getppid())
+    except OSError:
+        pass  # the parent is gone: this process's own cores
+    return frozenset(cores)
 
 
 class ConnectorConfigError(kvrt.InvalidInputError):
@@ -62,6 +84,8 @@ class ConnectorSettings:
     lookup_timeout_s: float
     transport: str | None = None
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    cpu_cores: frozenset[int] | None = None
+    """None: `instance_cores()`, worked out in each worker."""
 
     @staticmethod
     def read(
@@ -82,6 +106,13 @@ class ConnectorSettings:
             rank_endpoint(str(bind), 1, "bind")
             rank_endpoint(str(endpoint), 1, "endpoint")
         ttl = extra.get("item_ttl_s", DEFAULT_ITEM_TTL_S)
+        cores = extra.get("cpu_cores")
+        if cores is not None and (
+            not isinstance(cores, list) or not cores or not all(isinstance(core, int) and core >= 0 for core in cores)
+        ):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config['cpu_cores'] must be a list of CPU core numbers, got {cores!r}"
+            )
         try:
             return ConnectorSettings(
                 produces=produces, consumes=consumes, tensor_parallel=tensor_parallel,
@@ -91,6 +122,7 @@ class ConnectorSettings:
                 lookup_timeout_s=float(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
                 transport=None if extra.get("transport") is None else str(extra["transport"]),
                 heartbeat_s=float(extra.get("heartbeat_s", DEFAULT_HEARTBEAT_S)),
+                cpu_cores=None if cores is None else frozenset(cores),
             )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None

@@ -11,9 +11,10 @@ work runs on one kvrt loop thread that this object owns; the scheduler's thread 
 work there (`LoopThread.post`: it never waits for that thread, however busy) and looks at
 futures.
 
-A producer that does not answer within `timeout_s` (gone, stalled, unreachable) answers 0 for
-the requests it was asked about, and is not asked again for a while (`SILENT_BACKOFF_S`):
-its requests are computed at once meanwhile.
+A producer that does not answer within `timeout_s` (gone, stalled, unreachable; its first
+lookup's handshake has as long again, counted apart) answers 0 for the requests it was asked
+about, and is not asked again for a while (`SILENT_BACKOFF_S`): its requests are computed at
+once meanwhile.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 import kvrt
 from kvrt._loop_thread import LoopThread
+from kvrt._loop_watch import WatchIntervals, fail_after_listening
 from kvrt._messages import MAX_BATCH
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 
@@ -85,6 +87,7 @@ class Lookups:
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
         self._loop = LoopThread("kvrt-lookups", "scheduler's lookups")
+        self._loop_intervals = WatchIntervals(self._loop.watch, "lookups_")
         self._queued: dict[str, dict[str, list[int]]] = {}
         """Per producer, the probes of this step not sent yet: request id -> prompt."""
         self._asked: dict[str, tuple[_Batch, int]] = {}
@@ -186,6 +189,10 @@ class Lookups:
         self._releases.add(release)
         release.add_done_callback(self._releases.discard)
 
+    def take_counters(self, every_s: float) -> dict[str, float]:
+        """The loop's figures since the last call, once `every_s` passed since it (`lookups_loop_*`)."""
+        return self._loop_intervals.take(every_s)
+
     def close(self) -> None:
         """Close the clients and stop the loop thread (what is in flight is cancelled)."""
         try:
@@ -247,8 +254,10 @@ class Lookups:
 
     async def _probe(self, endpoint: str, prompts: list[list[int]]) -> list[int]:
         try:
-            with anyio.fail_after(self._timeout_s):
-                client = await self._client(endpoint)
+            # The handshake is bounded by the client's connect timeout; the lookup's own timeout
+            # counts from there: a producer's first lookup is not held to one bound for both.
+            client = await self._client(endpoint)
+            with fail_after_listening(self._timeout_s):
                 answers = await client.probe_many([torch.tensor(prompt, dtype=torch.int64) for prompt in prompts])
         except (kvrt.PeerLostError, kvrt.ClosedError):
             # The connection is gone: a new client reconnects. A producer that is only slow keeps
@@ -260,8 +269,9 @@ class Lookups:
 
     async def _release(self, endpoint: str, prompt: list[int], shorter_by: int) -> None:
         try:
-            with anyio.fail_after(self._timeout_s):
-                await evict_prompt(await self._client(endpoint), prompt, shorter_by=shorter_by)
+            client = await self._client(endpoint)
+            with fail_after_listening(self._timeout_s):
+                await evict_prompt(client, prompt, shorter_by=shorter_by)
         except (kvrt.PeerLostError, kvrt.ClosedError) as exc:
             log.warning("could not release KV at %s: %s", endpoint, exc)
             with anyio.CancelScope(shield=True):

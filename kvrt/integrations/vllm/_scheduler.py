@@ -17,18 +17,19 @@ A decode request's life here, one record (`_Wanted`) from the first lookup to it
                                                a step that scheduled nothing, every request
                                                waiting for a lookup, waits for the first
                                                answer (bounded), not spinning the engine
-    matched, answered                          the tokens to load past what vLLM holds itself
+    matched, answered                          the tokens to load past what vLLM holds itself;
+                                               a lookup that failed, or a producer backed off
+                                               (a load from it failed): 0, and the KV it may
+                                               hold released at once
     allocated (update_state_after_alloc)       a `Load` of those tokens into its new blocks;
                                                never asked again: its item is taken (preempted
                                                and resumed, the request computes its prompt)
-    outcome (update_connector_output)          the workers say the load failed
-    finished (request_finished)                KV found (or maybe there: a lookup that
-                                               failed, or an abort before any lookup) and
-                                               not loaded: released on its producer (a
-                                               failed load, a load never planned, an
-                                               abort); one whose outcome is not known yet
-                                               waits for it (vLLM ends a request before it
-                                               reads the step's connector output)
+    outcome (update_connector_output)          the workers say the load failed: its KV is
+                                               released at once, whatever the failure (what
+                                               one rank took of it included)
+    finished (request_finished)                KV found (or maybe there: an abort before any
+                                               lookup, a lookup that failed: again) and never
+                                               planned: released
 
 A prefill request whose `kv_transfer_params` ask for a remote decode (`do_remote_decode`, as
 routers send it): the step that computes its last prompt token publishes it (`Save`), once;
@@ -133,13 +134,16 @@ class _Wanted:
     local: int = 0
     """Tokens vLLM held itself (block-aligned) when it last asked."""
     unanswered: bool = False
-    """The lookup failed (0 tokens taken): the producer may hold the KV all the same."""
+    """The lookup failed (0 tokens taken): the producer may hold the KV all the same, and
+    may not have heard its release either: released again when the request ends."""
     planned: bool = False
     settled: bool = False
     """The workers reported its load's outcome."""
     failed: bool = False
     published: bool = False
     """Found by the prefill's word: its KV is whole on its producers (fetched, not streamed)."""
+    released: bool = False
+    """Its KV was released on its producers (a failed lookup or load, a load never planned)."""
 
 
 class DecodeScheduler:
@@ -174,7 +178,10 @@ class DecodeScheduler:
             if not wanted.asked:
                 wanted.asked = True
                 if not self._lookups.asks(wanted.endpoints[0]):
+                    # Its producer failed a load moments ago: computed here, and the KV it
+                    # may hold all the same is released now (nobody else will take it).
                     wanted.found = 0
+                    self._release(wanted)
                     return 0
                 self._lookups.ask(request_id, wanted.endpoints[0], prompt)
                 self.counters["lookups"] += 1
@@ -183,10 +190,16 @@ class DecodeScheduler:
             if found is None:
                 return None
             wanted.found = found
-            wanted.unanswered = self._lookups.unanswered(request_id)
             self.counters["hits"] += found > 0
+            if self._lookups.unanswered(request_id):
+                wanted.unanswered = True
+                self._release(wanted)  # the lookup failed: the KV may be there all the same
         if wanted.found and not self._lookups.asks(wanted.endpoints[0]):
-            return 0  # answered, but a load from that producer failed since: computed here
+            # Answered, but a load from that producer failed since: computed here, and its KV
+            # released now.
+            self._release(wanted)
+            wanted.found = 0
+            return 0
         wanted.local = local
         # The last prompt token is always computed here: its logits give the first output token.
         return max(0, min(wanted.found, len(prompt) - 1) - local)
@@ -260,8 +273,8 @@ class DecodeScheduler:
             wanted.failed = request_id in failed
             wanted.settled = True
             self.counters["failed_loads"] += wanted.failed
-            if request_id not in self._wanted:  # it finished before its outcome came
-                self._settle(wanted)
+            if wanted.failed:
+                self._release(wanted)  # now: the request computes its prompt, whenever it ends
 
     def finished(
         self, request_id: str, aborted: bool, prompt: list[int] | None = None, params: dict[str, Any] | None = None
@@ -281,15 +294,16 @@ class DecodeScheduler:
             while len(self._awaiting) > MAX_AWAITING:
                 self._awaiting.popitem(last=False)
             return
-        unloaded = wanted.found or wanted.unanswered or (aborted and wanted.found is None)
-        if unloaded and (not wanted.planned or wanted.failed):
-            self._release(wanted)
-
-    def _settle(self, wanted: _Wanted) -> None:
-        if wanted.failed:
-            self._release(wanted)
+        if wanted.unanswered:
+            wanted.released = False  # its producer was too slow for the lookup: maybe for the release too
+        if (wanted.found or wanted.unanswered or (aborted and wanted.found is None)) and not wanted.planned:
+            self._release(wanted)  # found and never loaded, or maybe there: nobody else will take it
 
     def _release(self, wanted: _Wanted) -> None:
+        """Release the request's KV on its producers (once)."""
+        if wanted.released:
+            return
+        wanted.released = True
         tp = len(wanted.endpoints)
         for rank, endpoint in enumerate(wanted.endpoints):
             if publishes(rank, tp, self._total_heads, mla=self._mla):

@@ -39,6 +39,7 @@ import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
 from kvrt._messages import MAX_BATCH
+from kvrt._loop_watch import WatchIntervals
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt.integrations.vllm._lookups import SILENT_BACKOFF_S
 from kvrt.integrations.vllm._scheduler import Load, Save
@@ -54,6 +55,10 @@ thread that waits for the GIL on a busy host) bound it; past it, kvrt's loop is 
 
 END_BOUND_FACTOR: Final = 6
 """As `OPEN_BOUND_FACTOR` for `end_step`, which also waits for the loads' ends and the saves'."""
+
+
+LOOP_REPORT_EVERY_S: Final = 1.0
+"""How often the worker's loop figures go out with its counters (vLLM asks every step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,8 @@ class WorkerSettings:
     """kvrt's data plane (None: chosen by kvrt, e.g. cuda_ipc between GPUs of one host)."""
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     """How often kvrt's peers hear from each other (ten silent periods: lost)."""
+    cores: frozenset[int] | None = None
+    """The CPU cores kvrt's threads run on (None: those of the thread that makes this side)."""
 
     @property
     def heads(self) -> slice | None:
@@ -122,7 +129,8 @@ class WorkerSide:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self._settings = settings
-        self._loop = LoopThread("kvrt-worker", "connector's worker")
+        self._loop = LoopThread("kvrt-worker", "connector's worker", cores=settings.cores)
+        self._loop_intervals = WatchIntervals(self._loop.watch, "worker_")
         self._pools: kvrt.PoolTable | None = None
         self._producer: kvrt.Producer | None = None
         self._consumers: dict[tuple[str, int], kvrt.Consumer] = {}
@@ -458,10 +466,11 @@ class WorkerSide:
 
     # -- the step's end ------------------------------------------------------------------------
 
-    def take_counters(self) -> dict[str, int]:
-        """What happened since the last call (vLLM's connector stats report it per interval)."""
+    def take_counters(self) -> dict[str, float]:
+        """What happened since the last call (vLLM's connector stats report it per interval),
+        with the worker's loop's figures once a `LOOP_REPORT_EVERY_S` (`worker_loop_*`)."""
         counters, self.counters = self.counters, collections.Counter()
-        return dict(counters)
+        return {**counters, **self._loop_intervals.take(LOOP_REPORT_EVERY_S)}
 
     def end_step(self) -> StepOutcome:
         """End the step's streams; what its loads came to."""

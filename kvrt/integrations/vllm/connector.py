@@ -30,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvrt.integrations.vllm._config import ConnectorConfigError, ConnectorSettings
+from kvrt.integrations.vllm._config import ConnectorConfigError, ConnectorSettings, instance_cores
 from kvrt.integrations.vllm._lookups import Lookups
 from kvrt.integrations.vllm._scheduler import DecodeScheduler, Load, PrefillScheduler, Save
-from kvrt.integrations.vllm._worker import StepOutcome, WorkerSettings, WorkerSide
+from kvrt.integrations.vllm._worker import LOOP_REPORT_EVERY_S, StepOutcome, WorkerSettings, WorkerSide
 from kvrt.integrations.vllm.layouts import CacheSpec, kv_cache_pools
 
 if TYPE_CHECKING:
@@ -77,6 +77,16 @@ _COUNTERS: Final = {
     "loaded_tokens": "prompt tokens whose KV loads wrote",
     "saves": "requests a prefill worker published through kvrt",
     "refused_saves": "requests not published (the producer's buffer was full)",
+    **{
+        f"{side}_loop_{name}": f"{text} ({where})"
+        for side, where in (("worker", "each worker's kvrt loop thread"), ("lookups", "the scheduler's lookups thread"))
+        for name, text in (
+            ("lag_seconds", "how late the turns of kvrt's loop came, summed"),
+            ("late_turns", "turns of kvrt's loop later than kvrt._loop_watch.LOOP_LAG_LOG_S, each logged"),
+            ("cpu_seconds", "CPU time of kvrt's loop thread"),
+            ("runqueue_seconds", "time kvrt's loop thread was ready to run and waited for a core"),
+        )
+    },
 }
 """The connector's counters, as vLLM's KV connector stats carry them (summed over the workers)
 and as its Prometheus output shows them (`vllm:kvrt_<name>_total`)."""
@@ -168,6 +178,7 @@ class KvrtConnector(KVConnectorBase_V1):
                 connect_timeout_s=self._settings.lookup_timeout_s, rank=self._rank,
                 tp=self._settings.tensor_parallel, total_heads=self._total_heads, mla=self._mla,
                 transport=self._settings.transport, heartbeat_s=self._settings.heartbeat_s,
+                cores=self._settings.cpu_cores or instance_cores(),
             )  # fmt: skip
             self._worker = WorkerSide(settings)
         self._layers: dict[str, int] = {}
@@ -319,10 +330,14 @@ class KvrtConnector(KVConnectorBase_V1):
         return set() if self._outcome is None else set(self._outcome.failed_blocks)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The worker's counters since the last call (vLLM sums the workers', logs and exports them)."""
-        if self._worker is None:
+        """The worker's counters since the last call, or the scheduler side's loop figures
+        (vLLM sums them, logs and exports them)."""
+        if self._worker is not None:
+            counters = self._worker.take_counters()
+        elif self._lookups is not None:
+            counters = self._lookups.take_counters(LOOP_REPORT_EVERY_S)
+        else:
             return None
-        counters = self._worker.take_counters()
         return KvrtConnectorStats(data=counters) if any(counters.values()) else None
 
     @classmethod
