@@ -152,14 +152,14 @@ def test_a_load_whose_own_loop_stalled_past_its_reply_timeout_takes_the_answer_t
             async def load_through_a_stall() -> kvrt.ConsumerStream | None:
                 async with kvrt.Consumer(connect=producer.endpoint, reply_timeout_s=timeout_s) as consumer:
                     link, sent = consumer.link_for_tests(), asyncio.Event()
-                    send_nowait = link._io.send_nowait
+                    send_nowait = link.session.io.send_nowait
 
                     def sending(frames: list[bytes]) -> bool:
                         done = send_nowait(frames)
                         sent.set()
                         return done
 
-                    link._io.send_nowait = sending  # type: ignore[method-assign]
+                    link.session.io.send_nowait = sending  # type: ignore[method-assign]
                     opening = asyncio.ensure_future(consumer.open_stream(tokens))
                     await sent.wait()  # its request left
                     threading.Event().wait(3 * timeout_s)  # the loop's thread does not run

@@ -14,7 +14,11 @@ One pair is up at a time: kvrt's, then NIXL's, then NIXL's, then kvrt's ... (`--
 rounds), each running every level over fresh prompts (a prompt a decode had seen would be found
 in its own prefix cache, not moved), so the host's drift falls on both. A row's figure is the
 median of its runs; the goal is at least NixlConnector's requests/s (ratio >= 1). Every run's
-outputs must equal the other connector's on the same prompts: a mismatch stops the benchmark."""
+outputs must equal the other connector's on the same prompts: a mismatch stops the benchmark.
+
+Each decode's scheduler hooks are timed (`tests.vllm.timed`): how long vLLM's scheduler thread
+spent in `get_num_new_matched_tokens` and `build_connector_meta` per call during the runs at
+32 in flight, every run of a connector together; kvrt's goal is p99 <= 1 ms and max <= 5 ms."""
 
 from __future__ import annotations
 
@@ -32,11 +36,16 @@ from pathlib import Path
 from typing import Final
 
 from tests.vllm.served import Server, complete, connector_config, free_port, metrics, prompt_tokens, router, server
+from tests.vllm.timed import hook_summary
 
 LEVELS: Final = (1, 8, 32)
 GOAL: Final = 1.0
 MAX_TOKENS: Final = 8
-NIXL: Final = {"kv_connector": "OwnCoresNixlConnector", "kv_connector_module_path": "tests.vllm.nixl_baseline"}
+NIXL: Final = {"kv_connector": "TimedNixlConnector", "kv_connector_module_path": "tests.vllm.nixl_baseline"}
+TIMED_KVRT: Final = {"kv_connector": "TimedKvrtConnector", "kv_connector_module_path": "tests.vllm.timed"}
+HOOK_LEVEL: Final = 32
+"""The level whose runs the hooks' times are taken from."""
+HOOK_GOAL_MS: Final = {"p99_ms": 1.0, "max_ms": 5.0}
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -45,9 +54,10 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[generator.randrange(3, 500) for _ in range(generator.randrange(64, 500))] for _ in range(count)]
 
 
-def nixl_config(role: str) -> str:
+def nixl_config(role: str, hook_times: Path) -> str:
     return json.dumps({**NIXL, "kv_role": "kv_both", "kv_buffer_device": "cpu"} | (
-        {"kv_load_failure_policy": "recompute"} if role == "consumer" else {}
+        {"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"hook_times": str(hook_times)}}
+        if role == "consumer" else {}
     ))  # fmt: skip
 
 
@@ -62,18 +72,22 @@ def cores_of(text: str) -> frozenset[int]:
 
 @contextmanager
 def pair(
-    model: Path, folder: Path, connector: str, cores: tuple[frozenset[int], frozenset[int]]
+    model: Path, folder: Path, connector: str, cores: tuple[frozenset[int], frozenset[int]], hook_times: Path
 ) -> Iterator[tuple[Server, Server]]:
     """A prefill and a decode instance of `model` with `connector` ("kvrt" or "nixl"), each on
     its `cores`, warmed up (a cold instance's first passes are slow), behind kvrt's router: the
-    router and the decode."""
+    router and the decode. The decode's scheduler writes its hooks' times to `hook_times` when
+    the block ends."""
     name = f"{model.name}-{connector}"
     if connector == "kvrt":
         bind = f"tcp://127.0.0.1:{free_port()}"
-        transfers = (connector_config("producer", bind=bind), connector_config("consumer"))
+        transfers = (
+            connector_config("producer", bind=bind),
+            connector_config("consumer", connector=TIMED_KVRT, hook_times=str(hook_times)),
+        )
         environments: tuple[dict[str, str], ...] = ({}, {})
     else:  # each NIXL instance answers its handshakes on a port of its own
-        transfers = (nixl_config("producer"), nixl_config("consumer"))
+        transfers = (nixl_config("producer", hook_times), nixl_config("consumer", hook_times))
         environments = tuple({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for _ in transfers)
     with ExitStack() as stack:
         prefill, decode = (
@@ -102,15 +116,22 @@ def bench_model(
     rates: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[int, int], list[list[int]]] = {}
     sources: dict[str, dict[str, float]] = {}
+    hook_files: dict[str, list[Path]] = {}
+    hook_windows: list[tuple[int, int]] = []
     for repeat in range(repeats):
         # One pair at a time (an idle instance's threads still take turns on this host's two
         # cores), in turns, the first of a round alternating.
         for connector in ("kvrt", "nixl") if repeat % 2 == 0 else ("nixl", "kvrt"):
-            with pair(model, folder, connector, cores) as (routed, decode):
+            hook_times = folder / f"hooks-{model.name}-{connector}-{repeat}.json"
+            hook_files.setdefault(connector, []).append(hook_times)
+            with pair(model, folder, connector, cores, hook_times) as (routed, decode):
                 before = prompt_tokens(decode.url)
                 for in_flight in LEVELS:
                     asked = prompts(requests, seed=1000 * in_flight + repeat)
+                    started = time.monotonic_ns()
                     rate, done = run(routed, asked, in_flight)
+                    if in_flight == HOOK_LEVEL:
+                        hook_windows.append((started, time.monotonic_ns()))
                     rates.setdefault((connector, in_flight), []).append(rate)
                     if outputs.setdefault((in_flight, repeat), done) != done:
                         raise SystemExit(f"{model.name}, {in_flight} in flight: the two connectors' outputs differ")
@@ -138,7 +159,30 @@ def bench_model(
         listed = ", ".join(f"{source} {count:.0f}" for source, count in sorted(counted.items()))
         print(f"{model.name:>6} {connector} decode's prompt tokens: {listed}", flush=True)
     rows.append({"model": model.name, "decode_prompt_tokens": sources})
+    rows.append({"model": model.name, "in_flight": HOOK_LEVEL, "decode_hooks": hooks_at(hook_files, hook_windows)})
     return rows
+
+
+def hooks_at(files: dict[str, list[Path]], windows: list[tuple[int, int]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per connector and hook, its decode's calls within `windows` (every run together), printed."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for connector, paths in files.items():
+        durations: dict[str, list[tuple[int, int]]] = {}
+        for path in paths:
+            if not path.exists():
+                raise SystemExit(f"{path}: the {connector} decode wrote no hook times (did it shut down cleanly?)")
+            for hook, calls in json.loads(path.read_text()).items():
+                durations.setdefault(hook, []).extend(calls)
+        merged = paths[0].with_name(f"{paths[0].stem}-all.json")
+        merged.write_text(json.dumps(durations))
+        found[connector] = hook_summary(merged, windows)
+        for hook, figures in found[connector].items():
+            goal = " ".join(f"{name[:-3]} <= {bound:g} ms" for name, bound in HOOK_GOAL_MS.items())
+            met = all(figures[name] <= bound for name, bound in HOOK_GOAL_MS.items())
+            print(f"{'':>6} {connector} decode {hook} at {HOOK_LEVEL} in flight: {figures['calls']:.0f} calls, "
+                  f"p50 {figures['p50_ms']:.3f} ms, p99 {figures['p99_ms']:.3f} ms, max {figures['max_ms']:.3f} ms "
+                  f"(goal for kvrt: {goal}: {'met' if met else 'not met'})", flush=True)  # fmt: skip
+    return found
 
 
 def main() -> None:

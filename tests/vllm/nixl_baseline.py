@@ -13,7 +13,7 @@ deployment sets them:
 * NIXL's agent starts a progress thread that polls a core; with none to spare it takes the
   forward pass's. It runs without one (UCX progresses as the connector polls its transfers).
 
-    --kv-transfer-config '{"kv_connector": "OwnCoresNixlConnector",
+    --kv-transfer-config '{"kv_connector": "OwnCoresNixlConnector",   (or TimedNixlConnector)
                            "kv_connector_module_path": "tests.vllm.nixl_baseline", ...}'
 """
 
@@ -26,6 +26,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
+from tests.vllm.timed import HookTimes
+
 if base_worker.nixl_agent_config is not None:
     base_worker.nixl_agent_config = functools.partial(base_worker.nixl_agent_config, enable_prog_thread=False)
 
@@ -36,3 +38,7 @@ class OwnCoresNixlConnector(NixlConnector):
         super().__init__(*args, **kwargs)
         for thread in os.listdir("/proc/self/task"):  # the worker's, and those its agent started
             os.sched_setaffinity(int(thread), cores)
+
+
+class TimedNixlConnector(HookTimes, OwnCoresNixlConnector):
+    """The same, its scheduler's hooks timed (`tests.vllm.timed`)."""

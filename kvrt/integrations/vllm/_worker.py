@@ -38,8 +38,8 @@ import torch
 import kvrt
 from kvrt._caller_stream import caller_stream
 from kvrt._loop_thread import LoopThread
-from kvrt._messages import MAX_BATCH
 from kvrt._loop_watch import WatchIntervals
+from kvrt._messages import MAX_BATCH
 from kvrt._protocol import DEFAULT_HEARTBEAT_S
 from kvrt.integrations.vllm._lookups import SILENT_BACKOFF_S
 from kvrt.integrations.vllm._scheduler import Load, Save
