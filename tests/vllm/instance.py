@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> None:
     transfer = None
     connector = {"kv_connector": "KvrtConnector", "kv_connector_module_path": "kvrt.integrations.vllm"}
     extra: dict[str, Any] = {}
-    if args.record or args.kill_before_load:
+    if args.record:
         connector = {"kv_connector": "RecordingKvrtConnector", "kv_connector_module_path": "tests.vllm.recording"}
-        extra = {"record": args.record, "kill_before_load": args.kill_before_load}
+        extra = {"record": args.record}
     if args.role == "producer":
         transfer = KVTransferConfig(
             **connector, kv_role="kv_producer", kv_connector_extra_config={"bind": args.bind, **extra}
@@ -111,7 +111,6 @@ def main() -> None:
     run_parser.add_argument("--connect")
     run_parser.add_argument("--max-tokens", type=int, default=8)
     run_parser.add_argument("--record", help="write the pages the connector moved into this folder")
-    run_parser.add_argument("--kill-before-load", help="a file with the producer's process id: kill it before loading")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.folder, args.arch)
