@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,41 @@ def test_keys_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_public_certificate_is_not_enough_for_a_side(keys: Path) -> None:
     with pytest.raises(kvrt.InvalidInputError, match="public key only"):
         kvrt.CurveKeys.server(keys / "producer.key")
+
+
+@pytest.fixture
+def closes_every_connection() -> Iterator[str]:
+    """An address whose listener accepts each connection and closes it at once, inside ZeroMQ's
+    handshake: a producer's process as it is killed or starts up."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def accept_and_close() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # the listener closed: the test is over
+                return
+            connection.close()
+
+    closing = threading.Thread(target=accept_and_close, daemon=True)
+    closing.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        closing.join(5)
+
+
+async def test_a_producer_closing_connections_in_the_handshake_is_not_taken_for_a_curve_refusal(
+    closes_every_connection: str,
+) -> None:
+    # Without CURVE on this side, a connection closed in the handshake is a producer going or
+    # coming: the consumer keeps connecting and says, when its connect timeout ends, that no
+    # producer answered (not that CURVE refused it).
+    started = time.monotonic()
+    with pytest.raises(kvrt.KVRTTimeoutError, match="no producer answered") as refused:
+        await kvrt.Consumer(connect=closes_every_connection, connect_timeout_s=1.0).start()
+    assert refused.value.phase == "connect"
+    assert time.monotonic() - started < 5.0
