@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Final
 
 from tests.vllm.served import Server, complete, connector_config, free_port, metrics, prompt_tokens, router, server
-from tests.vllm.timed import hook_summary
+from tests.vllm.timed import hook_calls, hook_summary
 
 LEVELS: Final = (1, 8, 32)
 GOAL: Final = 1.0
@@ -76,8 +76,8 @@ def pair(
 ) -> Iterator[tuple[Server, Server]]:
     """A prefill and a decode instance of `model` with `connector` ("kvrt" or "nixl"), each on
     its `cores`, warmed up (a cold instance's first passes are slow), behind kvrt's router: the
-    router and the decode. The decode's scheduler writes its hooks' times to `hook_times` when
-    the block ends."""
+    router and the decode. The decode's scheduler appends its hooks' times to `hook_times` as it
+    runs."""
     name = f"{model.name}-{connector}"
     if connector == "kvrt":
         bind = f"tcp://127.0.0.1:{free_port()}"
@@ -122,7 +122,7 @@ def bench_model(
         # One pair at a time (an idle instance's threads still take turns on this host's two
         # cores), in turns, the first of a round alternating.
         for connector in ("kvrt", "nixl") if repeat % 2 == 0 else ("nixl", "kvrt"):
-            hook_times = folder / f"hooks-{model.name}-{connector}-{repeat}.json"
+            hook_times = folder / f"hooks-{model.name}-{connector}-{repeat}.bin"
             hook_files.setdefault(connector, []).append(hook_times)
             with pair(model, folder, connector, cores, hook_times) as (routed, decode):
                 before = prompt_tokens(decode.url)
@@ -167,22 +167,22 @@ def hooks_at(files: dict[str, list[Path]], windows: list[tuple[int, int]]) -> di
     """Per connector and hook, its decode's calls within `windows` (every run together), printed."""
     found: dict[str, dict[str, dict[str, float]]] = {}
     for connector, paths in files.items():
-        durations: dict[str, list[tuple[int, int]]] = {}
-        for path in paths:
-            if not path.exists():
-                raise SystemExit(f"{path}: the {connector} decode wrote no hook times (did it shut down cleanly?)")
-            for hook, calls in json.loads(path.read_text()).items():
-                durations.setdefault(hook, []).extend(calls)
-        merged = paths[0].with_name(f"{paths[0].stem}-all.json")
-        merged.write_text(json.dumps(durations))
-        found[connector] = hook_summary(merged, windows)
+        missing = [path for path in paths if not path.exists()]
+        if missing:
+            raise SystemExit(f"{missing}: the {connector} decode timed no hook")
+        found[connector] = hook_summary(hook_calls(paths), windows)
         for hook, figures in found[connector].items():
             goal = " ".join(f"{name[:-3]} <= {bound:g} ms" for name, bound in HOOK_GOAL_MS.items())
             met = all(figures[name] <= bound for name, bound in HOOK_GOAL_MS.items())
-            print(f"{'':>6} {connector} decode {hook} at {HOOK_LEVEL} in flight: {figures['calls']:.0f} calls, "
-                  f"p50 {figures['p50_ms']:.3f} ms, p99 {figures['p99_ms']:.3f} ms, max {figures['max_ms']:.3f} ms "
-                  f"(goal for kvrt: {goal}: {'met' if met else 'not met'})", flush=True)  # fmt: skip
+            print(f"{model_of(paths[0]):>6} {connector} decode {hook} at {HOOK_LEVEL} in flight: "
+                  f"{figures['calls']:.0f} calls, p50 {figures['p50_ms']:.3f} ms, p99 {figures['p99_ms']:.3f} ms, "
+                  f"max {figures['max_ms']:.3f} ms (goal for kvrt: {goal}: {'met' if met else 'not met'})",
+                  flush=True)  # fmt: skip
     return found
+
+
+def model_of(hook_times: Path) -> str:
+    return hook_times.name.split("-")[1]
 
 
 def main() -> None:
