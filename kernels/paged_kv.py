@@ -776,14 +776,16 @@ def gather_into_any(
 
 def scatter_from_any(
     table: PoolTable, key: torch.Tensor, value: torch.Tensor, replica: torch.Tensor, slots: torch.Tensor, *,
-    heads: tuple[int, int] | None = None,
+    heads: tuple[int, int] | None = None, check: bool = True,
 ) -> None:  # fmt: skip
     """`scatter_from` where Triton runs (CUDA); on the host block by block where the slots run
-    through blocks in order (`_block_runs`), else through its torch reference."""
+    through blocks in order (`_block_runs`), else through its torch reference. `check`: False
+    where the caller checked the indexes already (as for `scatter_from`)."""
     if table.device.type == "cuda":
-        scatter_from(table, key, value, replica, slots, heads=heads)
+        scatter_from(table, key, value, replica, slots, heads=heads, check=check)
         return
-    check_indices(table, replica, slots)
+    if check:
+        check_indices(table, replica, slots)
     _check_split(table, key, value, slots.numel(), _head_range(table, heads))
     tokens = slots.numel()
     parts = [key[:, :tokens]] if table.geometry.kv == 1 else [key[:, :tokens], value[:, :tokens]]

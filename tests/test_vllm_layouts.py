@@ -303,7 +303,7 @@ def test_a_load_whose_layers_fail_the_checksums_its_streams_end_carries_fails_an
         return message
 
     monkeypatch.setattr(m, "decode", not_what_landed)
-    prefill, _ = sides(entry, produces=True, seed=1)
+    prefill, _ = sides(entry, produces=True, seed=1, layers_as_computed=True)  # as on a GPU
     decode, _ = sides(entry, produces=False, seed=2)
     tokens = list(range(1000, 1000 + TOKENS))
     from_blocks, into_blocks = blocks_for(entry, TOKENS, 3), blocks_for(entry, TOKENS, 4)
@@ -349,3 +349,32 @@ def test_a_step_that_fetches_some_loads_and_streams_others_lands_them_all(
     for from_blocks, into in zip(sources, targets, strict=True):
         sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
         assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)
+
+
+@pytest.mark.parametrize("as_computed", [None, True], ids=["on the host", "as computed"])
+def test_a_host_prefill_hands_its_steps_layers_to_kvrt_once_at_the_steps_end(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], as_computed: bool | None
+) -> None:
+    # The model runner's thread hands work to kvrt's loop thread once a step on the host (each
+    # hand-off may cost it a wait for the GIL), once a layer and at the end where a layer's
+    # gather overlaps the next layer's pass (a GPU's default); either way the prompt is published.
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    prefill, prefill_caches = sides(entry, produces=True, seed=1, layers_as_computed=as_computed)
+    decode, decode_caches = sides(entry, produces=False, seed=2)
+    posted: list[str] = []
+    post = prefill._loop.post
+
+    def counted(function: Any, what: str) -> Any:
+        posted.append(what)
+        return post(function, what)
+
+    prefill._loop.post = counted  # type: ignore[method-assign]
+    tokens = list(range(7000, 7000 + TOKENS))
+    from_blocks, into = blocks_for(entry, TOKENS, 5), blocks_for(entry, TOKENS, 6)
+    publish([prefill], tokens, from_blocks, entry["block_size"], entry["layers"])
+    per_layer = [] if as_computed is None else ["save_kv_layer"] * entry["layers"]
+    assert posted == [*per_layer, "wait_for_save"]
+    failed = load([decode], endpoints_of([prefill]), tokens, into, entry["block_size"], entry["layers"])
+    assert failed == [set()]
+    sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
+    assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)

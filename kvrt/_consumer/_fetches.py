@@ -137,8 +137,8 @@ class Fetches:
                 count = _count(item, target)
                 if count > 0:
                     key, value = _tokens(item, target.skip, count)
-                    scatter_from_any(
-                        into, key, value, target.replicas[:count], target.slots[:count], heads=placed
+                    scatter_from_any(  # the indexes were checked by `fetch`
+                        into, key, value, target.replicas[:count], target.slots[:count], heads=placed, check=False
                     )
         return landed
 

@@ -99,7 +99,11 @@ def pair(
             )
             for role, transfer, env, pinned in zip(("prefill", "decode"), transfers, environments, cores, strict=True)
         )  # fmt: skip
-        routed = stack.enter_context(router([prefill.url], [decode.url], folder))
+        # vLLM's NixlConnector goes on from the prompt its prefill computed (as vLLM's own proxy
+        # asks it to): a decode asked for the prompt plus the first token fails its assertion
+        # when that token starts a block. kvrt's decode goes on from the first token.
+        first_token = "prefill" if connector == "kvrt" else "decode"
+        routed = stack.enter_context(router([prefill.url], [decode.url], folder, first_token=first_token))
         complete(routed.url, prompts(8, seed=-1), in_flight=8, max_tokens=MAX_TOKENS)
         yield routed, decode
 

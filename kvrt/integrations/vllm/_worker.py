@@ -85,6 +85,12 @@ class WorkerSettings:
     """How often kvrt's peers hear from each other (ten silent periods: lost)."""
     cores: frozenset[int] | None = None
     """The CPU cores kvrt's threads run on (None: those of the thread that makes this side)."""
+    layers_as_computed: bool | None = None
+    """Whether a prefill publishes each layer as the forward pass wrote it (a stream a decode
+    may read while the prefill runs), or the step's layers at its end, in one hand-off to kvrt's
+    thread. None: as computed on a GPU, where a layer's gather overlaps the next layer's pass;
+    at the step's end on the host, where nothing overlaps it and a hand-off a layer costs the
+    model runner's thread a wait for the GIL each."""
 
     @property
     def heads(self) -> slice | None:
@@ -146,6 +152,8 @@ class WorkerSide:
         self._writing: list[kvrt.ProducerStream] = []
         """On the loop: the streams of the step's saves."""
         self._saving = False
+        self._held_layers: list[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = []
+        """On the host: the step's layers to publish, posted with the step's end in one hand-off."""
         """Whether the step posted saves (their streams end in `end_step`)."""
         self._last_post: concurrent.futures.Future[None] | None = None
         """What `_post_in_order` posted last."""
@@ -441,6 +449,10 @@ class WorkerSide:
             return
         self._saving = True
         stream = caller_stream(None, self._device())
+        as_computed = self._settings.layers_as_computed
+        if not (self._device().type == "cuda" if as_computed is None else as_computed):
+            self._held_layers.append((saves, layer, stream))  # published with the step's end
+            return
         self._post_in_order(lambda: self._save_layer(saves, layer, stream), "save_kv_layer")
 
     async def _save_layer(self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None) -> None:
@@ -477,7 +489,8 @@ class WorkerSide:
         if self._saving or self._opening is not None:
             stream = caller_stream(None, self._device())
             opening, self._opening, self._saving = self._opening, None, False
-            ending = self._post_in_order(lambda: self._end_step(opening, stream), "wait_for_save")
+            held, self._held_layers = self._held_layers, []
+            ending = self._post_in_order(lambda: self._end_step(opening, stream, held), "wait_for_save")
             try:
                 ending.result(self._end_bound_s)
             except TimeoutError:
@@ -489,8 +502,11 @@ class WorkerSide:
         return outcome
 
     async def _end_step(
-        self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None
-    ) -> None:
+        self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None,
+        held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = (),
+    ) -> None:  # fmt: skip
+        for saves, layer, layer_stream in held:  # the host's layers, in their order
+            await self._save_layer(saves, layer, layer_stream)
         if opening is not None:  # posted before: started already; bounded by the lookup timeout
             await asyncio.wrap_future(opening)
         writing, self._writing = self._writing, []
