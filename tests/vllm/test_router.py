@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from socket import SO_LINGER, SOL_SOCKET
 
 import aiohttp
@@ -16,21 +14,7 @@ from aiohttp import web
 
 import kvrt
 from kvrt.integrations.vllm.proxy import application
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+from tests.vllm.fake_instance import Handler, serving
 
 
 def instance(completions: Handler) -> web.Application:
