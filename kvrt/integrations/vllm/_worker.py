@@ -152,9 +152,9 @@ class WorkerSide:
         self._writing: list[kvrt.ProducerStream] = []
         """On the loop: the streams of the step's saves."""
         self._saving = False
+        """Whether the step posted saves (their streams end in `end_step`)."""
         self._held_layers: list[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = []
         """On the host: the step's layers to publish, posted with the step's end in one hand-off."""
-        """Whether the step posted saves (their streams end in `end_step`)."""
         self._last_post: concurrent.futures.Future[None] | None = None
         """What `_post_in_order` posted last."""
         self._open_bound_s = OPEN_BOUND_FACTOR * settings.connect_timeout_s + OPEN_BOUND_SLACK_S
