@@ -125,8 +125,7 @@ class StreamLayers:
 
     def __init__(self, session: LinkSession) -> None:
         self._session = session
-        self._ends_due: dict[int, asyncio.TimerHandle] = {}
-        """Per stream whose every layer came, when its end is overdue (`_end_overdue`)."""
+        self._ends = EndsDue(session, self._stream_lost)
 
     def on_stream_start(
         self, future: asyncio.Future[_Reply] | None, start: m.StreamStart, payload: Sequence[zmq.Frame]
@@ -184,7 +183,7 @@ class StreamLayers:
             stream = None
         if stream is None:  # a stream this side gave back
             if transport is not None:
-                self._skip(transport, message, payload)
+                _skip(self._session, transport, message, payload)
             return
         try:
             match message:
@@ -204,7 +203,7 @@ class StreamLayers:
         except (ProtocolError, IntegrityError, IndexError) as exc:
             self._session.open_streams.pop(message.item_id, None)
             error = exc if isinstance(exc, ProtocolError | IntegrityError) else RemoteProtocolError(str(exc))
-            self._count(error)
+            _count(self._session, error)
             stream.fail(error)
             if transport is not None:  # its item goes back (or, its bytes on the way, the session: see `refuse_stream`)
                 transport.refuse_stream(self._session, message.item_id, error)
@@ -262,7 +261,7 @@ class StreamLayers:
         writer = stream.writer
         if writer is None:
             stream.deliver_layer(layer, key, value, landed)
-            self._await_end(stream, item_id)
+            self._ends.watch(stream, item_id)
             return
         stream.writing(layer)
         written = writer.write(layer, key, value, landed)
@@ -275,7 +274,7 @@ class StreamLayers:
                 self._stream_lost(item_id, translate_torch_error(error, what=f"writing layer {layer} into the pools"))
             else:
                 stream.deliver_layer(layer, key, value, written.result())
-                self._await_end(stream, item_id)
+                self._ends.watch(stream, item_id)
 
         self._session.own_arrival(written, delivered)
 
@@ -286,9 +285,7 @@ class StreamLayers:
         states last, and (from a producer on a GPU) the checksums of its layers and hidden
         states match what landed."""
         item_id, hidden_meta, checksum = end.item_id, end.hidden, end.checksum
-        due = self._ends_due.pop(item_id, None)
-        if due is not None:
-            due.cancel()
+        self._ends.forget(item_id)
         if end.layer_checksums is not None and len(end.layer_checksums) != stream.layers:
             raise RemoteProtocolError(
                 f"a stream of {stream.layers} layers ended with {len(end.layer_checksums)} layer checksums"
@@ -396,54 +393,70 @@ class StreamLayers:
     def _producer_checksums(self) -> bool:
         return m.Capability.CHECKSUM in self._session.core.producer_capabilities
 
-    def _skip(
-        self, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort, payload: Sequence[zmq.Frame]
-    ) -> None:
-        """A message of a stream this side gave back: what came with it is dropped, or, its bytes
-        still on their way (out of band), received and dropped (`Receiver.skip`), or the next
-        receive on the pair would take them."""
-        try:
-            arriving = transport.skip(_tensor_metas(message), payload)
-        except ProtocolError as exc:
-            self._session.start_afresh(None, exc)
-            return
-        if arriving is not None:
-            self._session.own_arrival(arriving, outcome_seen)
+    def _stream_lost(self, item_id: int, error: KVRTError) -> None:
+        """A stream's receive failed: it fails, and its item goes back to the producer."""
+        self._ends.forget(item_id)
+        stream = self._session.open_streams.pop(item_id, None)
+        _count(self._session, error)
+        if stream is not None:
+            self._session.release([item_id])
+            stream.fail(error)
 
-    def _count(self, error: BaseException) -> None:
-        if isinstance(error, IntegrityError) and self._session.metrics is not None:
-            self._session.metrics.integrity_failures += 1
+class EndsDue:
+    """A link's streams whose every layer came, each with the moment its end is overdue: they
+    wait for it as long as a transfer may take (`transfer_timeout_s`), so that an end that
+    reaches no stream (its id damaged into another valid one) does not leave its reader waiting
+    for ever; then `lost` fails the stream and gives its item back."""
 
-    def _await_end(self, stream: ConsumerStream, item_id: int) -> None:
-        """Once every layer of a stream came, its end is waited for as long as a transfer may
-        take (`transfer_timeout_s`): an end that reaches no stream (its id damaged into another
-        valid one) must not leave its reader waiting for ever."""
+    def __init__(self, session: LinkSession, lost: Callable[[int, KVRTError], None]) -> None:
+        self._session = session
+        self._lost = lost
+        self._due: dict[int, asyncio.TimerHandle] = {}
+
+    def watch(self, stream: ConsumerStream, item_id: int) -> None:
+        """Start the stream's wait for its end, once every layer came (once)."""
         bound = self._session.transfer_timeout_s
-        if bound is None or item_id in self._ends_due or not stream.every_layer_came():
+        if bound is None or item_id in self._due or not stream.every_layer_came():
             return
-        self._ends_due[item_id] = asyncio.get_running_loop().call_later(bound, self._end_overdue, item_id, stream)
+        self._due[item_id] = asyncio.get_running_loop().call_later(bound, self._overdue, item_id, stream)
 
-    def _end_overdue(self, item_id: int, stream: ConsumerStream) -> None:
-        self._ends_due.pop(item_id, None)
+    def forget(self, item_id: int) -> None:
+        """The stream ended, or failed: no end is awaited."""
+        due = self._due.pop(item_id, None)
+        if due is not None:
+            due.cancel()
+
+    def _overdue(self, item_id: int, stream: ConsumerStream) -> None:
+        self._due.pop(item_id, None)
         if self._session.open_streams.get(item_id) is not stream:
             return  # ended, failed or given back meanwhile
-        bound = self._session.transfer_timeout_s
-        self._stream_lost(
+        self._lost(
             item_id,
             KVRTTimeoutError(
                 f"every layer of a stream from the producer at {self._session.endpoint} came, and its end did not "
-                f"within {bound} s after them (lost, or misdirected on the way): it went back to the producer",
+                f"within {self._session.transfer_timeout_s} s after them (lost, or misdirected on the way): it went "
+                "back to the producer",
                 phase="transfer",
             ),
         )
 
-    def _stream_lost(self, item_id: int, error: KVRTError) -> None:
-        """A stream's receive failed: it fails, and its item goes back to the producer."""
-        due = self._ends_due.pop(item_id, None)
-        if due is not None:
-            due.cancel()
-        stream = self._session.open_streams.pop(item_id, None)
-        self._count(error)
-        if stream is not None:
-            self._session.release([item_id])
-            stream.fail(error)
+
+def _skip(
+    session: LinkSession, transport: Receiver, message: m.StreamLayer | m.StreamEnd | m.StreamAbort,
+    payload: Sequence[zmq.Frame],
+) -> None:  # fmt: skip
+    """A message of a stream this side gave back: what came with it is dropped, or, its bytes
+    still on their way (out of band), received and dropped (`Receiver.skip`), or the next
+    receive on the pair would take them."""
+    try:
+        arriving = transport.skip(_tensor_metas(message), payload)
+    except ProtocolError as exc:
+        session.start_afresh(None, exc)
+        return
+    if arriving is not None:
+        session.own_arrival(arriving, outcome_seen)
+
+
+def _count(session: LinkSession, error: BaseException) -> None:
+    if isinstance(error, IntegrityError) and session.metrics is not None:
+        session.metrics.integrity_failures += 1
