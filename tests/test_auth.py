@@ -127,22 +127,19 @@ def test_a_public_certificate_is_not_enough_for_a_side(keys: Path) -> None:
 
 
 @pytest.fixture
-def closes_every_connection() -> Iterator[str]:
-    """An address whose listener accepts each connection and closes it at once, inside ZeroMQ's
-    handshake: a producer's process as it is killed or starts up."""
+def killed_in_the_handshake() -> Iterator[str]:
+    """An address whose listener accepts a connection and closes it at once, inside ZeroMQ's
+    handshake, then stops listening: a producer's process as it is killed."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
 
-    def accept_and_close() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:  # the listener closed: the test is over
-                return
-            connection.close()
+    def accept_close_and_go() -> None:
+        connection, _ = listener.accept()
+        connection.close()
+        listener.close()
 
-    closing = threading.Thread(target=accept_and_close, daemon=True)
+    closing = threading.Thread(target=accept_close_and_go, daemon=True)
     closing.start()
     try:
         yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
@@ -151,14 +148,14 @@ def closes_every_connection() -> Iterator[str]:
         closing.join(5)
 
 
-async def test_a_producer_closing_connections_in_the_handshake_is_not_taken_for_a_curve_refusal(
-    closes_every_connection: str,
+async def test_a_producer_killed_in_the_handshake_is_not_taken_for_a_curve_refusal(
+    killed_in_the_handshake: str,
 ) -> None:
-    # Without CURVE on this side, a connection closed in the handshake is a producer going or
-    # coming: the consumer keeps connecting and says, when its connect timeout ends, that no
+    # Without CURVE on this side, a connection closed once in the handshake is a producer going
+    # or coming: the consumer keeps connecting and says, when its connect timeout ends, that no
     # producer answered (not that CURVE refused it).
     started = time.monotonic()
     with pytest.raises(kvrt.KVRTTimeoutError, match="no producer answered") as refused:
-        await kvrt.Consumer(connect=closes_every_connection, connect_timeout_s=1.0).start()
+        await kvrt.Consumer(connect=killed_in_the_handshake, connect_timeout_s=1.0).start()
     assert refused.value.phase == "connect"
     assert time.monotonic() - started < 5.0

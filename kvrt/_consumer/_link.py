@@ -65,6 +65,8 @@ class _Link:
         self.layers = StreamLayers(session)
         self._welcomed = asyncio.Event()
         self._refused: KVRTError | None = None
+        self._closed_in_handshake = 0
+        """Connections the producer closed inside the handshake before it welcomed this side."""
         self.rejected_frames = 0
         """Messages from the producer dropped because they did not decode or could not be handled."""
 
@@ -192,6 +194,13 @@ class _Link:
             if hello is not None:
                 self.sends.in_order(hello)
         elif not self._welcomed.is_set():  # a handshake refused before any welcome: start() raises it
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.session.curve:
+                # Closed inside the handshake: a producer exiting or starting (killed,
+                # restarted) does so once, and ZeroMQ connects again; a CURVE producer does so
+                # each time (where it was faster than this side to see the mechanisms differ).
+                self._closed_in_handshake += 1
+                if self._closed_in_handshake < 2:
+                    return
             self._refused = handshake_failure(event, self.endpoint)
             self._welcomed.set()
 

@@ -85,16 +85,11 @@ _LINK_EVENTS: Final = (
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 """What a link learns from its socket's monitor: the connection closed (the producer exited, or
 ZeroMQ's own heartbeats, which its I/O thread answers, went unanswered), came back, or was
-refused (a CURVE producer's answer to a plain or unknown consumer)."""
-
-_CURVE_LINK_EVENTS: Final = _LINK_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-"""A CURVE link's: also a connection the producer closed in the handshake, which is how it
-answers a hello sealed for another server key. Without CURVE that is a producer exiting or
-starting up (killed, restarted), not a refusal: ZeroMQ connects again, within the connect
-timeout."""
+refused (a CURVE producer's answer to a plain or unknown consumer: see `_Link`)."""
 
 
 def _item_ids(reply: m.Message) -> list[int]:
@@ -169,6 +164,8 @@ class LinkSession:
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
+        self.curve = curve is not None
+        """Whether this side speaks CURVE."""
         self._transfer_timeout_s = transfer_timeout_s
         self.reply_timeout_s = reply_timeout_s
         """How long past what a call lets the producer wait it waits for the answer (`_calls`)."""
@@ -185,9 +182,7 @@ class LinkSession:
         """Counts the times the link gave its producer up: a receive posted before the last of
         them belongs to calls that failed then, whatever it lands."""
         self._socket = _dealer(context, self.core, heartbeat_s, curve)
-        self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(
-            _LINK_EVENTS if curve is None else _CURVE_LINK_EVENTS
-        )
+        self._monitor: zmq.Socket[bytes] | None = self._socket.get_monitor_socket(_LINK_EVENTS)
         self.io = SocketIO(self._socket, self._monitor)
         self.sends = OrderedSends(self.io, self.core, endpoint)
         self.leases: dict[int, int] = {}
