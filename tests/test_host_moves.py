@@ -22,6 +22,7 @@ from kvrt.kernels.paged_kv import (
     scatter_reference,
 )
 from tests._checks import same_bits
+from tests.test_kernels import same_pools
 
 DTYPES = [torch.float16, torch.float32, torch.uint8]
 
@@ -48,15 +49,6 @@ def pools_of(layout: Layout, layers: int, blocks: int, block_size: int, heads: i
 
 def copied(table: PoolTable) -> PoolTable:
     return PoolTable([[[pool.clone() for pool in layers] for layers in copies] for copies in table.pools], table.layout)
-
-
-def same_pools(table: PoolTable, other: PoolTable) -> bool:
-    return all(
-        same_bits(got, want)
-        for got_copies, want_copies in zip(table.pools, other.pools, strict=True)
-        for got_layers, want_layers in zip(got_copies, want_copies, strict=True)
-        for got, want in zip(got_layers, want_layers, strict=True)
-    )
 
 
 @st.composite
