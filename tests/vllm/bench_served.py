@@ -163,11 +163,14 @@ def bench_model(
         listed = ", ".join(f"{source} {count:.0f}" for source, count in sorted(counted.items()))
         print(f"{model.name:>6} {connector} decode's prompt tokens: {listed}", flush=True)
     rows.append({"model": model.name, "decode_prompt_tokens": sources})
-    rows.append({"model": model.name, "in_flight": HOOK_LEVEL, "decode_hooks": hooks_at(hook_files, hook_windows)})
+    hooks = hooks_at(model.name, hook_files, hook_windows)
+    rows.append({"model": model.name, "in_flight": HOOK_LEVEL, "decode_hooks": hooks})
     return rows
 
 
-def hooks_at(files: dict[str, list[Path]], windows: list[tuple[int, int]]) -> dict[str, dict[str, dict[str, float]]]:
+def hooks_at(
+    model: str, files: dict[str, list[Path]], windows: list[tuple[int, int]]
+) -> dict[str, dict[str, dict[str, float]]]:
     """Per connector and hook, its decode's calls within `windows` (every run together), printed."""
     found: dict[str, dict[str, dict[str, float]]] = {}
     for connector, paths in files.items():
@@ -178,15 +181,11 @@ def hooks_at(files: dict[str, list[Path]], windows: list[tuple[int, int]]) -> di
         for hook, figures in found[connector].items():
             goal = " ".join(f"{name[:-3]} <= {bound:g} ms" for name, bound in HOOK_GOAL_MS.items())
             met = all(figures[name] <= bound for name, bound in HOOK_GOAL_MS.items())
-            print(f"{model_of(paths[0]):>6} {connector} decode {hook} at {HOOK_LEVEL} in flight: "
+            print(f"{model:>6} {connector} decode {hook} at {HOOK_LEVEL} in flight: "
                   f"{figures['calls']:.0f} calls, p50 {figures['p50_ms']:.3f} ms, p99 {figures['p99_ms']:.3f} ms, "
                   f"max {figures['max_ms']:.3f} ms (goal for kvrt: {goal}: {'met' if met else 'not met'})",
                   flush=True)  # fmt: skip
     return found
-
-
-def model_of(hook_times: Path) -> str:
-    return hook_times.name.split("-")[1]
 
 
 def main() -> None:
