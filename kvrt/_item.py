@@ -23,7 +23,7 @@ from kvrt._errors import InvalidInputError
 from kvrt._item_bytes import ItemBytes, StreamStore
 from kvrt._messages import MAX_TOKENS, TOKEN_BYTES, tokens_to_bytes
 from kvrt._protocol.lookup_buffer import BufferedItem, StreamRecord
-from kvrt._tensors import Allocate, Packed, pack
+from kvrt._tensors import Packed
 
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 """The wire's int64 tokens are little-endian: a native int64 tensor's bytes are them as they are."""
@@ -297,20 +297,6 @@ class NewItem:
 
     record: BufferedItem
     bytes: ItemBytes
-
-
-def buffered_item(
-    tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    device: torch.device, *, item_id: int, seq: int, allocate: Allocate | None = None,
-) -> NewItem:  # fmt: skip
-    """An item for the buffer: the five tensors (already checked) packed into one new buffer
-    on `device` (the one copy insert makes), with its lookup key: read from the caller's
-    tokens when they are on the host (from the packed copy on a GPU, the read would wait for
-    everything queued on the caller's stream, a whole prefill's work)."""
-    input_tokens, roi = tensors[0], tensors[1]
-    on_host = input_tokens.device.type == "cpu" and (roi is None or roi.device.type == "cpu")
-    masked = masked_tokens(input_tokens, roi).copy() if on_host else None  # the caller may change its tokens
-    return item_from_packed(pack(tensors, device, allocate), item_id=item_id, seq=seq, masked=masked)
 
 
 def item_from_packed(

@@ -8,16 +8,12 @@ import torch
 
 from kvrt import _metrics
 from kvrt._heads import check_heads
-from kvrt._item import (
-    NewItem,
-    buffered_item,
-    check_item,
-    check_timeout,
-)
+from kvrt._item import NewItem, check_item, check_timeout, item_from_packed, masked_tokens
 from kvrt._messages import HeadRange
 from kvrt._producer._parts import Gate, ItemKeeper, loop_time
 from kvrt._producer._serve import ServeLoop
 from kvrt._protocol import ProducerCore
+from kvrt._tensors import Allocate, pack
 
 
 class Inserter:
@@ -67,3 +63,17 @@ class Inserter:
         record = self._items.keep(item)
         self._items.prepare(record, item.bytes)
         await self._serving.perform(self._core.insert(record, loop_time()))
+
+
+def buffered_item(
+    tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    device: torch.device, *, item_id: int, seq: int, allocate: Allocate | None = None,
+) -> NewItem:  # fmt: skip
+    """An item for the buffer: the five tensors (already checked) packed into one new buffer
+    on `device` (the one copy insert makes), with its lookup key: read from the caller's
+    tokens when they are on the host (from the packed copy on a GPU, the read would wait for
+    everything queued on the caller's stream, a whole prefill's work)."""
+    input_tokens, roi = tensors[0], tensors[1]
+    on_host = input_tokens.device.type == "cpu" and (roi is None or roi.device.type == "cpu")
+    masked = masked_tokens(input_tokens, roi).copy() if on_host else None  # the caller may change its tokens
+    return item_from_packed(pack(tensors, device, allocate), item_id=item_id, seq=seq, masked=masked)
