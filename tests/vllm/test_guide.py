@@ -63,7 +63,8 @@ def port_of(command: str) -> int:
 
 @contextmanager
 def background(command: str, log: Path, environment: dict[str, str]) -> Iterator[Server]:
-    """`command` (a server) run by a shell in a session of its own, until the block ends."""
+    """`command` (a server) run by a shell in a session of its own, until the block ends; not
+    waited for (`_wait_ready`) here: the guide starts its servers together."""
     port = port_of(command)
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -72,7 +73,6 @@ def background(command: str, log: Path, environment: dict[str, str]) -> Iterator
         )  # fmt: skip
     served = Server(f"http://127.0.0.1:{port}", process, log)
     try:
-        _wait_ready(served.url, process, log, READY_S)
         yield served
     finally:
         if process.poll() is None:
@@ -104,11 +104,16 @@ def test_the_guides_served_commands_run_as_written_and_move_the_kv_through_kvrt(
     # A shell whose `python` and `kvrt` are this venv's: what `source .venv-vllm/bin/activate` gives.
     environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     answers: list[str] = []
+    starting: list[Server] = []
     with ExitStack() as servers:
         for index, command in enumerate(commands):
             if command.endswith("&"):
-                servers.enter_context(background(command, tmp_path / f"server-{index}.log", environment))
+                log = tmp_path / f"server-{index}.log"
+                starting.append(servers.enter_context(background(command, log, environment)))
                 continue
+            for served in starting:  # the guide: once each said "Application startup complete"
+                _wait_ready(served.url, served.process, served.log, READY_S)
+            starting.clear()
             done = subprocess.run(
                 ["bash", "-c", command], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300,
                 check=False,

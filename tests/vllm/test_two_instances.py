@@ -8,6 +8,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,15 +38,38 @@ def free_endpoint() -> str:
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
+class Run:
+    """An instance running its requests in a process of its own, started at once; `outputs`
+    waits for it (bounded by `INSTANCE_S` from its start)."""
+
+    def __init__(self, model: Path, role: str, requests: list[dict[str, Any]], folder: Path, *extra: str) -> None:
+        name = f"{role}-{len(list(folder.glob('*-in.json')))}"
+        prompts, self._out = folder / f"{name}-in.json", folder / f"{name}-out.json"
+        prompts.write_text(json.dumps(requests))
+        self._deadline = time.monotonic() + INSTANCE_S
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.instance", "run", "--model", str(model), "--role", role,
+             "--prompts", str(prompts), "--out", str(self._out), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def outputs(self) -> list[Any]:
+        try:
+            code = self._process.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        assert code == 0, f"the instance exited with {code}"
+        return list(json.loads(self._out.read_text()))
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
 def run_instance(model: Path, role: str, requests: list[dict[str, Any]], folder: Path, *extra: str) -> list[Any]:
-    prompts, out = folder / f"{role}-in.json", folder / f"{role}-out.json"
-    prompts.write_text(json.dumps(requests))
-    subprocess.run(
-        [sys.executable, "-m", "tests.vllm.instance", "run", "--model", str(model), "--role", role,
-         "--prompts", str(prompts), "--out", str(out), *extra],
-        check=True, timeout=INSTANCE_S, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    return list(json.loads(out.read_text()))
+    return Run(model, role, requests, folder, *extra).outputs()
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +91,25 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def single(model: Path, prompts: list[list[int]], folder: Path) -> list[Any]:
-    return run_instance(model, "single", [{"prompt": prompt} for prompt in prompts], folder)
+def beside(model: Path, prompts: list[list[int]], folder: Path) -> Iterator[dict[str, Run]]:
+    """The instances that need no prefill, started together with it (a 2-core host starts
+    vLLM instances faster side by side than one after another): one alone, the reference
+    ("single"), and a decode told of a producer that was never there ("gone")."""
+    gone = {"kvrt_endpoint": free_endpoint()}
+    runs = {
+        "single": Run(model, "single", [{"prompt": prompt} for prompt in prompts], folder),
+        "gone": Run(model, "consumer", [{"prompt": p, "kv_transfer_params": gone} for p in prompts], folder),
+    }
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+@pytest.fixture(scope="module")
+def single(beside: dict[str, Run]) -> list[Any]:
+    return beside["single"].outputs()
 
 
 def start_producer(
@@ -109,7 +150,9 @@ def pages(folder: Path, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def producer(model: Path, prompts: list[list[int]], folder: Path) -> Iterator[tuple[list[Any], subprocess.Popen[str]]]:
+def producer(
+    model: Path, prompts: list[list[int]], folder: Path, beside: dict[str, Run]
+) -> Iterator[tuple[list[Any], subprocess.Popen[str]]]:
     prefilled, process = start_producer(model, prompts, folder, "producer-pages")
     try:
         yield prefilled, process
@@ -162,9 +205,8 @@ def test_the_decode_instance_decodes_every_prompt_as_a_single_instance(decoded: 
 
 
 def test_a_decode_instance_whose_producer_is_gone_computes_every_prompt_and_decodes_the_same(
-    model: Path, prompts: list[list[int]], single: list[Any], folder: Path
+    beside: dict[str, Run], prompts: list[list[int]], single: list[Any]
 ) -> None:
-    gone = {"kvrt_endpoint": free_endpoint()}
-    decoded = run_instance(model, "consumer", [{"prompt": p, "kv_transfer_params": gone} for p in prompts], folder)
+    decoded = beside["gone"].outputs()
     assert [done["num_cached_tokens"] for done in decoded] == [0] * len(prompts)
     assert [done["tokens"] for done in decoded] == [done["tokens"] for done in single]
