@@ -40,10 +40,12 @@ def free_endpoint() -> str:
 
 class Run:
     """An instance running its requests in a process of its own, started at once; `outputs`
-    waits for it (bounded by `INSTANCE_S` from its start)."""
+    waits for it (bounded by `INSTANCE_S` from its start). Its prompts and outputs are files
+    named after `name`."""
 
-    def __init__(self, model: Path, role: str, requests: list[dict[str, Any]], folder: Path, *extra: str) -> None:
-        name = f"{role}-{len(list(folder.glob('*-in.json')))}"
+    def __init__(
+        self, model: Path, role: str, name: str, requests: list[dict[str, Any]], folder: Path, *extra: str
+    ) -> None:
         prompts, self._out = folder / f"{name}-in.json", folder / f"{name}-out.json"
         prompts.write_text(json.dumps(requests))
         self._deadline = time.monotonic() + INSTANCE_S
@@ -68,8 +70,10 @@ class Run:
             self._process.wait()
 
 
-def run_instance(model: Path, role: str, requests: list[dict[str, Any]], folder: Path, *extra: str) -> list[Any]:
-    return Run(model, role, requests, folder, *extra).outputs()
+def run_instance(
+    model: Path, role: str, name: str, requests: list[dict[str, Any]], folder: Path, *extra: str
+) -> list[Any]:
+    return Run(model, role, name, requests, folder, *extra).outputs()
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +101,8 @@ def beside(model: Path, prompts: list[list[int]], folder: Path) -> Iterator[dict
     ("single"), and a decode told of a producer that was never there ("gone")."""
     gone = {"kvrt_endpoint": free_endpoint()}
     runs = {
-        "single": Run(model, "single", [{"prompt": prompt} for prompt in prompts], folder),
-        "gone": Run(model, "consumer", [{"prompt": p, "kv_transfer_params": gone} for p in prompts], folder),
+        "single": Run(model, "single", "single", [{"prompt": prompt} for prompt in prompts], folder),
+        "gone": Run(model, "consumer", "gone", [{"prompt": p, "kv_transfer_params": gone} for p in prompts], folder),
     }
     try:
         yield runs
@@ -153,6 +157,7 @@ def pages(folder: Path, tokens: list[int]) -> torch.Tensor:
 def producer(
     model: Path, prompts: list[list[int]], folder: Path, beside: dict[str, Run]
 ) -> Iterator[tuple[list[Any], subprocess.Popen[str]]]:
+    # `beside`: the instances that need no prefill start first, and run while it does.
     prefilled, process = start_producer(model, prompts, folder, "producer-pages")
     try:
         yield prefilled, process
@@ -165,7 +170,7 @@ def decoded(producer: tuple[list[Any], subprocess.Popen[str]], model: Path, fold
     prefilled, _ = producer
     requests = [{"prompt": done["prompt"], "kv_transfer_params": done["kv_transfer_params"]} for done in prefilled]
     (folder / "consumer-pages").mkdir()
-    return run_instance(model, "consumer", requests, folder, "--record", str(folder / "consumer-pages"))
+    return run_instance(model, "consumer", "decoded", requests, folder, "--record", str(folder / "consumer-pages"))
 
 
 def test_the_prefill_instance_names_its_kvrt_endpoint_in_each_requests_transfer_params(
