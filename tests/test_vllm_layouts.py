@@ -352,6 +352,27 @@ def test_a_step_that_fetches_some_loads_and_streams_others_lands_them_all(
 
 
 @pytest.mark.parametrize("as_computed", [None, True], ids=["on the host", "as computed"])
+def test_a_prompt_whose_step_saved_only_some_layers_is_not_published_and_its_load_fails(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], as_computed: bool | None
+) -> None:
+    # A forward pass that stopped short of the last layer leaves pages that are not all the
+    # prompt's KV: nothing of it is offered, and the decode's load fails (vLLM recomputes it).
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    prefill, _ = sides(entry, produces=True, seed=1, layers_as_computed=as_computed)
+    decode, _ = sides(entry, produces=False, seed=2)
+    tokens = list(range(9000, 9000 + TOKENS))
+    save = Save("request", tokens, slots(entry, blocks_for(entry, TOKENS, 5), range(TOKENS)))
+    for layer in range(entry["layers"] - 1):
+        prefill.save_layer([save], layer)
+    prefill.end_step()
+    for published in (True, False):
+        into = blocks_for(entry, TOKENS, 6)
+        failed = load([decode], endpoints_of([prefill]), tokens, into, entry["block_size"], entry["layers"],
+                      published=published)  # fmt: skip
+        assert failed == [{"request"}]
+
+
+@pytest.mark.parametrize("as_computed", [None, True], ids=["on the host", "as computed"])
 def test_a_host_prefill_publishes_each_prompt_whole_at_the_steps_end_in_one_hand_off(
     sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], as_computed: bool | None
 ) -> None:
