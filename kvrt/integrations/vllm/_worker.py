@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 
@@ -48,6 +48,7 @@ from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
 log = logging.getLogger("kvrt.integrations.vllm")
+_Offered = TypeVar("_Offered")
 
 OPEN_BOUND_FACTOR: Final = 3
 OPEN_BOUND_SLACK_S: Final = 10.0
@@ -462,15 +463,9 @@ class WorkerSide:
         producer = self._producer
         assert producer is not None
         if layer == 0:
-            for save in saves:
-                tokens = torch.tensor(save.tokens, dtype=torch.int64)
-                slots = torch.tensor(save.slots, dtype=torch.int64)
-                try:
-                    self._writing.append(await producer.open_stream(tokens, slots=slots, timeout=0, stream=stream))
-                    self.counters["saves"] += 1
-                except kvrt.KVRTError as exc:
-                    self.counters["refused_saves"] += 1
-                    log.warning("request %s is not published: %s", save.request_id, exc)
+            self._writing += await self._offered(
+                saves, lambda tokens, slots: producer.open_stream(tokens, slots=slots, timeout=0, stream=stream)
+            )
         for writing in list(self._writing):
             try:
                 await writing.put_layer(stream=stream)
@@ -489,15 +484,25 @@ class WorkerSide:
         if sorted(layer for _, layer, _ in held) != list(range(pools.layers)):
             log.warning("the forward pass did not save every layer: %d prompts not published", len(saves))
             return
+        await self._offered(saves, lambda tokens, slots: producer.publish(tokens, slots, timeout=0, stream=stream))
+
+    async def _offered(
+        self, saves: Sequence[Save], offer: Callable[[torch.Tensor, torch.Tensor], Awaitable[_Offered]]
+    ) -> list[_Offered]:
+        """Each save's prompt offered by `offer(tokens, slots)`, in order, and what each offer
+        gave; a prompt the producer refuses (its buffer full) is counted and left to its decode
+        to compute."""
+        offered = []
         for save in saves:
             tokens = torch.tensor(save.tokens, dtype=torch.int64)
             slots = torch.tensor(save.slots, dtype=torch.int64)
             try:
-                await producer.publish(tokens, slots, timeout=0, stream=stream)
+                offered.append(await offer(tokens, slots))
                 self.counters["saves"] += 1
             except kvrt.KVRTError as exc:
                 self.counters["refused_saves"] += 1
                 log.warning("request %s is not published: %s", save.request_id, exc)
+        return offered
 
     # -- the step's end ------------------------------------------------------------------------
 
