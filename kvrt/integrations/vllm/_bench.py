@@ -10,8 +10,9 @@ row beside a device copy of the same bytes in the same run:
 (`--quick`: 512-token requests, fewer steps; on the host, `--device cpu`: 256-token requests
 and steps of 32 requests of 32 tokens.)
 
-A prefill process publishes every request from its own pages (shuffled blocks) as
-`save_kv_layer` and `wait_for_save` do; this process loads each into its pages (other
+A prefill process publishes each step's requests from its own pages (shuffled blocks) as
+`save_kv_layer` and `wait_for_save` do, when this process asks for the step (so its memory is
+reused from step to step, as in serving); this process then loads each into its pages (other
 shuffled blocks) as vLLM's model runner calls the worker side: `start_load_kv`,
 `wait_for_layer_load` for every layer, `wait_for_save`. The clock runs from `start_load_kv`
 until the decode's stream has every page (a synchronize); the CPU time of the calling thread
@@ -102,24 +103,25 @@ def step_blocks(shape: Shape, step: int) -> list[list[int]]:
 def run_prefill(
     shapes: list[Shape], device: str, transport: str | None, control: multiprocessing.connection.Connection
 ) -> None:
-    """Publish every shape's requests, a step at a time; send the endpoint; serve until told."""
+    """Send the endpoint; then publish each step the decode names (`(shape, step)`), as a
+    prefill's steps do, and say so once its bytes are written; until told to stop."""
     side = WorkerSide(settings(produces=True, transport=transport))
     try:
         side.register(kv_cache_pools(vllm_cache(max(shape.blocks for shape in shapes), device), spec()))
-        for shape in shapes:
-            for step in range(shape.requests // shape.per_step):
-                saves = [
-                    Save(f"{shape.seed}-{step}-{index}", request_tokens(shape, step * shape.per_step + index),
-                         slots_of(blocks, BLOCK_SIZE, 0, shape.tokens))
-                    for index, blocks in enumerate(step_blocks(shape, step))
-                ]  # fmt: skip
-                for layer in range(LAYERS):
-                    side.save_layer(saves, layer)
-                side.end_step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
         control.send(side.endpoint)
-        control.recv()
+        while (asked := control.recv()) != "stop":
+            shape_index, step = asked
+            shape = shapes[shape_index]
+            saves = [
+                Save(f"{shape.seed}-{step}-{index}", request_tokens(shape, step * shape.per_step + index),
+                     slots_of(blocks, BLOCK_SIZE, 0, shape.tokens))
+                for index, blocks in enumerate(step_blocks(shape, step))
+            ]  # fmt: skip
+            for layer in range(LAYERS):
+                side.save_layer(saves, layer)
+            side.end_step()
+            synchronize(device)  # the load is timed alone on the card
+            control.send("published")
     finally:
         side.close()
 
@@ -150,10 +152,21 @@ class Measured:
     """Per step, the calling thread's CPU per request."""
 
 
-def load_steps(decode: WorkerSide, endpoint: str, shape: Shape, device: str, *, published: bool) -> Measured:
+def load_steps(
+    decode: WorkerSide, endpoint: str, shape: Shape, device: str, *, published: bool,
+    prefill: tuple[multiprocessing.connection.Connection, int],
+) -> Measured:  # fmt: skip
+    """Each step's requests published by the prefill (`prefill`: its control pipe and the
+    shape's index there), then loaded and timed. As in serving, the producer's memory is
+    reused from step to step: a decode maps the prefill's registered memory once, not for
+    every step (all requests published ahead would put each step in memory mapped anew)."""
+    control, shape_index = prefill
     blocks_total = shape.blocks
     times, caller = [], []
     for step in range(shape.requests // shape.per_step):
+        control.send((shape_index, step))
+        if from_child(control, 300) != "published":
+            raise RuntimeError("the prefill process did not publish the step")
         loads = [
             Load(f"{shape.seed}-{step}-{index}", (endpoint,), request_tokens(shape, step * shape.per_step + index), 0,
                  slots_of(blocks, BLOCK_SIZE, 0, shape.tokens), blocks, published=published)
@@ -201,10 +214,13 @@ def main(args: argparse.Namespace) -> int:
             ("one request, fetched", one_fetch, True),
             ("a step of 32 requests, fetched", step, True),
         ]
-        measured = {
-            name: (shape, load_steps(decode, endpoint, shape, device, published=published))
-            for name, shape, published in runs
-        }
+        measured = {}
+        for name, shape, published in runs:
+            prefill_of = (control, shapes.index(shape))
+            measured[name] = (
+                shape,
+                load_steps(decode, endpoint, shape, device, published=published, prefill=prefill_of),
+            )
         references = {name: copy_ms(_bytes(shape) * shape.per_step, device, 20) for name, shape, _ in runs}
     finally:
         decode.close()
