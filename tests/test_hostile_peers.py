@@ -796,9 +796,11 @@ async def test_a_large_item_arrives_whole_through_the_consumer_with_its_header_f
         assert item is not None and torch.equal(item.key, key) and torch.equal(item.value, -key)
         items = await consumer.drop_select_many([torch.arange(256)])
         assert items == [None]
+    # That consumer's bye handled first: its departure must not stand for the next one's.
+    await asyncio.wait_for(producer._serving.peer_left.wait(), 5)
+    producer._serving.peer_left.clear()
     await producer.insert(torch.arange(256), None, key, -key)
     await producer.insert(torch.arange(1000, 1256), None, -key, key)
-    producer._serving.peer_left.clear()
     async with kvrt.Consumer(connect=producer.endpoint) as consumer:
         first, second = await consumer.drop_select_many([torch.arange(256), torch.arange(1000, 1256)])
         assert first is not None and second is not None and torch.equal(second.key, -key)
