@@ -86,18 +86,23 @@ def usage(url: str, prompt: list[int], *, stream: bool) -> dict[str, Any]:
     return last
 
 
-def kill_when_busy(url: str, victims: list[Server], bound_s: float = 30.0) -> None:
-    """Kill `victims` once the router has two requests or more on the last of them (a decode):
-    requests it was answering when it died."""
+def kill_when_busy(victims: list[Server], bound_s: float = 30.0) -> None:
+    """Kill `victims` once the last of them (a decode) runs two requests or more: requests it
+    was answering when it died. Its own count, not the router's: the router counts a request
+    from the moment it chose the decode, before it connected to it."""
     deadline = time.monotonic() + bound_s
-    while True:
-        (busy,) = [instance["in_flight"] for instance in health(url)["decode"] if instance["url"] == victims[-1].url]
-        if busy >= 2:
-            break
-        assert time.monotonic() < deadline, "the decode to kill never had two requests in flight"
-        time.sleep(0.01)  # the router's own count, read from outside
+    while running_requests(victims[-1].url) < 2:
+        assert time.monotonic() < deadline, "the decode to kill never ran two requests at once"
+        time.sleep(0.01)  # the instance's own gauge, read from outside
     for victim in victims:
         kill(victim)
+
+
+def running_requests(url: str) -> float:
+    """The requests vLLM's scheduler runs at `url` (its `num_requests_running` gauge)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
 
 
 def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list[list[int]]:
@@ -123,7 +128,7 @@ def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list
                     tokens = streamed_tokens(text) if stream else list(json.loads(text)["choices"][0]["token_ids"])
                 answered += 1
                 if answered == KILL_AFTER:
-                    await asyncio.to_thread(kill_when_busy, url, victims)
+                    await asyncio.to_thread(kill_when_busy, victims)
                 return tokens
 
             return list(await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(asked))))
