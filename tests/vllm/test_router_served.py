@@ -89,12 +89,13 @@ def usage(url: str, prompt: list[int], *, stream: bool) -> dict[str, Any]:
 def kill_when_busy(victims: list[Server], bound_s: float = 30.0) -> None:
     """Kill `victims` once the last of them (a decode) runs two requests or more: requests it
     was answering when it died. Its own count, not the router's: the router counts a request
-    from the moment it chose the decode, before it connected to it."""
+    from the moment it chose the decode, before it connected to it. The decode goes first:
+    the wait for a killed instance to be reaped (a second or more) would let its requests end."""
     deadline = time.monotonic() + bound_s
     while running_requests(victims[-1].url) < 2:
         assert time.monotonic() < deadline, "the decode to kill never ran two requests at once"
         time.sleep(0.01)  # the instance's own gauge, read from outside
-    for victim in victims:
+    for victim in reversed(victims):
         kill(victim)
 
 
