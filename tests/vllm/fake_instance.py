@@ -7,6 +7,8 @@ are switched on by the test.
     async with serving(fake.app()) as url: ...
     fake.asked                         # the bodies it got, in order
     fake.drop_after = 2                # drop the connection after 2 streamed tokens (or at once: 0)
+    fake.finish_apart = True           # streamed: the finish reason in a chunk of its own, after
+                                       # the last token's (as vLLM may send it)
     fake.status = 500                  # answer every request so (and /health 503)
     fake.hold = asyncio.Event()        # hold each request until set
     fake.hold_at = 2                   # ... streamed: once 2 tokens went out
@@ -97,6 +99,7 @@ class FakeInstance:
         """Where it publishes the prompt's KV when asked for a remote decode (a real producer)."""
         self.asked: list[dict[str, Any]] = []
         self.drop_after: int | None = None
+        self.finish_apart = False
         self.status: int | None = None
         self.hold: asyncio.Event | None = None
         self.hold_at = 0
@@ -181,7 +184,7 @@ class FakeInstance:
             if self.drop_after is not None and index == self.drop_after:
                 drop(request)
                 return response
-            last = index == len(tokens) - 1
+            last = index == len(tokens) - 1 and not self.finish_apart
             choice = {
                 "index": 0, "text": text_of(token), "logprobs": None, "finish_reason": finish if last else None,
                 "stop_reason": stop if last else None, "prompt_token_ids": prompt if wants and index == 0 else None,
@@ -192,6 +195,16 @@ class FakeInstance:
             if options.get("include_usage") and options.get("continuous_usage_stats"):
                 chunk["usage"] = usage(prompt, index + 1)
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if self.finish_apart:
+            if self.drop_after == len(tokens):
+                drop(request)
+                return response
+            choice = {
+                "index": 0, "text": "", "logprobs": None, "finish_reason": finish, "stop_reason": stop,
+                "prompt_token_ids": None, "token_ids": [] if wants else None,
+            }  # fmt: skip
+            end = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]}
+            await response.write(f"data: {json.dumps(end)}\n\n".encode())
         if options.get("include_usage"):
             end = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "m", "choices": [],
                    "usage": usage(prompt, len(tokens))}  # fmt: skip

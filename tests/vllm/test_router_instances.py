@@ -115,6 +115,23 @@ async def test_a_decode_that_fails_is_taken_out_and_another_goes_on_from_what_th
         assert await metric(made.router, label) == 1
 
 
+async def test_a_stream_cut_after_its_last_token_ends_with_what_the_client_has_and_asks_no_other_decode() -> None:
+    # The decode sent every token asked for, then died before the chunk that says the
+    # completion ended: nothing is left to generate (a decode asked for 0 tokens refuses).
+    asked = {**STREAMED, "prompt": prompt(14)}
+    async with fleet(1, 2) as made:
+        failing, other = made.decodes
+        failing.finish_apart = other.finish_apart = True
+        failing.drop_after = asked["max_tokens"] - 1  # every token after the prefill's first
+        status, text = await post(made.router, asked)
+        assert status == 200
+        expected = completion(**asked)["choices"][0]
+        assert streamed_tokens(text) == (expected["token_ids"], expected["text"], "length")
+        usage = [event["usage"] for event in events(text) if isinstance(event, dict) and event.get("usage")]
+        assert usage == [completion(**asked)["usage"]]
+        assert other.asked == []
+
+
 async def test_a_whole_answer_whose_decode_failed_comes_from_another() -> None:
     asked = {"model": "m", "max_tokens": 8, "prompt": prompt(12)}
     async with fleet(1, 2) as made:

@@ -222,6 +222,20 @@ class Continuation:
         """Whether the completion is whole (the first token ended it, or a decode's finished)."""
         return self.finish_reason is not None
 
+    def ends_at_its_length(self) -> bool:
+        """Whether the client has every token it asked for, though no decode said so (one
+        was cut off after its last token, before the chunk with its finish reason): the
+        completion then ends there, as `length` (a decode asked for no more tokens refuses)."""
+        if self.finish_reason is None and self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+        return self.ended
+
+    def end_events(self) -> bytes:
+        """The chunk that says the completion ended (no text, its finish reason), and what
+        ends a stream."""
+        chunk: dict[str, Any] = {**self._head(), "choices": [self._choice("", [], first=False)]}
+        return event_bytes(chunk) + self.last_events()
+
     @property
     def streamed(self) -> bool:
         return bool(self.body.get("stream"))

@@ -392,6 +392,10 @@ class Router:
                     self._failed(self.decodes, instance, exc)
                     failure = f"the decode instance at {instance.url} failed: {_failure(exc)[1]}"
                     handed_at = None
+                    if response is not None and going.ends_at_its_length():
+                        await _write(response, going.end_events())
+                        await _write_eof(response)
+                        return response
                     continue
                 self.decodes.succeeded(instance)
                 if response is None:
