@@ -9,13 +9,11 @@ Who calls what, each from vLLM's model-runner thread, once a step in this order:
                                posted to kvrt's loop: returns at once
     wait_layer(i)              before attention of layer i: returns once layer i of every load
                                is written (on a GPU: the caller's stream waits for the writes)
-    save_layer(saves, i)       after layer i is written: on a GPU, layer i of the step's
-                               finished prompts published from the pages (the first layer
-                               opens their streams); posted: returns at once. On the host,
-                               held for the step's end
-    end_step() -> StepOutcome  after the forward pass: the step's streams ended (on the host,
-                               each finished prompt published whole from the pages); which
-                               loads failed, whose blocks vLLM recomputes
+    save_layer(saves, i)       after layer i is written: layer i of the step's finished
+                               prompts published from the pages (the first layer opens them);
+                               posted: returns at once
+    end_step() -> StepOutcome  after the forward pass: the step's streams ended; which loads
+                               failed, whose blocks vLLM recomputes
 
 All of kvrt's work runs on one loop thread this object owns. The calls that start work post it
 there and return at once (`LoopThread.post`: they never wait for that thread); only the two
@@ -33,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final
 
 import numpy as np
 import torch
@@ -49,7 +47,6 @@ from kvrt.integrations.vllm._scheduler import Load, Save
 from kvrt.integrations.vllm._tp import Piece, heads_of, pieces_for, publishes
 
 log = logging.getLogger("kvrt.integrations.vllm")
-_Offered = TypeVar("_Offered")
 
 OPEN_BOUND_FACTOR: Final = 3
 OPEN_BOUND_SLACK_S: Final = 10.0
@@ -91,11 +88,10 @@ class WorkerSettings:
     """The CPU cores kvrt's threads run on (None: those of the thread that makes this side)."""
     layers_as_computed: bool | None = None
     """Whether a prefill publishes each layer as the forward pass wrote it (a stream a decode
-    may read while the prefill runs), or each finished prompt whole at the step's end, in one
-    hand-off to kvrt's thread and one gather from the pages into its item. None: as computed on
-    a GPU, where a layer's gather overlaps the next layer's pass; at the step's end on the host,
-    where nothing overlaps it, a hand-off a layer costs the model runner's thread a wait for the
-    GIL each, and a stream's layers are copied twice (gathered, then stacked into its item)."""
+    may read while the prefill runs), or the step's layers at its end, in one hand-off to kvrt's
+    thread. None: as computed on a GPU, where a layer's gather overlaps the next layer's pass;
+    at the step's end on the host, where nothing overlaps it and a hand-off a layer costs the
+    model runner's thread a wait for the GIL each."""
 
     @property
     def heads(self) -> slice | None:
@@ -159,7 +155,7 @@ class WorkerSide:
         self._saving = False
         """Whether the step posted saves (their streams end in `end_step`)."""
         self._held_layers: list[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = []
-        """On the host: the step's saved layers, its prompts published whole with the step's end."""
+        """On the host: the step's layers to publish, posted with the step's end in one hand-off."""
         self._last_post: concurrent.futures.Future[None] | None = None
         """What `_post_in_order` posted last."""
         self._open_bound_s = OPEN_BOUND_FACTOR * settings.connect_timeout_s + OPEN_BOUND_SLACK_S
@@ -464,9 +460,14 @@ class WorkerSide:
         producer = self._producer
         assert producer is not None
         if layer == 0:
-            self._writing += await self._offered(
-                saves, lambda tokens, slots: producer.open_stream(tokens, slots=slots, timeout=0, stream=stream)
-            )
+            for save in saves:
+                tokens, slots = _int64(save.tokens), _int64(save.slots)
+                try:
+                    self._writing.append(await producer.open_stream(tokens, slots=slots, timeout=0, stream=stream))
+                    self.counters["saves"] += 1
+                except kvrt.KVRTError as exc:
+                    self.counters["refused_saves"] += 1
+                    log.warning("request %s is not published: %s", save.request_id, exc)
         for writing in list(self._writing):
             try:
                 await writing.put_layer(stream=stream)
@@ -474,35 +475,6 @@ class WorkerSide:
                 log.warning("publishing layer %d failed: %s", layer, exc)
                 self._writing.remove(writing)
                 await writing.abort(str(exc))
-
-    async def _publish_whole(self, held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]]) -> None:
-        """The host's step, at its end: each finished prompt published whole from the pages, one
-        gather straight into its item (one copy, one hand-off to the gather thread), once the
-        forward pass wrote every layer; a stream a layer would copy every layer twice."""
-        producer, pools = self._producer, self._pools
-        assert producer is not None and pools is not None
-        saves, _, stream = held[0]
-        if sorted(layer for _, layer, _ in held) != list(range(pools.layers)):
-            log.warning("the forward pass did not save every layer: %d prompts not published", len(saves))
-            return
-        await self._offered(saves, lambda tokens, slots: producer.publish(tokens, slots, timeout=0, stream=stream))
-
-    async def _offered(
-        self, saves: Sequence[Save], offer: Callable[[torch.Tensor, torch.Tensor], Awaitable[_Offered]]
-    ) -> list[_Offered]:
-        """Each save's prompt offered by `offer(tokens, slots)`, in order, and what each offer
-        gave; a prompt the producer refuses (its buffer full) is counted and left to its decode
-        to compute."""
-        offered = []
-        for save in saves:
-            tokens, slots = _int64(save.tokens), _int64(save.slots)
-            try:
-                offered.append(await offer(tokens, slots))
-                self.counters["saves"] += 1
-            except kvrt.KVRTError as exc:
-                self.counters["refused_saves"] += 1
-                log.warning("request %s is not published: %s", save.request_id, exc)
-        return offered
 
     # -- the step's end ------------------------------------------------------------------------
 
@@ -533,8 +505,8 @@ class WorkerSide:
         self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None,
         held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = (),
     ) -> None:  # fmt: skip
-        if held:
-            await self._publish_whole(held)
+        for saves, layer, layer_stream in held:  # the host's layers, in their order
+            await self._save_layer(saves, layer, layer_stream)
         if opening is not None:  # posted before: started already; bounded by the lookup timeout
             await asyncio.wrap_future(opening)
         writing, self._writing = self._writing, []
