@@ -64,6 +64,25 @@ def test_plot_without_matplotlib_is_refused_before_the_benchmark_runs(tmp_path: 
     assert not (tmp_path / "out.json").exists() and result.stdout == ""
 
 
+@pytest.mark.timeout(240)
+def test_the_vllm_worker_benchmark_runs_on_the_host_and_reports_each_ratio_beside_its_copy(tmp_path: Path) -> None:
+    """`kvrt bench vllm --device cpu --quick`: a prefill process publishes each step as the
+    decode asks for it and the decode's worker side loads it (a load that fails stops the run).
+    A smoke run that keeps the benchmark working; its figures are not a record."""
+    report = tmp_path / "vllm.json"
+    result = run_kvrt("bench", "vllm", "--device", "cpu", "--quick", "--json", str(report), timeout=220)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(report.read_text())["rows"]
+    assert [row["what"] for row in rows] == [
+        "one request, read as a stream", "one request, fetched", "a step of 32 requests, fetched"
+    ]
+    for row in rows:
+        assert row["kvrt_ms"] > 0 and row["copy_ms"] > 0
+        assert row["share"] == pytest.approx(row["copy_ms"] / row["kvrt_ms"])
+        assert row["bytes_a_step"] == row["per_step"] * rows[0]["bytes_a_step"] * row["tokens"] // rows[0]["tokens"]
+        assert f"| {row['what']} |" in result.stdout
+
+
 def test_an_unknown_command_exits_with_usage_error() -> None:
     result = run_kvrt("frobnicate")
     assert result.returncode == 2
