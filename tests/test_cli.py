@@ -74,7 +74,9 @@ def test_the_vllm_worker_benchmark_runs_on_the_host_and_reports_each_ratio_besid
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(report.read_text())["rows"]
     assert [row["what"] for row in rows] == [
-        "one request, read as a stream", "one request, fetched", "a step of 32 requests, fetched"
+        "one request, read as a stream",
+        "one request, fetched",
+        "a step of 32 requests, fetched",
     ]
     for row in rows:
         assert row["kvrt_ms"] > 0 and row["copy_ms"] > 0
