@@ -104,36 +104,44 @@ def steps_on(coroutine: Coroutine[Any, Any, _T], enter: Enter) -> Coroutine[Any,
     return stepped()
 
 
+def run_on_caller_stream(
+    call: Coroutine[Any, Any, _T], device: torch.device, stream: object, *, lands: bool = False
+) -> Coroutine[Any, Any, _T]:
+    """`call` (a call's coroutine, not started) with every step run on the caller's stream
+    (`caller_stream(stream, device)`, captured now: await this where the call starts). On a
+    CPU device given no stream, `call` itself: no frame of this module stays on the call's
+    stack. `lands`: for a call whose result lands in GPU memory, once it returns the caller's
+    stream also waits, on the GPU, for what kvrt's own tasks queued meanwhile on the loop
+    thread's stream (an item that came over TCP is copied to the device by its link's task);
+    the host never waits."""
+    try:
+        current = caller_stream(stream, device)
+    except BaseException:
+        call.close()  # never started: closed, so that it is not reported as never awaited
+        raise
+    if current is None:
+        return call
+    stepped = steps_on(call, functools.partial(torch.cuda.stream, current))
+    if not (lands and device.type == "cuda"):
+        return stepped
+    return _landed(stepped, current, device)
+
+
+async def _landed(stepped: Coroutine[Any, Any, _T], stream: torch.cuda.Stream, device: torch.device) -> _T:
+    result = await stepped
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return result
+
+
 def on_caller_stream(
     method: Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]],
 ) -> Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]]:
-    """For a method with a keyword `stream=`: every step of the call runs with the caller's
-    stream current (`caller_stream`, captured when the call starts). On a CPU device given no
-    stream, the method runs as it is."""
-    return _stepped(method, lands=False)
+    """For a method with a keyword `stream=` that does its work itself: every step of the call
+    runs with the caller's stream current (`run_on_caller_stream`, the stream captured when the
+    call starts)."""
 
-
-def lands_on_caller_stream(
-    method: Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]],
-) -> Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]]:
-    """`on_caller_stream` for a call whose result lands in GPU memory: once it returns, the
-    caller's stream also waits, on the GPU, for what kvrt's own tasks queued meanwhile on the
-    loop thread's stream (an item that came over TCP is copied to the device by its link's
-    task). The host never waits."""
-    return _stepped(method, lands=True)
-
-
-def _stepped(
-    method: Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]], *, lands: bool
-) -> Callable[Concatenate[_Self, _P], Coroutine[Any, Any, _T]]:
     @functools.wraps(method)
     async def on_stream(self: _Self, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        stream = caller_stream(kwargs.get("stream"), self.device)
-        if stream is None:
-            return await method(self, *args, **kwargs)
-        result = await steps_on(method(self, *args, **kwargs), functools.partial(torch.cuda.stream, stream))
-        if lands and self.device.type == "cuda":
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        return result
+        return await run_on_caller_stream(method(self, *args, **kwargs), self.device, kwargs.get("stream"))
 
     return on_stream

@@ -15,7 +15,7 @@ from kvrt._errors import ErrorCode
 from kvrt._heads import fill_piece, first_head, piece_of
 from kvrt._item import NewItem
 from kvrt._item_bytes import ItemBytes
-from kvrt._producer._insert import buffered_item
+from kvrt._producer._serve import buffered_item
 from kvrt._protocol import Outgoing, ProducerCore
 from kvrt._protocol.lookup_buffer import BufferedItem
 from kvrt._protocol.waiting import PieceAsked

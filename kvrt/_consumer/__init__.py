@@ -8,11 +8,10 @@ on one link at once; replies are matched to them by request id, in any order.
 The package, one job a module:
 
 - `_session`: a link's session: pending calls, leases, handshake, ordered sends
-- `_calls`: a link's calls: a request sent, its answer awaited
 - `_arrivals`: items arriving on a link
 - `_stream_layers`: a link's streams: their layers arriving
-- `_link`: a link: its session, its arrivals and its streams' layers, and the task that
-  hands them what comes
+- `_link`: a link: its calls (a request sent, its answer awaited), and the task that hands
+  what comes to its session, its arrivals and its streams' layers
 - `_connections`: what the parts of a consumer share: its checked arguments, its links, its scatters
 - `_batch`: a step's lookups cut into batch requests
 - `_across`: one lookup over several producers, or its pieces from several, not yet confirmed

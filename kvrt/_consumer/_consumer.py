@@ -17,7 +17,7 @@ import torch.distributed as dist
 from kvrt import _metrics
 from kvrt._arguments import endpoint, seconds
 from kvrt._auth import CurveKeys
-from kvrt._caller_stream import lands_on_caller_stream, on_caller_stream
+from kvrt._caller_stream import run_on_caller_stream
 from kvrt._consumer._connections import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
@@ -142,7 +142,6 @@ class Consumer(AsyncService):
         self._opening = StreamOpening(self._connections, self._scatters, self._drop_selects, config.device)
         self._fetches = Fetches(self._connections, self._scatters, self._drop_selects, config.device)
 
-    @lands_on_caller_stream
     @takes(DropSelects.drop_select)
     async def drop_select(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """Take the buffered item that best matches `input_tokens` (masked by `roi`).
@@ -177,9 +176,10 @@ class Consumer(AsyncService):
         of latents (MLA, an empty value) comes whole for any range. `hidden` comes with the
         piece of the first producer.
         """
-        return await self._drop_selects.drop_select(*args, **kwargs)
+        return await run_on_caller_stream(
+            self._drop_selects.drop_select(*args, **kwargs), self.device, kwargs.get("stream"), lands=True
+        )
 
-    @lands_on_caller_stream
     @takes(DropSelects.drop_select_many)
     async def drop_select_many(self, *args: Any, **kwargs: Any) -> list[KVItem | None]:
         """Several `drop_select`s answered at once (timeout 0): an item or None per query, in
@@ -199,9 +199,10 @@ class Consumer(AsyncService):
         `drop_select`; one item that does not fit sends every item of the call back. `heads`:
         as for `drop_select`, for every query.
         """
-        return await self._drop_selects.drop_select_many(*args, **kwargs)
+        return await run_on_caller_stream(
+            self._drop_selects.drop_select_many(*args, **kwargs), self.device, kwargs.get("stream"), lands=True
+        )
 
-    @lands_on_caller_stream
     @takes(Pulls.pull)
     async def pull(self, *args: Any, **kwargs: Any) -> KVItem | None:
         """Take a published prefill (matched as `drop_select` matches) and write its KV into
@@ -226,9 +227,10 @@ class Consumer(AsyncService):
         Over `nixl` (one producer, no group) K and V are READ straight into the slots where the
         runs of consecutive slots are long enough (pages of block pools): the returned item's
         `key` and `value` are then meta tensors (shape and dtype, no bytes)."""
-        return await self._pulls.pull(*args, **kwargs)
+        return await run_on_caller_stream(
+            self._pulls.pull(*args, **kwargs), self.device, kwargs.get("stream"), lands=True
+        )
 
-    @on_caller_stream
     @takes(StreamOpening.open_stream)
     async def open_stream(self, *args: Any, **kwargs: Any) -> ConsumerStream | None:
         """Take a request's KV layer by layer (see `kvrt._streams`): a prefill still running, or a
@@ -249,8 +251,7 @@ class Consumer(AsyncService):
         finished item: a request for one takes a prefill that is still running once it ended.
         Into pools that hold some of the model's heads (`PoolTable(..., heads=)`), the piece
         lands at its heads' place among them."""
-        return await self._opening.open_stream(*args, **kwargs)
-
+        return await run_on_caller_stream(self._opening.open_stream(*args, **kwargs), self.device, kwargs.get("stream"))
 
     @takes(Fetches.fetch)
     def fetch(self, *args: Any, **kwargs: Any) -> Fetch:

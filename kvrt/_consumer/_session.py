@@ -1,7 +1,7 @@
 """A link's session with its producer: the pending calls (one `PendingCall` record each, made
-by `_calls`) and their replies, the handshake (join over the transport the welcome names),
+by the link's `Calls`) and their replies, the handshake (join over the transport the welcome names),
 leases and receipts (sent by `_sends`), the receives it has posted, and giving the producer
-up. `_Link` (in `_link`) holds a session and its task; its calls (`_calls`), arrivals
+up. `_Link` (in `_link`) holds a session and its task; its calls (`Calls`, there), arrivals
 (`_arrivals`) and streams (`_stream_layers`) are handed the session and act through its methods here.
 The consumer's lookups call the link's `call` and `settle`.
 """
@@ -168,7 +168,7 @@ class LinkSession:
         """Whether this side speaks CURVE."""
         self._transfer_timeout_s = transfer_timeout_s
         self.reply_timeout_s = reply_timeout_s
-        """How long past what a call lets the producer wait it waits for the answer (`_calls`)."""
+        """How long past what a call lets the producer wait it waits for the answer (`_link.Calls`)."""
         self.device = device
         self.core = ConsumerCore(
             endpoint=endpoint, name=name, heartbeat_s=heartbeat_s, transports=tuple(transports), host=host_identity()

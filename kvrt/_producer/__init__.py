@@ -9,8 +9,8 @@ The package, one job a module:
 
 - `_parts`: what the parts share, each handed what it uses: the checked arguments, the gate
   (open, room in the buffer), the worker threads, the items' bytes beside the core's records
-- `_serve`: `ServeLoop`: control frames in, replies and deliveries out, peers
-- `_insert`: `Inserter`: `insert`, buffering an item for the core
+- `_serve`: the driver of the core: `ServeLoop` (control frames in, replies and deliveries
+  out, peers) and `Inserter` (`insert`, buffering an item for the core)
 - `_gathers`: a published item's gathers, queued off the loop
 - `_publish`: `Publisher`: `register_pools`, `publish`
 - `_stream_publisher`: `StreamPublisher`: `open_stream`, a layer at a time

@@ -21,7 +21,7 @@ from kvrt import _messages as m
 from kvrt import _metrics
 from kvrt._arguments import byte_count, endpoint, seconds
 from kvrt._auth import CurveKeys, secure_server
-from kvrt._caller_stream import on_caller_stream
+from kvrt._caller_stream import run_on_caller_stream
 from kvrt._checksum import checksum_wanted
 from kvrt._devices import usable_device
 from kvrt._errors import ClosedError, InvalidInputError, translate_zmq_error
@@ -29,7 +29,6 @@ from kvrt._heads import head_range
 from kvrt._heap import keep_freed_memory
 from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
 from kvrt._metrics import ProducerStats
-from kvrt._producer._insert import Inserter
 from kvrt._producer._parts import (
     PRODUCER_IO_THREADS,
     Gate,
@@ -40,7 +39,7 @@ from kvrt._producer._parts import (
     loop_time,
 )
 from kvrt._producer._publish import Publisher
-from kvrt._producer._serve import ServeLoop, _host_of
+from kvrt._producer._serve import Inserter, ServeLoop, _host_of
 from kvrt._producer._stream_publisher import StreamPublisher
 from kvrt._protocol import DEFAULT_HEARTBEAT_S, ProducerCore, _heartbeat
 from kvrt._service import AsyncService
@@ -87,6 +86,7 @@ class Producer(AsyncService):
 
     _watch: LoopWatch | None = None
     """The loop it serves on, watched while it runs (`kvrt._loop_watch`)."""
+
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
@@ -161,7 +161,6 @@ class Producer(AsyncService):
 
     # -- the prefill engine's calls, each given to the part whose job it is -------------------
 
-    @on_caller_stream
     @takes(Inserter.insert)
     async def insert(self, *args: Any, **kwargs: Any) -> None:
         """Buffer one request's KV. Returns once it is buffered; nothing the caller holds is kept.
@@ -172,7 +171,7 @@ class Producer(AsyncService):
         tensors there; sends wait for it on the GPU. Raises `InvalidInputError` for tensors that
         disagree, `KVRTTimeoutError` (phase "insert") and `ClosedError`.
         """
-        await self._inserter.insert(*args, **kwargs)
+        await run_on_caller_stream(self._inserter.insert(*args, **kwargs), self.device, kwargs.get("stream"))
 
     @takes(Publisher.register_pools)
     def register_pools(self, *args: Any, **kwargs: Any) -> None:
@@ -190,7 +189,6 @@ class Producer(AsyncService):
         reads the pools only inside `publish` (see there), never writes them."""
         self._publisher.register_pools(*args, **kwargs)
 
-    @on_caller_stream
     @takes(Publisher.publish)
     async def publish(self, *args: Any, **kwargs: Any) -> None:
         """Buffer a finished prefill from the registered pools, for a consumer to `pull` (or
@@ -210,9 +208,8 @@ class Producer(AsyncService):
         writes) before this returns, so writes the engine queues on that stream afterwards come
         after the gathers read the pools (writes from another stream must wait for it); on the
         CPU the KV is copied before this returns. The item is kvrt's until a consumer takes it."""
-        await self._publisher.publish(*args, **kwargs)
+        await run_on_caller_stream(self._publisher.publish(*args, **kwargs), self.device, kwargs.get("stream"))
 
-    @on_caller_stream
     @takes(StreamPublisher.open_stream)
     async def open_stream(self, *args: Any, **kwargs: Any) -> ProducerStream:
         """Announce a prefill that will publish `layers` layers of KV for these tokens, layer by
@@ -229,7 +226,9 @@ class Producer(AsyncService):
         Waits while the buffer is over `buffer_bytes`, as `insert` does; `timeout` bounds that
         wait (0: a prefill that must not wait is refused at once with `KVRTTimeoutError`, phase
         "insert", and publishes nothing)."""
-        return await self._stream_publisher.open_stream(*args, **kwargs)
+        return await run_on_caller_stream(
+            self._stream_publisher.open_stream(*args, **kwargs), self.device, kwargs.get("stream")
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ from kvrt._item import (
 from kvrt._item_bytes import GathersFailed, all_gathers_queued
 from kvrt._pools import Part, PoolTable, check_indices, checked_indexes, index_ranges, per_token, ranges_fit
 from kvrt._producer._gathers import _Gathers
-from kvrt._producer._insert import Inserter
 from kvrt._producer._parts import DEFAULT_CHUNK_BYTES, Gate, ItemKeeper, RegisteredPools, Workers
-from kvrt._producer._serve import ServeLoop
+from kvrt._producer._serve import Inserter, ServeLoop
 from kvrt._protocol import ProducerCore
 from kvrt._tensors import chunk_plan, copy_into, layer_segments, pack_empty
 
