@@ -168,7 +168,7 @@ async def launch_on(
     await asyncio.wrap_future(thread().submit(launch))
 
 
-class Waiter:
+class WaitThread:
     """One kvrt-owned thread that runs blocking waits in order (a transfer's completion), each
     resolving an asyncio future on its loop when it returns.
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvrt._threads import Waiter
+from kvrt._threads import WaitThread
 
 
 async def test_waits_run_in_order_and_each_resolves_once_it_returned() -> None:
-    waiter = Waiter("kvrt-test-waiter")
+    waiter = WaitThread("kvrt-test-waiter")
     ran: list[int] = []
     started, gate = threading.Event(), threading.Event()
     try:
@@ -29,7 +29,7 @@ async def test_waits_run_in_order_and_each_resolves_once_it_returned() -> None:
 
 
 async def test_a_failing_wait_fails_its_future_and_the_next_waits_still_run() -> None:
-    waiter = Waiter("kvrt-test-waiter")
+    waiter = WaitThread("kvrt-test-waiter")
 
     def fail() -> None:
         raise RuntimeError("NCCL error: remote process exited")
@@ -44,7 +44,7 @@ async def test_a_failing_wait_fails_its_future_and_the_next_waits_still_run() ->
 
 
 async def test_what_a_wait_holds_is_freed_on_the_waiting_thread() -> None:
-    waiter = Waiter("kvrt-test-waiter")
+    waiter = WaitThread("kvrt-test-waiter")
     freed_on: list[str] = []
 
     class Work:  # stands for an NCCL work, whose release takes the GIL back from C++
@@ -64,7 +64,7 @@ async def test_what_a_wait_holds_is_freed_on_the_waiting_thread() -> None:
 
 
 async def test_a_closed_waiter_finishes_what_was_queued_and_refuses_more() -> None:
-    waiter = Waiter("kvrt-test-waiter")
+    waiter = WaitThread("kvrt-test-waiter")
     queued = waiter.wait(lambda: None)
     waiter.close()
     assert await asyncio.wait_for(queued, 5) is None

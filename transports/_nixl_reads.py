@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvrt._errors import IntegrityError, PeerLostError, RemoteProtocolError
-from kvrt._threads import Waiter
+from kvrt._threads import WaitThread
 from kvrt.transports._base import InPlace
 from kvrt.transports._nixl_agent import Agent, AgentError, Registration, Transfer, TransferState
 
@@ -50,7 +50,7 @@ class ReadSession:
 
     remote: str
     remote_device: torch.device
-    waiter: Waiter
+    waiter: WaitThread
     queued: int = 0
     """READs handed to the waiter and not ended yet (a READ posted from the loop behind
     them would wait for the agent's lock)."""

@@ -79,7 +79,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, outcome_seen
+from kvrt._threads import WaitThread, outcome_seen
 from kvrt.transports._arena import RegisteredArena
 from kvrt.transports._base import (
     Arrival,
@@ -165,7 +165,7 @@ class _Session:
     stream there, which must not be one that holds other work."""
     release: torch.cuda.Stream
     """Writes `_ABANDONED` to the mark word when the session ends (never behind a wait)."""
-    waiter: Waiter
+    waiter: WaitThread
     marks: torch.UntypedStorage | None = None
     """The mapping of the producer's mark slab (kept open for the session)."""
     marks_address: int = 0
@@ -449,7 +449,7 @@ class CudaIpcReceiver(_CudaIpc, Receiver):
                 receive=torch.cuda.Stream(),
                 idle=torch.cuda.Stream(),
                 release=torch.cuda.Stream(),
-                waiter=Waiter("kvrt-ipc-copy"),
+                waiter=WaitThread("kvrt-ipc-copy"),
             )
         try:
             await asyncio.wait_for(asyncio.to_thread(self._check_probe, session, probe, marks, slot), timeout_s)

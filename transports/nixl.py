@@ -92,7 +92,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, outcome_seen
+from kvrt._threads import WaitThread, outcome_seen
 from kvrt.transports._arena import RegisteredArena, Slab
 from kvrt.transports._base import (
     Arrival,
@@ -166,7 +166,7 @@ class NixlSender(Sender):
         """Per consumer joined by an offer (its pair), the registrations whose metadata it was sent."""
         self._extra: weakref.WeakKeyDictionary[ItemBytes, Registration] = weakref.WeakKeyDictionary()
         """Items outside the arena, registered while they live (released when they go)."""
-        self._waiter = Waiter("kvrt-nixl-written")
+        self._waiter = WaitThread("kvrt-nixl-written")
         """Waits (GPU items) for an item's bytes to be written before its frame leaves."""
         self._host = HostCopies()
 
@@ -393,7 +393,7 @@ class NixlReceiver(Receiver):
         except AgentError as exc:
             raise TransportUnavailableError(f"nixl: the producer's agent cannot be joined from here: {exc}") from None
         _read_probe(agent, remote, rendezvous, self.device)
-        return ReadSession(remote, rendezvous.probe_device, Waiter("kvrt-nixl-read"))
+        return ReadSession(remote, rendezvous.probe_device, WaitThread("kvrt-nixl-read"))
 
     def receive(self, deliver: Deliver, frames: Sequence[zmq.Frame]) -> Arrival:
         session = self._joined()

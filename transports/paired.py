@@ -57,7 +57,7 @@ from kvrt._tensors import (
     transfer_segments,
     unpack_tensor,
 )
-from kvrt._threads import Waiter, in_daemon_thread, outcome_seen
+from kvrt._threads import WaitThread, in_daemon_thread, outcome_seen
 from kvrt.transports._base import (
     Arrival,
     ItemTensors,
@@ -141,7 +141,7 @@ class _Paired:
         self._store: TCPStore | None = None
         self._pairs: dict[bytes, _Pair] = {}
         self._pair: _Pair | None = None
-        self._waiter = Waiter("kvrt-transfer")
+        self._waiter = WaitThread("kvrt-transfer")
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         if backend == "nccl":
             with torch.cuda.device(device):
@@ -467,7 +467,7 @@ class PairedReceiver(_Paired, Receiver):
                 if before_last is not None:
                     before_last.synchronize()
                 finished.synchronize()
-                works.clear()  # on the waiting thread: see Waiter
+                works.clear()  # on the waiting thread: see WaitThread
                 if check is not None:
                     with on_device(payload.device), OnStream(receive_stream):
                         check()
