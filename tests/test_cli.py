@@ -80,6 +80,7 @@ def test_the_vllm_worker_benchmark_runs_on_the_host_and_reports_each_ratio_besid
     ]
     for row in rows:
         assert row["kvrt_ms"] > 0 and row["copy_ms"] > 0
+        assert row["decode_kvrt_threads_us_per_request"] > 0 and row["prefill_kvrt_threads_us_per_request"] > 0
         assert row["share"] == pytest.approx(row["copy_ms"] / row["kvrt_ms"])
         assert row["bytes_a_step"] == row["per_step"] * rows[0]["bytes_a_step"] * row["tokens"] // rows[0]["tokens"]
         assert f"| {row['what']} |" in result.stdout
