@@ -113,11 +113,10 @@ def run_prefill(
     try:
         side.register(kv_cache_pools(vllm_cache(max(shape.blocks for shape in shapes), device), spec()))
         control.send(side.endpoint)
-        serving_from = (time.process_time(), time.thread_time())
+        serving_from = other_threads_cpu_s()
         while (asked := control.recv()) != "stop":
             if asked == "served":  # the CPU of kvrt's threads here since the step was published
-                process_s, thread_s = time.process_time() - serving_from[0], time.thread_time() - serving_from[1]
-                control.send(process_s - thread_s)
+                control.send(other_threads_cpu_s() - serving_from)
                 continue
             shape_index, step = asked
             shape = shapes[shape_index]
@@ -130,10 +129,15 @@ def run_prefill(
                 side.save_layer(saves, layer)
             side.end_step()
             synchronize(device)  # the load is timed alone on the card
-            serving_from = (time.process_time(), time.thread_time())
+            serving_from = other_threads_cpu_s()
             control.send("published")
     finally:
         side.close()
+
+
+def other_threads_cpu_s() -> float:
+    """The CPU seconds of this process's threads but the calling one (kvrt's, here), so far."""
+    return time.process_time() - time.thread_time()
 
 
 def copy_ms(nbytes: int, device: str, repeats: int) -> float:
@@ -192,7 +196,7 @@ def load_steps(
         ]  # fmt: skip
         assert all(block < blocks_total for load in loads for block in load.block_ids)
         synchronize(device)
-        started, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+        started, cpu, others = time.perf_counter(), time.thread_time(), other_threads_cpu_s()
         decode.start_loads(loads)
         for layer in range(LAYERS):
             decode.wait_layer(layer)
@@ -201,7 +205,7 @@ def load_steps(
         synchronize(device)
         times.append((time.perf_counter() - started) * 1e3)
         caller.append(cpu_s * 1e6 / shape.per_step)
-        decode_threads.append((time.process_time() - process_cpu - (time.thread_time() - cpu)) * 1e6 / shape.per_step)
+        decode_threads.append((other_threads_cpu_s() - others) * 1e6 / shape.per_step)
         control.send("served")
         prefill_threads.append(float(from_child(control, 60)) * 1e6 / shape.per_step)
         if outcome.failed:
