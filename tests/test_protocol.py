@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from kvrt._protocol import (
     Stray,
     Welcomed,
 )
+from kvrt._protocol.commands import ProducerCounters
 from kvrt._protocol.lookup_buffer import BufferedItem
 from tests._records import item_record
 
@@ -444,3 +447,8 @@ def test_a_query_travels_as_little_endian_int64_whatever_its_tensor(tokens: torc
     wire = query_bytes(tokens, None, what="drop_select")
     assert wire == np.array(tokens.tolist(), dtype="<i8").tobytes()
     assert m.tokens_from_bytes(wire).tolist() == tokens.tolist()
+
+
+def test_a_producers_totals_name_every_counter_with_its_value() -> None:
+    counters = ProducerCounters(inserted_items=3, delivered_bytes=7, errors=2)
+    assert counters.totals() == dataclasses.asdict(counters)

