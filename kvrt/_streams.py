@@ -59,6 +59,10 @@ class StreamingProducer(Protocol):
         self, placement: Placement, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]: ...
 
+    async def gathered_layers(
+        self, placement: Placement, layers: range
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]: ...
+
     async def stream_layer(
         self, item: BufferedItem, key: torch.Tensor, value: torch.Tensor, ready: torch.cuda.Event | None
     ) -> None: ...
@@ -478,13 +482,46 @@ class ProducerStream:
         except KVRTError:
             raise
         except Exception as exc:
-            # Something of kvrt's own broke as the layer went out (a bug, an error no boundary
-            # translated): the prefill gets one of kvrt's errors, and the stream's reader fails
-            # now instead of waiting for a layer that will not come.
-            why = f"publishing layer {layer} failed inside kvrt ({type(exc).__name__}: {exc})"
-            with contextlib.suppress(Exception):
-                await self.abort(why)
-            raise KVRTError(f"put_layer: {why}; the stream was aborted") from exc
+            raise await self._failed_inside("put_layer", layer, exc) from exc
+
+    @on_caller_stream
+    async def put_layers(self, count: int | None = None, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Publish the next `count` layers (None: every layer left) of a stream of the pools
+        whose pages hold them already (a prefill that publishes once its forward pass ended).
+        They are gathered together, on the host in one hand-off to kvrt's gather thread rather
+        than one a layer, then offered in order, each as `put_layer()` offers it; on a GPU the
+        same as `put_layer()` `count` times. A plain stream takes its layers one by one with
+        `put_layer(key, value)`."""
+        if self._ended:
+            raise InvalidInputError("the stream has ended")
+        if self.placement is None:
+            raise InvalidInputError("put_layers gathers from the pools: a plain stream publishes put_layer(key, value)")
+        left = self.layers - self.published
+        if left == 0:
+            raise InvalidInputError(f"all {self.layers} layers were published already")
+        wanted = left if count is None else count
+        if type(wanted) is not int or not 1 <= wanted <= left:
+            raise InvalidInputError(f"put_layers: count must be an int from 1 to the {left} layers left, not {count!r}")
+        layer = self.published
+        try:
+            gathered = await self._producer.gathered_layers(self.placement, range(layer, layer + wanted))
+            for layer_tensors in gathered:
+                self.published += 1
+                await self._producer.stream_layer(self._item, *layer_tensors)
+                layer += 1
+        except KVRTError:
+            raise
+        except Exception as exc:
+            raise await self._failed_inside("put_layers", layer, exc) from exc
+
+    async def _failed_inside(self, call: str, layer: int, exc: Exception) -> KVRTError:
+        """Something of kvrt's own broke as a layer went out (a bug, an error no boundary
+        translated): the prefill gets one of kvrt's errors, and the stream's reader fails now
+        instead of waiting for a layer that will not come."""
+        why = f"publishing layer {layer} failed inside kvrt ({type(exc).__name__}: {exc})"
+        with contextlib.suppress(Exception):
+            await self.abort(why)
+        return KVRTError(f"{call}: {why}; the stream was aborted")
 
     @on_caller_stream
     async def finish(self, hidden: torch.Tensor | None = None, *, stream: torch.cuda.Stream | None = None) -> None:

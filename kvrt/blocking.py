@@ -219,6 +219,11 @@ class ProducerStream:
         """`kvrt.ProducerStream.put_layer`: publish the next layer."""
         self._owner._call(self._stream.put_layer, *args, **self._owner._streamed(kwargs))
 
+    @takes(_AsyncProducerStream.put_layers)
+    def put_layers(self, *args: Any, **kwargs: Any) -> None:
+        """`kvrt.ProducerStream.put_layers`: publish the next layers, which the pools hold already."""
+        self._owner._call(self._stream.put_layers, *args, **self._owner._streamed(kwargs))
+
     @takes(_AsyncProducerStream.finish)
     def finish(self, *args: Any, **kwargs: Any) -> None:
         """`kvrt.ProducerStream.finish`: end the stream after its last layer."""
@@ -289,7 +294,6 @@ class Consumer(_Blocking[_consumer.Consumer]):
         """`kvrt.Consumer.open_stream`: a request's KV layer by layer; None on a miss."""
         opened = self._call(self._service.open_stream, *args, **self._streamed(kwargs))
         return None if opened is None else ConsumerStream(self, opened)
-
 
     @takes(_consumer.Consumer.fetch)
     def fetch(self, *args: Any, **kwargs: Any) -> Fetch:

@@ -114,6 +114,7 @@ def test_the_blocking_sides_take_the_async_sides_constructor_arguments() -> None
         (kvrt.blocking.Producer.open_stream, kvrt.Producer.open_stream),
         (kvrt.blocking.Producer.register_pools, kvrt.Producer.register_pools),
         (kvrt.blocking.ProducerStream.put_layer, kvrt.ProducerStream.put_layer),
+        (kvrt.blocking.ProducerStream.put_layers, kvrt.ProducerStream.put_layers),
         (kvrt.blocking.ProducerStream.finish, kvrt.ProducerStream.finish),
         (kvrt.blocking.ProducerStream.abort, kvrt.ProducerStream.abort),
         (kvrt.blocking.Consumer.drop_select, kvrt.Consumer.drop_select),

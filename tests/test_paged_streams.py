@@ -346,3 +346,62 @@ async def test_a_slow_gather_of_a_layer_on_the_host_holds_no_other_call_of_the_p
         for layer in range(LAYERS):  # each layer as the pools held it
             key, value = gather_layer_reference(source, FROM_REPLICA, FROM_SLOTS, layer)
             assert same_bits(item.key[layer], key) and same_bits(item.value[layer], value)
+
+
+async def test_layers_the_pools_hold_already_are_published_together_in_one_hand_off_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill that publishes once its forward pass ended (`put_layers`): every layer is
+    gathered in one job of kvrt's gather thread, not one a layer, and the reader gets each
+    layer as the pools held it, as `put_layer()` would have sent it."""
+    import concurrent.futures
+
+    submits: list[str] = []
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def counted(self: concurrent.futures.ThreadPoolExecutor, *args: Any, **kwargs: Any) -> Any:
+        submits.append(self._thread_name_prefix)
+        return submit(self, *args, **kwargs)
+
+    source = random_pools(4, Layout.TOKEN_MAJOR, seed=5)
+    async with kvrt.Producer() as producer:
+        producer.register_pools(source)
+        tokens = torch.arange(710, 710 + TOKENS)
+        stream = await producer.open_stream(tokens, slots=FROM_SLOTS, replica=FROM_REPLICA)
+        await stream.put_layer()  # the gather thread started, as on the first step of a prefill
+        monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", counted)
+        await stream.put_layers()
+        monkeypatch.undo()
+        assert stream.published == LAYERS
+        assert [prefix for prefix in submits if prefix.startswith("kvrt-gather")] == ["kvrt-gather"]
+        await stream.finish()
+        async with kvrt.Consumer(connect=producer.endpoint) as consumer:
+            item = await consumer.drop_select(tokens)
+        assert item is not None
+        for layer in range(LAYERS):
+            key, value = gather_layer_reference(source, FROM_REPLICA, FROM_SLOTS, layer)
+            assert same_bits(item.key[layer], key) and same_bits(item.value[layer], value)
+
+
+async def test_put_layers_publishes_as_many_layers_as_it_is_told_and_refuses_what_it_cannot_publish() -> None:
+    source = random_pools(4, Layout.TOKEN_MAJOR, seed=6)
+    async with kvrt.Producer() as producer:
+        producer.register_pools(source)
+        plain = await producer.open_stream(torch.arange(720, 720 + TOKENS), layers=LAYERS)
+        with pytest.raises(kvrt.InvalidInputError, match="plain stream"):
+            await plain.put_layers()
+        await plain.abort()
+        stream = await producer.open_stream(torch.arange(730, 730 + TOKENS), slots=FROM_SLOTS, replica=FROM_REPLICA)
+        for count in (0, LAYERS + 1, 1.0, True):
+            with pytest.raises(kvrt.InvalidInputError, match="count"):
+                await stream.put_layers(count)  # type: ignore[arg-type]
+        assert stream.published == 0
+        await stream.put_layers(1)
+        await stream.put_layers(LAYERS - 2)
+        assert stream.published == LAYERS - 1
+        await stream.put_layers()
+        with pytest.raises(kvrt.InvalidInputError, match="published already"):
+            await stream.put_layers()
+        await stream.finish()
+        with pytest.raises(kvrt.InvalidInputError, match="ended"):
+            await stream.put_layers()

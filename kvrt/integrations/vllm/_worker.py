@@ -456,7 +456,12 @@ class WorkerSide:
             return
         self._post_in_order(lambda: self._save_layer(saves, layer, stream), "save_kv_layer")
 
-    async def _save_layer(self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None) -> None:
+    async def _save_layer(
+        self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None, count: int = 1
+    ) -> None:
+        """Publish layers [layer, layer + count) of the step's finished prompts (the first
+        layer opens them); several at once where the pages hold them already (the host's, at
+        the step's end: one hand-off to kvrt's gather thread a prompt, not one a layer)."""
         producer = self._producer
         assert producer is not None
         if layer == 0:
@@ -470,7 +475,10 @@ class WorkerSide:
                     log.warning("request %s is not published: %s", save.request_id, exc)
         for writing in list(self._writing):
             try:
-                await writing.put_layer(stream=stream)
+                if count == 1:
+                    await writing.put_layer(stream=stream)
+                else:
+                    await writing.put_layers(count, stream=stream)
             except kvrt.KVRTError as exc:
                 log.warning("publishing layer %d failed: %s", layer, exc)
                 self._writing.remove(writing)
@@ -505,8 +513,13 @@ class WorkerSide:
         self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None,
         held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = (),
     ) -> None:  # fmt: skip
-        for saves, layer, layer_stream in held:  # the host's layers, in their order
-            await self._save_layer(saves, layer, layer_stream)
+        layers = [layer for _, layer, _ in held]
+        if held and layers == list(range(layers[0], layers[0] + len(layers))):
+            saves, first, layer_stream = held[0]  # the host's layers, in their order, at once
+            await self._save_layer(saves, first, layer_stream, count=len(held))
+        else:
+            for saves, layer, layer_stream in held:
+                await self._save_layer(saves, layer, layer_stream)
         if opening is not None:  # posted before: started already; bounded by the lookup timeout
             await asyncio.wrap_future(opening)
         writing, self._writing = self._writing, []
