@@ -91,18 +91,12 @@ class StreamPublisher:
         value back to back: one transfer), and on a GPU the event after the gather, queued on
         the current stream. A first launch compiles, for about a second, in the gather thread
         (the loop must not wait for that), queued on the same stream all the same."""
-        from kvrt.kernels.paged_kv import gather_layer_into_any, prepare_gather_layer
+        from kvrt.kernels.paged_kv import prepare_gather_layer
 
         pools = placement.pools
-        key, value = _layer_block(placement)
         if pools.device.type != "cuda":
-            # On the gather thread: on a busy host a layer's gather can take a tenth of a
-            # second and a step's gathers seconds, which no lookup or ping may wait behind.
-            gathering = self.gather_thread().submit(
-                gather_layer_into_any, pools, placement.replicas, placement.slots, layer, key, value
-            )
-            await asyncio.wrap_future(gathering)
-            return key, value, None
+            return (await self.gathered_layers(placement, range(layer, layer + 1)))[0]
+        key, value = _layer_block(placement)
         prepared = prepare_gather_layer(pools, placement.replicas, placement.slots, layer, key, value)
         caller = torch.cuda.current_stream(pools.device)
         await launch_on(prepared, caller, self.gather_thread)
@@ -113,9 +107,10 @@ class StreamPublisher:
     async def gathered_layers(
         self, placement: Placement, layers: range
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]:
-        """`gathered_layer` for each of `layers`, in order; on the host all in one hand-off to
-        the gather thread (each hand-off costs two thread switches and a wake-up of the loop:
-        a step of a 32-layer model would pay them 32 times a request)."""
+        """`gathered_layer` for each of `layers`, in order. On the host on the gather thread (on
+        a busy host a layer's gather can take a tenth of a second and a step's gathers seconds,
+        which no lookup or ping may wait behind), all in one hand-off (each costs two thread
+        switches and a wake-up of the loop: a 32-layer model would pay them 32 times a request)."""
         if placement.pools.device.type == "cuda":
             return [await self.gathered_layer(placement, layer) for layer in layers]
         from kvrt.kernels.paged_kv import gather_layer_into_any
