@@ -475,10 +475,7 @@ class WorkerSide:
                     log.warning("request %s is not published: %s", save.request_id, exc)
         for writing in list(self._writing):
             try:
-                if count == 1:
-                    await writing.put_layer(stream=stream)
-                else:
-                    await writing.put_layers(count, stream=stream)
+                await writing.put_layers(count, stream=stream)
             except kvrt.KVRTError as exc:
                 log.warning("publishing layer %d failed: %s", layer, exc)
                 self._writing.remove(writing)
