@@ -399,3 +399,46 @@ def test_a_host_prefill_hands_its_steps_layers_to_kvrt_once_at_the_steps_end(
     assert failed == [set()]
     sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
     assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)
+
+
+def test_a_host_prefill_gathers_each_finished_prompt_once_straight_into_the_item_it_offers(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At the step's end on the host every layer of a finished prompt is in the pages: it is
+    # published whole, one job of kvrt's gather thread a prompt (every layer gathered straight
+    # into the item), not a gather of its layers and then a second copy into the whole item.
+    import concurrent.futures
+
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    prefill, prefill_caches = sides(entry, produces=True, seed=1)
+    decode, decode_caches = sides(entry, produces=False, seed=2)
+    prefill.save_layer([], 0)  # a step before: kvrt's threads are up
+    prefill.end_step()
+    jobs: list[str] = []
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def counted(self: concurrent.futures.ThreadPoolExecutor, *args: Any, **kwargs: Any) -> Any:
+        jobs.append(self._thread_name_prefix)
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", counted)
+    prompts = [list(range(start, start + TOKENS)) for start in (11000, 12000)]
+    blocks = [blocks_for(entry, TOKENS, seed) for seed in (7, 8)]
+    if set(blocks[0]) & set(blocks[1]):
+        blocks[1] = [block for block in range(entry["blocks"]) if block not in blocks[0]][: len(blocks[1])]
+    saves = [
+        Save(f"request-{index}", tokens, slots(entry, from_blocks, range(TOKENS)))
+        for index, (tokens, from_blocks) in enumerate(zip(prompts, blocks, strict=True))
+    ]
+    for layer in range(entry["layers"]):
+        prefill.save_layer(saves, layer)
+    prefill.end_step()
+    monkeypatch.undo()
+    assert [job for job in jobs if job.startswith("kvrt-gather")] == ["kvrt-gather"] * len(saves)
+    for tokens, from_blocks in zip(prompts, blocks, strict=True):
+        into = blocks_for(entry, TOKENS, 9)
+        failed = load([decode], endpoints_of([prefill]), tokens, into, entry["block_size"], entry["layers"],
+                      published=True)  # fmt: skip
+        assert failed == [set()]
+        sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
+        assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)

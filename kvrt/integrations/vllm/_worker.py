@@ -89,7 +89,8 @@ class WorkerSettings:
     layers_as_computed: bool | None = None
     """Whether a prefill publishes each layer as the forward pass wrote it (a stream a decode
     may read while the prefill runs), or the step's layers at its end, in one hand-off to kvrt's
-    thread. None: as computed on a GPU, where a layer's gather overlaps the next layer's pass;
+    thread (each prompt whose every layer the step wrote published whole, `Producer.publish`).
+    None: as computed on a GPU, where a layer's gather overlaps the next layer's pass;
     at the step's end on the host, where nothing overlaps it and a hand-off a layer costs the
     model runner's thread a wait for the GIL each."""
 
@@ -461,7 +462,8 @@ class WorkerSide:
     ) -> None:
         """Publish layers [layer, layer + count) of the step's finished prompts (the first
         layer opens them); several at once where the pages hold them already (the host's, at
-        the step's end: one hand-off to kvrt's gather thread a prompt, not one a layer)."""
+        the step's end, for a step that wrote only some of them: one hand-off to kvrt's gather
+        thread a prompt, not one a layer)."""
         producer = self._producer
         assert producer is not None
         if layer == 0:
@@ -480,6 +482,26 @@ class WorkerSide:
                 log.warning("publishing layer %d failed: %s", layer, exc)
                 self._writing.remove(writing)
                 await writing.abort(str(exc))
+
+    async def _publish_whole(self, saves: Sequence[Save], stream: torch.cuda.Stream | None) -> None:
+        """The step's finished prompts, every layer in the pages already (the host's, at the
+        step's end): each published whole (`Producer.publish`: every layer gathered straight
+        into its item, one copy and one hand-off to kvrt's gather thread a prompt), not as a
+        stream (a gather a layer and a second copy into the whole item at its finish)."""
+        producer = self._producer
+        assert producer is not None
+        outcomes = await asyncio.gather(
+            *(producer.publish(_int64(save.tokens), _int64(save.slots), timeout=0, stream=stream) for save in saves),
+            return_exceptions=True,
+        )
+        for save, outcome in zip(saves, outcomes, strict=True):
+            if isinstance(outcome, kvrt.KVRTError):
+                self.counters["refused_saves"] += 1
+                log.warning("request %s is not published: %s", save.request_id, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                self.counters["saves"] += 1
 
     # -- the step's end ------------------------------------------------------------------------
 
@@ -511,7 +533,11 @@ class WorkerSide:
         held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = (),
     ) -> None:  # fmt: skip
         layers = [layer for _, layer, _ in held]
-        if held and layers == list(range(layers[0], layers[0] + len(layers))):
+        assert self._pools is not None or not held
+        if held and not self._writing and self._pools is not None and layers == list(range(self._pools.layers)):
+            saves, _, layer_stream = held[0]  # every layer of the step's prompts, in the pages
+            await self._publish_whole(saves, layer_stream)
+        elif held and layers == list(range(layers[0], layers[0] + len(layers))):
             saves, first, layer_stream = held[0]  # the host's layers, in their order, at once
             await self._save_layer(saves, first, layer_stream, count=len(held))
         else:
