@@ -721,18 +721,26 @@ def _move_runs(
     runs' slots, or gather the runs' slots into them, layer by layer, block by block."""
     block_size = table.geometry.block_size
     first, end = heads
+    every_head = first == 0 and end == table.geometry.heads
     full = runs.full.numel()
+    first_token = int(runs.full_tokens[0]) if full and runs.in_order else 0
+    copies = range(table.copies if scatter else 1)
     for index, layer in enumerate(layers):
         for kv, source in enumerate(sources):
             tokens = source[index]
-            for copy in range(table.copies if scatter else 1):
-                rows = _rows_in_blocks(table, table.pools[0][copy][layer], kv)[:, :, first:end]
-                if full and runs.in_order:
-                    first_token = int(runs.full_tokens[0])
-                    run = tokens[first_token : first_token + full * block_size]
-                    blocks = run.view(full, block_size, *tokens.shape[1:])
+            blocks = None
+            if full and runs.in_order:
+                run = tokens[first_token : first_token + full * block_size]
+                blocks = run.view(full, block_size, *tokens.shape[1:])
+            for copy in copies:
+                rows = _rows_in_blocks(table, table.pools[0][copy][layer], kv)
+                if not every_head:
+                    rows = rows[:, :, first:end]
+                if blocks is not None:
                     if scatter:
                         rows.index_copy_(0, runs.full, blocks)
+                    elif blocks.is_contiguous():  # straight into the item: no staging copy
+                        torch.index_select(rows, 0, runs.full, out=blocks)
                     else:
                         blocks.copy_(rows.index_select(0, runs.full))
                 elif full:
