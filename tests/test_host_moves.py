@@ -149,3 +149,27 @@ def test_a_serving_engines_request_moves_block_by_block_and_a_shuffled_one_does_
     assert runs is not None and runs.full.tolist() == [5, 1] and runs.partial == [(8, 3, 0, 2)] and runs.in_order
     shuffled = torch.tensor(random.Random(0).sample(range(32), 20), dtype=torch.int64)
     assert _block_runs(table, torch.zeros_like(shuffled), shuffled) is None
+
+
+def test_a_request_in_pages_with_an_index_outside_the_pools_is_refused_and_moves_nothing() -> None:
+    # A move by runs checks no index apart (its runs are made of indexes in range only): a
+    # serving engine's pages with one slot past the pools, or a replica the pools do not
+    # have, are refused as the reference path refuses them, before anything is written.
+    import pytest
+
+    import kvrt
+
+    table = pools_of(Layout.BLOCK_HEAD_MAJOR, 2, 8, 4, 2, 8, 1, torch.float32, torch.Generator().manual_seed(1))
+    before = copied(table)
+    key, value = torch.zeros(2, 10, 2, 8), torch.zeros(2, 10, 2, 8)
+    in_pages = torch.tensor([20, 21, 22, 23, 4, 5, 6, 7, 12, 13], dtype=torch.int64)
+    zeros = torch.zeros_like(in_pages)
+    for slots, replica in ((in_pages.clone().index_fill_(0, torch.tensor([9]), 32), zeros),
+                           (in_pages.clone().index_fill_(0, torch.tensor([0]), -1), zeros),
+                           (in_pages, zeros.clone().index_fill_(0, torch.tensor([3]), 1))):  # fmt: skip
+        with pytest.raises(kvrt.InvalidInputError, match="out of range"):
+            gather_into_any(table, replica, slots, key, value)
+        with pytest.raises(kvrt.InvalidInputError, match="out of range"):
+            scatter_from_any(table, key, value, replica, slots)
+    assert not key.any() and not value.any()
+    assert same_pools(table, before)
