@@ -66,10 +66,10 @@ def token_rows(entry: dict[str, Any], caches: Sequence[torch.Tensor], slots: Seq
 
 def settings(
     *, produces: bool, rank: int = 0, tp: int = 1, total_heads: int, mla: bool, bind: str | None = None,
-    transport: str | None = None, layers_as_computed: bool | None = None,
+    transport: str | None = None, layers_as_computed: bool | None = None, buffer_bytes: int = 1 << 34,
 ) -> WorkerSettings:  # fmt: skip
     return WorkerSettings(
-        produces=produces, consumes=not produces, bind=bind, buffer_bytes=1 << 34, item_ttl_s=DEFAULT_ITEM_TTL_S,
+        produces=produces, consumes=not produces, bind=bind, buffer_bytes=buffer_bytes, item_ttl_s=DEFAULT_ITEM_TTL_S,
         connect_timeout_s=10.0, rank=rank, tp=tp, total_heads=total_heads, mla=mla, transport=transport,
         layers_as_computed=layers_as_computed,
     )  # fmt: skip
@@ -78,15 +78,16 @@ def settings(
 def worker(
     entry: dict[str, Any], device: torch.device | str, *, produces: bool, rank: int = 0, tp: int = 1,
     total_heads: int | None = None, seed: int, transport: str | None = None, layers_as_computed: bool | None = None,
+    buffer_bytes: int = 1 << 34,
 ) -> tuple[WorkerSide, list[torch.Tensor]]:  # fmt: skip
     """A worker side of one rank over a cache of `entry` (its heads being rank `rank`'s of `tp`
     when `total_heads` says the model has more than the entry's), registered
-    (`layers_as_computed`: as `WorkerSettings`)."""
+    (`layers_as_computed`, `buffer_bytes`: as `WorkerSettings`)."""
     mla = bool(entry["mla"])
     heads = total_heads or entry["kv_heads"]
     side = WorkerSide(settings(produces=produces, rank=rank, tp=tp, total_heads=heads, mla=mla,
                                bind="tcp://127.0.0.1:0" if produces else None, transport=transport,
-                               layers_as_computed=layers_as_computed))  # fmt: skip
+                               layers_as_computed=layers_as_computed, buffer_bytes=buffer_bytes))  # fmt: skip
     caches = build_cache(entry, device, seed=seed)
     first = 0 if mla else heads_of(rank, tp, heads).start
     side.register(kv_cache_pools(caches, spec_of(entry, first_head=first)))

@@ -442,3 +442,29 @@ def test_a_host_prefill_gathers_each_finished_prompt_once_straight_into_the_item
         assert failed == [set()]
         sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
         assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)
+
+
+def test_a_host_prefill_whose_buffer_is_full_refuses_the_prompt_and_its_load_fails_while_the_others_land(
+    sides: Callable[..., tuple[WorkerSide, list[torch.Tensor]]],
+) -> None:
+    # A prefill does not wait for room at a step's end (vLLM's model runner would wait with
+    # it): a prompt the buffer has no room for is not published, counted, and the decode's
+    # load of it fails (vLLM recomputes it); the prompt already buffered still loads.
+    entry = cache_named("FLASH_ATTN", "LBNHC")
+    prefill, prefill_caches = sides(entry, produces=True, seed=1, buffer_bytes=1)
+    decode, decode_caches = sides(entry, produces=False, seed=2)
+    kept, refused = list(range(13000, 13000 + TOKENS)), list(range(14000, 14000 + TOKENS))
+    kept_blocks = blocks_for(entry, TOKENS, 10)
+    refused_blocks = [block for block in range(entry["blocks"]) if block not in kept_blocks][: len(kept_blocks)]
+    publish([prefill], kept, kept_blocks, entry["block_size"], entry["layers"])  # the buffer is over its bytes now
+    publish([prefill], refused, refused_blocks, entry["block_size"], entry["layers"])
+    counters = prefill.take_counters()
+    assert (counters["saves"], counters["refused_saves"]) == (1, 1)
+    for tokens, from_blocks, lands in ((refused, refused_blocks, False), (kept, kept_blocks, True)):
+        into = blocks_for(entry, TOKENS, 11)
+        failed = load([decode], endpoints_of([prefill]), tokens, into, entry["block_size"], entry["layers"],
+                      published=True)  # fmt: skip
+        assert failed == [set() if lands else {"request"}]
+        if lands:
+            sent = token_rows(entry, prefill_caches, slots(entry, from_blocks, range(TOKENS)))
+            assert torch.equal(token_rows(entry, decode_caches, slots(entry, into, range(TOKENS))), sent)
