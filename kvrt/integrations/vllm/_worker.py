@@ -10,8 +10,9 @@ Who calls what, each from vLLM's model-runner thread, once a step in this order:
     wait_layer(i)              before attention of layer i: returns once layer i of every load
                                is written (on a GPU: the caller's stream waits for the writes)
     save_layer(saves, i)       after layer i is written: layer i of the step's finished
-                               prompts published from the pages (the first layer opens them);
-                               posted: returns at once
+                               prompts published from the pages (the first layer opens them;
+                               on the host each prompt whole at the step's end); posted:
+                               returns at once
     end_step() -> StepOutcome  after the forward pass: the step's streams ended; which loads
                                failed, whose blocks vLLM recomputes
 
@@ -457,13 +458,9 @@ class WorkerSide:
             return
         self._post_in_order(lambda: self._save_layer(saves, layer, stream), "save_kv_layer")
 
-    async def _save_layer(
-        self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None, count: int = 1
-    ) -> None:
-        """Publish layers [layer, layer + count) of the step's finished prompts (the first
-        layer opens them); several at once where the pages hold them already (the host's, at
-        the step's end, for a step that wrote only some of them: one hand-off to kvrt's gather
-        thread a prompt, not one a layer)."""
+    async def _save_layer(self, saves: Sequence[Save], layer: int, stream: torch.cuda.Stream | None) -> None:
+        """Publish layer `layer` of the step's finished prompts, as the forward pass wrote it
+        (the first layer opens their streams)."""
         producer = self._producer
         assert producer is not None
         if layer == 0:
@@ -477,19 +474,27 @@ class WorkerSide:
                     log.warning("request %s is not published: %s", save.request_id, exc)
         for writing in list(self._writing):
             try:
-                await writing.put_layers(count, stream=stream)
+                await writing.put_layer(stream=stream)
             except kvrt.KVRTError as exc:
                 log.warning("publishing layer %d failed: %s", layer, exc)
                 self._writing.remove(writing)
                 await writing.abort(str(exc))
 
-    async def _publish_whole(self, saves: Sequence[Save], stream: torch.cuda.Stream | None) -> None:
-        """The step's finished prompts, every layer in the pages already (the host's, at the
-        step's end): each published whole (`Producer.publish`: every layer gathered straight
-        into its item, one copy and one hand-off to kvrt's gather thread a prompt), not as a
-        stream (a gather a layer and a second copy into the whole item at its finish)."""
-        producer = self._producer
-        assert producer is not None
+    async def _publish_held(self, held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]]) -> None:
+        """The step's finished prompts, every layer in the pages by the step's end (the host's):
+        each published whole (`Producer.publish`: every layer gathered straight into its item,
+        one copy and one hand-off to kvrt's gather thread a prompt), not as a stream (a gather a
+        layer and a second copy into the whole item at its finish). A step that saved only some
+        layers (a forward pass that stopped short) publishes none of its prompts: pages that
+        are not all of a prompt's KV are never offered, and a decode's load of it fails."""
+        producer, pools = self._producer, self._pools
+        assert producer is not None and pools is not None
+        saves, _, stream = held[0]
+        layers = [layer for _, layer, _ in held]
+        if layers != list(range(pools.layers)):
+            log.warning("the step saved layers %s of %d: its %d prompts are not published", layers, pools.layers,
+                        len(saves))  # fmt: skip
+            return
         outcomes = await asyncio.gather(
             *(producer.publish(_int64(save.tokens), _int64(save.slots), timeout=0, stream=stream) for save in saves),
             return_exceptions=True,
@@ -532,17 +537,8 @@ class WorkerSide:
         self, opening: concurrent.futures.Future[None] | None, stream: torch.cuda.Stream | None,
         held: Sequence[tuple[Sequence[Save], int, torch.cuda.Stream | None]] = (),
     ) -> None:  # fmt: skip
-        layers = [layer for _, layer, _ in held]
-        assert self._pools is not None or not held
-        if held and not self._writing and self._pools is not None and layers == list(range(self._pools.layers)):
-            saves, _, layer_stream = held[0]  # every layer of the step's prompts, in the pages
-            await self._publish_whole(saves, layer_stream)
-        elif held and layers == list(range(layers[0], layers[0] + len(layers))):
-            saves, first, layer_stream = held[0]  # the host's layers, in their order, at once
-            await self._save_layer(saves, first, layer_stream, count=len(held))
-        else:
-            for saves, layer, layer_stream in held:
-                await self._save_layer(saves, layer, layer_stream)
+        if held:
+            await self._publish_held(held)
         if opening is not None:  # posted before: started already; bounded by the lookup timeout
             await asyncio.wrap_future(opening)
         writing, self._writing = self._writing, []
