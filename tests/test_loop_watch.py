@@ -169,3 +169,31 @@ def test_a_load_whose_own_loop_stalled_past_its_reply_timeout_takes_the_answer_t
         finally:
             decode.stop()
         assert producer.stats().items == 0
+
+
+def test_a_consumer_whose_own_loop_stalled_past_its_connect_timeout_takes_the_welcome_that_came_meanwhile() -> None:
+    # A decode worker's first load connects to its producer; its process waits for a core past
+    # the connect timeout while the producer answered at once. The welcome sits unread, and the
+    # producer is not to blame: the consumer connects, and its load goes on.
+    timeout_s = 0.5
+    tokens = torch.arange(64)
+    with kvrt.blocking.Producer(bind="tcp://127.0.0.1:0") as producer:
+        producer.insert(tokens, None, torch.zeros(2, 64, 2, 4), torch.zeros(2, 64, 2, 4))
+        decode = LoopThread("kvrt-stalled", "stalled consumer")
+        try:
+
+            async def connect_through_a_stall() -> kvrt.ConsumerStream | None:
+                consumer = kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=timeout_s)
+                starting = asyncio.ensure_future(consumer.start())
+                await asyncio.sleep(0)  # the start runs up to its wait for the welcome
+                threading.Event().wait(3 * timeout_s)  # the loop's thread does not run
+                try:
+                    await starting
+                    return await consumer.open_stream(tokens)
+                finally:
+                    await consumer.aclose()
+
+            assert decode.call(connect_through_a_stall, "connect") is not None
+        finally:
+            decode.stop()
+        assert producer.stats().items == 0

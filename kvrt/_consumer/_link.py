@@ -35,7 +35,7 @@ from kvrt._errors import (
     VersionMismatchError,
 )
 from kvrt._item import Landing
-from kvrt._loop_watch import ListeningTimer
+from kvrt._loop_watch import ListeningTimer, fail_after_listening
 from kvrt._protocol import (
     ConsumerEvent,
     Failed,
@@ -191,7 +191,10 @@ class _Link:
         self.sends.in_order(self.core.connect(loop_time()))
         self.session.own_task(asyncio.create_task(self._run(), name=f"kvrt-link-{self.endpoint}"))
         try:
-            async with asyncio.timeout(connect_timeout_s):
+            # Counted while this side listens: a stall of its own loop past the deadline is
+            # not the producer's, whose welcome may sit unread (a decode's first load of a
+            # producer, on a host whose cores are all busy).
+            with fail_after_listening(connect_timeout_s):
                 await self._welcomed.wait()
                 if self._refused is not None:
                     raise self._refused

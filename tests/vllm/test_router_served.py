@@ -36,6 +36,9 @@ pytestmark = pytest.mark.timeout(600)
 REQUESTS, IN_FLIGHT, MAX_TOKENS = 32, 8, 24
 KILL_AFTER = 6
 """Answered requests before one prefill and one decode are killed: the others are in flight."""
+SENT_AFTER_THE_KILL = 10
+"""The last requests, sent only once the kill is done: the router picks the dead prefill for
+some of them (its prefill requests are short, and may all have ended before the kill)."""
 BACK_S = 60.0
 """Bound on the router seeing a restarted instance (its health checks are at most 8 s apart)."""
 
@@ -108,10 +111,11 @@ def running_requests(url: str) -> float:
 
 def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list[list[int]]:
     """Every prompt through the router, `IN_FLIGHT` at a time, odd ones streamed; `victims`
-    killed once `KILL_AFTER` were answered. Each one's tokens."""
+    killed once `KILL_AFTER` were answered, the last `SENT_AFTER_THE_KILL` sent after that.
+    Each one's tokens."""
 
     async def run() -> list[list[int]]:
-        limit = asyncio.Semaphore(IN_FLIGHT)
+        limit, killed = asyncio.Semaphore(IN_FLIGHT), asyncio.Event()
         answered = 0
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
@@ -123,6 +127,8 @@ def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list
                     "model": "", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
                     "return_token_ids": True, "stream": stream,
                 }  # fmt: skip
+                if index >= len(asked) - SENT_AFTER_THE_KILL:
+                    await killed.wait()
                 async with limit, session.post(url + "/v1/completions", json=body) as answer:
                     text = await answer.text()
                     assert answer.status == 200, f"{answer.status}: {text[:500]}"
@@ -130,6 +136,7 @@ def run_killing(url: str, asked: list[list[int]], victims: list[Server]) -> list
                 answered += 1
                 if answered == KILL_AFTER:
                     await asyncio.to_thread(kill_when_busy, victims)
+                    killed.set()
                 return tokens
 
             return list(await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(asked))))

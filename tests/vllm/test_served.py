@@ -86,6 +86,11 @@ def unanswered_lookups(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if "did not answer a lookup" in line]
 
 
+def failed_loads(log: Path) -> list[str]:
+    """The lines of a decode instance's log that say why a load failed."""
+    return [line for line in log.read_text(errors="replace").splitlines() if "vLLM recomputes it" in line]
+
+
 def producers_hold(bind: str, ranks: int) -> list[int]:
     """The items each prefill rank's producer holds (rank r binds bind's port + r)."""
     base, port = bind.rsplit(":", 1)
@@ -212,7 +217,10 @@ def test_under_load_every_prompt_is_loaded_across_tp_sizes_and_decodes_as_the_de
         assert held == [0] * prefill_tp
         # The connector's own account: every rank loaded every prompt whole where the decode
         # went on from the first token, all but its last token on the plain path.
-        assert counted["failed_loads"] == 0 and counted["loads"] == (len(asked) + len(plain)) * decode_tp
+        assert counted["failed_loads"] == 0 and counted["loads"] == (len(asked) + len(plain)) * decode_tp, (
+            counted,
+            failed_loads(decode.log),
+        )
         every_token = decode_tp * (sum(map(len, asked)) + sum(len(prompt) - 1 for prompt in plain))
         assert counted["loaded_tokens"] == every_token
 
