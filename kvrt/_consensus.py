@@ -62,6 +62,7 @@ from kvrt._errors import (
     PeerLostError,
     fresh_copy,
 )
+from kvrt._threads import own_thread
 from kvrt._trace import emit
 
 ROWS: Final = 64
@@ -273,7 +274,9 @@ class GroupConsensus:
         if self.device.type == "cuda":
             # A stream of its own: the engine's compute stream never waits for the group.
             self._stream = torch.cuda.Stream(self.device)
-            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrt-consensus")
+            self._waiter = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvrt-consensus", initializer=own_thread
+            )
         self._closed = False
 
     def start(self) -> None:

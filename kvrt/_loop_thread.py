@@ -26,7 +26,7 @@ from anyio.from_thread import BlockingPortal
 
 from kvrt._errors import ClosedError, InvalidInputError, KVRTError
 from kvrt._loop_watch import LoopWatch, unwatch, watch_running_loop
-from kvrt._threads import host_ops_on_this_thread
+from kvrt._threads import own_thread
 
 log = logging.getLogger("kvrt.blocking")
 
@@ -64,7 +64,7 @@ class LoopThread:
         name: str,
         cores: frozenset[int] | None,
     ) -> None:
-        host_ops_on_this_thread()
+        own_thread()
 
         async def serve() -> None:
             if cores is not None:

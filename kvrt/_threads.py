@@ -10,6 +10,7 @@ import ctypes
 import functools
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Final, Protocol, TypeVar, overload
@@ -41,6 +42,29 @@ def _openmp() -> ctypes.CDLL | None:
     return None
 
 
+_PR_SET_NAME: Final = 15
+"""Linux's `prctl` option that names the calling thread (16 bytes with the terminating NUL)."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def own_thread() -> None:
+    """Set up a thread kvrt started, on it, first thing: its name for the OS is its Python
+    name (Linux keeps 15 bytes of it), so that `top -H`, `ps -L` and /proc show which of
+    kvrt's threads takes a core in an engine's process, not a row of "python"; and torch's
+    host operations on it run on it alone (`host_ops_on_this_thread`)."""
+    libc = _libc()
+    if libc is not None and sys.platform == "linux":
+        libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
+    host_ops_on_this_thread()
+
+
 def host_ops_on_this_thread() -> None:
     """Make torch's host operations on the calling thread (one of kvrt's) run on it alone.
 
@@ -63,7 +87,7 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
     first Triton launch compiles, for about a second."""
 
     def start() -> None:
-        host_ops_on_this_thread()
+        own_thread()
         torch.cuda.set_device(device)
 
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start)
@@ -71,9 +95,7 @@ def gpu_worker(device: torch.device, name: str) -> concurrent.futures.ThreadPool
 
 def host_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
     """One thread, for host work that must stay in order (its torch operations on it alone)."""
-    return concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=host_ops_on_this_thread
-    )
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=own_thread)
 
 
 CHECK_WORKERS: Final = 2
@@ -92,7 +114,7 @@ class CheckWorkers:
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                CHECK_WORKERS, thread_name_prefix="kvrt-check", initializer=host_ops_on_this_thread
+                CHECK_WORKERS, thread_name_prefix="kvrt-check", initializer=own_thread
             )
         return self._pool
 
@@ -125,6 +147,7 @@ def in_daemon_thread(job: Callable[[], _T], name: str) -> concurrent.futures.Fut
 
     def run() -> None:
         global _daemon_jobs
+        own_thread()
         try:
             if future.set_running_or_notify_cancel():
                 try:
@@ -211,6 +234,7 @@ class WaitThread:
             self._jobs.put(None)
 
     def _run(self) -> None:
+        own_thread()
         while (job := self._jobs.get()) is not None:
             blocking, future, result = job
             del job

@@ -1,14 +1,17 @@
-"""The transfer waiter: blocking waits run in order on one kvrt thread, and resolve on the loop."""
+"""kvrt's threads: the transfer waiter's blocking waits run in order on one kvrt thread and
+resolve on the loop; each thread carries its name for the OS."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from kvrt._threads import WaitThread
+from kvrt._loop_thread import LoopThread
+from kvrt._threads import WaitThread, host_worker
 
 
 async def test_waits_run_in_order_and_each_resolves_once_it_returned() -> None:
@@ -70,3 +73,21 @@ async def test_a_closed_waiter_finishes_what_was_queued_and_refuses_more() -> No
     assert await asyncio.wait_for(queued, 5) is None
     with pytest.raises(RuntimeError, match="closed"):
         await waiter.wait(lambda: None)
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/comm").exists(), reason="Linux names threads in /proc")
+def test_kvrts_threads_carry_their_names_for_the_os_as_top_and_ps_show_them() -> None:
+    # An operator reading `top -H` of an engine's process sees which of kvrt's threads takes
+    # a core, not a row of "python".
+    def os_name(thread: threading.Thread) -> str:
+        return Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip()
+
+    loop = LoopThread("kvrt-named-loop", "named loop")
+    gather = host_worker("kvrt-gather")
+    try:
+        assert os_name(loop._thread) == "kvrt-named-loop"
+        gathered = gather.submit(threading.current_thread).result(10)
+        assert os_name(gathered) == "kvrt-gather_0"
+    finally:
+        loop.stop()
+        gather.shutdown()
