@@ -24,6 +24,7 @@ producer's memory by 40-90 MiB under a flood of large lookups.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from typing import Any, Final
@@ -41,7 +42,9 @@ _tuned = False
 _heaps_kept = False
 
 
-def _libc() -> ctypes.CDLL | None:
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The GNU C library, loaded once (None on another C library)."""
     try:
         return ctypes.CDLL("libc.so.6")
     except OSError:
@@ -82,16 +85,16 @@ def keep_extra_heaps() -> None:
 
 def _mallopt() -> Any:
     """glibc's `mallopt`, or None on another C library."""
-    libc = _libc()
-    mallopt = None if libc is None else getattr(libc, "mallopt", None)
-    if mallopt is None or getattr(libc, "gnu_get_libc_version", None) is None:
+    c_library = libc()
+    mallopt = None if c_library is None else getattr(c_library, "mallopt", None)
+    if mallopt is None or getattr(c_library, "gnu_get_libc_version", None) is None:
         return None
     return mallopt
 
 
 def trim_heap() -> None:
     """Give freed heap memory back to the system now (glibc's `malloc_trim`; nothing elsewhere)."""
-    libc = _libc()
-    trim = None if libc is None else getattr(libc, "malloc_trim", None)
+    c_library = libc()
+    trim = None if c_library is None else getattr(c_library, "malloc_trim", None)
     if trim is not None:
         trim(0)

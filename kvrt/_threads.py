@@ -18,6 +18,7 @@ from typing import Any, Final, Protocol, TypeVar, overload
 import torch
 
 from kvrt._errors import TransportUnavailableError
+from kvrt._heap import libc
 
 _T = TypeVar("_T")
 
@@ -46,22 +47,14 @@ _PR_SET_NAME: Final = 15
 """Linux's `prctl` option that names the calling thread (16 bytes with the terminating NUL)."""
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
 def own_thread() -> None:
     """Set up a thread kvrt started, on it, first thing: its name for the OS is its Python
     name (Linux keeps 15 bytes of it), so that `top -H`, `ps -L` and /proc show which of
     kvrt's threads takes a core in an engine's process, not a row of "python"; and torch's
     host operations on it run on it alone (`host_ops_on_this_thread`)."""
-    libc = _libc()
-    if libc is not None and sys.platform == "linux":
-        libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
+    c_library = libc()
+    if c_library is not None and sys.platform == "linux":
+        c_library.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
     host_ops_on_this_thread()
 
 

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import torch
@@ -138,37 +138,44 @@ async def test_a_producer_and_a_consumer_watch_the_applications_loop_while_they_
     assert watch not in watches()
 
 
-def test_a_load_whose_own_loop_stalled_past_its_reply_timeout_takes_the_answer_that_came_meanwhile() -> None:
-    # A decode worker starved (its process waited for a core) past the load's reply timeout,
-    # while the producer answered at once: the answer sits unread, and the producer is not to
-    # blame. The item is taken, not left on the producer.
-    timeout_s = 0.5
+def taken_by_a_stalled_consumer(load: Callable[[str, torch.Tensor], Awaitable[object]]) -> object:
+    """`load(endpoint, tokens)` run on a loop thread of its own, against a producer holding one
+    item of `tokens`: what it returned. The producer holds nothing afterwards (it was taken)."""
     tokens = torch.arange(64)
     with kvrt.blocking.Producer(bind="tcp://127.0.0.1:0") as producer:
         producer.insert(tokens, None, torch.zeros(2, 64, 2, 4), torch.zeros(2, 64, 2, 4))
         decode = LoopThread("kvrt-stalled", "stalled consumer")
         try:
-
-            async def load_through_a_stall() -> kvrt.ConsumerStream | None:
-                async with kvrt.Consumer(connect=producer.endpoint, reply_timeout_s=timeout_s) as consumer:
-                    link, sent = consumer.link_for_tests(), asyncio.Event()
-                    send_nowait = link.session.io.send_nowait
-
-                    def sending(frames: list[bytes]) -> bool:
-                        done = send_nowait(frames)
-                        sent.set()
-                        return done
-
-                    link.session.io.send_nowait = sending  # type: ignore[method-assign]
-                    opening = asyncio.ensure_future(consumer.open_stream(tokens))
-                    await sent.wait()  # its request left
-                    threading.Event().wait(3 * timeout_s)  # the loop's thread does not run
-                    return await opening
-
-            assert decode.call(load_through_a_stall, "load") is not None
+            taken = decode.call(lambda: load(producer.endpoint, tokens), "load")
         finally:
             decode.stop()
         assert producer.stats().items == 0
+    return taken
+
+
+def test_a_load_whose_own_loop_stalled_past_its_reply_timeout_takes_the_answer_that_came_meanwhile() -> None:
+    # A decode worker starved (its process waited for a core) past the load's reply timeout,
+    # while the producer answered at once: the answer sits unread, and the producer is not to
+    # blame. The item is taken, not left on the producer.
+    timeout_s = 0.5
+
+    async def load_through_a_stall(endpoint: str, tokens: torch.Tensor) -> kvrt.ConsumerStream | None:
+        async with kvrt.Consumer(connect=endpoint, reply_timeout_s=timeout_s) as consumer:
+            link, sent = consumer.link_for_tests(), asyncio.Event()
+            send_nowait = link.session.io.send_nowait
+
+            def sending(frames: list[bytes]) -> bool:
+                done = send_nowait(frames)
+                sent.set()
+                return done
+
+            link.session.io.send_nowait = sending  # type: ignore[method-assign]
+            opening = asyncio.ensure_future(consumer.open_stream(tokens))
+            await sent.wait()  # its request left
+            threading.Event().wait(3 * timeout_s)  # the loop's thread does not run
+            return await opening
+
+    assert taken_by_a_stalled_consumer(load_through_a_stall) is not None
 
 
 def test_a_consumer_whose_own_loop_stalled_past_its_connect_timeout_takes_the_welcome_that_came_meanwhile() -> None:
@@ -176,24 +183,16 @@ def test_a_consumer_whose_own_loop_stalled_past_its_connect_timeout_takes_the_we
     # the connect timeout while the producer answered at once. The welcome sits unread, and the
     # producer is not to blame: the consumer connects, and its load goes on.
     timeout_s = 0.5
-    tokens = torch.arange(64)
-    with kvrt.blocking.Producer(bind="tcp://127.0.0.1:0") as producer:
-        producer.insert(tokens, None, torch.zeros(2, 64, 2, 4), torch.zeros(2, 64, 2, 4))
-        decode = LoopThread("kvrt-stalled", "stalled consumer")
+
+    async def connect_through_a_stall(endpoint: str, tokens: torch.Tensor) -> kvrt.ConsumerStream | None:
+        consumer = kvrt.Consumer(connect=endpoint, connect_timeout_s=timeout_s)
+        starting = asyncio.ensure_future(consumer.start())
+        await asyncio.sleep(0)  # the start runs up to its wait for the welcome
+        threading.Event().wait(3 * timeout_s)  # the loop's thread does not run
         try:
-
-            async def connect_through_a_stall() -> kvrt.ConsumerStream | None:
-                consumer = kvrt.Consumer(connect=producer.endpoint, connect_timeout_s=timeout_s)
-                starting = asyncio.ensure_future(consumer.start())
-                await asyncio.sleep(0)  # the start runs up to its wait for the welcome
-                threading.Event().wait(3 * timeout_s)  # the loop's thread does not run
-                try:
-                    await starting
-                    return await consumer.open_stream(tokens)
-                finally:
-                    await consumer.aclose()
-
-            assert decode.call(connect_through_a_stall, "connect") is not None
+            await starting
+            return await consumer.open_stream(tokens)
         finally:
-            decode.stop()
-        assert producer.stats().items == 0
+            await consumer.aclose()
+
+    assert taken_by_a_stalled_consumer(connect_through_a_stall) is not None
