@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import signal
+import weakref
 
 import pytest
 import torch
@@ -92,6 +94,23 @@ async def test_an_item_nobody_takes_expires_after_its_time_to_live_and_is_counte
         stats = producer.stats()
         assert (stats.items, stats.buffer_bytes, stats.totals.expired_items) == (0, 0, 1)
         assert await consumer.drop_select(torch.arange(4)) is None
+
+
+async def test_an_item_taken_well_within_its_time_to_live_holds_none_of_the_producers_memory() -> None:
+    # A served prefill publishes a request's KV every few milliseconds with a time to live of
+    # minutes: the bytes of each item a decode took must go with the take, not with the TTL.
+    async with kvrt.Producer(item_ttl_s=600) as producer, kvrt.Consumer(connect=producer.endpoint) as consumer:
+        tokens = torch.arange(64)
+        await producer.insert(tokens, None, torch.randn(2, 64, 2, 8), torch.randn(2, 64, 2, 8), None)
+        (item_bytes,) = producer._bytes._bytes.values()
+        storage = weakref.ref(item_bytes.storage)
+        del item_bytes
+        assert await consumer.drop_select(tokens) is not None
+        # Served in order after the take's confirmation: the producer has retired the item.
+        assert await consumer.drop_select(torch.tensor([-1]), None) is None
+        assert (producer.stats().items, producer.stats().in_flight) == (0, 0)
+        gc.collect()
+        assert storage() is None
 
 
 def test_a_time_to_live_must_be_positive() -> None:
